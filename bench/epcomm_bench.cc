@@ -1,0 +1,331 @@
+// epcomm-bench: HT and LL dispatch + combine at DESIGN.md's standard shapes, run under epcomm-run.
+//
+//   epcomm-run -n 4 -- epcomm-bench [--ht-tokens 4096] [--ll-tokens 128] [--hidden 7168] [--topk 8]
+//                                   [--experts 256] [--iters 5] [--warmup 2] [--ops ht,ll]
+//
+// Prints one table on rank 0: operation, ranks, tokens, hidden, top-k, experts, median time, GB/s by
+// DeepEP's accounting (bytes of token rows a rank receives (HT) or sends (LL) per second, per rank), and
+// the fraction of the machine's copy roofline: the operation's floor of bytes read + written, summed over
+// ranks, per second, over memcpy's aggregate read + write bandwidth measured by all ranks at once in this
+// same run.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "epcomm/epcomm.h"
+
+namespace {
+
+struct Options {
+  int ht_tokens = 4096, ll_tokens = 128, hidden = 7168, topk = 8, experts = 256, iters = 5, warmup = 2;
+  bool ht = true, ll = true;
+};
+
+#define CHECK(call)                                                                                   \
+  do {                                                                                                \
+    epResult_t r_ = (call);                                                                           \
+    if (r_ != epSuccess) {                                                                            \
+      fprintf(stderr, "epcomm-bench: %s failed: %s: %s\n", #call, epGetErrorString(r_), epGetLastError(comm)); \
+      exit(1);                                                                                        \
+    }                                                                                                 \
+  } while (0)
+
+double nowSec() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+epComm_t comm = nullptr;
+int rank = 0, nranks = 1;
+
+// Aggregate memcpy bandwidth (bytes read + written per second, all ranks copying at once).
+double memcpyRoofline() {
+  const size_t bytes = size_t{128} << 20;
+  std::vector<uint8_t> a(bytes, 1), b(bytes, 2);
+  std::vector<double> t;
+  for (int i = 0; i < 4; ++i) {
+    CHECK(epCommBarrier(comm, nullptr));
+    double t0 = nowSec();
+    memcpy(b.data(), a.data(), bytes);
+    t.push_back(nowSec() - t0);
+    a[i] = b[i + 1];
+  }
+  double mine = median(t);
+  std::vector<size_t> sc(nranks, 0), sd(nranks, 0), rc(nranks, 0), rd(nranks, 0);
+  sc[0] = 1;
+  std::vector<double> all(nranks, 0.0);
+  if (rank == 0)
+    for (int r = 0; r < nranks; ++r) {
+      rc[r] = 1;
+      rd[r] = r;
+    }
+  CHECK(epAlltoallv(comm, &mine, sc.data(), sd.data(), all.data(), rc.data(), rd.data(), epInt64, nullptr));
+  double worst = *std::max_element(all.begin(), all.end());
+  return rank == 0 ? 2.0 * bytes * nranks / worst : 0.0;
+}
+
+// Random distinct experts per token.
+void makeRouting(std::mt19937_64& rng, int T, int K, int E, std::vector<int64_t>& idx, std::vector<float>& w) {
+  idx.resize(static_cast<size_t>(T) * K);
+  w.resize(static_cast<size_t>(T) * K);
+  std::vector<int> perm(E);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {
+      std::swap(perm[k], perm[k + rng() % (E - k)]);
+      idx[static_cast<size_t>(t) * K + k] = perm[k];
+      w[static_cast<size_t>(t) * K + k] = static_cast<float>(rng() % 1000) / 1000.0f;
+    }
+  }
+}
+
+void makeBf16(std::mt19937_64& rng, std::vector<uint16_t>& x, size_t n) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  x.resize(n);
+  for (auto& v : x) v = epcomm::floatToBf16(nd(rng));
+}
+
+struct Row {
+  std::string op;
+  int tokens;
+  double median_s;
+  double deepep_gbs;
+  double floor_bytes;  // summed over ranks
+};
+
+Row reportRow(const std::string& op, int tokens, const std::vector<double>& times, double my_deepep_bytes,
+              double my_floor_bytes) {
+  double t = median(times);
+  // Per-rank figures gathered to rank 0: DeepEP's GB/s is the mean over ranks, the floor is summed.
+  std::vector<size_t> sc(nranks, 0), sd(nranks, 0), rc(nranks, 0), rd(nranks, 0);
+  sc[0] = 3;
+  double mine[3] = {t, my_deepep_bytes, my_floor_bytes};
+  std::vector<double> all(3 * nranks, 0.0);
+  if (rank == 0)
+    for (int r = 0; r < nranks; ++r) {
+      rc[r] = 3;
+      rd[r] = 3 * r;
+    }
+  CHECK(epAlltoallv(comm, mine, sc.data(), sd.data(), all.data(), rc.data(), rd.data(), epInt64, nullptr));
+  Row row{op, tokens, 0, 0, 0};
+  if (rank == 0) {
+    double tmax = 0, gbs = 0, floor = 0;
+    for (int r = 0; r < nranks; ++r) {
+      tmax = std::max(tmax, all[3 * r]);
+      gbs += all[3 * r + 1] / all[3 * r] / 1e9;
+      floor += all[3 * r + 2];
+    }
+    row.median_s = tmax;
+    row.deepep_gbs = gbs / nranks;
+    row.floor_bytes = floor;
+  }
+  return row;
+}
+
+void benchHt(const Options& o, std::vector<Row>& rows) {
+  const int T = o.ht_tokens, H = o.hidden, K = o.topk, E = o.experts;
+  std::mt19937_64 rng(1234 + rank);
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  makeRouting(rng, T, K, E, idx, w);
+  std::vector<uint16_t> x;
+  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  epHtHandle_t h;
+  CHECK(epHtHandleCreate(comm, T, &h));
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = H;
+  a.topk = K;
+  a.num_experts = E;
+  a.dtype = epBfloat16;
+  a.x = x.data();
+  a.topk_idx = idx.data();
+  a.topk_weights = w.data();
+  int num_recv = 0;
+  std::vector<int> per_expert(E / nranks);
+  CHECK(epHtDispatchNotify(comm, &a, h, &num_recv, per_expert.data(), nullptr));
+  std::vector<uint16_t> recv_x(static_cast<size_t>(num_recv) * H);
+  std::vector<int64_t> recv_idx(static_cast<size_t>(num_recv) * K);
+  std::vector<float> recv_w(static_cast<size_t>(num_recv) * K);
+  std::vector<uint16_t> combined(static_cast<size_t>(T) * H);
+  a.recv_x = recv_x.data();
+  a.recv_x_bytes = recv_x.size() * 2;
+  a.recv_topk_idx = recv_idx.data();
+  a.recv_topk_idx_bytes = recv_idx.size() * 8;
+  a.recv_topk_weights = recv_w.data();
+  a.recv_topk_weights_bytes = recv_w.size() * 4;
+  epHtCombineArgs_t c = EP_HT_COMBINE_ARGS_INIT;
+  c.num_tokens = T;
+  c.hidden = H;
+  c.dtype = epBfloat16;
+  c.x = recv_x.data();
+  c.x_bytes = recv_x.size() * 2;
+  c.combined_x = combined.data();
+  c.combined_x_bytes = combined.size() * 2;
+  std::vector<double> td, tc;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    CHECK(epCommBarrier(comm, nullptr));
+    double t0 = nowSec();
+    CHECK(epHtDispatchNotify(comm, &a, h, &num_recv, per_expert.data(), nullptr));
+    CHECK(epHtDispatch(comm, &a, h, nullptr));
+    double t1 = nowSec();
+    CHECK(epCommBarrier(comm, nullptr));
+    double t2 = nowSec();
+    CHECK(epHtCombine(comm, &c, h, nullptr));
+    double t3 = nowSec();
+    if (i >= o.warmup) {
+      td.push_back(t1 - t0);
+      tc.push_back(t3 - t2);
+    }
+  }
+  const double row = 2.0 * H;
+  const double recv_bytes = num_recv * row;
+  rows.push_back(reportRow("HT dispatch", T, td, recv_bytes, T * row + recv_bytes));
+  rows.push_back(reportRow("HT combine", T, tc, recv_bytes, recv_bytes + T * row));
+  epHtHandleDestroy(h);
+}
+
+void benchLl(const Options& o, std::vector<Row>& rows) {
+  const int T = o.ll_tokens, H = o.hidden, K = o.topk, E = o.experts, L = E / nranks, M = T;
+  std::mt19937_64 rng(4321 + rank);
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  makeRouting(rng, T, K, E, idx, w);
+  std::vector<uint16_t> x;
+  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  epLlDispatchArgs_t d = EP_LL_DISPATCH_ARGS_INIT;
+  d.num_tokens = T;
+  d.max_tokens_per_rank = M;
+  d.hidden = H;
+  d.topk = K;
+  d.num_experts = E;
+  d.dtype = epBfloat16;
+  d.x = x.data();
+  d.topk_idx = idx.data();
+  epBufferSizes_t s = EP_BUFFER_SIZES_INIT;
+  CHECK(epLlDispatchSizes(comm, &d, &s));
+  std::vector<uint8_t> recv_x(s.recv_x);
+  std::vector<int> recv_count(L), src_info(s.recv_src_info / 4);
+  std::vector<int64_t> layout(s.recv_layout_range / 8);
+  d.recv_x = recv_x.data();
+  d.recv_x_bytes = recv_x.size();
+  d.recv_count = recv_count.data();
+  d.recv_count_bytes = recv_count.size() * 4;
+  d.recv_src_info = src_info.data();
+  d.recv_src_info_bytes = src_info.size() * 4;
+  d.recv_layout_range = layout.data();
+  d.recv_layout_range_bytes = layout.size() * 8;
+  std::vector<uint16_t> out(static_cast<size_t>(T) * H);
+  epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+  c.num_tokens = T;
+  c.max_tokens_per_rank = M;
+  c.hidden = H;
+  c.topk = K;
+  c.num_experts = E;
+  c.dtype = epBfloat16;
+  c.y = recv_x.data();  // the expert stand-in is the identity
+  c.y_bytes = recv_x.size();
+  c.recv_count = recv_count.data();
+  c.recv_src_info = src_info.data();
+  c.recv_layout_range = layout.data();
+  c.topk_idx = idx.data();
+  c.topk_weights = w.data();
+  c.out = out.data();
+  c.out_bytes = out.size() * 2;
+  std::vector<double> td, tc;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    CHECK(epCommBarrier(comm, nullptr));
+    double t0 = nowSec();
+    CHECK(epLlDispatch(comm, &d, nullptr));
+    double t1 = nowSec();
+    CHECK(epCommBarrier(comm, nullptr));
+    double t2 = nowSec();
+    CHECK(epLlCombine(comm, &c, nullptr));
+    double t3 = nowSec();
+    if (i >= o.warmup) {
+      td.push_back(t1 - t0);
+      tc.push_back(t3 - t2);
+    }
+  }
+  double pairs = 0;
+  for (int64_t e : idx) pairs += e >= 0;
+  int recv_pairs = 0;
+  for (int e = 0; e < L; ++e) recv_pairs += recv_count[e];
+  const double row = 2.0 * H;
+  rows.push_back(reportRow("LL dispatch", T, td, pairs * row, T * row + recv_pairs * row));
+  rows.push_back(reportRow("LL combine", T, tc, pairs * row, recv_pairs * row + T * row));
+}
+
+int usage(const char* argv0) {
+  fprintf(stderr,
+          "usage: epcomm-run -n R -- %s [--ht-tokens N] [--ll-tokens N] [--hidden H] [--topk K] [--experts E]\n"
+          "                                [--iters N] [--warmup N] [--ops ht,ll]\n",
+          argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&](int& v) {
+      if (i + 1 >= argc) exit(usage(argv[0]));
+      v = atoi(argv[++i]);
+    };
+    if (a == "--ht-tokens") next(o.ht_tokens);
+    else if (a == "--ll-tokens") next(o.ll_tokens);
+    else if (a == "--hidden") next(o.hidden);
+    else if (a == "--topk") next(o.topk);
+    else if (a == "--experts") next(o.experts);
+    else if (a == "--iters") next(o.iters);
+    else if (a == "--warmup") next(o.warmup);
+    else if (a == "--ops" && i + 1 < argc) {
+      std::string ops = argv[++i];
+      o.ht = ops.find("ht") != std::string::npos;
+      o.ll = ops.find("ll") != std::string::npos;
+    } else return usage(argv[0]);
+  }
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.ll_max_tokens_per_rank = o.ll_tokens;
+  cfg.ll_max_hidden = o.hidden;
+  if (getenv("EPCOMM_QUEUE_BYTES") == nullptr) cfg.queue_bytes = size_t{8} << 20;
+  CHECK(epCommInitFromEnv(&comm, &cfg));
+  CHECK(epCommRank(comm, &rank));
+  CHECK(epCommSize(comm, &nranks));
+  epEngine_t engine;
+  CHECK(epCommEngine(comm, &engine));
+  if (o.experts % nranks != 0) {
+    if (rank == 0) fprintf(stderr, "epcomm-bench: --experts %d is not a multiple of %d ranks\n", o.experts, nranks);
+    return 2;
+  }
+  double roof = memcpyRoofline();
+  std::vector<Row> rows;
+  if (o.ht) benchHt(o, rows);
+  if (o.ll) benchLl(o, rows);
+  if (rank == 0) {
+    printf("epcomm-bench: %s engine, %d ranks, median of %d iterations; memcpy roofline %.2f GB/s "
+           "(aggregate read+write, all ranks copying at once)\n",
+           engine == EP_ENGINE_GPU ? "GPU" : "host", nranks, o.iters, roof / 1e9);
+    printf("%-12s %5s %6s %6s %5s %7s %12s %14s %12s %9s\n", "operation", "ranks", "tokens", "hidden", "topk",
+           "experts", "median_ms", "GB/s(DeepEP)", "floor_GB/s", "x_memcpy");
+    for (const Row& r : rows) {
+      double floor_gbs = r.floor_bytes / r.median_s / 1e9;
+      printf("%-12s %5d %6d %6d %5d %7d %12.3f %14.2f %12.2f %9.3f\n", r.op.c_str(), nranks, r.tokens, o.hidden,
+             o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, floor_gbs, floor_gbs * 1e9 / roof);
+    }
+  }
+  CHECK(epCommDestroy(comm));
+  return 0;
+}

@@ -1,0 +1,431 @@
+/*
+ * epcomm — expert-parallel communication for Mixture-of-Experts models.
+ *
+ * The public, torch-free C API. Everything a program needs to dispatch tokens to the ranks that hold their
+ * experts and to combine the expert outputs back is declared here; nothing else of the library is exported.
+ *
+ * Conventions
+ * - Every function returns an epResult_t. On failure the communicator keeps a message that names the
+ *   argument and the limit it broke (epGetLastError); a rejected call leaves the communicator usable.
+ * - Structs that cross the ABI start with {size, magic}; always build them from their *_INIT macro and then
+ *   set fields, so that a program compiled against an older header keeps working.
+ * - The stream is the last argument. It is a cudaStream_t (struct CUstream_st*), declared here without CUDA
+ *   headers so that host-only programs can include this file.
+ *
+ * Engines: a communicator runs one of two engines, chosen at creation (epConfig_t.engine, or the
+ * environment variable EPCOMM_ENGINE=host|gpu when the config says EP_ENGINE_AUTO):
+ * - EP_ENGINE_HOST: every operation runs on the calling thread (plus the communicator's channel threads) on
+ *   host memory. All pointers are host pointers, the stream argument is ignored, and calls return when their
+ *   outputs are complete. Outputs described below as "engine memory" are host memory.
+ * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
+ *   device memory. Not available in this release: creating a GPU communicator returns epNotSupported.
+ * - EP_ENGINE_AUTO resolves to the GPU engine when the library was built with it and a CUDA device is
+ *   visible, otherwise to the host engine. Query the result with epCommEngine.
+ *
+ * Collective rule: all ranks of a communicator issue the same sequence of operations (as with NCCL). Ranks
+ * compare an operation header before moving data, so a mismatch, or bad input on one rank, makes every rank
+ * return an error instead of hanging. Every wait has a deadline (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
+ */
+#ifndef EPCOMM_EPCOMM_H_
+#define EPCOMM_EPCOMM_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define EPCOMM_API
+#else
+#define EPCOMM_API __attribute__((visibility("default")))
+#endif
+
+#define EPCOMM_VERSION_MAJOR 0
+#define EPCOMM_VERSION_MINOR 1
+#define EPCOMM_VERSION_PATCH 0
+#define EPCOMM_VERSION_CODE (EPCOMM_VERSION_MAJOR * 10000 + EPCOMM_VERSION_MINOR * 100 + EPCOMM_VERSION_PATCH)
+
+/* Limits that arguments are checked against. */
+#define EP_MAX_TOPK 32          /* top-k per token */
+#define EP_MAX_RANKS 1024       /* ranks per communicator */
+#define EP_FP8_BLOCK 128        /* columns that share one fp32 scale in fp8 data */
+#define EP_HIDDEN_ALIGN 8       /* hidden sizes are multiples of this many elements (fp8: EP_FP8_BLOCK) */
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Result codes. Each invalid argument class has its own code; epGetLastError names the argument and limit.
+ * ------------------------------------------------------------------------------------------------------- */
+typedef enum {
+  epSuccess = 0,
+  epInvalidArgument = 1,     /* a value out of its range that has no more specific code (negative count…) */
+  epNullPointer = 2,         /* a required pointer was NULL */
+  epUnsupportedDtype = 3,    /* a data type the operation does not take */
+  epInvalidHidden = 4,       /* hidden size not a positive multiple of 8 elements (fp8: 128) */
+  epInvalidTopk = 5,         /* top-k outside [1, EP_MAX_TOPK] */
+  epInvalidNumExperts = 6,   /* number of experts not a positive multiple of the rank count */
+  epExpertOutOfRange = 7,    /* an expert id in topk_idx outside [-1, num_experts) */
+  epCapacityExceeded = 8,    /* more tokens than a capacity allows */
+  epBufferTooSmall = 9,      /* a caller buffer smaller than the size helper says */
+  epRankMismatch = 10,       /* ranks disagree on the rank count, or a rank index is out of range */
+  epInvalidUsage = 11,       /* wrong call order, foreign handle, ranks issued different operations */
+  epNotSupported = 12,       /* not available in this build or engine */
+  epSystemError = 13,        /* an operating-system call failed */
+  epCudaError = 14,          /* a CUDA call failed */
+  epTimeout = 15,            /* a wait passed its deadline; see epCommGetAsyncError */
+  epRemoteError = 16,        /* a peer died, closed its connection, or reported an error */
+  epAborted = 17,            /* the communicator was aborted */
+  epInternalError = 18,      /* a bug in epcomm */
+  epInvalidUniqueId = 19,    /* a unique id that is garbled, stale, or from another version */
+  epAddressInUse = 20,       /* the rendezvous address or port is taken */
+  epNumResults = 21
+} epResult_t;
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Data types
+ * ------------------------------------------------------------------------------------------------------- */
+typedef enum {
+  epFloat32 = 0,
+  epFloat16 = 1,
+  epBfloat16 = 2,
+  epFloat8E4M3 = 3, /* OCP e4m3fn; always paired with per-128-column fp32 scales */
+  epInt32 = 4,
+  epInt64 = 5,
+  epUint8 = 6,
+  epNumDataTypes = 7
+} epDataType_t;
+
+typedef enum { EP_ENGINE_AUTO = 0, EP_ENGINE_HOST = 1, EP_ENGINE_GPU = 2 } epEngine_t;
+
+/* Operations and phases, as recorded in epErrorInfo_t. */
+typedef enum {
+  epOpNone = 0, epOpInit, epOpLayout, epOpHtNotify, epOpHtDispatch, epOpHtCombine, epOpLlDispatch,
+  epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy, epNumOps
+} epOp_t;
+typedef enum { epPhaseNone = 0, epPhaseHeader, epPhaseData, epPhaseBootstrap } epPhase_t;
+
+typedef struct CUstream_st* epStream_t; /* == cudaStream_t */
+typedef struct epComm* epComm_t;
+typedef struct epHtHandle* epHtHandle_t;
+
+#define EP_STRUCT_MAGIC 0x65706331u /* "epc1" */
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Communicator configuration. Start from EP_CONFIG_INIT; zero fields mean "default".
+ * ------------------------------------------------------------------------------------------------------- */
+typedef struct {
+  unsigned int size;           /* sizeof(epConfig_t) */
+  unsigned int magic;          /* EP_STRUCT_MAGIC */
+  unsigned int version;        /* EPCOMM_VERSION_CODE of the header the caller was built with */
+  int engine;                  /* epEngine_t; EP_ENGINE_AUTO honours EPCOMM_ENGINE */
+  int cuda_device;             /* GPU engine: device ordinal, -1 = current device */
+  int timeout_ms;              /* deadline of every wait; 0 = EPCOMM_TIMEOUT_MS (default 30000) */
+  int num_channels;            /* units of parallelism; 0 = default (host: EPCOMM_HOST_CHANNELS) */
+  int num_sms;                 /* GPU engine: SM budget per operation; 0 = default */
+  size_t queue_bytes;          /* bytes of each per-peer, per-channel queue; 0 = EPCOMM_QUEUE_BYTES */
+  int ll_max_tokens_per_rank;  /* low-latency capacity: tokens per rank per call; 0 = LL disabled */
+  int ll_max_hidden;           /* low-latency: largest hidden size; 0 = 7168 */
+  int ll_num_experts;          /* low-latency: experts the LL buffers are sized for; 0 = any (host engine) */
+} epConfig_t;
+
+#define EP_CONFIG_INIT \
+  { sizeof(epConfig_t), EP_STRUCT_MAGIC, EPCOMM_VERSION_CODE, EP_ENGINE_AUTO, -1, 0, 0, 0, 0, 0, 0, 0 }
+
+/* What a failed wait recorded (R1 of the design): operation, its epoch, this rank, the peer, the phase. */
+typedef struct {
+  unsigned int size;
+  unsigned int magic;
+  int op;              /* epOp_t */
+  uint64_t epoch;      /* per-communicator operation sequence number */
+  int rank;            /* the rank that recorded the error */
+  int peer;            /* the peer it was waiting for, -1 if none */
+  int phase;           /* epPhase_t */
+  epResult_t result;   /* epTimeout, epRemoteError, epAborted, … */
+} epErrorInfo_t;
+
+#define EP_ERROR_INFO_INIT { sizeof(epErrorInfo_t), EP_STRUCT_MAGIC, 0, 0, -1, -1, 0, epSuccess }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Errors and version
+ * ------------------------------------------------------------------------------------------------------- */
+EPCOMM_API const char* epGetErrorString(epResult_t result);
+/* The message of the last failed call on comm, or of the last failed call of this thread when comm is NULL
+ * (use that for epGetUniqueId / epCommInitRank failures). Never NULL; "" when there is none. */
+EPCOMM_API const char* epGetLastError(epComm_t comm);
+EPCOMM_API epResult_t epGetVersion(int* version);
+EPCOMM_API size_t epDataTypeSize(epDataType_t dtype); /* bytes per element; 0 for an unknown type */
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Communicator lifecycle
+ * ------------------------------------------------------------------------------------------------------- */
+#define EP_UNIQUE_ID_BYTES 128
+typedef struct { char internal[EP_UNIQUE_ID_BYTES]; } epUniqueId;
+
+/* Creates a rendezvous for one communicator and describes it in *id: the address of a listener started in
+ * this process (EPCOMM_SOCKET_IFNAME / EPCOMM_BOOTSTRAP_ADDR choose it) and a random secret that every
+ * connection must present. Call once, on one process (usually rank 0), and share the id with all ranks.
+ * The listener serves one communicator creation and then closes. */
+EPCOMM_API epResult_t epGetUniqueId(epUniqueId* id);
+
+/* Creates this rank's member of an nranks communicator. Collective over all ranks; waits at most
+ * timeout_ms for the others. config may be NULL for defaults. */
+EPCOMM_API epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int rank,
+                                     const epConfig_t* config);
+
+/* The same with the caller's own all-gather (e.g. a torch Store): fn must place every rank's bytes_per_rank
+ * bytes of sendbuf at recvbuf + r * bytes_per_rank and return 0, or non-zero on failure. It is called
+ * collectively, the same number of times on every rank, only during creation. */
+typedef int (*epAllgatherFn_t)(void* ctx, const void* sendbuf, void* recvbuf, size_t bytes_per_rank);
+EPCOMM_API epResult_t epCommInitRankWithAllgather(epComm_t* comm, int nranks, int rank, epAllgatherFn_t fn,
+                                                  void* ctx, const epConfig_t* config);
+
+/* The id as text (2 * EP_UNIQUE_ID_BYTES hex digits) for environment variables and command lines. */
+#define EP_UNIQUE_ID_STRING_BYTES (2 * EP_UNIQUE_ID_BYTES + 1)
+EPCOMM_API epResult_t epUniqueIdToString(const epUniqueId* id, char* buf, size_t buf_bytes);
+EPCOMM_API epResult_t epUniqueIdFromString(const char* str, epUniqueId* id);
+
+/* epCommInitRank with rank, size and id from EPCOMM_RANK, EPCOMM_WORLD_SIZE and EPCOMM_UNIQUE_ID, as
+ * epcomm-run sets them. */
+EPCOMM_API epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config);
+
+/* Collective teardown: waits (with the deadline) until peers are done with this rank's memory. */
+EPCOMM_API epResult_t epCommDestroy(epComm_t comm);
+/* Local, prompt teardown even when peers are dead; in-flight waits on this communicator return epAborted. */
+EPCOMM_API epResult_t epCommAbort(epComm_t comm);
+/* The first asynchronous error (timeout, dead peer, abort) this communicator saw, or epSuccess.
+ * info may be NULL; otherwise start it from EP_ERROR_INFO_INIT. */
+EPCOMM_API epResult_t epCommGetAsyncError(epComm_t comm, epResult_t* async_error, epErrorInfo_t* info);
+EPCOMM_API epResult_t epCommRank(epComm_t comm, int* rank);
+EPCOMM_API epResult_t epCommSize(epComm_t comm, int* size);
+EPCOMM_API epResult_t epCommEngine(epComm_t comm, epEngine_t* engine);
+/* A plain barrier over the communicator's own transport (not capturable). */
+EPCOMM_API epResult_t epCommBarrier(epComm_t comm, epStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Layout: per-rank and per-expert counts of one rank's routing. Local, no communication.
+ *   topk_idx            [num_tokens, topk] int64, expert id or -1 (no expert)
+ *   num_tokens_per_rank [nranks] int32: tokens with at least one expert on rank r
+ *   num_tokens_per_expert [num_experts] int32: (token, expert) pairs per expert (duplicates count once)
+ *   is_token_in_rank    [num_tokens, nranks] uint8 (0/1)
+ * All in engine memory; any output may be NULL to skip it.
+ * ------------------------------------------------------------------------------------------------------- */
+EPCOMM_API epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx, int num_tokens, int topk,
+                                          int num_experts, int* num_tokens_per_rank, int* num_tokens_per_expert,
+                                          uint8_t* is_token_in_rank, epStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------------------
+ * High-throughput (HT) dispatch and combine.
+ *
+ * Dispatch sends each token once to every rank that hosts at least one of its experts. On the receiver the
+ * rows are ordered by source rank, then by source token index. For each received row:
+ *   recv_topk_idx[row, k]     = local expert id (expert - rank * E/R) if expert k is on this rank, else -1
+ *   recv_topk_weights[row, k] = topk_weights[token, k] for local experts, else 0
+ *   recv_tokens_per_expert[e] = rows that name local expert e, num_recv_tokens[0] = rows received.
+ *
+ * Exact mode (num_worst_tokens == 0): epHtDispatchNotify exchanges the counts, records the layout in the
+ * handle and returns them host-visible; the caller sizes recv buffers from them and calls epHtDispatch with
+ * the same arguments. Worst-token mode (num_worst_tokens > 0): one epHtDispatch call, static output shapes of
+ * num_worst_tokens rows; rows past the received count have recv_topk_idx = -1 and weight 0 (their recv_x
+ * rows are left as they were); the counts are written to engine memory only.
+ * EP_HT_USE_HANDLE_LAYOUT reuses the layout the handle holds from an earlier dispatch (cached mode): the
+ * routing must be the same as then; topk_idx/topk_weights may then be NULL (recv_topk_* are not written).
+ * In exact mode epHtDispatch always uses the handle's layout.
+ *
+ * Combine: combined_x[t] = sum over the ranks r that received t, in ascending r, of x_r[row(t, r)],
+ * accumulated in fp32 and rounded once (bit-identical from run to run). Tokens no rank received get 0.
+ * ------------------------------------------------------------------------------------------------------- */
+#define EP_HT_USE_HANDLE_LAYOUT 0x1u
+
+/* A handle holds one rank's dispatch layout for max_tokens tokens; it is filled by notify/dispatch and read
+ * by combine and cached dispatch. Create it once, reuse it for every step. */
+EPCOMM_API epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle_t* handle);
+EPCOMM_API epResult_t epHtHandleDestroy(epHtHandle_t handle);
+/* Host-visible counts of the layout the handle holds (exact mode; host engine always). */
+EPCOMM_API epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_recv_tokens);
+
+typedef struct {
+  unsigned int size;
+  unsigned int magic;
+  int num_tokens;                 /* T of this rank (may be 0) */
+  int hidden;                     /* H, elements per row */
+  int topk;                       /* K */
+  int num_experts;                /* E, a multiple of the rank count */
+  int dtype;                      /* epDataType_t of x: bf16, fp16, fp32, or fp8 e4m3 (with x_scales) */
+  unsigned int flags;             /* EP_HT_USE_HANDLE_LAYOUT */
+  int num_worst_tokens;           /* 0 = exact mode; > 0 = worst-token mode, rows of every recv buffer */
+  const void* x;                  /* [T, H] */
+  const float* x_scales;          /* [T, H/128] fp32, fp8 only */
+  const int64_t* topk_idx;        /* [T, K] */
+  const float* topk_weights;      /* [T, K], may be NULL */
+  void* recv_x;                   /* [rows, H] dtype */
+  size_t recv_x_bytes;
+  float* recv_x_scales;           /* [rows, H/128], fp8 only */
+  size_t recv_x_scales_bytes;
+  int64_t* recv_topk_idx;         /* [rows, K], may be NULL */
+  size_t recv_topk_idx_bytes;
+  float* recv_topk_weights;       /* [rows, K], may be NULL */
+  size_t recv_topk_weights_bytes;
+  int* recv_tokens_per_expert;    /* [E/R] engine memory, may be NULL */
+  int* num_recv_tokens;           /* [1] engine memory, may be NULL */
+} epHtDispatchArgs_t;
+
+#define EP_HT_DISPATCH_ARGS_INIT                                                                      \
+  { sizeof(epHtDispatchArgs_t), EP_STRUCT_MAGIC, 0, 0, 0, 0, epBfloat16, 0u, 0, NULL, NULL, NULL, NULL, \
+    NULL, 0, NULL, 0, NULL, 0, NULL, 0, NULL, NULL }
+
+EPCOMM_API epResult_t epHtDispatchNotify(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle,
+                                         int* num_recv_tokens_host, int* recv_tokens_per_expert_host,
+                                         epStream_t stream);
+EPCOMM_API epResult_t epHtDispatch(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle,
+                                   epStream_t stream);
+
+typedef struct {
+  unsigned int size;
+  unsigned int magic;
+  int num_tokens;          /* T of this rank: must equal the handle's */
+  int hidden;
+  int dtype;               /* bf16, fp16 or fp32, for x and combined_x */
+  const void* x;           /* [received rows of the handle, H] in dispatch receive order */
+  size_t x_bytes;
+  void* combined_x;        /* [T, H] */
+  size_t combined_x_bytes;
+} epHtCombineArgs_t;
+
+#define EP_HT_COMBINE_ARGS_INIT { sizeof(epHtCombineArgs_t), EP_STRUCT_MAGIC, 0, 0, epBfloat16, NULL, 0, NULL, 0 }
+
+EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, epHtHandle_t handle,
+                                  epStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Low-latency (LL) dispatch and combine, with capacity M = max_tokens_per_rank (<= ll_max_tokens_per_rank of
+ * the config) and L = E/R local experts. A token that names the same expert twice is sent once to it.
+ *
+ * EP_LL_EXPERT_MAJOR outputs:
+ *   recv_x        [L, R*M, H]  rows of local expert e packed from row 0, ordered by source rank, then token
+ *   recv_x_scales [L, R*M, H/128] fp32 (use_fp8 only)
+ *   recv_count    [L] int32     rows of each local expert
+ *   recv_src_info [L, R*M] int32 source token index of each row
+ *   recv_layout_range [L, R] int64: (count << 32) | begin of the rows that came from rank r
+ * EP_LL_RANK_MAJOR outputs (one row per token and destination rank, at a fixed slot):
+ *   recv_x        [R, M, H]    token t of rank r at [r, t] when it names an expert on this rank
+ *   recv_x_scales [R, M, H/128] (use_fp8 only)
+ *   recv_count    [R] int32     tokens sent by rank r (its num_tokens)
+ *   recv_topk_idx [R, M, K] int64: local expert ids of each row, -1 elsewhere (all M rows written)
+ * Unwritten recv_x rows keep their old contents.
+ *
+ * Combine takes expert outputs y [L, R*M, H] at the rows dispatch gave (expert-major: the packed row;
+ * rank-major: row r*M + t) and computes on each source rank
+ *   out[t] = sum over k = 0..K-1 with topk_idx[t,k] >= 0 of topk_weights[t,k] * y[e_k][row(t, e_k)]
+ * in that order, in fp32, rounded once. The dispatch outputs that describe the rows (recv_count and
+ * recv_src_info/recv_layout_range, or recv_count and recv_topk_idx) are passed back unchanged.
+ *
+ * phases: EP_LL_SEND issues this rank's sends and returns without waiting for peers; EP_LL_RECV completes
+ * the receive (the "hook"); EP_LL_SEND_RECV does both. Call both halves with the same arguments; at most one
+ * dispatch and one combine may be between their halves at a time.
+ * ------------------------------------------------------------------------------------------------------- */
+typedef enum { EP_LL_EXPERT_MAJOR = 0, EP_LL_RANK_MAJOR = 1 } epLlLayout_t;
+#define EP_LL_SEND 0x1u
+#define EP_LL_RECV 0x2u
+#define EP_LL_SEND_RECV 0x3u
+
+typedef struct {
+  unsigned int size;
+  unsigned int magic;
+  int num_tokens;               /* T of this rank, <= max_tokens_per_rank */
+  int max_tokens_per_rank;      /* M, the same on every rank */
+  int hidden;
+  int topk;
+  int num_experts;
+  int dtype;                    /* of x: bf16, fp16, fp32 */
+  int use_fp8;                  /* send as fp8 e4m3 with per-128-column fp32 scales (amax / 448) */
+  int layout;                   /* epLlLayout_t */
+  unsigned int phases;          /* EP_LL_SEND | EP_LL_RECV */
+  const void* x;                /* [T, H] */
+  const int64_t* topk_idx;      /* [T, K] */
+  void* recv_x;                 /* see above; dtype, or fp8 e4m3 with use_fp8 */
+  size_t recv_x_bytes;
+  float* recv_x_scales;
+  size_t recv_x_scales_bytes;
+  int* recv_count;
+  size_t recv_count_bytes;
+  int* recv_src_info;           /* expert-major only */
+  size_t recv_src_info_bytes;
+  int64_t* recv_layout_range;   /* expert-major only */
+  size_t recv_layout_range_bytes;
+  int64_t* recv_topk_idx;       /* rank-major only */
+  size_t recv_topk_idx_bytes;
+} epLlDispatchArgs_t;
+
+#define EP_LL_DISPATCH_ARGS_INIT                                                                      \
+  { sizeof(epLlDispatchArgs_t), EP_STRUCT_MAGIC, 0, 0, 0, 0, 0, epBfloat16, 0, EP_LL_EXPERT_MAJOR,      \
+    EP_LL_SEND_RECV, NULL, NULL, NULL, 0, NULL, 0, NULL, 0, NULL, 0, NULL, 0, NULL, 0 }
+
+EPCOMM_API epResult_t epLlDispatch(epComm_t comm, const epLlDispatchArgs_t* args, epStream_t stream);
+
+typedef struct {
+  unsigned int size;
+  unsigned int magic;
+  int num_tokens;               /* T of this rank */
+  int max_tokens_per_rank;      /* M, as in dispatch */
+  int hidden;
+  int topk;
+  int num_experts;
+  int dtype;                    /* of y and out: bf16, fp16, fp32 */
+  int layout;                   /* as in dispatch */
+  unsigned int phases;
+  const void* y;                /* [L, R*M, H] expert outputs */
+  size_t y_bytes;
+  const int* recv_count;        /* from dispatch */
+  const int* recv_src_info;     /* expert-major */
+  const int64_t* recv_layout_range; /* expert-major */
+  const int64_t* recv_topk_idx; /* rank-major */
+  const int64_t* topk_idx;      /* [T, K] this rank's routing, as dispatched */
+  const float* topk_weights;    /* [T, K] */
+  void* out;                    /* [T, H] */
+  size_t out_bytes;
+} epLlCombineArgs_t;
+
+#define EP_LL_COMBINE_ARGS_INIT                                                                       \
+  { sizeof(epLlCombineArgs_t), EP_STRUCT_MAGIC, 0, 0, 0, 0, 0, epBfloat16, EP_LL_EXPERT_MAJOR,          \
+    EP_LL_SEND_RECV, NULL, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0 }
+
+EPCOMM_API epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Size helpers: bytes each output buffer needs. recv_rows is the HT row count (num_recv_tokens in exact
+ * mode, num_worst_tokens in worst-token mode); the LL helper uses the args' shape fields only.
+ * ------------------------------------------------------------------------------------------------------- */
+typedef struct {
+  unsigned int size;
+  unsigned int magic;
+  size_t recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_count, recv_src_info,
+      recv_layout_range, recv_tokens_per_expert, combined_x;
+} epBufferSizes_t;
+
+#define EP_BUFFER_SIZES_INIT { sizeof(epBufferSizes_t), EP_STRUCT_MAGIC, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+
+EPCOMM_API epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows,
+                                        epBufferSizes_t* sizes);
+EPCOMM_API epResult_t epLlDispatchSizes(epComm_t comm, const epLlDispatchArgs_t* args, epBufferSizes_t* sizes);
+
+/* ---------------------------------------------------------------------------------------------------------
+ * alltoallv
+ * Host-count variant (torch's all_to_all_single): counts and displacements in elements of dtype, on the host;
+ * rank r's send_counts[p] must equal rank p's recv_counts[r] (checked; a mismatch fails on both sides).
+ * Device-count variant (graph-safe): send_counts [R] int64 in engine memory, send rows packed by destination
+ * in rank order; received data packed by source rank into recvbuf, which holds recv_capacity elements;
+ * recv_counts [R] int64 in engine memory is written. Data past the capacity is dropped and counted in
+ * *num_dropped (engine memory, may be NULL) and the call returns epCapacityExceeded on the receiver.
+ * ------------------------------------------------------------------------------------------------------- */
+EPCOMM_API epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size_t* send_counts,
+                                  const size_t* send_displs, void* recvbuf, const size_t* recv_counts,
+                                  const size_t* recv_displs, epDataType_t dtype, epStream_t stream);
+EPCOMM_API epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* send_counts,
+                                        void* recvbuf, size_t recv_capacity, int64_t* recv_counts,
+                                        int64_t* num_dropped, epDataType_t dtype, epStream_t stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* EPCOMM_EPCOMM_H_ */

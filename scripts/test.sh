@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds epcomm (scripts/setup.sh), runs every test suite, and closes with one line
+#   N passed, N failed, N skipped
+# counted over the test programs meson ran (a skipped program exited 77). Exits non-zero when a test failed
+# or when no test ran at all. Arguments go to `meson test` (e.g. --suite unit, or a test name).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+export PATH="$ROOT/.venv/bin:$PATH"
+
+LOG=build/meson-logs/testlog.json
+rm -f "$LOG" build/meson-logs/testlog.junit.xml  # no stale results if meson test cannot run
+python3 scripts/summarize_tests.py --clean-gtest-xml build
+test_rc=0
+meson test -C build --print-errorlogs --num-processes 1 "$@" || test_rc=$?
+
+summary_rc=0
+python3 scripts/summarize_tests.py "$LOG" --junit build/meson-logs/testlog.junit.xml || summary_rc=$?
+if [ "$summary_rc" -ne 0 ]; then exit "$summary_rc"; fi
+exit "$test_rc"

@@ -1,0 +1,42 @@
+// Monotonic time and deadlines: every wait in epcomm takes a Deadline.
+#pragma once
+#include <time.h>
+
+#include <cstdint>
+
+namespace epcomm {
+
+inline int64_t nowNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+class Deadline {
+ public:
+  Deadline() : end_ns_(INT64_MAX) {}
+  static Deadline afterMs(int64_t ms) { return Deadline(nowNs() + ms * 1000000LL); }
+  bool expired() const { return nowNs() >= end_ns_; }
+  int64_t remainingMs() const {
+    int64_t r = (end_ns_ - nowNs()) / 1000000LL;
+    return r < 0 ? 0 : r;
+  }
+  int64_t endNs() const { return end_ns_; }
+
+ private:
+  explicit Deadline(int64_t end) : end_ns_(end) {}
+  int64_t end_ns_;
+};
+
+// Spin politely: busy for the first iterations, then yield, then sleep briefly, so that many ranks on few
+// cores still make progress.
+class Backoff {
+ public:
+  void pause();
+  void reset() { n_ = 0; }
+
+ private:
+  uint32_t n_ = 0;
+};
+
+}  // namespace epcomm

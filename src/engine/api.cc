@@ -1,0 +1,502 @@
+// The C API: argument checks, communicator bookkeeping, and dispatch to the engine. Every entry point
+// clears the thread's error, and on failure copies the message into the communicator (epGetLastError).
+#include <unistd.h>
+
+#include <cstring>
+#include <new>
+
+#include "bootstrap/bootstrap.h"
+#include "common/checks.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "common/param.h"
+#include "engine/comm.h"
+#include "engine/host/host_engine.h"
+#include "engine/validate.h"
+
+using namespace epcomm;
+
+EP_PARAM(TimeoutMs, "TIMEOUT_MS", 30000);
+EP_PARAM(HostChannels, "HOST_CHANNELS", 1);
+
+void epComm::recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase) {
+  int expected = epSuccess;
+  std::lock_guard<std::mutex> lock(error_mutex);
+  if (!async_error.compare_exchange_strong(expected, code)) return;  // keep the first
+  async_info = EP_ERROR_INFO_INIT;
+  async_info.op = op;
+  async_info.epoch = epoch;
+  async_info.rank = rank;
+  async_info.peer = peer;
+  async_info.phase = phase;
+  async_info.result = code;
+}
+
+namespace {
+
+thread_local char tEmpty[1] = {0};
+
+epResult_t finish(epComm* comm, epResult_t r) {
+  if (r != epSuccess && comm != nullptr && comm->magic == kCommMagic) {
+    std::lock_guard<std::mutex> lock(comm->error_mutex);
+    comm->last_error = threadLastError();
+  }
+  return r;
+}
+
+// A usable communicator: valid, not aborted, not broken by an earlier asynchronous error.
+epResult_t checkComm(epComm* comm) {
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
+  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator (destroyed?)");
+  EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
+  int ae = comm->async_error.load();
+  if (ae != epSuccess)
+    EP_FAIL(static_cast<epResult_t>(ae),
+            "the communicator is unusable after an earlier %s (op %d, epoch %llu, peer %d); destroy it and create "
+            "a new one",
+            epGetErrorString(static_cast<epResult_t>(ae)), comm->async_info.op,
+            static_cast<unsigned long long>(comm->async_info.epoch), comm->async_info.peer);
+  return epSuccess;
+}
+
+// Counts the calls inside a communicator so that epCommAbort from another thread can wait for them to leave
+// (they notice the abort flag within one backoff step) before it frees the communicator.
+struct CallGuard {
+  explicit CallGuard(epComm* c) : comm(c) { comm->active_calls.fetch_add(1); }
+  ~CallGuard() { comm->active_calls.fetch_sub(1); }
+  epComm* comm;
+};
+
+ValidateCtx ctxOf(epComm* comm) { return ValidateCtx{comm, true, comm->host->maxRowBytes()}; }
+
+// Operations other than LL halves may not start while an LL receive half is outstanding: their messages
+// would queue behind it. Every rank makes this decision identically, so no exchange is needed.
+epResult_t checkNoPending(epComm* comm, const char* what) {
+  EP_REQUIRE(!comm->host->anyPending(), epInvalidUsage,
+             "%s called while an LL operation's receive half (EP_LL_RECV) is outstanding; complete it first", what);
+  return epSuccess;
+}
+
+epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
+  epConfig_t def = EP_CONFIG_INIT;
+  if (cfg == nullptr) cfg = &def;
+  EP_REQUIRE(cfg->magic == EP_STRUCT_MAGIC && cfg->size >= offsetof(epConfig_t, ll_num_experts) + sizeof(int),
+             epInvalidArgument, "config was not initialised from EP_CONFIG_INIT (size %u, magic 0x%x)", cfg->size,
+             cfg->magic);
+  int engine = cfg->engine;
+  if (engine == EP_ENGINE_AUTO) {
+    const char* env = paramString("EPCOMM_ENGINE");
+    if (env == nullptr || strcmp(env, "host") == 0 || strcmp(env, "auto") == 0) engine = EP_ENGINE_HOST;
+    else if (strcmp(env, "gpu") == 0) engine = EP_ENGINE_GPU;
+    else EP_FAIL(epInvalidArgument, "EPCOMM_ENGINE = '%s' is not one of host, gpu, auto", env);
+  }
+  EP_REQUIRE(engine == EP_ENGINE_HOST || engine == EP_ENGINE_GPU, epInvalidArgument,
+             "config.engine = %d is not an epEngine_t", engine);
+  EP_REQUIRE(engine != EP_ENGINE_GPU, epNotSupported, "the GPU engine is not available in this release");
+  out->engine = static_cast<epEngine_t>(engine);
+  EP_REQUIRE(cfg->timeout_ms >= 0, epInvalidArgument, "config.timeout_ms = %d is negative", cfg->timeout_ms);
+  out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
+  EP_REQUIRE(out->timeout_ms > 0, epInvalidArgument, "EPCOMM_TIMEOUT_MS = %d must be positive", out->timeout_ms);
+  out->num_channels = cfg->num_channels > 0 ? cfg->num_channels : static_cast<int>(epParamHostChannels());
+  out->queue_bytes = cfg->queue_bytes;
+  EP_REQUIRE(cfg->ll_max_tokens_per_rank >= 0, epInvalidArgument, "config.ll_max_tokens_per_rank = %d is negative",
+             cfg->ll_max_tokens_per_rank);
+  out->ll_max_tokens_per_rank = cfg->ll_max_tokens_per_rank;
+  out->ll_max_hidden = cfg->ll_max_hidden > 0 ? cfg->ll_max_hidden : 7168;
+  out->ll_num_experts = cfg->ll_num_experts > 0 ? cfg->ll_num_experts : 0;
+  return epSuccess;
+}
+
+epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* config,
+                    const std::function<epResult_t(int timeout_ms, std::unique_ptr<Bootstrap>*)>& boot) {
+  EP_REQUIRE(out != nullptr, epNullPointer, "comm (the output pointer) is NULL");
+  *out = nullptr;
+  EP_REQUIRE(nranks >= 1 && nranks <= EP_MAX_RANKS, epRankMismatch, "nranks = %d is outside [1, %d]", nranks,
+             EP_MAX_RANKS);
+  EP_REQUIRE(rank >= 0 && rank < nranks, epRankMismatch, "rank = %d is outside [0, nranks = %d)", rank, nranks);
+  CommConfig cfg;
+  EPCHECK(resolveConfig(config, &cfg));
+  auto comm = std::make_unique<epComm>();
+  comm->rank = rank;
+  comm->nranks = nranks;
+  comm->config = cfg;
+  comm->magic = kCommMagic;
+  logSetRank(rank);
+  EPCHECK(boot(cfg.timeout_ms, &comm->bootstrap));
+  comm->host = std::make_unique<HostEngine>(comm.get());
+  EPCHECK(comm->host->init());
+  EP_INFO(kSubsysInit, "communicator ready: rank %d of %d, host engine, timeout %d ms", rank, nranks,
+          cfg.timeout_ms);
+  *out = comm.release();
+  return epSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* epGetErrorString(epResult_t r) {
+  switch (r) {
+    case epSuccess: return "success";
+    case epInvalidArgument: return "invalid argument";
+    case epNullPointer: return "null pointer";
+    case epUnsupportedDtype: return "unsupported data type";
+    case epInvalidHidden: return "invalid hidden size";
+    case epInvalidTopk: return "invalid top-k";
+    case epInvalidNumExperts: return "invalid number of experts";
+    case epExpertOutOfRange: return "expert id out of range";
+    case epCapacityExceeded: return "capacity exceeded";
+    case epBufferTooSmall: return "buffer too small";
+    case epRankMismatch: return "rank count mismatch";
+    case epInvalidUsage: return "invalid usage";
+    case epNotSupported: return "not supported";
+    case epSystemError: return "system error";
+    case epCudaError: return "CUDA error";
+    case epTimeout: return "timeout";
+    case epRemoteError: return "remote error";
+    case epAborted: return "aborted";
+    case epInternalError: return "internal error";
+    case epInvalidUniqueId: return "invalid unique id";
+    case epAddressInUse: return "address in use";
+    default: return "unknown result code";
+  }
+}
+
+const char* epGetLastError(epComm_t comm) {
+  if (comm == nullptr || comm->magic != kCommMagic) {
+    const char* m = threadLastError();
+    return m ? m : tEmpty;
+  }
+  std::lock_guard<std::mutex> lock(comm->error_mutex);
+  // The string lives as long as the communicator and is replaced only by a later failure on it.
+  return comm->last_error.c_str();
+}
+
+epResult_t epGetVersion(int* version) {
+  clearThreadError();
+  EP_REQUIRE(version != nullptr, epNullPointer, "version is NULL");
+  *version = EPCOMM_VERSION_CODE;
+  return epSuccess;
+}
+
+size_t epDataTypeSize(epDataType_t dtype) { return dtypeSize(dtype); }
+
+epResult_t epGetUniqueId(epUniqueId* id) {
+  clearThreadError();
+  EP_REQUIRE(id != nullptr, epNullPointer, "id is NULL");
+  return bootstrapGetUniqueId(id);
+}
+
+epResult_t epUniqueIdToString(const epUniqueId* id, char* buf, size_t buf_bytes) {
+  clearThreadError();
+  EP_REQUIRE(id != nullptr, epNullPointer, "id is NULL");
+  EP_REQUIRE(buf != nullptr, epNullPointer, "buf is NULL");
+  return uniqueIdToString(id, buf, buf_bytes);
+}
+
+epResult_t epUniqueIdFromString(const char* str, epUniqueId* id) {
+  clearThreadError();
+  EP_REQUIRE(str != nullptr, epNullPointer, "str is NULL");
+  EP_REQUIRE(id != nullptr, epNullPointer, "id is NULL");
+  return uniqueIdFromString(str, id);
+}
+
+epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int rank, const epConfig_t* config) {
+  clearThreadError();
+  EP_REQUIRE(id != nullptr, epNullPointer, "id is NULL");
+  EPCHECK(bootstrapCheckUniqueId(id));
+  return initComm(comm, nranks, rank, config, [&](int timeout_ms, std::unique_ptr<Bootstrap>* bs) {
+    return bootstrapInitSocket(id, rank, nranks, timeout_ms, bs);
+  });
+}
+
+epResult_t epCommInitRankWithAllgather(epComm_t* comm, int nranks, int rank, epAllgatherFn_t fn, void* ctx,
+                                       const epConfig_t* config) {
+  clearThreadError();
+  EP_REQUIRE(fn != nullptr, epNullPointer, "fn (the allgather callback) is NULL");
+  return initComm(comm, nranks, rank, config, [&](int, std::unique_ptr<Bootstrap>* bs) {
+    return bootstrapInitCallback(fn, ctx, rank, nranks, bs);
+  });
+}
+
+epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config) {
+  clearThreadError();
+  const char* r = paramString("EPCOMM_RANK");
+  const char* n = paramString("EPCOMM_WORLD_SIZE");
+  const char* s = paramString("EPCOMM_UNIQUE_ID");
+  EP_REQUIRE(r && n && s, epInvalidArgument,
+             "EPCOMM_RANK, EPCOMM_WORLD_SIZE and EPCOMM_UNIQUE_ID must be set (run under epcomm-run)");
+  epUniqueId id;
+  EPCHECK(uniqueIdFromString(s, &id));
+  return epCommInitRank(comm, atoi(n), &id, atoi(r), config);
+}
+
+epResult_t epCommDestroy(epComm_t comm) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
+  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator (destroyed twice?)");
+  comm->magic = 0;
+  delete comm;
+  return epSuccess;
+}
+
+epResult_t epCommAbort(epComm_t comm) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
+  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
+  comm->aborted.store(true);
+  if (comm->bootstrap) comm->bootstrap->abort();
+  while (comm->active_calls.load() != 0) usleep(100);  // waits see the flag within one backoff step
+  comm->magic = 0;
+  delete comm;
+  return epSuccess;
+}
+
+epResult_t epCommGetAsyncError(epComm_t comm, epResult_t* async_error, epErrorInfo_t* info) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
+  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
+  EP_REQUIRE(async_error != nullptr, epNullPointer, "async_error is NULL");
+  std::lock_guard<std::mutex> lock(comm->error_mutex);
+  *async_error = static_cast<epResult_t>(comm->async_error.load());
+  if (info != nullptr) {
+    EP_REQUIRE(info->magic == EP_STRUCT_MAGIC, epInvalidArgument, "info was not initialised from EP_ERROR_INFO_INIT");
+    epErrorInfo_t i = comm->async_error.load() == epSuccess ? epErrorInfo_t(EP_ERROR_INFO_INIT) : comm->async_info;
+    i.size = info->size;
+    memcpy(info, &i, std::min<size_t>(info->size, sizeof(i)));
+  }
+  return epSuccess;
+}
+
+epResult_t epCommRank(epComm_t comm, int* rank) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr && comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
+  EP_REQUIRE(rank != nullptr, epNullPointer, "rank is NULL");
+  *rank = comm->rank;
+  return epSuccess;
+}
+
+epResult_t epCommSize(epComm_t comm, int* size) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr && comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
+  EP_REQUIRE(size != nullptr, epNullPointer, "size is NULL");
+  *size = comm->nranks;
+  return epSuccess;
+}
+
+epResult_t epCommEngine(epComm_t comm, epEngine_t* engine) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr && comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
+  EP_REQUIRE(engine != nullptr, epNullPointer, "engine is NULL");
+  *engine = comm->config.engine;
+  return epSuccess;
+}
+
+epResult_t epCommBarrier(epComm_t comm, epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  epResult_t r = checkNoPending(comm, "epCommBarrier");
+  if (r == epSuccess) r = comm->host->barrier();
+  return finish(comm, r);
+}
+
+epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx, int num_tokens, int topk, int num_experts,
+                               int* num_tokens_per_rank, int* num_tokens_per_expert, uint8_t* is_token_in_rank,
+                               epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  auto run = [&]() -> epResult_t {
+    EPCHECK(validateRouting(num_tokens, topk, num_experts, comm->nranks));
+    EP_REQUIRE(topk_idx != nullptr || num_tokens == 0, epNullPointer, "topk_idx is NULL");
+    if (num_tokens > 0) EPCHECK(validateTopkIdx(topk_idx, num_tokens, topk, num_experts, "topk_idx"));
+    const int R = comm->nranks, L = num_experts / R;
+    if (num_tokens_per_rank) std::fill(num_tokens_per_rank, num_tokens_per_rank + R, 0);
+    if (num_tokens_per_expert) std::fill(num_tokens_per_expert, num_tokens_per_expert + num_experts, 0);
+    std::vector<uint8_t> seen(R);
+    for (int t = 0; t < num_tokens; ++t) {
+      const int64_t* row = topk_idx + static_cast<size_t>(t) * topk;
+      std::fill(seen.begin(), seen.end(), 0);
+      for (int k = 0; k < topk; ++k) {
+        int64_t e = row[k];
+        if (e < 0) continue;
+        bool repeated = false;
+        for (int j = 0; j < k; ++j) repeated = repeated || row[j] == e;
+        if (repeated) continue;
+        if (num_tokens_per_expert) num_tokens_per_expert[e]++;
+        seen[e / L] = 1;
+      }
+      for (int r = 0; r < R; ++r) {
+        if (num_tokens_per_rank) num_tokens_per_rank[r] += seen[r];
+        if (is_token_in_rank) is_token_in_rank[static_cast<size_t>(t) * R + r] = seen[r];
+      }
+    }
+    return epSuccess;
+  };
+  return finish(comm, run());
+}
+
+epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle_t* handle) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  auto run = [&]() -> epResult_t {
+    EP_REQUIRE(handle != nullptr, epNullPointer, "handle (the output pointer) is NULL");
+    EP_REQUIRE(max_tokens >= 0, epInvalidArgument, "max_tokens = %d is negative", max_tokens);
+    epHtHandle* h = new (std::nothrow) epHtHandle();
+    EP_REQUIRE(h != nullptr, epSystemError, "out of host memory for a handle");
+    h->magic = kHandleMagic;
+    h->comm = comm;
+    h->max_tokens = max_tokens;
+    h->in_rank.reserve(static_cast<size_t>(max_tokens) * comm->nranks);
+    *handle = h;
+    return epSuccess;
+  };
+  return finish(comm, run());
+}
+
+epResult_t epHtHandleDestroy(epHtHandle_t handle) {
+  clearThreadError();
+  EP_REQUIRE(handle != nullptr, epNullPointer, "handle is NULL");
+  EP_REQUIRE(handle->magic == kHandleMagic, epInvalidArgument, "handle is not a live HT handle");
+  handle->magic = 0;
+  delete handle;
+  return epSuccess;
+}
+
+epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_recv_tokens) {
+  clearThreadError();
+  EP_REQUIRE(handle != nullptr && handle->magic == kHandleMagic, epInvalidArgument, "handle is not a live HT handle");
+  EP_REQUIRE(handle->valid, epInvalidUsage, "the handle holds no layout yet");
+  if (num_tokens) *num_tokens = handle->num_tokens;
+  if (num_recv_tokens) *num_recv_tokens = handle->num_recv;
+  return epSuccess;
+}
+
+epResult_t epHtDispatchNotify(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle,
+                              int* num_recv_tokens_host, int* recv_tokens_per_expert_host, epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  EPCHECK(finish(comm, checkNoPending(comm, "epHtDispatchNotify")));
+  epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, true);
+  if (local == epSuccess && num_recv_tokens_host == nullptr)
+    local = EP_ERROR(epNullPointer, "num_recv_tokens_host is NULL");
+  return finish(comm, comm->host->htNotify(args, handle, local, num_recv_tokens_host, recv_tokens_per_expert_host));
+}
+
+epResult_t epHtDispatch(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle, epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  EPCHECK(finish(comm, checkNoPending(comm, "epHtDispatch")));
+  epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, false);
+  return finish(comm, comm->host->htDispatch(args, handle, local));
+}
+
+epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, epHtHandle_t handle, epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  EPCHECK(finish(comm, checkNoPending(comm, "epHtCombine")));
+  epResult_t local = validateHtCombine(ctxOf(comm), args, handle);
+  return finish(comm, comm->host->htCombine(args, handle, local));
+}
+
+epResult_t epLlDispatch(epComm_t comm, const epLlDispatchArgs_t* args, epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  epResult_t local = validateLlDispatch(ctxOf(comm), args);
+  return finish(comm, comm->host->llDispatch(args, local));
+}
+
+epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  epResult_t local = validateLlCombine(ctxOf(comm), args);
+  return finish(comm, comm->host->llCombine(args, local));
+}
+
+epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows, epBufferSizes_t* sizes) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  auto run = [&]() -> epResult_t {
+    EP_REQUIRE(args != nullptr && args->magic == EP_STRUCT_MAGIC, epInvalidArgument,
+               "args is NULL or not initialised from EP_HT_DISPATCH_ARGS_INIT");
+    EP_REQUIRE(sizes != nullptr && sizes->magic == EP_STRUCT_MAGIC, epInvalidArgument,
+               "sizes is NULL or not initialised from EP_BUFFER_SIZES_INIT");
+    EP_REQUIRE(recv_rows >= 0, epInvalidArgument, "recv_rows = %d is negative", recv_rows);
+    htBufferSizes(args, comm->nranks, recv_rows, sizes);
+    return epSuccess;
+  };
+  return finish(comm, run());
+}
+
+epResult_t epLlDispatchSizes(epComm_t comm, const epLlDispatchArgs_t* args, epBufferSizes_t* sizes) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  auto run = [&]() -> epResult_t {
+    EP_REQUIRE(args != nullptr && args->magic == EP_STRUCT_MAGIC, epInvalidArgument,
+               "args is NULL or not initialised from EP_LL_DISPATCH_ARGS_INIT");
+    EP_REQUIRE(sizes != nullptr && sizes->magic == EP_STRUCT_MAGIC, epInvalidArgument,
+               "sizes is NULL or not initialised from EP_BUFFER_SIZES_INIT");
+    llBufferSizes(args, comm->nranks, sizes);
+    return epSuccess;
+  };
+  return finish(comm, run());
+}
+
+epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
+                       void* recvbuf, const size_t* recv_counts, const size_t* recv_displs, epDataType_t dtype,
+                       epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  EPCHECK(finish(comm, checkNoPending(comm, "epAlltoallv")));
+  auto check = [&]() -> epResult_t {
+    EP_REQUIRE(dtypeSize(dtype) > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
+    EP_REQUIRE(send_counts && send_displs && recv_counts && recv_displs, epNullPointer,
+               "%s is NULL", !send_counts ? "send_counts" : !send_displs ? "send_displs"
+                             : !recv_counts ? "recv_counts" : "recv_displs");
+    size_t s = 0, r = 0;
+    for (int p = 0; p < comm->nranks; ++p) {
+      s += send_counts[p];
+      r += recv_counts[p];
+    }
+    EP_REQUIRE(sendbuf != nullptr || s == 0, epNullPointer, "sendbuf is NULL");
+    EP_REQUIRE(recvbuf != nullptr || r == 0, epNullPointer, "recvbuf is NULL");
+    return epSuccess;
+  };
+  epResult_t local = check();
+  return finish(comm, comm->host->alltoallv(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs,
+                                            dtypeSize(dtype), local));
+}
+
+epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* send_counts, void* recvbuf,
+                             size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped, epDataType_t dtype,
+                             epStream_t) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  EPCHECK(finish(comm, checkNoPending(comm, "epAlltoallvDevice")));
+  auto check = [&]() -> epResult_t {
+    EP_REQUIRE(dtypeSize(dtype) > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
+    EP_REQUIRE(send_counts != nullptr, epNullPointer, "send_counts is NULL");
+    EP_REQUIRE(recv_counts != nullptr, epNullPointer, "recv_counts is NULL");
+    int64_t s = 0;
+    for (int p = 0; p < comm->nranks; ++p) {
+      EP_REQUIRE(send_counts[p] >= 0, epInvalidArgument, "send_counts[%d] = %lld is negative", p,
+                 static_cast<long long>(send_counts[p]));
+      s += send_counts[p];
+    }
+    EP_REQUIRE(sendbuf != nullptr || s == 0, epNullPointer, "sendbuf is NULL");
+    EP_REQUIRE(recvbuf != nullptr || recv_capacity == 0, epNullPointer, "recvbuf is NULL");
+    return epSuccess;
+  };
+  epResult_t local = check();
+  return finish(comm, comm->host->alltoallvDevice(sendbuf, send_counts, recvbuf, recv_capacity, recv_counts,
+                                                  num_dropped, dtypeSize(dtype), local));
+}
+
+}  // extern "C"

@@ -1,0 +1,68 @@
+// The communicator behind epComm_t: identity, configuration, error state, and the engine that runs its
+// operations. The API layer (api.cc) validates arguments and forwards to the engine.
+#pragma once
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bootstrap/bootstrap.h"
+#include "epcomm/epcomm.h"
+
+namespace epcomm {
+
+class HostEngine;
+
+// The configuration after defaults and environment are applied.
+struct CommConfig {
+  epEngine_t engine = EP_ENGINE_HOST;
+  int timeout_ms = 30000;
+  int num_channels = 1;
+  size_t queue_bytes = 0;
+  int ll_max_tokens_per_rank = 0;
+  int ll_max_hidden = 7168;
+  int ll_num_experts = 0;
+};
+
+}  // namespace epcomm
+
+struct epComm {
+  uint32_t magic = 0;
+  int rank = 0;
+  int nranks = 0;
+  epcomm::CommConfig config;
+  std::unique_ptr<epcomm::Bootstrap> bootstrap;
+  std::unique_ptr<epcomm::HostEngine> host;
+
+  std::mutex error_mutex;
+  std::string last_error;
+  // First asynchronous error; once set the communicator is broken and every operation fails fast.
+  std::atomic<int> async_error{epSuccess};
+  epErrorInfo_t async_info{};
+  std::atomic<bool> aborted{false};
+  std::atomic<int> active_calls{0};
+
+  void recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase);
+};
+
+struct epHtHandle {
+  uint32_t magic = 0;
+  epComm* comm = nullptr;
+  int max_tokens = 0;
+  // The layout of the last notify/dispatch: valid once one succeeded.
+  bool valid = false;
+  int num_tokens = 0;
+  int num_recv = 0;
+  int num_experts = 0;
+  std::vector<uint8_t> in_rank;        // [max_tokens, R] token t goes to rank r
+  std::vector<int> send_count;         // [R] tokens this rank sends to r
+  std::vector<int> recv_count;         // [R] rows received from r
+  std::vector<int> recv_prefix;        // [R + 1] first received row of r
+  std::vector<int> recv_per_expert;    // [E/R] rows naming each local expert
+};
+
+namespace epcomm {
+constexpr uint32_t kCommMagic = 0x436f6d6du;    // "Comm"
+constexpr uint32_t kHandleMagic = 0x48616e64u;  // "Hand"
+}  // namespace epcomm

@@ -1,0 +1,1111 @@
+#include "engine/host/host_engine.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/checks.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "common/param.h"
+#include "common/time.h"
+#include "engine/routing.h"
+
+namespace epcomm {
+
+EP_PARAM(QueueBytes, "QUEUE_BYTES", 1 << 20);
+
+namespace {
+
+constexpr uint32_t kMsgMagic = 0x65704d31u;  // "epM1"
+constexpr int64_t kLiveCheckNs = 50 * 1000000LL;
+
+const char* opName(int op) {
+  static const char* kNames[] = {"none", "init", "layout", "HT notify", "HT dispatch", "HT combine",
+                                 "LL dispatch", "LL combine", "alltoallv", "alltoallv (device counts)",
+                                 "barrier", "destroy"};
+  return (op >= 0 && op < epNumOps) ? kNames[op] : "unknown";
+}
+
+// Distinct experts of token row `row` that live on rank r, in k order; returns how many.
+int localExpertsOf(const int64_t* row, int K, const ExpertMap& m, int r, int* out_local) {
+  int n = 0;
+  for (int k = 0; k < K; ++k) {
+    int64_t e = row[k];
+    if (e < 0 || m.rankOf(e) != r || isRepeatedExpert(row, k)) continue;
+    out_local[n++] = m.localOf(e);
+  }
+  return n;
+}
+
+}  // namespace
+
+uint64_t shapeSig(std::initializer_list<int64_t> values) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : values) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+HostEngine::HostEngine(epComm* comm) : comm_(comm), rank_(comm->rank), nranks_(comm->nranks) {}
+
+HostEngine::~HostEngine() = default;
+
+epResult_t HostEngine::init() {
+  ring_bytes_ = comm_->config.queue_bytes ? comm_->config.queue_bytes : static_cast<size_t>(epParamQueueBytes());
+  EP_REQUIRE(ring_bytes_ >= 64 * 1024 && ring_bytes_ <= (size_t{1} << 32), epInvalidArgument,
+             "queue_bytes (EPCOMM_QUEUE_BYTES) = %zu is outside [64 KiB, 4 GiB]", ring_bytes_);
+  const int C = 1;  // one channel per rank pair; see README (host engine channels)
+  Bootstrap* bs = comm_->bootstrap.get();
+
+  // All ranks must share memory: check host identity (hostname + EPCOMM_HOSTID) first.
+  struct HostInfo {
+    char host[128];
+    int64_t pid;
+    uint64_t ring_bytes;
+  } me{};
+  gethostname(me.host, 64);
+  if (const char* hid = paramString("EPCOMM_HOSTID")) {
+    size_t l = strlen(me.host);
+    snprintf(me.host + l, sizeof(me.host) - l, "/%s", hid);
+  }
+  me.pid = getpid();
+  me.ring_bytes = ring_bytes_;
+  std::vector<HostInfo> all(nranks_);
+  all[rank_] = me;
+  EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.timeout_ms));
+  for (int r = 0; r < nranks_; ++r) {
+    if (strncmp(all[r].host, me.host, sizeof(me.host)) != 0)
+      EP_FAIL(epNotSupported,
+              "rank %d is on host '%s' and rank %d on host '%s': the host engine needs all ranks on one host "
+              "(the inter-host net transport is not in this release)",
+              rank_, me.host, r, all[r].host);
+    if (all[r].ring_bytes != ring_bytes_)
+      EP_FAIL(epInvalidArgument, "queue_bytes differs between ranks (%zu here, %llu on rank %d)", ring_bytes_,
+              static_cast<unsigned long long>(all[r].ring_bytes), r);
+    pids_.push_back(all[r].pid);
+  }
+
+  EPCHECK(own_.create(shmRegionName(bs->secret(), rank_), rank_, nranks_, C, ring_bytes_));
+  epResult_t res = bs->barrier(comm_->config.timeout_ms);
+  peers_.resize(nranks_);
+  for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
+    if (r == rank_) continue;
+    peers_[r] = std::make_unique<ShmRegion>();
+    res = peers_[r]->open(shmRegionName(bs->secret(), r), r, nranks_, C, ring_bytes_);
+  }
+  // Every rank has mapped every region (or failed): remove the names so nothing outlives the processes.
+  epResult_t res2 = bs->barrier(comm_->config.timeout_ms);
+  own_.unlink();
+  EPCHECK(res);
+  EPCHECK(res2);
+
+  out_.resize(nranks_);
+  in_.resize(nranks_);
+  for (int r = 0; r < nranks_; ++r) {
+    const ShmRegion& dst = (r == rank_) ? own_ : *peers_[r];
+    out_[r] = RingEnd(dst.ringCtl(rank_, 0), dst.ringData(rank_, 0), ring_bytes_);
+    in_[r] = RingEnd(own_.ringCtl(r, 0), own_.ringData(r, 0), ring_bytes_);
+  }
+  outq_.resize(nranks_);
+  EP_INFO(kSubsysInit, "host engine ready: %d ranks, queues of %zu bytes", nranks_, ring_bytes_);
+  return epSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Transport
+// ------------------------------------------------------------------------------------------------------
+
+MsgHeader HostEngine::makeHeader(int op, epResult_t status, uint64_t sig) const {
+  MsgHeader h{};
+  h.magic = kMsgMagic;
+  h.op = static_cast<uint32_t>(op);
+  h.epoch = send_epoch_;
+  h.status = status;
+  h.src = rank_;
+  h.sig = sig;
+  return h;
+}
+
+void HostEngine::post(int peer, const MsgHeader& hdr, const void* extra, size_t extra_bytes,
+                      std::vector<Seg> payload) {
+  OutMsg m;
+  MsgHeader h = hdr;
+  h.extra_bytes = extra_bytes;
+  h.data_bytes = 0;
+  for (const Seg& s : payload) h.data_bytes += s.n;
+  m.own.resize(sizeof(MsgHeader) + extra_bytes);
+  memcpy(m.own.data(), &h, sizeof(h));
+  if (extra_bytes) memcpy(m.own.data() + sizeof(h), extra, extra_bytes);
+  m.segs.reserve(payload.size() + 1);
+  m.segs.push_back({m.own.data(), m.own.size()});
+  for (const Seg& s : payload)
+    if (s.n) m.segs.push_back(s);
+  outq_[peer].push_back(std::move(m));
+}
+
+bool HostEngine::pushSends() {
+  bool moved = false;
+  for (int p = 0; p < nranks_; ++p) {
+    auto& q = outq_[p];
+    while (!q.empty()) {
+      OutMsg& m = q.front();
+      bool full = false;
+      while (m.seg < m.segs.size()) {
+        const Seg& s = m.segs[m.seg];
+        size_t n = out_[p].push(s.p + m.off, s.n - m.off);
+        if (n == 0) {
+          full = true;
+          break;
+        }
+        moved = true;
+        m.off += n;
+        if (m.off == s.n) {
+          ++m.seg;
+          m.off = 0;
+        }
+      }
+      if (full) break;
+      q.pop_front();
+    }
+  }
+  return moved;
+}
+
+epResult_t HostEngine::fail(epResult_t code, int peer, int phase, const char* what) {
+  comm_->recordAsyncError(code, cur_op_, cur_epoch_, peer, phase);
+  return EP_ERROR(code, "rank %d, %s (epoch %llu): %s", rank_, opName(cur_op_),
+                  static_cast<unsigned long long>(cur_epoch_), what);
+}
+
+epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check) {
+  if (comm_->aborted.load(std::memory_order_relaxed)) return fail(epAborted, peer, phase, "communicator aborted");
+  int64_t now = nowNs();
+  if (now - last_live_check > kLiveCheckNs) {
+    last_live_check = now;
+    for (int r = 0; r < nranks_; ++r) {
+      if (r == rank_ || (peer >= 0 && r != peer)) continue;
+      if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "peer rank %d (pid %lld) has died", r, static_cast<long long>(pids_[r]));
+        return fail(epRemoteError, r, phase, msg);
+      }
+    }
+  }
+  if (now - idle_since > static_cast<int64_t>(comm_->config.timeout_ms) * 1000000LL) {
+    char msg[200];
+    if (peer >= 0)
+      snprintf(msg, sizeof(msg), "no progress from rank %d for %d ms (EPCOMM_TIMEOUT_MS)", peer,
+               comm_->config.timeout_ms);
+    else
+      snprintf(msg, sizeof(msg), "peers did not drain this rank's sends for %d ms (EPCOMM_TIMEOUT_MS)",
+               comm_->config.timeout_ms);
+    return fail(epTimeout, peer, phase, msg);
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::waitIn(int peer, size_t bytes, int phase) {
+  if (in_[peer].available() >= bytes) return epSuccess;
+  int64_t idle = nowNs(), live = idle;
+  size_t last_avail = 0;
+  Backoff backoff;
+  while (true) {
+    size_t avail = in_[peer].available();
+    if (avail >= bytes) return epSuccess;
+    bool moved = pushSends();
+    if (moved || avail != last_avail) {
+      idle = nowNs();
+      last_avail = avail;
+      backoff.reset();
+      continue;
+    }
+    EPCHECK(checkWait(peer, phase, idle, live));
+    backoff.pause();
+  }
+}
+
+epResult_t HostEngine::recvInto(int peer, void* dst, size_t len, int phase) {
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  int64_t idle = nowNs(), live = idle;
+  Backoff backoff;
+  while (len > 0) {
+    size_t n = in_[peer].pull(d, len);
+    bool moved = pushSends();
+    if (n > 0 || moved) {
+      d += n;
+      len -= n;
+      idle = nowNs();
+      backoff.reset();
+      continue;
+    }
+    EPCHECK(checkWait(peer, phase, idle, live));
+    backoff.pause();
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::skipIn(int peer, size_t len, int phase) {
+  int64_t idle = nowNs(), live = idle;
+  Backoff backoff;
+  while (len > 0) {
+    size_t n = std::min(len, in_[peer].available());
+    if (n > 0) in_[peer].release(n);
+    bool moved = pushSends();
+    if (n > 0 || moved) {
+      len -= n;
+      idle = nowNs();
+      backoff.reset();
+      continue;
+    }
+    EPCHECK(checkWait(peer, phase, idle, live));
+    backoff.pause();
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::flushSends(int phase) {
+  int64_t idle = nowNs(), live = idle;
+  Backoff backoff;
+  while (true) {
+    bool empty = true;
+    for (auto& q : outq_) empty = empty && q.empty();
+    if (empty) return epSuccess;
+    if (pushSends()) {
+      idle = nowNs();
+      backoff.reset();
+      continue;
+    }
+    int waiting = -1;
+    for (int p = 0; p < nranks_; ++p)
+      if (!outq_[p].empty()) waiting = p;
+    EPCHECK(checkWait(waiting, phase, idle, live));
+    backoff.pause();
+  }
+}
+
+// Reads every peer's header (and extra array), in rank order.
+epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in, uint64_t sig) {
+  (void)sig;
+  in.resize(nranks_);
+  for (int s = 0; s < nranks_; ++s) {
+    EPCHECK(recvInto(s, &in[s].h, sizeof(MsgHeader), epPhaseHeader));
+    const MsgHeader& h = in[s].h;
+    // Bounds-check what the peer claims before trusting any size in it.
+    if (h.magic != kMsgMagic || h.src != s || h.extra_bytes > (size_t{64} << 20))
+      return fail(epInternalError, s, epPhaseHeader, "malformed message header (stream out of sync)");
+    in[s].extra.resize(h.extra_bytes);
+    if (h.extra_bytes) EPCHECK(recvInto(s, in[s].extra.data(), h.extra_bytes, epPhaseHeader));
+  }
+  ++recv_epoch_;
+  return epSuccess;
+}
+
+// Consumes the data of every message not yet consumed.
+epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in, std::vector<bool>* done) {
+  for (int s = 0; s < nranks_; ++s) {
+    if (done && (*done)[s]) continue;
+    EPCHECK(skipIn(s, in[s].h.data_bytes, epPhaseData));
+  }
+  return epSuccess;
+}
+
+// Agreement check after the headers: every rank must have issued the same operation (op, epoch, shape);
+// any rank's rejection fails the operation everywhere.
+epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig) {
+  for (int s = 0; s < nranks_; ++s) {
+    const MsgHeader& h = in[s].h;
+    if (h.op != static_cast<uint32_t>(cur_op_) || h.epoch != cur_epoch_) {
+      if (local != epSuccess) return local;
+      return EP_ERROR(epInvalidUsage,
+                      "ranks issued different operations: rank %d issued %s (epoch %llu) while rank %d issued %s "
+                      "(epoch %llu); all ranks must issue the same sequence",
+                      s, opName(static_cast<int>(h.op)), static_cast<unsigned long long>(h.epoch), rank_,
+                      opName(cur_op_), static_cast<unsigned long long>(cur_epoch_));
+    }
+  }
+  if (local != epSuccess) return local;
+  for (int s = 0; s < nranks_; ++s) {
+    const MsgHeader& h = in[s].h;
+    if (h.status != epSuccess)
+      return EP_ERROR(epRemoteError, "rank %d rejected its %s arguments (%s); the operation failed on all ranks",
+                      s, opName(cur_op_), epGetErrorString(static_cast<epResult_t>(h.status)));
+    if (h.sig != sig)
+      return EP_ERROR(epInvalidUsage,
+                      "rank %d called %s with different shape arguments (hidden, top-k, experts, dtype, capacity or "
+                      "layout) than rank %d",
+                      s, opName(cur_op_), rank_);
+  }
+  return epSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Layout
+// ------------------------------------------------------------------------------------------------------
+
+void HostEngine::computeLayout(const int64_t* topk_idx, int T, int K, int E, std::vector<uint8_t>& in_rank,
+                               std::vector<int>& send_count, std::vector<int>& per_expert_to) const {
+  const int R = nranks_, L = E / R;
+  ExpertMap m{E, R, L};
+  in_rank.assign(static_cast<size_t>(T) * R, 0);
+  send_count.assign(R, 0);
+  per_expert_to.assign(static_cast<size_t>(R) * L, 0);
+  for (int t = 0; t < T; ++t) {
+    const int64_t* row = topk_idx + static_cast<size_t>(t) * K;
+    for (int k = 0; k < K; ++k) {
+      int64_t e = row[k];
+      if (e < 0 || isRepeatedExpert(row, k)) continue;
+      int r = m.rankOf(e);
+      per_expert_to[static_cast<size_t>(r) * L + m.localOf(e)]++;
+      if (!in_rank[static_cast<size_t>(t) * R + r]) {
+        in_rank[static_cast<size_t>(t) * R + r] = 1;
+        send_count[r]++;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// HT notify / dispatch / combine
+// ------------------------------------------------------------------------------------------------------
+
+epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
+                                int* per_expert_host) {
+  cur_op_ = epOpHtNotify;
+  cur_epoch_ = ++send_epoch_;
+  if (h && local == epSuccess) h->valid = false;
+  const int R = nranks_;
+  const int E = local == epSuccess ? a->num_experts : 0;
+  const int L = local == epSuccess ? E / R : 0;
+  const uint64_t sig = shapeSig({E});
+  std::vector<uint8_t> in_rank;
+  std::vector<int> send_count, per_expert_to;
+  if (local == epSuccess) computeLayout(a->topk_idx, a->num_tokens, a->topk, E, in_rank, send_count, per_expert_to);
+  for (int p = 0; p < R; ++p) {
+    MsgHeader hdr = makeHeader(cur_op_, local, sig);
+    if (local == epSuccess) {
+      hdr.v[0] = send_count[p];
+      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L, {});
+    } else {
+      post(p, hdr, nullptr, 0, {});
+    }
+  }
+  pushSends();
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, sig));
+  epResult_t st = statusFromPeers(in, local, sig);
+  EPCHECK(drainPayloads(in));
+  EPCHECK(flushSends(epPhaseHeader));
+  if (st != epSuccess) return st;
+  for (int s = 0; s < R; ++s)
+    if (in[s].extra.size() != sizeof(int) * L || in[s].h.v[0] < 0 || in[s].h.v[0] > INT32_MAX / R)
+      return fail(epInternalError, s, epPhaseHeader, "notify message has a bad count array");
+  h->num_tokens = a->num_tokens;
+  h->num_experts = E;
+  h->in_rank = std::move(in_rank);
+  h->send_count = std::move(send_count);
+  h->recv_count.assign(R, 0);
+  h->recv_prefix.assign(R + 1, 0);
+  h->recv_per_expert.assign(L, 0);
+  for (int s = 0; s < R; ++s) {
+    h->recv_count[s] = static_cast<int>(in[s].h.v[0]);
+    h->recv_prefix[s + 1] = h->recv_prefix[s] + h->recv_count[s];
+    const int* pe = reinterpret_cast<const int*>(in[s].extra.data());
+    for (int e = 0; e < L; ++e) h->recv_per_expert[e] += pe[e];
+  }
+  h->num_recv = h->recv_prefix[R];
+  h->valid = true;
+  if (num_recv_host) *num_recv_host = h->num_recv;
+  if (per_expert_host)
+    for (int e = 0; e < L; ++e) per_expert_host[e] = h->recv_per_expert[e];
+  return epSuccess;
+}
+
+epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local) {
+  cur_op_ = epOpHtDispatch;
+  cur_epoch_ = ++send_epoch_;
+  const int R = nranks_;
+  const bool ok = local == epSuccess;
+  const bool cached = ok && (a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT));
+  const int T = ok ? a->num_tokens : 0, H = ok ? a->hidden : 0, K = ok ? a->topk : 0;
+  const int E = ok ? a->num_experts : 0, L = ok ? E / R : 0;
+  const bool fp8 = ok && a->dtype == epFloat8E4M3;
+  const size_t xrow = ok ? H * dtypeSize(a->dtype) : 0;
+  const size_t srow = fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
+  const bool send_idx = ok && a->topk_idx != nullptr;
+  const bool send_w = ok && a->topk_idx != nullptr && a->topk_weights != nullptr;
+  const uint64_t sig = ok ? shapeSig({E, H, K, a->dtype}) : 0;
+  ExpertMap m{E, R, L > 0 ? L : 1};
+
+  // Layout: from the handle (cached / exact mode) or from topk_idx.
+  std::vector<uint8_t> in_rank_new;
+  std::vector<int> send_count_new, per_expert_to;
+  const uint8_t* in_rank = nullptr;
+  const int* send_count = nullptr;
+  if (ok) {
+    if (cached) {
+      in_rank = h->in_rank.data();
+      send_count = h->send_count.data();
+      if (send_idx) {  // per-expert counts travel again so that the receiver can check its cached copy
+        std::vector<uint8_t> tmp;
+        std::vector<int> tmp_count;
+        computeLayout(a->topk_idx, T, K, E, tmp, tmp_count, per_expert_to);
+      }
+    } else {
+      computeLayout(a->topk_idx, T, K, E, in_rank_new, send_count_new, per_expert_to);
+      in_rank = in_rank_new.data();
+      send_count = send_count_new.data();
+    }
+  }
+
+  // Payload to p, field-major: x rows, scale rows, topk_idx rows (local ids), topk_weights rows.
+  std::vector<std::vector<int64_t>> idx_out(ok ? R : 0);
+  std::vector<std::vector<float>> w_out(ok ? R : 0);
+  for (int p = 0; p < R; ++p) {
+    MsgHeader hdr = makeHeader(cur_op_, local, sig);
+    if (!ok) {
+      post(p, hdr, nullptr, 0, {});
+      continue;
+    }
+    const int n = send_count[p];
+    std::vector<Seg> segs;
+    segs.reserve(static_cast<size_t>(n) * (fp8 ? 2 : 1) + 2);
+    const uint8_t* x = static_cast<const uint8_t*>(a->x);
+    for (int t = 0; t < T; ++t)
+      if (in_rank[static_cast<size_t>(t) * R + p]) segs.push_back({x + t * xrow, xrow});
+    if (fp8) {
+      const uint8_t* sc = reinterpret_cast<const uint8_t*>(a->x_scales);
+      for (int t = 0; t < T; ++t)
+        if (in_rank[static_cast<size_t>(t) * R + p]) segs.push_back({sc + t * srow, srow});
+    }
+    if (send_idx) {
+      idx_out[p].reserve(static_cast<size_t>(n) * K);
+      if (send_w) w_out[p].reserve(static_cast<size_t>(n) * K);
+      for (int t = 0; t < T; ++t) {
+        if (!in_rank[static_cast<size_t>(t) * R + p]) continue;
+        for (int k = 0; k < K; ++k) {
+          int64_t e = a->topk_idx[static_cast<size_t>(t) * K + k];
+          bool here = e >= 0 && m.rankOf(e) == p;
+          idx_out[p].push_back(here ? m.localOf(e) : -1);
+          if (send_w) w_out[p].push_back(here ? a->topk_weights[static_cast<size_t>(t) * K + k] : 0.0f);
+        }
+      }
+      segs.push_back({reinterpret_cast<const uint8_t*>(idx_out[p].data()), idx_out[p].size() * sizeof(int64_t)});
+      if (send_w)
+        segs.push_back({reinterpret_cast<const uint8_t*>(w_out[p].data()), w_out[p].size() * sizeof(float)});
+    }
+    hdr.v[0] = n;
+    hdr.v[1] = (send_idx ? 1 : 0) | (send_w ? 2 : 0);
+    if (send_idx)
+      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L, std::move(segs));
+    else
+      post(p, hdr, nullptr, 0, std::move(segs));
+  }
+  pushSends();
+
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, sig));
+  epResult_t st = statusFromPeers(in, local, sig);
+  // Receive-side checks of what peers announced.
+  std::vector<int> recv_count(R), prefix(R + 1, 0), per_expert(L, 0);
+  bool have_counts = true;
+  if (st == epSuccess) {
+    for (int s = 0; s < R && st == epSuccess; ++s) {
+      const MsgHeader& hh = in[s].h;
+      int64_t n = hh.v[0];
+      bool has_idx = hh.v[1] & 1, has_w = hh.v[1] & 2;
+      size_t expect = static_cast<size_t>(n) * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0));
+      if (n < 0 || n > INT32_MAX / R || hh.data_bytes != expect ||
+          (has_idx && in[s].extra.size() != sizeof(int) * L))
+        st = fail(epInternalError, s, epPhaseHeader, "dispatch message sizes do not match its header");
+      recv_count[s] = static_cast<int>(n);
+      prefix[s + 1] = prefix[s] + recv_count[s];
+      if (has_idx) {
+        const int* pe = reinterpret_cast<const int*>(in[s].extra.data());
+        for (int e = 0; e < L; ++e) per_expert[e] += pe[e];
+      } else {
+        have_counts = false;
+      }
+    }
+    if (st == epSuccess && cached) {
+      for (int s = 0; s < R && st == epSuccess; ++s)
+        if (recv_count[s] != h->recv_count[s])
+          st = EP_ERROR(epInvalidUsage,
+                        "the handle's cached layout expects %d rows from rank %d but it sent %d: the routing "
+                        "changed since the handle was filled (notify again, or dispatch without "
+                        "EP_HT_USE_HANDLE_LAYOUT)",
+                        h->recv_count[s], s, recv_count[s]);
+      if (!have_counts) per_expert = h->recv_per_expert;
+    }
+    if (st == epSuccess && a->num_worst_tokens > 0 && prefix[R] > a->num_worst_tokens)
+      st = EP_ERROR(epCapacityExceeded,
+                    "HT dispatch received %d rows but num_worst_tokens is %d; nothing was written past the "
+                    "capacity",
+                    prefix[R], a->num_worst_tokens);
+  }
+  if (st != epSuccess) {
+    EPCHECK(drainPayloads(in));
+    EPCHECK(flushSends(epPhaseData));
+    if (ok && !cached) h->valid = false;
+    return st;
+  }
+
+  // Data: every field of rank s lands contiguously at its final rows.
+  uint8_t* rx = static_cast<uint8_t*>(a->recv_x);
+  for (int s = 0; s < R; ++s) {
+    const int n = recv_count[s], b = prefix[s];
+    const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
+    EPCHECK(recvInto(s, rx + b * xrow, n * xrow, epPhaseData));
+    if (fp8) EPCHECK(recvInto(s, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData));
+    if (has_idx) {
+      if (a->recv_topk_idx)
+        EPCHECK(recvInto(s, a->recv_topk_idx + static_cast<size_t>(b) * K, sizeof(int64_t) * n * K, epPhaseData));
+      else
+        EPCHECK(skipIn(s, sizeof(int64_t) * n * K, epPhaseData));
+    }
+    if (has_w) {
+      if (a->recv_topk_weights)
+        EPCHECK(recvInto(s, a->recv_topk_weights + static_cast<size_t>(b) * K, sizeof(float) * n * K, epPhaseData));
+      else
+        EPCHECK(skipIn(s, sizeof(float) * n * K, epPhaseData));
+    }
+  }
+  EPCHECK(flushSends(epPhaseData));
+
+  const int num_recv = prefix[R];
+  if (a->num_worst_tokens > 0) {
+    for (int r = num_recv; r < a->num_worst_tokens; ++r)
+      for (int k = 0; k < K; ++k) {
+        if (a->recv_topk_idx) a->recv_topk_idx[static_cast<size_t>(r) * K + k] = -1;
+        if (a->recv_topk_weights) a->recv_topk_weights[static_cast<size_t>(r) * K + k] = 0.0f;
+      }
+  }
+  if (a->num_recv_tokens) a->num_recv_tokens[0] = num_recv;
+  if (a->recv_tokens_per_expert)
+    for (int e = 0; e < L; ++e) a->recv_tokens_per_expert[e] = per_expert[e];
+  if (!cached) {
+    h->num_tokens = T;
+    h->num_experts = E;
+    h->in_rank = std::move(in_rank_new);
+    h->send_count = std::move(send_count_new);
+    h->recv_count = recv_count;
+    h->recv_prefix = prefix;
+    h->recv_per_expert = per_expert;
+    h->num_recv = num_recv;
+    h->valid = true;
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local) {
+  cur_op_ = epOpHtCombine;
+  cur_epoch_ = ++send_epoch_;
+  const int R = nranks_;
+  const bool ok = local == epSuccess;
+  const int H = ok ? a->hidden : 0;
+  const size_t es = ok ? dtypeSize(a->dtype) : 0, row = H * es;
+  const uint64_t sig = ok ? shapeSig({H, a->dtype}) : 0;
+  for (int p = 0; p < R; ++p) {
+    MsgHeader hdr = makeHeader(cur_op_, local, sig);
+    if (!ok) {
+      post(p, hdr, nullptr, 0, {});
+      continue;
+    }
+    hdr.v[0] = h->recv_count[p];
+    const uint8_t* x = static_cast<const uint8_t*>(a->x) + h->recv_prefix[p] * row;
+    post(p, hdr, nullptr, 0, {{x, h->recv_count[p] * row}});
+  }
+  pushSends();
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, sig));
+  epResult_t st = statusFromPeers(in, local, sig);
+  for (int s = 0; s < R && st == epSuccess; ++s) {
+    if (in[s].h.v[0] != h->send_count[s] || in[s].h.data_bytes != static_cast<uint64_t>(h->send_count[s]) * row)
+      st = EP_ERROR(epInvalidUsage,
+                    "rank %d returns %lld rows in HT combine but this rank's handle sent it %d tokens: the handles "
+                    "of the ranks come from different dispatches",
+                    s, static_cast<long long>(in[s].h.v[0]), h->send_count[s]);
+  }
+  if (st != epSuccess) {
+    EPCHECK(drainPayloads(in));
+    EPCHECK(flushSends(epPhaseData));
+    return st;
+  }
+  // Token by token, ranks ascending: fp32 accumulation in the order the design fixes, rounded once.
+  const int T = a->num_tokens;
+  acc_.resize(H);
+  scratch_.resize(row);
+  uint8_t* out = static_cast<uint8_t*>(a->combined_x);
+  for (int t = 0; t < T; ++t) {
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    for (int r = 0; r < R; ++r) {
+      if (!h->in_rank[static_cast<size_t>(t) * R + r]) continue;
+      EPCHECK(waitIn(r, row, epPhaseData));
+      const uint8_t* src = in_[r].peek(row);
+      if (src == nullptr) {
+        in_[r].copyOut(scratch_.data(), 0, row);
+        src = scratch_.data();
+      }
+      switch (a->dtype) {
+        case epBfloat16: {
+          const uint16_t* v = reinterpret_cast<const uint16_t*>(src);
+          for (int j = 0; j < H; ++j) acc_[j] += bf16ToFloat(v[j]);
+          break;
+        }
+        case epFloat16: {
+          const uint16_t* v = reinterpret_cast<const uint16_t*>(src);
+          for (int j = 0; j < H; ++j) acc_[j] += fp16ToFloat(v[j]);
+          break;
+        }
+        default: {
+          const float* v = reinterpret_cast<const float*>(src);
+          for (int j = 0; j < H; ++j) acc_[j] += v[j];
+        }
+      }
+      in_[r].release(row);
+    }
+    for (int j = 0; j < H; ++j) storeFromFloat(out + t * row, j, a->dtype, acc_[j]);
+  }
+  return flushSends(epPhaseData);
+}
+
+// ------------------------------------------------------------------------------------------------------
+// LL dispatch / combine
+// ------------------------------------------------------------------------------------------------------
+
+bool HostEngine::llPending(int op) const {
+  for (const Pending& p : pending_)
+    if (p.op == op) return true;
+  return false;
+}
+
+epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local) {
+  const bool ok = local == epSuccess;
+  const int R = nranks_;
+  const uint64_t sig = ok ? shapeSig({a->max_tokens_per_rank, a->hidden, a->topk, a->num_experts, a->dtype,
+                                      a->use_fp8, a->layout})
+                          : 0;
+  auto send = [&]() -> epResult_t {
+    const int T = a->num_tokens, H = a->hidden, K = a->topk, E = a->num_experts, L = E / R;
+    // The previous dispatch's staged sends must be out before the staging is reused.
+    EPCHECK(flushSends(epPhaseData));
+    ExpertMap m{E, R, L};
+    const size_t es = dtypeSize(a->dtype);
+    const size_t out_row = a->use_fp8 ? static_cast<size_t>(H) : H * es;
+    const size_t srow = a->use_fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
+    const size_t meta = sizeof(int32_t) * (1 + K);
+    // Count tokens per destination.
+    std::vector<int> n_to(R, 0), per_expert_to(static_cast<size_t>(R) * L, 0);
+    std::vector<uint8_t> in_rank;
+    computeLayout(a->topk_idx, T, K, E, in_rank, n_to, per_expert_to);
+    size_t total = 0;
+    for (int p = 0; p < R; ++p) total += n_to[p] * (meta + out_row + srow);
+    ll_dispatch_stage_.resize(total);
+    // Quantize (fp8) once per token, then copy into each destination's block.
+    std::vector<uint8_t> qrow(out_row);
+    std::vector<float> qscale(H / EP_FP8_BLOCK + 1);
+    size_t off = 0;
+    std::vector<size_t> base(R);
+    for (int p = 0; p < R; ++p) {
+      base[p] = off;
+      off += n_to[p] * (meta + out_row + srow);
+    }
+    std::vector<int> cursor(R, 0);
+    for (int t = 0; t < T; ++t) {
+      const int64_t* row = a->topk_idx + static_cast<size_t>(t) * K;
+      const uint8_t* xr = static_cast<const uint8_t*>(a->x) + t * H * es;
+      bool quantized = false;
+      for (int p = 0; p < R; ++p) {
+        if (!in_rank[static_cast<size_t>(t) * R + p]) continue;
+        if (a->use_fp8 && !quantized) {
+          for (int b = 0; b < H / EP_FP8_BLOCK; ++b) {
+            float amax = 0.0f;
+            for (int j = b * EP_FP8_BLOCK; j < (b + 1) * EP_FP8_BLOCK; ++j)
+              amax = std::max(amax, std::fabs(loadAsFloat(xr, j, a->dtype)));
+            qscale[b] = fp8BlockScale(amax);
+            float inv = fp8BlockScaleInv(amax);
+            for (int j = b * EP_FP8_BLOCK; j < (b + 1) * EP_FP8_BLOCK; ++j)
+              qrow[j] = floatToFp8(loadAsFloat(xr, j, a->dtype) * inv);
+          }
+          quantized = true;
+        }
+        const int i = cursor[p]++;
+        const int n = n_to[p];
+        uint8_t* blk = ll_dispatch_stage_.data() + base[p];
+        int32_t* md = reinterpret_cast<int32_t*>(blk + i * meta);
+        md[0] = t;
+        for (int k = 0; k < K; ++k) md[1 + k] = (row[k] >= 0 && m.rankOf(row[k]) == p) ? m.localOf(row[k]) : -1;
+        uint8_t* xo = blk + n * meta + i * out_row;
+        memcpy(xo, a->use_fp8 ? qrow.data() : xr, out_row);
+        if (srow) memcpy(blk + n * (meta + out_row) + i * srow, qscale.data(), srow);
+      }
+    }
+    for (int p = 0; p < R; ++p) {
+      MsgHeader hdr = makeHeader(cur_op_, local, sig);
+      hdr.v[0] = n_to[p];
+      hdr.v[1] = T;
+      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L,
+           {{ll_dispatch_stage_.data() + base[p], n_to[p] * (meta + out_row + srow)}});
+    }
+    return epSuccess;
+  };
+  return llOp(epOpLlDispatch, ok ? a->phases : EP_LL_SEND_RECV, local, sig, send,
+              [&](const Pending& p) { return llDispatchRecv(a, p); });
+}
+
+epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending& pend) {
+  cur_op_ = pend.op;
+  cur_epoch_ = pend.epoch;
+  const int R = nranks_, H = a->hidden, K = a->topk, L = a->num_experts / R, M = a->max_tokens_per_rank;
+  const size_t es = dtypeSize(a->dtype);
+  const size_t out_row = a->use_fp8 ? static_cast<size_t>(H) : H * es;
+  const size_t srow = a->use_fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
+  const size_t meta = sizeof(int32_t) * (1 + K);
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, pend.sig));
+  epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
+  for (int s = 0; s < R && st == epSuccess; ++s) {
+    const MsgHeader& h = in[s].h;
+    if (h.v[0] < 0 || h.v[0] > M || h.v[1] < 0 || h.v[1] > M || in[s].extra.size() != sizeof(int) * L ||
+        h.data_bytes != static_cast<uint64_t>(h.v[0]) * (meta + out_row + srow))
+      st = fail(epInternalError, s, epPhaseHeader, "LL dispatch message sizes do not match its header");
+  }
+  if (st != epSuccess) {
+    EPCHECK(drainPayloads(in));
+    EPCHECK(flushSends(epPhaseData));
+    return st;
+  }
+  const bool expert_major = a->layout == EP_LL_EXPERT_MAJOR;
+  // Expert-major placement: rows of expert e from rank s start at the sum of lower ranks' counts.
+  std::vector<int> begin(static_cast<size_t>(L) * R, 0), cursor(static_cast<size_t>(L) * R, 0);
+  if (expert_major) {
+    for (int e = 0; e < L; ++e) {
+      int acc = 0;
+      for (int s = 0; s < R; ++s) {
+        int c = reinterpret_cast<const int*>(in[s].extra.data())[e];
+        begin[static_cast<size_t>(e) * R + s] = acc;
+        a->recv_layout_range[static_cast<size_t>(e) * R + s] = packLayoutRange(c, acc);
+        acc += c;
+      }
+      a->recv_count[e] = acc;
+    }
+  } else {
+    for (size_t i = 0; i < static_cast<size_t>(R) * M * K; ++i) a->recv_topk_idx[i] = -1;
+    for (int s = 0; s < R; ++s) a->recv_count[s] = static_cast<int>(in[s].h.v[1]);
+  }
+  uint8_t* rx = static_cast<uint8_t*>(a->recv_x);
+  std::vector<int32_t> md;
+  for (int s = 0; s < R; ++s) {
+    const int n = static_cast<int>(in[s].h.v[0]);
+    md.resize(static_cast<size_t>(n) * (1 + K));
+    EPCHECK(recvInto(s, md.data(), n * meta, epPhaseData));
+    for (int i = 0; i < n; ++i) {  // bounds-check the peer's metadata before using it as indices
+      const int32_t* mi = md.data() + static_cast<size_t>(i) * (1 + K);
+      bool bad = mi[0] < 0 || mi[0] >= M;
+      for (int k = 0; k < K; ++k) bad = bad || mi[1 + k] < -1 || mi[1 + k] >= L;
+      if (bad) return fail(epInternalError, s, epPhaseData, "LL dispatch metadata out of range");
+    }
+    // Rows then scales, each placed at every destination the token has here.
+    for (int pass = 0; pass < (srow ? 2 : 1); ++pass) {
+      const size_t rb = pass == 0 ? out_row : srow;
+      uint8_t* dst_base = pass == 0 ? rx : reinterpret_cast<uint8_t*>(a->recv_x_scales);
+      if (expert_major)
+        for (int e = 0; e < L; ++e) cursor[static_cast<size_t>(e) * R + s] = begin[static_cast<size_t>(e) * R + s];
+      for (int i = 0; i < n; ++i) {
+        const int32_t* mi = md.data() + static_cast<size_t>(i) * (1 + K);
+        EPCHECK(waitIn(s, rb, epPhaseData));
+        auto place = [&](size_t dst_row) { in_[s].copyOut(dst_base + dst_row * rb, 0, rb); };
+        if (expert_major) {
+          for (int k = 0; k < K; ++k) {
+            int e = mi[1 + k];
+            bool dup = false;
+            for (int j = 0; j < k; ++j) dup = dup || mi[1 + j] == e;
+            if (e < 0 || dup) continue;
+            int row = cursor[static_cast<size_t>(e) * R + s]++;
+            place(static_cast<size_t>(e) * R * M + row);
+            if (pass == 0) a->recv_src_info[static_cast<size_t>(e) * R * M + row] = mi[0];
+          }
+        } else {
+          place(static_cast<size_t>(s) * M + mi[0]);
+          if (pass == 0)
+            for (int k = 0; k < K; ++k)
+              a->recv_topk_idx[(static_cast<size_t>(s) * M + mi[0]) * K + k] = mi[1 + k];
+        }
+        in_[s].release(rb);
+      }
+    }
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local) {
+  const bool ok = local == epSuccess;
+  const int R = nranks_;
+  const uint64_t sig =
+      ok ? shapeSig({a->max_tokens_per_rank, a->hidden, a->topk, a->num_experts, a->dtype, a->layout}) : 0;
+  auto send = [&]() -> epResult_t {
+    const int H = a->hidden, K = a->topk, L = a->num_experts / R, M = a->max_tokens_per_rank;
+    EPCHECK(flushSends(epPhaseData));
+    const size_t row = H * dtypeSize(a->dtype);
+    const uint8_t* y = static_cast<const uint8_t*>(a->y);
+    // Rows back to source s in (local expert ascending, token ascending) order, staged so that the send
+    // half returns at once and y may be reused.
+    std::vector<std::vector<size_t>> rows_to(R);  // y row indices
+    for (int e = 0; e < L; ++e) {
+      for (int s = 0; s < R; ++s) {
+        if (a->layout == EP_LL_EXPERT_MAJOR) {
+          int64_t lr = a->recv_layout_range[static_cast<size_t>(e) * R + s];
+          int c = layoutRangeCount(lr), b = layoutRangeBegin(lr);
+          for (int i = 0; i < c; ++i) rows_to[s].push_back(static_cast<size_t>(e) * R * M + b + i);
+        } else {
+          for (int t = 0; t < a->recv_count[s]; ++t) {
+            const int64_t* li = a->recv_topk_idx + (static_cast<size_t>(s) * M + t) * K;
+            for (int k = 0; k < K; ++k)
+              if (li[k] == e) {
+                rows_to[s].push_back(static_cast<size_t>(e) * R * M + static_cast<size_t>(s) * M + t);
+                break;
+              }
+          }
+        }
+      }
+    }
+    size_t total = 0;
+    for (int s = 0; s < R; ++s) total += rows_to[s].size() * row;
+    ll_combine_stage_.resize(total);
+    size_t off = 0;
+    for (int s = 0; s < R; ++s) {
+      size_t b = off;
+      for (size_t yr : rows_to[s]) {
+        memcpy(ll_combine_stage_.data() + off, y + yr * row, row);
+        off += row;
+      }
+      MsgHeader hdr = makeHeader(cur_op_, local, sig);
+      hdr.v[0] = static_cast<int64_t>(rows_to[s].size());
+      post(s, hdr, nullptr, 0, {{ll_combine_stage_.data() + b, off - b}});
+    }
+    return epSuccess;
+  };
+  return llOp(epOpLlCombine, ok ? a->phases : EP_LL_SEND_RECV, local, sig, send,
+              [&](const Pending& p) { return llCombineRecv(a, p); });
+}
+
+// The two halves of an LL operation. A rejected call still sends (a header carrying its error) for the
+// halves it asked for, and its receive half only drains, so that peers see the rejection and stay aligned.
+epResult_t HostEngine::llOp(int op, unsigned phases, epResult_t local, uint64_t sig,
+                            const std::function<epResult_t()>& send,
+                            const std::function<epResult_t(const Pending&)>& recv) {
+  if (phases & EP_LL_SEND) {
+    cur_op_ = op;
+    cur_epoch_ = ++send_epoch_;
+    if (local == epSuccess) {
+      EPCHECK(send());
+    } else {
+      for (int p = 0; p < nranks_; ++p) post(p, makeHeader(op, local, sig), nullptr, 0, {});
+    }
+    pushSends();
+    pending_.push_back({op, cur_epoch_, sig, local});
+  }
+  if (!(phases & EP_LL_RECV)) return local;
+  if (pending_.empty() || pending_.front().op != op)
+    return EP_ERROR(epInvalidUsage, "%s receive half (EP_LL_RECV) called with no matching send half outstanding%s",
+                    opName(op), pending_.empty() ? "" : "; complete the older pending receive first");
+  Pending p = pending_.front();
+  pending_.pop_front();
+  cur_op_ = p.op;
+  cur_epoch_ = p.epoch;
+  if (local == epSuccess && p.status == epSuccess) return recv(p);
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, p.sig));
+  epResult_t st = statusFromPeers(in, local != epSuccess ? local : p.status, p.sig);
+  EPCHECK(drainPayloads(in));
+  return st;
+}
+
+epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& pend) {
+  cur_op_ = pend.op;
+  cur_epoch_ = pend.epoch;
+  const int R = nranks_, H = a->hidden, K = a->topk, E = a->num_experts, L = E / R, T = a->num_tokens;
+  const size_t row = H * dtypeSize(a->dtype);
+  ExpertMap m{E, R, L};
+  // Where each (token, k) row lands in the staging: per source rank r, rows come in (local expert, token)
+  // order, which this rank derives from its own routing.
+  std::vector<int> expect(R, 0);
+  std::vector<std::vector<std::pair<int, int>>> by_expert(E);  // expert -> (token, -) in token order
+  for (int t = 0; t < T; ++t) {
+    const int64_t* r = a->topk_idx + static_cast<size_t>(t) * K;
+    for (int k = 0; k < K; ++k)
+      if (r[k] >= 0 && !isRepeatedExpert(r, k)) by_expert[r[k]].push_back({t, k});
+  }
+  std::vector<int> slot(static_cast<size_t>(T) * K, -1);
+  std::vector<int> prefix(R + 1, 0);
+  int next = 0;
+  for (int e = 0; e < E; ++e) {
+    for (auto& tk : by_expert[e]) slot[static_cast<size_t>(tk.first) * K + tk.second] = next++;
+    expect[m.rankOf(e)] += static_cast<int>(by_expert[e].size());
+  }
+  for (int r = 0; r < R; ++r) prefix[r + 1] = prefix[r] + expect[r];
+  // Repeated experts share the slot of their first occurrence.
+  for (int t = 0; t < T; ++t) {
+    const int64_t* r = a->topk_idx + static_cast<size_t>(t) * K;
+    for (int k = 0; k < K; ++k)
+      if (r[k] >= 0 && isRepeatedExpert(r, k))
+        for (int j = 0; j < k; ++j)
+          if (r[j] == r[k]) {
+            slot[static_cast<size_t>(t) * K + k] = slot[static_cast<size_t>(t) * K + j];
+            break;
+          }
+  }
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, pend.sig));
+  epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
+  for (int s = 0; s < R && st == epSuccess; ++s)
+    if (in[s].h.v[0] != expect[s] || in[s].h.data_bytes != static_cast<uint64_t>(expect[s]) * row)
+      st = EP_ERROR(epInvalidUsage,
+                    "rank %d returns %lld rows in LL combine but this rank's routing names %d (token, expert) pairs "
+                    "on it: topk_idx or the dispatch outputs passed to combine differ from those of the dispatch",
+                    s, static_cast<long long>(in[s].h.v[0]), expect[s]);
+  if (st != epSuccess) {
+    EPCHECK(drainPayloads(in));
+    EPCHECK(flushSends(epPhaseData));
+    return st;
+  }
+  scratch_.resize(static_cast<size_t>(next) * row);
+  for (int s = 0; s < R; ++s)
+    EPCHECK(recvInto(s, scratch_.data() + prefix[s] * row, expect[s] * row, epPhaseData));
+  // The rows from rank s occupy [prefix[s], prefix[s+1]); slot numbering above runs over experts in
+  // ascending order, which is also ascending rank order, so slot == staging row.
+  acc_.resize(H);
+  uint8_t* out = static_cast<uint8_t*>(a->out);
+  for (int t = 0; t < T; ++t) {
+    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    for (int k = 0; k < K; ++k) {
+      int sl = slot[static_cast<size_t>(t) * K + k];
+      if (sl < 0) continue;
+      const float w = a->topk_weights[static_cast<size_t>(t) * K + k];
+      const uint8_t* yr = scratch_.data() + static_cast<size_t>(sl) * row;
+      for (int j = 0; j < H; ++j) {
+        float prod = w * loadAsFloat(yr, j, a->dtype);
+        acc_[j] = acc_[j] + prod;
+      }
+    }
+    for (int j = 0; j < H; ++j) storeFromFloat(out + t * row, j, a->dtype, acc_[j]);
+  }
+  return epSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// alltoallv and barrier
+// ------------------------------------------------------------------------------------------------------
+
+epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
+                                 void* recvbuf, const size_t* recv_counts, const size_t* recv_displs, size_t es,
+                                 epResult_t local) {
+  cur_op_ = epOpAlltoallv;
+  cur_epoch_ = ++send_epoch_;
+  const int R = nranks_;
+  const bool ok = local == epSuccess;
+  const uint64_t sig = shapeSig({static_cast<int64_t>(es)});
+  for (int p = 0; p < R; ++p) {
+    MsgHeader hdr = makeHeader(cur_op_, local, sig);
+    if (!ok) {
+      post(p, hdr, nullptr, 0, {});
+      continue;
+    }
+    hdr.v[0] = static_cast<int64_t>(send_counts[p]);
+    hdr.v[1] = static_cast<int64_t>(recv_counts[p]);
+    post(p, hdr, nullptr, 0, {{static_cast<const uint8_t*>(sendbuf) + send_displs[p] * es, send_counts[p] * es}});
+  }
+  pushSends();
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, sig));
+  epResult_t st = statusFromPeers(in, local, sig);
+  for (int s = 0; s < R && st == epSuccess; ++s) {
+    const MsgHeader& h = in[s].h;
+    if (static_cast<uint64_t>(h.v[0]) != recv_counts[s] || h.data_bytes != recv_counts[s] * es)
+      st = EP_ERROR(epInvalidUsage, "alltoallv: rank %d sends %lld elements but recv_counts[%d] = %zu", s,
+                    static_cast<long long>(h.v[0]), s, recv_counts[s]);
+    else if (static_cast<uint64_t>(h.v[1]) != send_counts[s])
+      st = EP_ERROR(epInvalidUsage, "alltoallv: send_counts[%d] = %zu but rank %d expects %lld elements", s,
+                    send_counts[s], s, static_cast<long long>(h.v[1]));
+  }
+  if (st != epSuccess) {
+    EPCHECK(drainPayloads(in));
+    EPCHECK(flushSends(epPhaseData));
+    return st;
+  }
+  for (int s = 0; s < R; ++s)
+    EPCHECK(recvInto(s, static_cast<uint8_t*>(recvbuf) + recv_displs[s] * es, recv_counts[s] * es, epPhaseData));
+  return flushSends(epPhaseData);
+}
+
+epResult_t HostEngine::alltoallvDevice(const void* sendbuf, const int64_t* send_counts, void* recvbuf,
+                                       size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped, size_t es,
+                                       epResult_t local) {
+  cur_op_ = epOpAlltoallvDevice;
+  cur_epoch_ = ++send_epoch_;
+  const int R = nranks_;
+  const bool ok = local == epSuccess;
+  const uint64_t sig = shapeSig({static_cast<int64_t>(es)});
+  size_t off = 0;
+  for (int p = 0; p < R; ++p) {
+    MsgHeader hdr = makeHeader(cur_op_, local, sig);
+    if (!ok) {
+      post(p, hdr, nullptr, 0, {});
+      continue;
+    }
+    hdr.v[0] = send_counts[p];
+    post(p, hdr, nullptr, 0, {{static_cast<const uint8_t*>(sendbuf) + off * es, send_counts[p] * es}});
+    off += send_counts[p];
+  }
+  pushSends();
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, sig));
+  epResult_t st = statusFromPeers(in, local, sig);
+  for (int s = 0; s < R && st == epSuccess; ++s)
+    if (in[s].h.v[0] < 0 || in[s].h.data_bytes != static_cast<uint64_t>(in[s].h.v[0]) * es)
+      st = fail(epInternalError, s, epPhaseHeader, "alltoallv message sizes do not match its header");
+  if (st != epSuccess) {
+    EPCHECK(drainPayloads(in));
+    EPCHECK(flushSends(epPhaseData));
+    return st;
+  }
+  size_t pos = 0;
+  int64_t dropped = 0;
+  for (int s = 0; s < R; ++s) {
+    size_t n = static_cast<size_t>(in[s].h.v[0]);
+    size_t fit = pos < recv_capacity ? std::min(n, recv_capacity - pos) : 0;
+    EPCHECK(recvInto(s, static_cast<uint8_t*>(recvbuf) + pos * es, fit * es, epPhaseData));
+    EPCHECK(skipIn(s, (n - fit) * es, epPhaseData));
+    pos += fit;
+    dropped += static_cast<int64_t>(n - fit);
+    recv_counts[s] = static_cast<int64_t>(n);
+  }
+  EPCHECK(flushSends(epPhaseData));
+  if (num_dropped) *num_dropped = dropped;
+  if (dropped > 0)
+    return EP_ERROR(epCapacityExceeded,
+                    "alltoallv (device counts) received %lld elements more than recv_capacity = %zu; they were "
+                    "dropped and counted in num_dropped",
+                    static_cast<long long>(dropped), recv_capacity);
+  return epSuccess;
+}
+
+epResult_t HostEngine::barrier() {
+  cur_op_ = epOpBarrier;
+  cur_epoch_ = ++send_epoch_;
+  for (int p = 0; p < nranks_; ++p) post(p, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, {});
+  pushSends();
+  std::vector<Incoming> in;
+  EPCHECK(recvHeaders(in, 0));
+  epResult_t st = statusFromPeers(in, epSuccess, 0);
+  EPCHECK(drainPayloads(in));
+  EPCHECK(flushSends(epPhaseHeader));
+  return st;
+}
+
+}  // namespace epcomm

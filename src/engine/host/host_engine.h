@@ -1,0 +1,127 @@
+// The host engine: every operation of the C API on host memory, for the ranks (processes) of one host.
+//
+// Protocol. Each operation sends exactly one message to every rank (itself included) over the shm rings:
+// a fixed header {op, epoch, status, shape signature, payload size, counts} plus a payload. Because every
+// message states its own size, a receiver can always consume it, so a rank whose arguments were rejected
+// (it sends only a header carrying its error code), a shape mismatch between ranks, or a receiver-side
+// capacity overflow leave every ring aligned and the communicator usable; every rank returns an error.
+// Sends are queued and pushed as ring space allows; every wait keeps pushing, so ranks never deadlock on
+// bounded rings. A wait that sees no progress for timeout_ms, a dead peer process, or an abort ends the
+// operation with an error recorded as the communicator's asynchronous error.
+#pragma once
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/comm.h"
+#include "transport/shm/shm.h"
+
+namespace epcomm {
+
+struct MsgHeader {
+  uint32_t magic;
+  uint32_t op;
+  uint64_t epoch;
+  int32_t status;       // the sender's epResult_t for this operation
+  int32_t src;          // sender rank
+  uint64_t sig;         // hash of the shape arguments all ranks must agree on
+  uint64_t extra_bytes; // op-specific array following the header
+  uint64_t data_bytes;  // data following the extra array
+  int64_t v[4];         // op-specific scalars
+  uint8_t pad[16];
+};
+static_assert(sizeof(MsgHeader) == 96, "message header size is part of the wire format");
+
+class HostEngine {
+ public:
+  explicit HostEngine(epComm* comm);
+  ~HostEngine();
+  epResult_t init();
+
+  // `local` is the result of this rank's argument validation: when it is not epSuccess the rank still takes
+  // part in the exchange (sending only its error) and returns `local`.
+  epResult_t htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
+                      int* per_expert_host);
+  epResult_t htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local);
+  epResult_t htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local);
+  epResult_t llDispatch(const epLlDispatchArgs_t* a, epResult_t local);
+  epResult_t llCombine(const epLlCombineArgs_t* a, epResult_t local);
+  epResult_t alltoallv(const void* sendbuf, const size_t* send_counts, const size_t* send_displs, void* recvbuf,
+                       const size_t* recv_counts, const size_t* recv_displs, size_t elem_bytes, epResult_t local);
+  epResult_t alltoallvDevice(const void* sendbuf, const int64_t* send_counts, void* recvbuf, size_t recv_capacity,
+                             int64_t* recv_counts, int64_t* num_dropped, size_t elem_bytes, epResult_t local);
+  epResult_t barrier();
+
+  // Operation kinds that may sit between an EP_LL_SEND and its EP_LL_RECV.
+  bool llPending(int op) const;
+  bool anyPending() const { return !pending_.empty(); }
+  size_t maxRowBytes() const { return ring_bytes_ / 2; }
+
+ private:
+  struct Seg {
+    const uint8_t* p;
+    size_t n;
+  };
+  struct OutMsg {
+    std::vector<uint8_t> own;  // header + extra
+    std::vector<Seg> segs;     // own first, then payload pieces
+    size_t seg = 0, off = 0;
+  };
+  struct Pending {           // an LL operation whose receive half is outstanding
+    int op;
+    uint64_t epoch;
+    uint64_t sig;
+    epResult_t status;       // this rank's result of the send half
+  };
+  struct Incoming {          // what one peer's message said
+    MsgHeader h;
+    std::vector<uint8_t> extra;
+  };
+
+  // ---- transport ----
+  void post(int peer, const MsgHeader& h, const void* extra, size_t extra_bytes, std::vector<Seg> payload);
+  bool pushSends();  // pushes what fits; true if anything moved
+  epResult_t waitIn(int peer, size_t bytes, int phase);        // until `bytes` are readable from peer
+  epResult_t recvInto(int peer, void* dst, size_t len, int phase);
+  epResult_t skipIn(int peer, size_t len, int phase);
+  epResult_t flushSends(int phase);
+  epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check);
+  epResult_t recvHeaders(std::vector<Incoming>& in, uint64_t sig);
+  epResult_t drainPayloads(std::vector<Incoming>& in, std::vector<bool>* done = nullptr);
+  epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
+  MsgHeader makeHeader(int op, epResult_t status, uint64_t sig) const;
+  epResult_t fail(epResult_t code, int peer, int phase, const char* what);
+
+  // ---- op helpers ----
+  void computeLayout(const int64_t* topk_idx, int T, int K, int E, std::vector<uint8_t>& in_rank,
+                     std::vector<int>& send_count, std::vector<int>& per_expert_to /*[R][L]*/) const;
+  epResult_t llOp(int op, unsigned phases, epResult_t local, uint64_t sig, const std::function<epResult_t()>& send,
+                  const std::function<epResult_t(const Pending&)>& recv);
+  epResult_t llDispatchRecv(const epLlDispatchArgs_t* a, const Pending& p);
+  epResult_t llCombineRecv(const epLlCombineArgs_t* a, const Pending& p);
+
+  epComm* comm_;
+  int rank_, nranks_;
+  size_t ring_bytes_ = 0;
+  ShmRegion own_;
+  std::vector<std::unique_ptr<ShmRegion>> peers_;
+  std::vector<RingEnd> out_, in_;
+  std::vector<int64_t> pids_;
+  std::vector<std::deque<OutMsg>> outq_;
+  uint64_t send_epoch_ = 0;  // operations this rank has sent
+  uint64_t recv_epoch_ = 0;  // operations this rank has received
+  int cur_op_ = epOpNone;
+  uint64_t cur_epoch_ = 0;
+  std::deque<Pending> pending_;
+  // Reused scratch: staging of LL sends (kept until pushed) and receive-side row buffers.
+  std::vector<uint8_t> ll_dispatch_stage_, ll_combine_stage_, scratch_;
+  std::vector<float> acc_;
+};
+
+uint64_t shapeSig(std::initializer_list<int64_t> values);
+
+}  // namespace epcomm

@@ -1,0 +1,103 @@
+// shm transport: host memory shared by the processes of one host.
+//
+// Each rank owns one region (POSIX shared memory, unlinked as soon as every peer has mapped it, so nothing
+// is left behind if a process dies). A region holds a small header and, for every source rank and channel,
+// one single-producer/single-consumer byte ring: the source pushes into the ring that lives in the
+// receiver's region; the receiver pulls from its own memory.
+//
+// Region layout:
+//   [RegionHeader, 4 KiB]
+//   [for src in 0..R-1, ch in 0..C-1: RingCtl (128 B) | data (ring_bytes, rounded up to 64 B)]
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "epcomm/epcomm.h"
+
+namespace epcomm {
+
+struct alignas(64) RegionHeader {
+  uint64_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t nranks;
+  int32_t nchannels;
+  int64_t pid;
+  uint64_t ring_bytes;
+  std::atomic<uint32_t> ready;  // set once the owner finished initialising the region
+};
+static_assert(sizeof(RegionHeader) <= 4096, "region header fits its page");
+
+// Counters are monotonic byte counts over the life of the communicator, so no per-operation reset is needed.
+struct alignas(64) RingCtl {
+  std::atomic<uint64_t> tail;  // bytes written by the producer
+  char pad0[56];
+  std::atomic<uint64_t> head;  // bytes consumed by the consumer
+  char pad1[56];
+};
+static_assert(sizeof(RingCtl) == 128, "ring control is two cache lines");
+
+class ShmRegion {
+ public:
+  ShmRegion() = default;
+  ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  static size_t bytesFor(int nranks, int nchannels, size_t ring_bytes);
+  // Creates (O_EXCL) and maps the region named name, initialises header and rings.
+  epResult_t create(const std::string& name, int rank, int nranks, int nchannels, size_t ring_bytes);
+  // Maps a peer's region and checks its header.
+  epResult_t open(const std::string& name, int expect_rank, int nranks, int nchannels, size_t ring_bytes);
+  epResult_t unlink();  // removes the name; mappings stay valid
+  void unmap();
+
+  RegionHeader* header() const { return static_cast<RegionHeader*>(base_); }
+  RingCtl* ringCtl(int src, int ch) const;
+  uint8_t* ringData(int src, int ch) const;
+  size_t ringBytes() const { return ring_bytes_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  size_t ring_bytes_ = 0;
+  int nchannels_ = 0;
+  std::string name_;
+  bool owner_ = false;
+  bool linked_ = false;
+};
+
+// One direction of one ring, as seen by its producer or its consumer. Plain memcpy in and out; the
+// release/acquire pair on tail/head orders the data.
+class RingEnd {
+ public:
+  RingEnd() = default;
+  RingEnd(RingCtl* ctl, uint8_t* data, size_t bytes) : ctl_(ctl), data_(data), bytes_(bytes) {}
+  bool valid() const { return ctl_ != nullptr; }
+
+  // Producer: copies up to len bytes; returns the number copied (0 when full).
+  size_t push(const void* src, size_t len);
+  // Producer: room for a contiguous write of up to len bytes at the current tail; commit() publishes it.
+  size_t freeBytes() const;
+  // Consumer: bytes ready to read.
+  size_t available() const;
+  // Consumer: copies up to len bytes out; returns the number copied.
+  size_t pull(void* dst, size_t len);
+  // Consumer: pointer to len readable bytes if they are ready and contiguous in the ring, else nullptr
+  // (then use pull/copyOut). release() consumes them.
+  const uint8_t* peek(size_t len) const;
+  // Consumer: copies len ready bytes at offset off from the read position without consuming them.
+  void copyOut(void* dst, size_t off, size_t len) const;
+  void release(size_t len);
+
+ private:
+  RingCtl* ctl_ = nullptr;
+  uint8_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+std::string shmRegionName(const uint8_t* secret, int rank);
+
+}  // namespace epcomm

@@ -1,0 +1,177 @@
+// Failures never hang (DESIGN.md R1, R3): a rank killed in the middle of an operation or one that stops
+// participating makes every other rank return an error within EPCOMM_TIMEOUT_MS plus a small slack; the
+// error is recorded as {op, epoch, rank, peer, phase}; epCommAbort returns promptly; a new communicator works.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "epcomm/epcomm.h"
+#include "multiproc.h"
+
+namespace {
+
+constexpr int kTimeoutMs = 1500;
+constexpr int kSlackMs = 1500;
+
+#define CHECK_OR_RETURN(cond, ...)                       \
+  do {                                                   \
+    if (!(cond)) {                                       \
+      fprintf(stderr, "rank %d: ", rank);                \
+      fprintf(stderr, __VA_ARGS__);                      \
+      fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__); \
+      return 1;                                          \
+    }                                                    \
+  } while (0)
+
+double msSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+epConfig_t config() {
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_HOST;
+  cfg.timeout_ms = kTimeoutMs;
+  cfg.queue_bytes = 64 * 1024;  // small queues: a large alltoallv is in flight for many steps
+  return cfg;
+}
+
+// A large alltoallv, so that a transfer is under way when a peer disappears.
+epResult_t bigAlltoall(epComm_t comm, int R, std::vector<float>& sb, std::vector<float>& rb) {
+  const size_t n = sb.size() / R;
+  std::vector<size_t> c(R, n), d(R);
+  for (int r = 0; r < R; ++r) d[r] = r * n;
+  return epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epFloat32, nullptr);
+}
+
+TEST(Faults, RankKilledMidOperation) {
+  constexpr int R = 3, kVictim = 2;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<float> sb(R * (1 << 20), 1.0f), rb(sb.size());
+    CHECK_OR_RETURN(bigAlltoall(comm, R, sb, rb) == epSuccess, "warm-up: %s", epGetLastError(comm));
+    if (rank == kVictim) {
+      // Die while the next transfer is in flight.
+      std::thread([] {
+        usleep(2000);
+        kill(getpid(), SIGKILL);
+      }).detach();
+      for (;;) bigAlltoall(comm, R, sb, rb);
+    }
+    epResult_t r = epSuccess;
+    auto t0 = std::chrono::steady_clock::now();
+    double last = 0;
+    for (int i = 0; i < 1000 && r == epSuccess; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      r = bigAlltoall(comm, R, sb, rb);
+      last = msSince(t0);
+    }
+    CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
+    epResult_t async;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CHECK_OR_RETURN(epCommGetAsyncError(comm, &async, &info) == epSuccess, "async query");
+    CHECK_OR_RETURN(async == r && info.rank == rank && info.op == epOpAlltoallv && info.epoch > 0 &&
+                        info.phase != epPhaseNone,
+                    "async info op %d epoch %llu rank %d peer %d phase %d", info.op,
+                    static_cast<unsigned long long>(info.epoch), info.rank, info.peer, info.phase);
+    // Later calls fail fast instead of waiting again.
+    t0 = std::chrono::steady_clock::now();
+    CHECK_OR_RETURN(epCommBarrier(comm, nullptr) != epSuccess && msSince(t0) < 100, "broken comm did not fail fast");
+    t0 = std::chrono::steady_clock::now();
+    CHECK_OR_RETURN(epCommAbort(comm) == epSuccess, "abort");
+    CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
+    return 0;
+  }, 60000);
+  EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
+  for (int r = 0; r < R; ++r) {
+    if (r != kVictim) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  }
+
+  // A new communicator among fresh processes works afterwards.
+  epUniqueId id2;
+  ASSERT_EQ(epGetUniqueId(&id2), epSuccess);
+  auto codes2 = epcomm::test::runRanks(2, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, 2, &id2, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<float> sb(2 * 1000, static_cast<float>(rank)), rb(sb.size(), -1.0f);
+    CHECK_OR_RETURN(bigAlltoall(comm, 2, sb, rb) == epSuccess, "alltoall: %s", epGetLastError(comm));
+    CHECK_OR_RETURN(rb[0] == 0.0f && rb[1000] == 1.0f, "wrong data");
+    return epCommDestroy(comm) == epSuccess ? 0 : 1;
+  });
+  EXPECT_EQ(codes2[0], 0);
+  EXPECT_EQ(codes2[1], 0);
+}
+
+TEST(Faults, RankStopsParticipating) {
+  constexpr int R = 3, kSilent = 1;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    CHECK_OR_RETURN(epCommBarrier(comm, nullptr) == epSuccess, "barrier: %s", epGetLastError(comm));
+    if (rank == kSilent) {  // alive, but never calls again
+      usleep((kTimeoutMs + 2 * kSlackMs) * 1000);
+      epCommAbort(comm);
+      return 0;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    epResult_t r = epCommBarrier(comm, nullptr);
+    double ms = msSince(t0);
+    CHECK_OR_RETURN(r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(ms >= kTimeoutMs * 0.9 && ms < kTimeoutMs + kSlackMs, "timed out after %.0f ms", ms);
+    epResult_t async;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    epCommGetAsyncError(comm, &async, &info);
+    CHECK_OR_RETURN(async == epTimeout && info.peer == kSilent && info.op == epOpBarrier,
+                    "async %d peer %d op %d", async, info.peer, info.op);
+    CHECK_OR_RETURN(std::string(epGetLastError(comm)).find("rank 1") != std::string::npos, "message: %s",
+                    epGetLastError(comm));
+    t0 = std::chrono::steady_clock::now();
+    epCommAbort(comm);
+    CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
+    return 0;
+  }, 60000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// epCommAbort from another thread ends a wait on a peer that never comes, promptly.
+TEST(Faults, AbortUnblocksAWait) {
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    cfg.timeout_ms = 30000;
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, 2, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    if (rank == 1) {
+      usleep(1500 * 1000);
+      return 0;
+    }
+    epResult_t r = epSuccess;
+    std::thread waiter([&] { r = epCommBarrier(comm, nullptr); });
+    usleep(200 * 1000);
+    auto t0 = std::chrono::steady_clock::now();
+    epCommAbort(comm);
+    double ms = msSince(t0);
+    waiter.join();
+    CHECK_OR_RETURN(r == epAborted, "waiter got %s", epGetErrorString(r));
+    CHECK_OR_RETURN(ms < 500, "abort took %.0f ms", ms);
+    return 0;
+  }, 30000);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+}
+
+}  // namespace

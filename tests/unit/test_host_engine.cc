@@ -1,0 +1,1168 @@
+// Property tests of the host engine against the single-process reference (reference.h).
+//
+// Each test forks one process per rank (multiproc.h). Every child generates ALL ranks' inputs from the same
+// seed, runs the operation on its own, computes its expected outputs with the reference and compares them
+// bit for bit. Output buffers are poisoned (0xA5) before each call, with a guard tail, so unwritten rows and
+// out-of-bounds writes show. The seed is fresh per run and printed; EPCOMM_TEST_SEED=<n> reproduces a run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epcomm/epcomm.h"
+#include "multiproc.h"
+#include "reference.h"
+
+namespace {
+
+using epref::RankInput;
+using epref::Shape;
+
+constexpr uint8_t kPoison = 0xA5;
+constexpr size_t kGuard = 64;
+constexpr int kTimeoutMs = 20000;          // per wait, inside the engine
+constexpr int kRunTimeoutMs = 240000;      // per forked test run
+constexpr int kLlMaxTokens = 8;            // config capacity of the LL cases
+constexpr int kHtMaxTokens = 64;           // handle capacity of the HT cases
+
+// ---------------------------------------------------------------------------------------------------------
+// Seeds
+// ---------------------------------------------------------------------------------------------------------
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t z = a + 0x9e3779b97f4a7c15ull * (b + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint64_t baseSeed() {
+  static uint64_t seed = [] {
+    const char* env = std::getenv("EPCOMM_TEST_SEED");
+    uint64_t s = env ? std::strtoull(env, nullptr, 0)
+                     : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    std::printf("test_host_engine seed: EPCOMM_TEST_SEED=%" PRIu64 "\n", s);
+    std::fflush(stdout);
+    return s;
+  }();
+  return seed;
+}
+
+uint64_t nameSeed(const char* name, int R) {
+  uint64_t h = baseSeed();
+  for (const char* p = name; *p; ++p) h = mix(h, static_cast<uint8_t>(*p));
+  return mix(h, static_cast<uint64_t>(R));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Buffers and comparisons
+// ---------------------------------------------------------------------------------------------------------
+// A caller buffer of `bytes`, poisoned, followed by a poisoned guard.
+struct Buf {
+  std::vector<uint8_t> mem;
+  size_t bytes = 0;
+  void reset(size_t n) {
+    bytes = n;
+    mem.assign(n + kGuard, kPoison);
+  }
+  uint8_t* p() { return mem.data(); }
+  template <class T>
+  T* as() {
+    return reinterpret_cast<T*>(mem.data());
+  }
+};
+
+template <class T>
+const T* nz(const std::vector<T>& v) {  // never NULL, also for empty inputs
+  static T dummy[16] = {};
+  return v.empty() ? dummy : v.data();
+}
+
+struct Ctx {
+  int rank = 0;
+  uint64_t seed = 0;
+  std::string cas;  // case description
+  int failures = 0;
+
+  void fail(const char* op, const char* fmt, ...) __attribute__((format(printf, 3, 4))) {
+    ++failures;
+    if (failures > 12) return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "MISMATCH [seed %" PRIu64 "] rank %d op %s case {%s}: %s\n", seed, rank, op, cas.c_str(),
+                 msg);
+  }
+  bool ok(epResult_t rc, const char* op, epComm_t comm, epResult_t want = epSuccess) {
+    if (rc == want) return true;
+    fail(op, "returned %d (%s), want %d (%s); last error: %s", rc, epGetErrorString(rc), want,
+         epGetErrorString(want), epGetLastError(comm));
+    return false;
+  }
+};
+
+std::string hexElem(const uint8_t* p, size_t esz) {
+  char s[40];
+  uint64_t v = 0;
+  std::memcpy(&v, p, esz > 8 ? 8 : esz);
+  std::snprintf(s, sizeof s, "0x%0*" PRIx64, static_cast<int>(2 * esz), v);
+  return s;
+}
+
+std::string showElem(const uint8_t* p, size_t esz, int dtype) {
+  std::string s = hexElem(p, esz);
+  if (dtype >= 0 && dtype <= epFloat8E4M3) {
+    char f[48];
+    std::snprintf(f, sizeof f, " (%.9g)", static_cast<double>(epcomm::loadAsFloat(p, 0, dtype)));
+    s += f;
+  } else if (dtype == epInt32 || dtype == epInt64) {
+    int64_t v = dtype == epInt32 ? *reinterpret_cast<const int32_t*>(p) : *reinterpret_cast<const int64_t*>(p);
+    s += " (" + std::to_string(v) + ")";
+  }
+  return s;
+}
+
+// Compares rows x row_bytes of got and want, element by element (esz bytes, dtype for printing); rows whose
+// mask is 0 are skipped. Reports the first mismatch.
+bool cmpRows(Ctx& c, const char* op, const char* what, const void* got_v, const void* want_v, size_t rows,
+             size_t row_bytes, size_t esz, int dtype, const std::vector<uint8_t>* mask = nullptr) {
+  const uint8_t* got = static_cast<const uint8_t*>(got_v);
+  const uint8_t* want = static_cast<const uint8_t*>(want_v);
+  for (size_t r = 0; r < rows; ++r) {
+    if (mask && !(*mask)[r]) continue;
+    if (std::memcmp(got + r * row_bytes, want + r * row_bytes, row_bytes) == 0) continue;
+    for (size_t col = 0; col < row_bytes / esz; ++col) {
+      const uint8_t* g = got + r * row_bytes + col * esz;
+      const uint8_t* w = want + r * row_bytes + col * esz;
+      if (std::memcmp(g, w, esz) != 0) {
+        c.fail(op, "%s row %zu col %zu: got %s want %s", what, r, col, showElem(g, esz, dtype).c_str(),
+               showElem(w, esz, dtype).c_str());
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Bytes [from, mem.size()) must still be poison (nothing written past the expected size / in the guard).
+bool checkTail(Ctx& c, const char* op, const char* what, const Buf& b, size_t from) {
+  for (size_t i = from; i < b.mem.size(); ++i)
+    if (b.mem[i] != kPoison) {
+      c.fail(op, "%s: byte %zu written past the %zu bytes of output (buffer %zu bytes)", what, i, from, b.bytes);
+      return false;
+    }
+  return true;
+}
+
+// Rows [first, rows) of b (row_bytes each) must still hold the poison.
+bool checkPoisonRows(Ctx& c, const char* op, const char* what, const Buf& b, size_t first, size_t rows,
+                     size_t row_bytes) {
+  for (size_t r = first; r < rows; ++r)
+    for (size_t i = 0; i < row_bytes; ++i)
+      if (b.mem[r * row_bytes + i] != kPoison) {
+        c.fail(op, "%s row %zu byte %zu: written (0x%02x), must keep its old contents", what, r, i,
+               b.mem[r * row_bytes + i]);
+        return false;
+      }
+  return true;
+}
+
+void checkSize(Ctx& c, const char* op, const char* what, size_t helper, size_t need) {
+  if (helper < need) c.fail(op, "size helper %s = %zu bytes < %zu needed", what, helper, need);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Input generation (deterministic in (seed, rank); every child builds every rank's inputs)
+// ---------------------------------------------------------------------------------------------------------
+// Token counts: mode 0 = uneven, one rank (R > 1) with zero tokens; mode 1 = all tmax.
+std::vector<int> genCounts(uint64_t seed, int R, int tmax, int mode) {
+  std::mt19937_64 g(mix(seed, 0xc0));
+  std::vector<int> counts(R, tmax);
+  if (mode == 1) return counts;
+  std::uniform_int_distribution<int> d(0, tmax);
+  for (int r = 0; r < R; ++r) counts[r] = d(g);
+  if (R > 1) counts[g() % R] = 0;
+  if (R > 2 && g() % 2) counts[g() % R] = tmax;
+  return counts;
+}
+
+// Random values of dtype, never zero (fp8: any finite non-zero code).
+void genValues(std::mt19937_64& g, int dtype, int rows, int H, std::vector<uint8_t>* x) {
+  x->assign(static_cast<size_t>(rows) * H * epref::elemSize(dtype), 0);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> sc(-6, 6);
+  for (int r = 0; r < rows; ++r) {
+    float scale = std::ldexp(1.0f, sc(g));
+    for (int h = 0; h < H; ++h) {
+      size_t i = static_cast<size_t>(r) * H + h;
+      if (dtype == epFloat8E4M3) {
+        uint8_t v;
+        do v = static_cast<uint8_t>(g()); while ((v & 0x7f) == 0 || (v & 0x7f) == 0x7f);
+        (*x)[i] = v;
+        continue;
+      }
+      for (;;) {
+        epcomm::storeFromFloat(x->data(), i, dtype, nd(g) * scale);
+        if (epcomm::loadAsFloat(x->data(), i, dtype) != 0.0f) break;
+      }
+    }
+  }
+}
+
+void genScales(std::mt19937_64& g, int rows, int H, std::vector<float>* s) {
+  std::uniform_real_distribution<float> u(0.5f, 2.0f);
+  std::uniform_int_distribution<int> e(-8, 2);
+  s->resize(static_cast<size_t>(rows) * (H / EP_FP8_BLOCK));
+  for (float& v : *s) v = std::ldexp(u(g), e(g));
+}
+
+// Routing: K experts per token, mostly distinct, some -1, occasional duplicates, a few tokens with none.
+void genRouting(std::mt19937_64& g, const Shape& s, int T, std::vector<int64_t>* idx, std::vector<float>* w) {
+  int K = s.topk, E = s.num_experts;
+  idx->assign(static_cast<size_t>(T) * K, -1);
+  w->assign(static_cast<size_t>(T) * K, 0.0f);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::uniform_int_distribution<int> ed(0, E - 1);
+  std::uniform_real_distribution<float> wd(0.05f, 1.0f);
+  for (int t = 0; t < T; ++t) {
+    int64_t* row = &(*idx)[static_cast<size_t>(t) * K];
+    for (int k = 0; k < K; ++k) (*w)[static_cast<size_t>(t) * K + k] = (g() % 8 == 0 ? -1.0f : 1.0f) * wd(g);
+    if (u(g) < 0.03) continue;  // no expert at all
+    for (int k = 0; k < K; ++k) {
+      double p = u(g);
+      if (p < 0.08) {
+        row[k] = -1;
+      } else if (p < 0.12 && k > 0) {
+        row[k] = row[g() % k];  // duplicate (or -1)
+      } else {
+        int e = ed(g);
+        for (int tries = 0; tries < 16; ++tries) {
+          bool dup = false;
+          for (int j = 0; j < k; ++j) dup |= row[j] == e;
+          if (!dup) break;
+          e = ed(g);
+        }
+        row[k] = e;
+      }
+    }
+  }
+}
+
+std::vector<RankInput> genInputs(uint64_t seed, const Shape& s, int dtype, const std::vector<int>& counts) {
+  std::vector<RankInput> all(s.nranks);
+  for (int r = 0; r < s.nranks; ++r) {
+    std::mt19937_64 g(mix(seed, 0x1000 + r));
+    RankInput& in = all[r];
+    in.num_tokens = counts[r];
+    genValues(g, dtype, in.num_tokens, s.hidden, &in.x);
+    if (dtype == epFloat8E4M3) genScales(g, in.num_tokens, s.hidden, &in.x_scales);
+    genRouting(g, s, in.num_tokens, &in.topk_idx, &in.topk_weights);
+  }
+  return all;
+}
+
+// Fresh x (and scales) with the same routing.
+void regenX(uint64_t seed, const Shape& s, int dtype, std::vector<RankInput>* all) {
+  for (int r = 0; r < s.nranks; ++r) {
+    std::mt19937_64 g(mix(seed, 0x2000 + r));
+    RankInput& in = (*all)[r];
+    genValues(g, dtype, in.num_tokens, s.hidden, &in.x);
+    if (dtype == epFloat8E4M3) genScales(g, in.num_tokens, s.hidden, &in.x_scales);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Stand-in experts
+// ---------------------------------------------------------------------------------------------------------
+// HT: combine input of rank `rank` = received rows (dequantized for fp8) times (rank + 1), in out_dtype.
+std::vector<uint8_t> htExpert(const uint8_t* rx, const float* scales, int rows, int H, int in_dtype, int out_dtype,
+                              int rank) {
+  std::vector<uint8_t> y(static_cast<size_t>(rows) * H * epref::elemSize(out_dtype));
+  int nb = H / EP_FP8_BLOCK;
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < H; ++h) {
+      size_t i = static_cast<size_t>(r) * H + h;
+      float f = epcomm::loadAsFloat(rx, i, in_dtype);
+      if (in_dtype == epFloat8E4M3) f = f * scales[static_cast<size_t>(r) * nb + h / EP_FP8_BLOCK];
+      f = f * static_cast<float>(rank + 1);
+      epcomm::storeFromFloat(y.data(), i, out_dtype, f);
+    }
+  return y;
+}
+
+// LL: y [L, R*M, H] of rank `rank`: each received row (dequantized for fp8) times an expert factor; rows
+// that were not received hold 1000 + e, so a wrong row read shows.
+std::vector<uint8_t> llExpert(const uint8_t* rx, const float* scales, const std::vector<uint8_t>& written,
+                              int layout, const Shape& s, int M, int dtype, bool fp8, int rank) {
+  int R = s.nranks, L = s.local(), H = s.hidden, nb = H / EP_FP8_BLOCK;
+  std::vector<uint8_t> y(static_cast<size_t>(L) * R * M * H * epref::elemSize(dtype));
+  for (int le = 0; le < L; ++le) {
+    float factor = 1.0f + 0.25f * static_cast<float>(le) + 0.5f * static_cast<float>(rank);
+    for (int j = 0; j < R * M; ++j) {
+      size_t src = layout == EP_LL_EXPERT_MAJOR ? static_cast<size_t>(le) * R * M + j : static_cast<size_t>(j);
+      size_t dst = static_cast<size_t>(le) * R * M + j;
+      for (int h = 0; h < H; ++h) {
+        float v;
+        if (!written[src]) {
+          v = 1000.0f + static_cast<float>(le);
+        } else if (fp8) {
+          v = epcomm::fp8ToFloat(rx[src * H + h]) * scales[src * nb + h / EP_FP8_BLOCK];
+          v = v * factor;
+        } else {
+          v = epcomm::loadAsFloat(rx, src * H + h, dtype) * factor;
+        }
+        epcomm::storeFromFloat(y.data(), dst * H + h, dtype, v);
+      }
+    }
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Per-rank harness
+// ---------------------------------------------------------------------------------------------------------
+epConfig_t hostConfig() {
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_HOST;
+  cfg.timeout_ms = kTimeoutMs;
+  cfg.ll_max_tokens_per_rank = kLlMaxTokens;
+  return cfg;
+}
+
+// Forks R ranks, each creating a host communicator and running body(comm, rank, ctx); asserts every exit 0.
+void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx&)>& body) {
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess) << epGetLastError(nullptr);
+  std::vector<int> codes = epcomm::test::runRanks(
+      R,
+      [&](int rank) -> int {
+        Ctx ctx;
+        ctx.rank = rank;
+        ctx.seed = baseSeed();
+        epConfig_t cfg = hostConfig();
+        epComm_t comm = nullptr;
+        epResult_t rc = epCommInitRank(&comm, R, &id, rank, &cfg);
+        if (rc != epSuccess) {
+          std::fprintf(stderr, "rank %d: epCommInitRank: %s: %s\n", rank, epGetErrorString(rc),
+                       epGetLastError(nullptr));
+          return 2;
+        }
+        body(comm, rank, ctx);
+        rc = epCommDestroy(comm);
+        if (rc != epSuccess) {
+          std::fprintf(stderr, "rank %d: epCommDestroy: %s\n", rank, epGetErrorString(rc));
+          return 3;
+        }
+        return ctx.failures == 0 ? 0 : 1;
+      },
+      kRunTimeoutMs);
+  for (int r = 0; r < R; ++r)
+    EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << " failed (-1 = timed out); reproduce with EPCOMM_TEST_SEED="
+                           << baseSeed() << " (case seed " << seed << ")";
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Layout
+// ---------------------------------------------------------------------------------------------------------
+void checkLayout(epComm_t comm, Ctx& c, const std::vector<RankInput>& all, const Shape& s) {
+  const RankInput& me = all[c.rank];
+  int T = me.num_tokens, R = s.nranks, E = s.num_experts;
+  Buf tpr, tpe, itr;
+  tpr.reset(R * 4);
+  tpe.reset(E * 4);
+  itr.reset(static_cast<size_t>(T) * R);
+  epResult_t rc = epGetDispatchLayout(comm, nz(me.topk_idx), T, s.topk, E, tpr.as<int>(), tpe.as<int>(), itr.p(),
+                                      nullptr);
+  if (!c.ok(rc, "layout", comm)) return;
+  epref::Layout want = epref::layout(me, s);
+  cmpRows(c, "layout", "num_tokens_per_rank", tpr.p(), want.tokens_per_rank.data(), 1, R * 4, 4, epInt32);
+  cmpRows(c, "layout", "num_tokens_per_expert", tpe.p(), want.tokens_per_expert.data(), 1, E * 4, 4, epInt32);
+  cmpRows(c, "layout", "is_token_in_rank", itr.p(), want.is_token_in_rank.data(), T, R, 1, epUint8);
+  checkTail(c, "layout", "num_tokens_per_rank", tpr, R * 4);
+  checkTail(c, "layout", "num_tokens_per_expert", tpe, E * 4);
+  checkTail(c, "layout", "is_token_in_rank", itr, static_cast<size_t>(T) * R);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// HT
+// ---------------------------------------------------------------------------------------------------------
+struct HtCase {
+  int E, H, K, dtype, tmax;
+};
+
+std::string describe(const HtCase& h, int R) {
+  char s[160];
+  std::snprintf(s, sizeof s, "HT R=%d E=%d H=%d K=%d dtype=%s tmax=%d", R, h.E, h.H, h.K, epcomm::dtypeName(h.dtype),
+                h.tmax);
+  return s;
+}
+
+struct HtOut {  // the recv buffers of one dispatch
+  Buf x, scales, idx, w, tpe, nrecv;
+};
+
+// Allocates the HT recv buffers for `rows` rows at the size helper's sizes (at least what is needed).
+void allocHt(epComm_t comm, Ctx& c, const char* op, epHtDispatchArgs_t* a, int rows, HtOut* o) {
+  int nranks = 1;
+  epCommSize(comm, &nranks);
+  int H = a->hidden, K = a->topk, L = a->num_experts / nranks;
+  size_t esz = epref::elemSize(a->dtype);
+  bool fp8 = a->dtype == epFloat8E4M3;
+  size_t need_x = static_cast<size_t>(rows) * H * esz;
+  size_t need_s = fp8 ? static_cast<size_t>(rows) * (H / EP_FP8_BLOCK) * 4 : 0;
+  size_t need_i = static_cast<size_t>(rows) * K * 8, need_w = static_cast<size_t>(rows) * K * 4;
+  epBufferSizes_t sz = EP_BUFFER_SIZES_INIT;
+  epResult_t rc = epHtDispatchSizes(comm, a, rows, &sz);
+  if (c.ok(rc, op, comm)) {
+    checkSize(c, op, "recv_x", sz.recv_x, need_x);
+    checkSize(c, op, "recv_x_scales", sz.recv_x_scales, need_s);
+    checkSize(c, op, "recv_topk_idx", sz.recv_topk_idx, need_i);
+    checkSize(c, op, "recv_topk_weights", sz.recv_topk_weights, need_w);
+    checkSize(c, op, "recv_tokens_per_expert", sz.recv_tokens_per_expert, static_cast<size_t>(L) * 4);
+  } else {
+    sz.recv_x = sz.recv_x_scales = sz.recv_topk_idx = sz.recv_topk_weights = 0;
+  }
+  o->x.reset(std::max(sz.recv_x, need_x));
+  o->scales.reset(std::max(sz.recv_x_scales, need_s));
+  o->idx.reset(std::max(sz.recv_topk_idx, need_i));
+  o->w.reset(std::max(sz.recv_topk_weights, need_w));
+  o->tpe.reset(static_cast<size_t>(L) * 4);
+  o->nrecv.reset(4);
+  a->recv_x = o->x.p();
+  a->recv_x_bytes = o->x.bytes;
+  a->recv_x_scales = fp8 ? o->scales.as<float>() : nullptr;
+  a->recv_x_scales_bytes = fp8 ? o->scales.bytes : 0;
+  a->recv_topk_idx = o->idx.as<int64_t>();
+  a->recv_topk_idx_bytes = o->idx.bytes;
+  a->recv_topk_weights = o->w.as<float>();
+  a->recv_topk_weights_bytes = o->w.bytes;
+  a->recv_tokens_per_expert = o->tpe.as<int>();
+  a->num_recv_tokens = o->nrecv.as<int>();
+}
+
+// Compares recv_x (+scales) rows [0, n) and, if with_meta, the topk/count outputs (padded to `rows`).
+void checkHtRecv(Ctx& c, const char* op, HtOut& o, const epref::HtRecv& want, const Shape& s, int dtype, int rows,
+                 bool with_x_tail, bool with_meta) {
+  int H = s.hidden, K = s.topk, L = s.local(), n = want.num_recv;
+  size_t rb = static_cast<size_t>(H) * epref::elemSize(dtype);
+  cmpRows(c, op, "recv_x", o.x.p(), want.x.data(), n, rb, epref::elemSize(dtype), dtype);
+  if (with_x_tail) {
+    checkPoisonRows(c, op, "recv_x (past the received rows)", o.x, n, rows, rb);
+    checkTail(c, op, "recv_x", o.x, static_cast<size_t>(rows) * rb);
+  }
+  if (dtype == epFloat8E4M3)
+    cmpRows(c, op, "recv_x_scales", o.scales.p(), want.x_scales.data(), n, (H / EP_FP8_BLOCK) * 4, 4, epFloat32);
+  if (!with_meta) return;
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  epref::htPadToWorst(want, K, rows, &idx, &w);
+  cmpRows(c, op, "recv_topk_idx", o.idx.p(), idx.data(), rows, K * 8, 8, epInt64);
+  cmpRows(c, op, "recv_topk_weights", o.w.p(), w.data(), rows, K * 4, 4, epFloat32);
+  checkTail(c, op, "recv_topk_idx", o.idx, static_cast<size_t>(rows) * K * 8);
+  checkTail(c, op, "recv_topk_weights", o.w, static_cast<size_t>(rows) * K * 4);
+  cmpRows(c, op, "recv_tokens_per_expert", o.tpe.p(), want.tokens_per_expert.data(), 1, L * 4, 4, epInt32);
+  cmpRows(c, op, "num_recv_tokens", o.nrecv.p(), &want.num_recv, 1, 4, 4, epInt32);
+}
+
+// Runs HT combine on this rank's received rows (stand-in expert applied) and compares with the reference.
+void htCombineAndCheck(epComm_t comm, epHtHandle_t handle, Ctx& c, const char* op,
+                       const std::vector<RankInput>& all, const Shape& s, int dtype, HtOut& o, int rows) {
+  int H = s.hidden, R = s.nranks, T = all[c.rank].num_tokens;
+  int cdt = dtype == epFloat8E4M3 ? epBfloat16 : dtype;
+  size_t cesz = epref::elemSize(cdt);
+  std::vector<uint8_t> y = htExpert(o.x.p(), o.scales.as<float>(), rows, H, dtype, cdt, c.rank);
+  Buf in, out;
+  in.reset(y.size());
+  std::memcpy(in.p(), y.data(), y.size());
+  out.reset(static_cast<size_t>(T) * H * cesz);
+  epHtCombineArgs_t a = EP_HT_COMBINE_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = H;
+  a.dtype = cdt;
+  a.x = in.p();
+  a.x_bytes = in.bytes;
+  a.combined_x = out.p();
+  a.combined_x_bytes = out.bytes;
+  epResult_t rc = epHtCombine(comm, &a, handle, nullptr);
+  if (!c.ok(rc, op, comm)) return;
+  std::vector<std::vector<uint8_t>> ys(R);
+  for (int r = 0; r < R; ++r) {
+    epref::HtRecv rr = epref::htDispatch(all, s, dtype, r);
+    ys[r] = htExpert(rr.x.data(), rr.x_scales.data(), rr.num_recv, H, dtype, cdt, r);
+  }
+  std::vector<uint8_t> want = epref::htCombine(all, s, ys, cdt, c.rank);
+  cmpRows(c, op, "combined_x", out.p(), want.data(), T, H * cesz, cesz, cdt);
+  checkTail(c, op, "combined_x", out, out.bytes);
+}
+
+// One HT case: layout, exact dispatch + combine, cached dispatch + combine, worst-token dispatch + combine.
+void runHtCase(epComm_t comm, epHtHandle_t handle, Ctx& c, int R, uint64_t seed, const HtCase& hc) {
+  c.cas = describe(hc, R);
+  Shape s{R, hc.E, hc.H, hc.K};
+  int L = s.local(), dtype = hc.dtype;
+  bool fp8 = dtype == epFloat8E4M3;
+  std::vector<int> counts = genCounts(seed, R, hc.tmax, static_cast<int>(seed % 4 == 0));
+  std::vector<RankInput> all = genInputs(seed, s, dtype, counts);
+  const RankInput& me = all[c.rank];
+  int T = me.num_tokens;
+
+  checkLayout(comm, c, all, s);
+
+  // --- exact mode: notify, sizes, dispatch, combine
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = s.hidden;
+  a.topk = s.topk;
+  a.num_experts = s.num_experts;
+  a.dtype = dtype;
+  a.x = nz(me.x);
+  a.x_scales = fp8 ? nz(me.x_scales) : nullptr;
+  a.topk_idx = nz(me.topk_idx);
+  a.topk_weights = nz(me.topk_weights);
+  epref::HtRecv want = epref::htDispatch(all, s, dtype, c.rank);
+  int nrecv_host = -12345;
+  std::vector<int> tpe_host(L, -12345);
+  epResult_t rc = epHtDispatchNotify(comm, &a, handle, &nrecv_host, tpe_host.data(), nullptr);
+  if (c.ok(rc, "ht_notify", comm)) {
+    if (nrecv_host != want.num_recv) c.fail("ht_notify", "num_recv_tokens_host %d want %d", nrecv_host, want.num_recv);
+    cmpRows(c, "ht_notify", "recv_tokens_per_expert_host", tpe_host.data(), want.tokens_per_expert.data(), 1, L * 4,
+            4, epInt32);
+    int ht = -1, hn = -1;
+    if (c.ok(epHtHandleGetCounts(handle, &ht, &hn), "ht_handle_counts", comm) && (ht != T || hn != want.num_recv))
+      c.fail("ht_handle_counts", "num_tokens %d num_recv %d, want %d %d", ht, hn, T, want.num_recv);
+  }
+  int n = want.num_recv;
+  HtOut o;
+  allocHt(comm, c, "ht_sizes", &a, n, &o);
+  rc = epHtDispatch(comm, &a, handle, nullptr);
+  if (c.ok(rc, "ht_dispatch", comm)) checkHtRecv(c, "ht_dispatch", o, want, s, dtype, n, true, true);
+  htCombineAndCheck(comm, handle, c, "ht_combine", all, s, dtype, o, n);
+
+  // --- cached layout: same routing, fresh x; no topk inputs or outputs
+  std::vector<RankInput> all2 = all;
+  regenX(mix(seed, 2), s, dtype, &all2);
+  epHtDispatchArgs_t a2 = a;
+  a2.flags = EP_HT_USE_HANDLE_LAYOUT;
+  a2.x = nz(all2[c.rank].x);
+  a2.x_scales = fp8 ? nz(all2[c.rank].x_scales) : nullptr;
+  a2.topk_idx = nullptr;
+  a2.topk_weights = nullptr;
+  HtOut o2;
+  allocHt(comm, c, "ht_sizes", &a2, n, &o2);
+  a2.recv_topk_idx = nullptr;
+  a2.recv_topk_idx_bytes = 0;
+  a2.recv_topk_weights = nullptr;
+  a2.recv_topk_weights_bytes = 0;
+  a2.recv_tokens_per_expert = nullptr;
+  a2.num_recv_tokens = nullptr;
+  epref::HtRecv want2 = epref::htDispatch(all2, s, dtype, c.rank);
+  rc = epHtDispatch(comm, &a2, handle, nullptr);
+  if (c.ok(rc, "ht_dispatch_cached", comm)) {
+    checkHtRecv(c, "ht_dispatch_cached", o2, want2, s, dtype, n, true, false);
+    checkPoisonRows(c, "ht_dispatch_cached", "recv_topk_idx (NULL topk_idx: must not be written)", o2.idx, 0,
+                    o2.idx.bytes / 8, 8);
+  }
+  htCombineAndCheck(comm, handle, c, "ht_combine_cached", all2, s, dtype, o2, n);
+
+  // --- worst-token mode: W > every rank's received count, one dispatch call, padded outputs
+  int maxrecv = 0;
+  for (int r = 0; r < R; ++r) maxrecv = std::max(maxrecv, static_cast<int>(epref::htRecvRows(all, s, r).size()));
+  int W = maxrecv + 1 + static_cast<int>(mix(seed, 3) % 5);
+  std::vector<RankInput> all3 = all;
+  regenX(mix(seed, 4), s, dtype, &all3);
+  epHtDispatchArgs_t a3 = a;
+  a3.num_worst_tokens = W;
+  a3.x = nz(all3[c.rank].x);
+  a3.x_scales = fp8 ? nz(all3[c.rank].x_scales) : nullptr;
+  HtOut o3;
+  allocHt(comm, c, "ht_sizes_worst", &a3, W, &o3);
+  epref::HtRecv want3 = epref::htDispatch(all3, s, dtype, c.rank);
+  rc = epHtDispatch(comm, &a3, handle, nullptr);
+  if (c.ok(rc, "ht_dispatch_worst", comm)) checkHtRecv(c, "ht_dispatch_worst", o3, want3, s, dtype, W, true, true);
+  htCombineAndCheck(comm, handle, c, "ht_combine_worst", all3, s, dtype, o3, W);
+}
+
+std::vector<HtCase> htCases(int R) {
+  switch (R) {
+    case 1:
+      return {{4, 8, 1, epBfloat16, 40},
+              {8, 56, 3, epFloat16, 30},
+              {16, 128, 9, epFloat8E4M3, 24},
+              {4, 1024, 2, epFloat32, 10},
+              {8, 7168, 8, epBfloat16, 3}};
+    case 2:
+      return {{2, 8, 1, epBfloat16, 40},
+              {8, 56, 4, epFloat32, 30},
+              {32, 128, 9, epFloat8E4M3, 24},
+              {16, 1024, 6, epFloat16, 10},
+              {16, 7168, 8, epBfloat16, 3}};
+    case 3:
+      return {{3, 8, 2, epFloat16, 40},
+              {12, 128, 5, epFloat8E4M3, 20},
+              {6, 1024, 3, epBfloat16, 8},
+              {9, 56, 9, epFloat32, 24},
+              {6, 7168, 4, epFloat8E4M3, 2}};
+    case 4:
+      return {{4, 8, 4, epBfloat16, 32},
+              {8, 56, 1, epFloat16, 32},
+              {32, 128, 8, epBfloat16, 20},
+              {16, 7168, 8, epFloat8E4M3, 3},
+              {64, 1024, 9, epFloat32, 6}};
+    default:
+      return {{8, 8, 2, epFloat32, 24},
+              {16, 56, 7, epBfloat16, 16},
+              {64, 128, 9, epFloat8E4M3, 12},
+              {32, 1024, 8, epFloat16, 4},
+              {8, 7168, 4, epBfloat16, 2}};
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// LL
+// ---------------------------------------------------------------------------------------------------------
+struct LlCase {
+  int E, H, K, dtype, M, layout;
+  bool fp8;
+  int counts_mode;  // 0 uneven (with a zero), 1 full (T == M everywhere)
+  bool split;       // phases split: SEND then RECV
+};
+
+std::string describe(const LlCase& l, int R) {
+  char s[200];
+  std::snprintf(s, sizeof s, "LL R=%d E=%d H=%d K=%d dtype=%s M=%d layout=%s fp8=%d counts=%s split=%d", R, l.E, l.H,
+                l.K, epcomm::dtypeName(l.dtype), l.M, l.layout == EP_LL_EXPERT_MAJOR ? "expert" : "rank", l.fp8,
+                l.counts_mode ? "full" : "uneven", l.split);
+  return s;
+}
+
+void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
+  c.cas = describe(lc, R);
+  Shape s{R, lc.E, lc.H, lc.K};
+  int L = s.local(), M = lc.M, H = lc.H, K = lc.K, dtype = lc.dtype;
+  bool em = lc.layout == EP_LL_EXPERT_MAJOR;
+  std::vector<int> counts = genCounts(seed, R, M, lc.counts_mode);
+  std::vector<RankInput> all = genInputs(seed, s, dtype, counts);
+  const RankInput& me = all[c.rank];
+  int T = me.num_tokens;
+
+  epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.max_tokens_per_rank = M;
+  a.hidden = H;
+  a.topk = K;
+  a.num_experts = lc.E;
+  a.dtype = dtype;
+  a.use_fp8 = lc.fp8 ? 1 : 0;
+  a.layout = lc.layout;
+  a.x = nz(me.x);
+  a.topk_idx = nz(me.topk_idx);
+
+  epref::LlRecv want = epref::llDispatch(all, s, M, dtype, lc.fp8, lc.layout, c.rank, kPoison);
+  size_t need_x = want.x.size(), need_s = want.x_scales.size() * 4, need_c = want.count.size() * 4;
+  size_t need_si = em ? static_cast<size_t>(L) * R * M * 4 : 0, need_lr = em ? static_cast<size_t>(L) * R * 8 : 0;
+  size_t need_ti = em ? 0 : static_cast<size_t>(R) * M * K * 8;
+  epBufferSizes_t sz = EP_BUFFER_SIZES_INIT;
+  if (c.ok(epLlDispatchSizes(comm, &a, &sz), "ll_sizes", comm)) {
+    checkSize(c, "ll_sizes", "recv_x", sz.recv_x, need_x);
+    checkSize(c, "ll_sizes", "recv_x_scales", sz.recv_x_scales, need_s);
+    checkSize(c, "ll_sizes", "recv_count", sz.recv_count, need_c);
+    checkSize(c, "ll_sizes", "recv_src_info", sz.recv_src_info, need_si);
+    checkSize(c, "ll_sizes", "recv_layout_range", sz.recv_layout_range, need_lr);
+    checkSize(c, "ll_sizes", "recv_topk_idx", sz.recv_topk_idx, need_ti);
+  } else {
+    sz = EP_BUFFER_SIZES_INIT;
+  }
+  Buf rx, rs, rc_, si, lr, ti;
+  rx.reset(std::max(sz.recv_x, need_x));
+  rs.reset(lc.fp8 ? std::max(sz.recv_x_scales, need_s) : 0);
+  rc_.reset(std::max(sz.recv_count, need_c));
+  si.reset(em ? std::max(sz.recv_src_info, need_si) : 0);
+  lr.reset(em ? std::max(sz.recv_layout_range, need_lr) : 0);
+  ti.reset(em ? 0 : std::max(sz.recv_topk_idx, need_ti));
+  a.recv_x = rx.p();
+  a.recv_x_bytes = rx.bytes;
+  a.recv_x_scales = lc.fp8 ? rs.as<float>() : nullptr;
+  a.recv_x_scales_bytes = lc.fp8 ? rs.bytes : 0;
+  a.recv_count = rc_.as<int>();
+  a.recv_count_bytes = rc_.bytes;
+  if (em) {
+    a.recv_src_info = si.as<int>();
+    a.recv_src_info_bytes = si.bytes;
+    a.recv_layout_range = lr.as<int64_t>();
+    a.recv_layout_range_bytes = lr.bytes;
+  } else {
+    a.recv_topk_idx = ti.as<int64_t>();
+    a.recv_topk_idx_bytes = ti.bytes;
+  }
+
+  bool ok;
+  if (lc.split) {
+    a.phases = EP_LL_SEND;
+    ok = c.ok(epLlDispatch(comm, &a, nullptr), "ll_dispatch_send", comm);
+    a.phases = EP_LL_RECV;
+    ok = c.ok(epLlDispatch(comm, &a, nullptr), "ll_dispatch_recv", comm) && ok;
+  } else {
+    ok = c.ok(epLlDispatch(comm, &a, nullptr), "ll_dispatch", comm);
+  }
+  if (ok) {
+    const char* op = "ll_dispatch";
+    size_t esz = lc.fp8 ? 1 : epref::elemSize(dtype);
+    cmpRows(c, op, "recv_x", rx.p(), want.x.data(), want.rows, want.row_bytes, esz,
+            lc.fp8 ? epFloat8E4M3 : dtype);
+    checkTail(c, op, "recv_x", rx, need_x);
+    if (lc.fp8)
+      cmpRows(c, op, "recv_x_scales", rs.p(), want.x_scales.data(), want.rows, want.blocks * 4, 4, epFloat32,
+              &want.row_written);
+    cmpRows(c, op, "recv_count", rc_.p(), want.count.data(), 1, need_c, 4, epInt32);
+    checkTail(c, op, "recv_count", rc_, need_c);
+    if (em) {
+      std::vector<uint8_t> mask(static_cast<size_t>(L) * R * M, 0);
+      for (int le = 0; le < L; ++le)
+        for (int j = 0; j < want.count[le]; ++j) mask[static_cast<size_t>(le) * R * M + j] = 1;
+      cmpRows(c, op, "recv_src_info", si.p(), want.src_info.data(), mask.size(), 4, 4, epInt32, &mask);
+      cmpRows(c, op, "recv_layout_range", lr.p(), want.layout_range.data(), L, R * 8, 8, epInt64);
+    } else {
+      cmpRows(c, op, "recv_topk_idx", ti.p(), want.topk_idx.data(), static_cast<size_t>(R) * M, K * 8, 8, epInt64);
+      checkTail(c, op, "recv_topk_idx", ti, need_ti);
+    }
+  }
+
+  // --- combine: stand-in expert on every rank, then out on the source ranks
+  std::vector<uint8_t> y_me = llExpert(rx.p(), rs.as<float>(), want.row_written, lc.layout, s, M, dtype, lc.fp8,
+                                       c.rank);
+  std::vector<std::vector<uint8_t>> ys(R);
+  for (int r = 0; r < R; ++r) {
+    if (r == c.rank) {
+      ys[r] = y_me;
+      continue;
+    }
+    epref::LlRecv rr = epref::llDispatch(all, s, M, dtype, lc.fp8, lc.layout, r, kPoison);
+    ys[r] = llExpert(rr.x.data(), rr.x_scales.data(), rr.row_written, lc.layout, s, M, dtype, lc.fp8, r);
+  }
+  size_t esz = epref::elemSize(dtype);
+  Buf yb, out;
+  yb.reset(y_me.size());
+  std::memcpy(yb.p(), y_me.data(), y_me.size());
+  out.reset(static_cast<size_t>(T) * H * esz);
+  epLlCombineArgs_t b = EP_LL_COMBINE_ARGS_INIT;
+  b.num_tokens = T;
+  b.max_tokens_per_rank = M;
+  b.hidden = H;
+  b.topk = K;
+  b.num_experts = lc.E;
+  b.dtype = dtype;
+  b.layout = lc.layout;
+  b.y = yb.p();
+  b.y_bytes = yb.bytes;
+  b.recv_count = rc_.as<int>();
+  if (em) {
+    b.recv_src_info = si.as<int>();
+    b.recv_layout_range = lr.as<int64_t>();
+  } else {
+    b.recv_topk_idx = ti.as<int64_t>();
+  }
+  b.topk_idx = nz(me.topk_idx);
+  b.topk_weights = nz(me.topk_weights);
+  b.out = out.p();
+  b.out_bytes = out.bytes;
+  if (lc.split) {
+    b.phases = EP_LL_SEND;
+    ok = c.ok(epLlCombine(comm, &b, nullptr), "ll_combine_send", comm);
+    b.phases = EP_LL_RECV;
+    ok = c.ok(epLlCombine(comm, &b, nullptr), "ll_combine_recv", comm) && ok;
+  } else {
+    ok = c.ok(epLlCombine(comm, &b, nullptr), "ll_combine", comm);
+  }
+  if (ok) {
+    std::vector<uint8_t> wantc = epref::llCombine(all, s, M, lc.layout, ys, dtype, c.rank);
+    cmpRows(c, "ll_combine", "out", out.p(), wantc.data(), T, static_cast<size_t>(H) * esz, esz, dtype);
+    checkTail(c, "ll_combine", "out", out, out.bytes);
+  }
+}
+
+std::vector<LlCase> llCases(int R) {
+  const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+  int e1 = R, e2 = 2 * R, e4 = 4 * R, e8 = 8 * R;
+  std::vector<LlCase> v = {
+      // E,  H,    K, dtype,        M, layout, fp8,  counts, split
+      {e2, 128, 1, epBfloat16, 1, EM, false, 1, false},
+      {e4, 128, 3, epBfloat16, 1, RM, true, 1, false},
+      {e2, 256, 2, epFloat16, 2, RM, true, 1, false},
+      {e8, 256, 9, epFloat32, 2, EM, true, 1, true},
+      {e1, 56, 4, epFloat32, 8, EM, false, 1, false},
+      {e4, 8, 5, epFloat16, 8, RM, false, 1, false},
+      {e4, 1024, 8, epBfloat16, 8, RM, false, 0, false},
+      {e8, 384, 7, epBfloat16, 8, EM, true, 0, true},
+      {e2, 128, 6, epFloat32, 4, RM, true, 0, true},
+      {e4, 56, 9, epBfloat16, 8, EM, false, 0, false},
+      {e1, 8, 2, epFloat16, 6, EM, false, 0, true},
+  };
+  if (R <= 4) {
+    v.push_back({e4, 7168, 8, epBfloat16, 2, EM, true, 0, false});
+    v.push_back({e2, 7168, 4, epBfloat16, 2, RM, false, 1, true});
+  } else {
+    v.push_back({e2, 7168, 4, epBfloat16, 1, EM, true, 1, false});
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// alltoallv
+// ---------------------------------------------------------------------------------------------------------
+void runAlltoallvCase(epComm_t comm, Ctx& c, int R, uint64_t seed, int dtype, int maxcount) {
+  char d[128];
+  std::snprintf(d, sizeof d, "alltoallv R=%d dtype=%s maxcount=%d", R, epcomm::dtypeName(dtype), maxcount);
+  c.cas = d;
+  size_t esz = epref::elemSize(dtype);
+  std::mt19937_64 g(mix(seed, 0xa2a));
+  std::vector<std::vector<size_t>> counts(R, std::vector<size_t>(R)), sd(R, std::vector<size_t>(R)),
+      rd(R, std::vector<size_t>(R));
+  std::uniform_int_distribution<int> cd(0, maxcount), gap(0, 3);
+  for (int p = 0; p < R; ++p)
+    for (int q = 0; q < R; ++q) counts[p][q] = g() % 5 == 0 ? 0 : static_cast<size_t>(cd(g));
+  std::vector<size_t> send_total(R), recv_total(R);
+  for (int p = 0; p < R; ++p) {  // send displacements: peers in a random order, with gaps
+    std::vector<int> perm(R);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), g);
+    size_t off = static_cast<size_t>(gap(g));
+    for (int q : perm) {
+      sd[p][q] = off;
+      off += counts[p][q] + static_cast<size_t>(gap(g));
+    }
+    send_total[p] = off;
+  }
+  for (int q = 0; q < R; ++q) {  // receive displacements likewise
+    std::vector<int> perm(R);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), g);
+    size_t off = static_cast<size_t>(gap(g));
+    for (int p : perm) {
+      rd[q][p] = off;
+      off += counts[p][q] + static_cast<size_t>(gap(g));
+    }
+    recv_total[q] = off;
+  }
+  std::vector<std::vector<uint8_t>> sends(R);
+  for (int p = 0; p < R; ++p) {
+    std::mt19937_64 gp(mix(seed, 0xb00 + p));
+    sends[p].resize(send_total[p] * esz);
+    for (auto& b : sends[p]) b = static_cast<uint8_t>(gp());
+  }
+  int me = c.rank;
+  std::vector<size_t> rcounts(R);
+  for (int p = 0; p < R; ++p) rcounts[p] = counts[p][me];
+  Buf sb, rb;
+  sb.reset(sends[me].size());
+  std::memcpy(sb.p(), sends[me].data(), sends[me].size());
+  rb.reset(recv_total[me] * esz);
+  epResult_t rc = epAlltoallv(comm, sb.p(), counts[me].data(), sd[me].data(), rb.p(), rcounts.data(), rd[me].data(),
+                              static_cast<epDataType_t>(dtype), nullptr);
+  if (c.ok(rc, "alltoallv", comm)) {
+    std::vector<uint8_t> want = epref::alltoallv(sends, counts, sd, rd, esz, me, recv_total[me], kPoison);
+    cmpRows(c, "alltoallv", "recvbuf", rb.p(), want.data(), 1, want.size(), esz, -1);
+    checkTail(c, "alltoallv", "recvbuf", rb, want.size());
+  }
+}
+
+// Device counts. mode 0: one rank overflows its capacity; 1: capacities with slack; 2: exactly full.
+void runAlltoallvDeviceCase(epComm_t comm, Ctx& c, int R, uint64_t seed, int dtype, int maxcount, int mode) {
+  char d[128];
+  std::snprintf(d, sizeof d, "alltoallv_device R=%d dtype=%s maxcount=%d mode=%d", R, epcomm::dtypeName(dtype),
+                maxcount, mode);
+  c.cas = d;
+  size_t esz = epref::elemSize(dtype);
+  std::mt19937_64 g(mix(seed, 0xde5));
+  std::vector<std::vector<int64_t>> counts(R, std::vector<int64_t>(R));
+  std::uniform_int_distribution<int> cd(0, maxcount);
+  for (int p = 0; p < R; ++p)
+    for (int q = 0; q < R; ++q) counts[p][q] = g() % 5 == 0 ? 0 : cd(g);
+  std::vector<size_t> total(R, 0);
+  for (int q = 0; q < R; ++q)
+    for (int p = 0; p < R; ++p) total[q] += static_cast<size_t>(counts[p][q]);
+  int over = static_cast<int>(g() % R);
+  if (mode == 0 && total[over] == 0) {  // make sure the overflowing rank receives something
+    counts[(over + 1) % R][over] = 3;
+    total[over] = 3;
+  }
+  std::vector<size_t> cap(R);
+  for (int q = 0; q < R; ++q) {
+    if (mode == 0 && q == over) cap[q] = static_cast<size_t>(g() % total[q]);  // < total
+    else if (mode == 2) cap[q] = total[q];
+    else cap[q] = total[q] + g() % 4;
+  }
+  std::vector<std::vector<uint8_t>> sends(R);
+  for (int p = 0; p < R; ++p) {
+    size_t n = 0;
+    for (int q = 0; q < R; ++q) n += static_cast<size_t>(counts[p][q]);
+    std::mt19937_64 gp(mix(seed, 0xc00 + p));
+    sends[p].resize(n * esz);
+    for (auto& b : sends[p]) b = static_cast<uint8_t>(gp());
+  }
+  int me = c.rank;
+  Buf sb, scb, rb, rcb, db;
+  sb.reset(sends[me].size());
+  std::memcpy(sb.p(), sends[me].data(), sends[me].size());
+  scb.reset(R * 8);
+  std::memcpy(scb.p(), counts[me].data(), R * 8);
+  rb.reset(cap[me] * esz);
+  rcb.reset(R * 8);
+  db.reset(8);
+  epref::AlltoallvDeviceResult want = epref::alltoallvDevice(sends, counts, esz, cap[me], me, kPoison);
+  epResult_t rc = epAlltoallvDevice(comm, sb.p(), scb.as<int64_t>(), rb.p(), cap[me], rcb.as<int64_t>(),
+                                    db.as<int64_t>(), static_cast<epDataType_t>(dtype), nullptr);
+  if (rc != want.result) {
+    c.ok(rc, "alltoallv_device", comm, want.result);
+    return;
+  }
+  cmpRows(c, "alltoallv_device", "recvbuf", rb.p(), want.recv.data(), 1, want.recv.size(), esz, -1);
+  checkTail(c, "alltoallv_device", "recvbuf", rb, want.recv.size());
+  cmpRows(c, "alltoallv_device", "recv_counts", rcb.p(), want.recv_counts.data(), 1, R * 8, 8, epInt64);
+  cmpRows(c, "alltoallv_device", "num_dropped", db.p(), &want.num_dropped, 1, 8, 8, epInt64);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------------------
+class HostEngine : public ::testing::TestWithParam<int> {};
+
+TEST_P(HostEngine, HtDispatchCombine) {
+  int R = GetParam();
+  uint64_t seed = nameSeed("ht", R);
+  runOnComm(R, seed, [&](epComm_t comm, int rank, Ctx& c) {
+    epHtHandle_t handle = nullptr;
+    if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
+    std::vector<HtCase> cases = htCases(R);
+    for (size_t i = 0; i < cases.size(); ++i) runHtCase(comm, handle, c, R, mix(seed, i), cases[i]);
+    c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
+    (void)rank;
+  });
+}
+
+TEST_P(HostEngine, LlDispatchCombine) {
+  int R = GetParam();
+  uint64_t seed = nameSeed("ll", R);
+  runOnComm(R, seed, [&](epComm_t comm, int, Ctx& c) {
+    std::vector<LlCase> cases = llCases(R);
+    for (size_t i = 0; i < cases.size(); ++i) runLlCase(comm, c, R, mix(seed, i), cases[i]);
+  });
+}
+
+TEST_P(HostEngine, Alltoallv) {
+  int R = GetParam();
+  uint64_t seed = nameSeed("a2a", R);
+  runOnComm(R, seed, [&](epComm_t comm, int, Ctx& c) {
+    const int dtypes[] = {epFloat32, epBfloat16, epUint8, epInt64, epFloat8E4M3};
+    for (int i = 0; i < 5; ++i) runAlltoallvCase(comm, c, R, mix(seed, i), dtypes[i], i == 3 ? 0 : 40 + 200 * i);
+    for (int i = 0; i < 6; ++i)
+      runAlltoallvDeviceCase(comm, c, R, mix(seed, 100 + i), dtypes[i % 5], 50 + 100 * i, i % 3);
+    runAlltoallvCase(comm, c, R, mix(seed, 200), epInt32, 30);  // still fine after an overflow
+  });
+}
+
+// A mixed sequence of every operation, several rounds, on one communicator (epochs advance correctly).
+TEST_P(HostEngine, MixedSequence) {
+  int R = GetParam();
+  uint64_t seed = nameSeed("mixed", R);
+  runOnComm(R, seed, [&](epComm_t comm, int, Ctx& c) {
+    epHtHandle_t handle = nullptr;
+    if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
+    int E = 4 * R;
+    for (int round = 0; round < 4; ++round) {
+      uint64_t s = mix(seed, round);
+      runHtCase(comm, handle, c, R, mix(s, 1), {E, 128, 4, round % 2 ? epFloat8E4M3 : epBfloat16, 12});
+      runLlCase(comm, c, R, mix(s, 2), {E, 128, 4, epBfloat16, 4, EP_LL_EXPERT_MAJOR, round % 2 == 1, 0, true});
+      runAlltoallvCase(comm, c, R, mix(s, 3), epFloat16, 20);
+      runLlCase(comm, c, R, mix(s, 4), {2 * R, 256, 3, epFloat16, 3, EP_LL_RANK_MAJOR, round % 2 == 0, 0, false});
+      runAlltoallvDeviceCase(comm, c, R, mix(s, 5), epBfloat16, 20, round % 3);
+      runHtCase(comm, handle, c, R, mix(s, 6), {2 * R, 56, 2, epFloat32, 8});
+      if (c.failures) break;
+    }
+    c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, HostEngine, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
+
+// Worst-token mode with fewer rows than a rank receives: epCapacityExceeded there; the communicator stays
+// usable (a following correct call succeeds everywhere).
+TEST(HostEngineErrors, HtWorstTokenCapacityExceeded) {
+  const int R = 3;
+  uint64_t seed = nameSeed("ht_capacity", R);
+  runOnComm(R, seed, [&](epComm_t comm, int rank, Ctx& c) {
+    Shape s{R, 6, 64, 3};
+    c.cas = "HT worst-token overflow R=3 E=6 H=64 K=3";
+    std::vector<int> counts = {10, 3, 7};
+    std::vector<RankInput> all = genInputs(seed, s, epBfloat16, counts);
+    int maxrecv = 0;
+    std::vector<int> nrecv(R);
+    for (int r = 0; r < R; ++r) {
+      nrecv[r] = static_cast<int>(epref::htRecvRows(all, s, r).size());
+      maxrecv = std::max(maxrecv, nrecv[r]);
+    }
+    epHtHandle_t handle = nullptr;
+    if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
+    const RankInput& me = all[rank];
+    epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+    a.num_tokens = me.num_tokens;
+    a.hidden = s.hidden;
+    a.topk = s.topk;
+    a.num_experts = s.num_experts;
+    a.dtype = epBfloat16;
+    a.x = nz(me.x);
+    a.topk_idx = nz(me.topk_idx);
+    a.topk_weights = nz(me.topk_weights);
+    a.num_worst_tokens = maxrecv - 1;
+    HtOut o;
+    allocHt(comm, c, "ht_sizes_worst", &a, maxrecv - 1, &o);
+    epResult_t rc = epHtDispatch(comm, &a, handle, nullptr);
+    if (nrecv[rank] > maxrecv - 1) {
+      c.ok(rc, "ht_dispatch_worst_overflow", comm, epCapacityExceeded);
+    } else {
+      std::fprintf(stderr, "rank %d (receives %d <= %d rows): overflow call returned %s\n", rank, nrecv[rank],
+                   maxrecv - 1, epGetErrorString(rc));
+    }
+    checkTail(c, "ht_dispatch_worst_overflow", "recv_x", o.x, static_cast<size_t>(maxrecv - 1) * s.hidden * 2);
+    // then a correct call
+    a.num_worst_tokens = maxrecv;
+    HtOut o2;
+    allocHt(comm, c, "ht_sizes_worst", &a, maxrecv, &o2);
+    rc = epHtDispatch(comm, &a, handle, nullptr);
+    if (c.ok(rc, "ht_dispatch_worst_after_overflow", comm)) {
+      epref::HtRecv want = epref::htDispatch(all, s, epBfloat16, rank);
+      checkHtRecv(c, "ht_dispatch_worst_after_overflow", o2, want, s, epBfloat16, maxrecv, true, true);
+    }
+    htCombineAndCheck(comm, handle, c, "ht_combine_after_overflow", all, s, epBfloat16, o2, maxrecv);
+    c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The reference against itself (no engine): simple cases whose answer is known.
+// ---------------------------------------------------------------------------------------------------------
+TEST(Reference, IdentityRoundTrips) {
+  uint64_t seed = nameSeed("reference", 0);
+  for (int R : {1, 3}) {
+    for (int dtype : {epBfloat16, epFloat16, epFloat32}) {
+      Shape s{R, 2 * R, 128, 1};
+      std::vector<int> counts = genCounts(seed, R, 6, 0);
+      std::vector<RankInput> all = genInputs(mix(seed, R * 10 + dtype), s, dtype, counts);
+      for (auto& in : all)  // top-1 with weight 1; tokens without expert stay (-1)
+        for (float& w : in.topk_weights) w = 1.0f;
+      size_t esz = epref::elemSize(dtype);
+      // HT identity expert: combine(dispatch(x)) == x for routed tokens, 0 for the others
+      std::vector<std::vector<uint8_t>> ys(R);
+      int total_recv = 0, total_routed = 0;
+      for (int r = 0; r < R; ++r) {
+        epref::HtRecv rr = epref::htDispatch(all, s, dtype, r);
+        ys[r] = rr.x;
+        total_recv += rr.num_recv;
+        int tpe_sum = 0;
+        for (int v : rr.tokens_per_expert) tpe_sum += v;
+        EXPECT_EQ(tpe_sum, rr.num_recv);  // top-1: each row names exactly one local expert
+      }
+      for (int r = 0; r < R; ++r) {
+        epref::Layout lay = epref::layout(all[r], s);
+        for (int v : lay.tokens_per_rank) total_routed += v;
+        std::vector<uint8_t> got = epref::htCombine(all, s, ys, dtype, r);
+        for (int t = 0; t < all[r].num_tokens; ++t) {
+          bool routed = all[r].topk_idx[t] >= 0;
+          std::vector<uint8_t> zero(s.hidden * esz, 0);
+          const uint8_t* want = routed ? &all[r].x[t * s.hidden * esz] : zero.data();
+          EXPECT_EQ(std::memcmp(&got[t * s.hidden * esz], want, s.hidden * esz), 0)
+              << "HT R=" << R << " dtype " << dtype << " rank " << r << " token " << t;
+        }
+      }
+      EXPECT_EQ(total_recv, total_routed);
+      // LL identity expert with weight 1 (both layouts): out == x for routed tokens
+      for (int layout : {EP_LL_EXPERT_MAJOR, EP_LL_RANK_MAJOR}) {
+        int M = 6;
+        std::vector<std::vector<uint8_t>> ly(R);
+        for (int r = 0; r < R; ++r) {
+          epref::LlRecv lr = epref::llDispatch(all, s, M, dtype, false, layout, r, 0);
+          // y[le][j] = recv row (expert-major: same index; rank-major: row j of the shared [R, M] block)
+          ly[r].assign(static_cast<size_t>(s.local()) * R * M * s.hidden * esz, 0);
+          for (int le = 0; le < s.local(); ++le)
+            for (int j = 0; j < R * M; ++j) {
+              size_t src = layout == EP_LL_EXPERT_MAJOR ? static_cast<size_t>(le) * R * M + j : j;
+              std::memcpy(&ly[r][(static_cast<size_t>(le) * R * M + j) * s.hidden * esz],
+                          &lr.x[src * s.hidden * esz], s.hidden * esz);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+          std::vector<uint8_t> got = epref::llCombine(all, s, M, layout, ly, dtype, r);
+          for (int t = 0; t < all[r].num_tokens; ++t) {
+            bool routed = all[r].topk_idx[t] >= 0;
+            std::vector<uint8_t> zero(s.hidden * esz, 0);
+            const uint8_t* want = routed ? &all[r].x[t * s.hidden * esz] : zero.data();
+            EXPECT_EQ(std::memcmp(&got[t * s.hidden * esz], want, s.hidden * esz), 0)
+                << "LL layout " << layout << " R=" << R << " rank " << r << " token " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Reference, LlFp8AndAlltoallvConsistency) {
+  // fp8 quantization: dequantized values are within half an fp8 ulp-ish of the input (relative 1/16)
+  uint64_t seed = nameSeed("reference_fp8", 0);
+  std::mt19937_64 g(seed);
+  std::vector<uint8_t> x;
+  int H = 256;
+  genValues(g, epBfloat16, 4, H, &x);
+  for (int r = 0; r < 4; ++r) {
+    std::vector<uint8_t> q(H);
+    std::vector<float> sc(H / 128);
+    epref::llQuantizeRow(&x[r * H * 2], H, epBfloat16, q.data(), sc.data());
+    for (int h = 0; h < H; ++h) {
+      float v = epcomm::loadAsFloat(&x[r * H * 2], h, epBfloat16);
+      float d = epcomm::fp8ToFloat(q[h]) * sc[h / 128];
+      float amax = sc[h / 128] * 448.0f;
+      EXPECT_LE(std::fabs(d - v), std::fabs(v) / 16 + amax * std::ldexp(1.0f, -9) / 448.0f * 2)
+          << "row " << r << " col " << h;
+    }
+  }
+  // device-count alltoallv with enough capacity == host-count alltoallv with packed displacements
+  int R = 3;
+  std::vector<std::vector<int64_t>> c64(R, std::vector<int64_t>(R));
+  std::vector<std::vector<size_t>> c(R, std::vector<size_t>(R)), sd(R, std::vector<size_t>(R)),
+      rd(R, std::vector<size_t>(R));
+  for (int p = 0; p < R; ++p)
+    for (int q = 0; q < R; ++q) c[p][q] = static_cast<size_t>(c64[p][q] = static_cast<int64_t>(g() % 7));
+  std::vector<std::vector<uint8_t>> sends(R);
+  for (int p = 0; p < R; ++p) {
+    size_t off = 0;
+    for (int q = 0; q < R; ++q) sd[p][q] = off, off += c[p][q];
+    sends[p].resize(off * 4);
+    for (auto& b : sends[p]) b = static_cast<uint8_t>(g());
+  }
+  for (int q = 0; q < R; ++q) {
+    size_t off = 0;
+    for (int p = 0; p < R; ++p) rd[q][p] = off, off += c[p][q];
+    std::vector<uint8_t> host = epref::alltoallv(sends, c, sd, rd, 4, q, off, 0);
+    epref::AlltoallvDeviceResult dev = epref::alltoallvDevice(sends, c64, 4, off, q, 0);
+    EXPECT_EQ(host, dev.recv);
+    EXPECT_EQ(dev.num_dropped, 0);
+    if (off > 0) {
+      epref::AlltoallvDeviceResult small = epref::alltoallvDevice(sends, c64, 4, off - 1, q, 0);
+      EXPECT_EQ(small.num_dropped, 1);
+      EXPECT_EQ(small.result, epCapacityExceeded);
+      EXPECT_EQ(std::memcmp(small.recv.data(), host.data(), (off - 1) * 4), 0);
+    }
+  }
+}
+
+}  // namespace
