@@ -17,7 +17,6 @@
 using namespace epcomm;
 
 EP_PARAM(TimeoutMs, "TIMEOUT_MS", 30000);
-EP_PARAM(HostChannels, "HOST_CHANNELS", 1);
 
 void epComm::recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase) {
   int expected = epSuccess;
@@ -97,7 +96,7 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   EP_REQUIRE(cfg->timeout_ms >= 0, epInvalidArgument, "config.timeout_ms = %d is negative", cfg->timeout_ms);
   out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
   EP_REQUIRE(out->timeout_ms > 0, epInvalidArgument, "EPCOMM_TIMEOUT_MS = %d must be positive", out->timeout_ms);
-  out->num_channels = cfg->num_channels > 0 ? cfg->num_channels : static_cast<int>(epParamHostChannels());
+  out->num_channels = cfg->num_channels > 0 ? cfg->num_channels : 1;
   out->queue_bytes = cfg->queue_bytes;
   EP_REQUIRE(cfg->ll_max_tokens_per_rank >= 0, epInvalidArgument, "config.ll_max_tokens_per_rank = %d is negative",
              cfg->ll_max_tokens_per_rank);

@@ -53,12 +53,6 @@
 
 extern char** environ;
 
-namespace epcomm {
-// Hex text form of an id (implemented with the bootstrap). Declared here as well so that the launcher does
-// not depend on the order in which bootstrap.h grows; a matching declaration there is harmless.
-epResult_t uniqueIdToString(const epUniqueId* id, char* buf, size_t buf_bytes);
-}  // namespace epcomm
-
 namespace {
 
 using epcomm::nowNs;

@@ -32,8 +32,8 @@ constexpr uint8_t kPoison = 0xA5;
 constexpr size_t kGuard = 64;
 constexpr int kTimeoutMs = 20000;          // per wait, inside the engine
 constexpr int kRunTimeoutMs = 240000;      // per forked test run
-constexpr int kLlMaxTokens = 8;            // config capacity of the LL cases
-constexpr int kHtMaxTokens = 64;           // handle capacity of the HT cases
+constexpr int kLlMaxTokens = 16;           // config capacity of the LL cases
+constexpr int kHtMaxTokens = 128;          // handle capacity of the HT cases
 
 // ---------------------------------------------------------------------------------------------------------
 // Seeds
@@ -578,7 +578,7 @@ void runHtCase(epComm_t comm, epHtHandle_t handle, Ctx& c, int R, uint64_t seed,
   // --- worst-token mode: W > every rank's received count, one dispatch call, padded outputs
   int maxrecv = 0;
   for (int r = 0; r < R; ++r) maxrecv = std::max(maxrecv, static_cast<int>(epref::htRecvRows(all, s, r).size()));
-  int W = maxrecv + 1 + static_cast<int>(mix(seed, 3) % 5);
+  int W = std::max(1, maxrecv + static_cast<int>(mix(seed, 3) % 4));  // may equal the largest count
   std::vector<RankInput> all3 = all;
   regenX(mix(seed, 4), s, dtype, &all3);
   epHtDispatchArgs_t a3 = a;
@@ -596,32 +596,32 @@ void runHtCase(epComm_t comm, epHtHandle_t handle, Ctx& c, int R, uint64_t seed,
 std::vector<HtCase> htCases(int R) {
   switch (R) {
     case 1:
-      return {{4, 8, 1, epBfloat16, 40},
-              {8, 56, 3, epFloat16, 30},
+      return {{4, 8, 1, epBfloat16, 100},
+              {8, 56, 3, epFloat16, 60},
               {16, 128, 9, epFloat8E4M3, 24},
               {4, 1024, 2, epFloat32, 10},
               {8, 7168, 8, epBfloat16, 3}};
     case 2:
-      return {{2, 8, 1, epBfloat16, 40},
-              {8, 56, 4, epFloat32, 30},
+      return {{2, 8, 1, epBfloat16, 120},
+              {8, 56, 4, epFloat32, 60},
               {32, 128, 9, epFloat8E4M3, 24},
               {16, 1024, 6, epFloat16, 10},
               {16, 7168, 8, epBfloat16, 3}};
     case 3:
-      return {{3, 8, 2, epFloat16, 40},
+      return {{3, 8, 2, epFloat16, 100},
               {12, 128, 5, epFloat8E4M3, 20},
               {6, 1024, 3, epBfloat16, 8},
               {9, 56, 9, epFloat32, 24},
               {6, 7168, 4, epFloat8E4M3, 2}};
     case 4:
-      return {{4, 8, 4, epBfloat16, 32},
-              {8, 56, 1, epFloat16, 32},
+      return {{4, 8, 4, epBfloat16, 100},
+              {8, 56, 1, epFloat16, 64},
               {32, 128, 8, epBfloat16, 20},
               {16, 7168, 8, epFloat8E4M3, 3},
               {64, 1024, 9, epFloat32, 6}};
     default:
-      return {{8, 8, 2, epFloat32, 24},
-              {16, 56, 7, epBfloat16, 16},
+      return {{8, 8, 2, epFloat32, 64},
+              {16, 56, 7, epBfloat16, 32},
               {64, 128, 9, epFloat8E4M3, 12},
               {32, 1024, 8, epFloat16, 4},
               {8, 7168, 4, epBfloat16, 2}};
@@ -646,80 +646,94 @@ std::string describe(const LlCase& l, int R) {
   return s;
 }
 
-void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
-  c.cas = describe(lc, R);
-  Shape s{R, lc.E, lc.H, lc.K};
-  int L = s.local(), M = lc.M, H = lc.H, K = lc.K, dtype = lc.dtype;
-  bool em = lc.layout == EP_LL_EXPERT_MAJOR;
-  std::vector<int> counts = genCounts(seed, R, M, lc.counts_mode);
-  std::vector<RankInput> all = genInputs(seed, s, dtype, counts);
-  const RankInput& me = all[c.rank];
-  int T = me.num_tokens;
-
+// One LL dispatch + combine, in stages so that tests can interleave the halves of two of them.
+struct LlRun {
+  epComm_t comm;
+  Ctx& c;
+  int R;
+  LlCase lc;
+  Shape s;
+  bool em;
+  std::vector<RankInput> all;
+  epref::LlRecv want;
+  size_t need_x = 0, need_s = 0, need_c = 0, need_si = 0, need_lr = 0, need_ti = 0;
+  Buf rx, rs, rc_, si, lr, ti, yb, out;
   epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
-  a.num_tokens = T;
-  a.max_tokens_per_rank = M;
-  a.hidden = H;
-  a.topk = K;
-  a.num_experts = lc.E;
-  a.dtype = dtype;
-  a.use_fp8 = lc.fp8 ? 1 : 0;
-  a.layout = lc.layout;
-  a.x = nz(me.x);
-  a.topk_idx = nz(me.topk_idx);
+  epLlCombineArgs_t b = EP_LL_COMBINE_ARGS_INIT;
+  std::vector<std::vector<uint8_t>> ys;
+  bool dispatch_ok = true, combine_ok = true;
 
-  epref::LlRecv want = epref::llDispatch(all, s, M, dtype, lc.fp8, lc.layout, c.rank, kPoison);
-  size_t need_x = want.x.size(), need_s = want.x_scales.size() * 4, need_c = want.count.size() * 4;
-  size_t need_si = em ? static_cast<size_t>(L) * R * M * 4 : 0, need_lr = em ? static_cast<size_t>(L) * R * 8 : 0;
-  size_t need_ti = em ? 0 : static_cast<size_t>(R) * M * K * 8;
-  epBufferSizes_t sz = EP_BUFFER_SIZES_INIT;
-  if (c.ok(epLlDispatchSizes(comm, &a, &sz), "ll_sizes", comm)) {
-    checkSize(c, "ll_sizes", "recv_x", sz.recv_x, need_x);
-    checkSize(c, "ll_sizes", "recv_x_scales", sz.recv_x_scales, need_s);
-    checkSize(c, "ll_sizes", "recv_count", sz.recv_count, need_c);
-    checkSize(c, "ll_sizes", "recv_src_info", sz.recv_src_info, need_si);
-    checkSize(c, "ll_sizes", "recv_layout_range", sz.recv_layout_range, need_lr);
-    checkSize(c, "ll_sizes", "recv_topk_idx", sz.recv_topk_idx, need_ti);
-  } else {
-    sz = EP_BUFFER_SIZES_INIT;
-  }
-  Buf rx, rs, rc_, si, lr, ti;
-  rx.reset(std::max(sz.recv_x, need_x));
-  rs.reset(lc.fp8 ? std::max(sz.recv_x_scales, need_s) : 0);
-  rc_.reset(std::max(sz.recv_count, need_c));
-  si.reset(em ? std::max(sz.recv_src_info, need_si) : 0);
-  lr.reset(em ? std::max(sz.recv_layout_range, need_lr) : 0);
-  ti.reset(em ? 0 : std::max(sz.recv_topk_idx, need_ti));
-  a.recv_x = rx.p();
-  a.recv_x_bytes = rx.bytes;
-  a.recv_x_scales = lc.fp8 ? rs.as<float>() : nullptr;
-  a.recv_x_scales_bytes = lc.fp8 ? rs.bytes : 0;
-  a.recv_count = rc_.as<int>();
-  a.recv_count_bytes = rc_.bytes;
-  if (em) {
-    a.recv_src_info = si.as<int>();
-    a.recv_src_info_bytes = si.bytes;
-    a.recv_layout_range = lr.as<int64_t>();
-    a.recv_layout_range_bytes = lr.bytes;
-  } else {
-    a.recv_topk_idx = ti.as<int64_t>();
-    a.recv_topk_idx_bytes = ti.bytes;
+  LlRun(epComm_t comm_, Ctx& c_, int R_, uint64_t seed, const LlCase& lc_)
+      : comm(comm_), c(c_), R(R_), lc(lc_), s{R_, lc_.E, lc_.H, lc_.K}, em(lc_.layout == EP_LL_EXPERT_MAJOR) {
+    int L = s.local(), M = lc.M, K = lc.K;
+    std::vector<int> counts = genCounts(seed, R, M, lc.counts_mode);
+    all = genInputs(seed, s, lc.dtype, counts);
+    const RankInput& me = all[c.rank];
+    a.num_tokens = me.num_tokens;
+    a.max_tokens_per_rank = M;
+    a.hidden = lc.H;
+    a.topk = K;
+    a.num_experts = lc.E;
+    a.dtype = lc.dtype;
+    a.use_fp8 = lc.fp8 ? 1 : 0;
+    a.layout = lc.layout;
+    a.x = nz(me.x);
+    a.topk_idx = nz(me.topk_idx);
+    want = epref::llDispatch(all, s, M, lc.dtype, lc.fp8, lc.layout, c.rank, kPoison);
+    need_x = want.x.size();
+    need_s = want.x_scales.size() * 4;
+    need_c = want.count.size() * 4;
+    need_si = em ? static_cast<size_t>(L) * R * M * 4 : 0;
+    need_lr = em ? static_cast<size_t>(L) * R * 8 : 0;
+    need_ti = em ? 0 : static_cast<size_t>(R) * M * K * 8;
+    epBufferSizes_t sz = EP_BUFFER_SIZES_INIT;
+    if (c.ok(epLlDispatchSizes(comm, &a, &sz), "ll_sizes", comm)) {
+      checkSize(c, "ll_sizes", "recv_x", sz.recv_x, need_x);
+      checkSize(c, "ll_sizes", "recv_x_scales", sz.recv_x_scales, need_s);
+      checkSize(c, "ll_sizes", "recv_count", sz.recv_count, need_c);
+      checkSize(c, "ll_sizes", "recv_src_info", sz.recv_src_info, need_si);
+      checkSize(c, "ll_sizes", "recv_layout_range", sz.recv_layout_range, need_lr);
+      checkSize(c, "ll_sizes", "recv_topk_idx", sz.recv_topk_idx, need_ti);
+    } else {
+      sz = EP_BUFFER_SIZES_INIT;
+    }
+    rx.reset(std::max(sz.recv_x, need_x));
+    rs.reset(lc.fp8 ? std::max(sz.recv_x_scales, need_s) : 0);
+    rc_.reset(std::max(sz.recv_count, need_c));
+    si.reset(em ? std::max(sz.recv_src_info, need_si) : 0);
+    lr.reset(em ? std::max(sz.recv_layout_range, need_lr) : 0);
+    ti.reset(em ? 0 : std::max(sz.recv_topk_idx, need_ti));
+    a.recv_x = rx.p();
+    a.recv_x_bytes = rx.bytes;
+    a.recv_x_scales = lc.fp8 ? rs.as<float>() : nullptr;
+    a.recv_x_scales_bytes = lc.fp8 ? rs.bytes : 0;
+    a.recv_count = rc_.as<int>();
+    a.recv_count_bytes = rc_.bytes;
+    if (em) {
+      a.recv_src_info = si.as<int>();
+      a.recv_src_info_bytes = si.bytes;
+      a.recv_layout_range = lr.as<int64_t>();
+      a.recv_layout_range_bytes = lr.bytes;
+    } else {
+      a.recv_topk_idx = ti.as<int64_t>();
+      a.recv_topk_idx_bytes = ti.bytes;
+    }
   }
 
-  bool ok;
-  if (lc.split) {
-    a.phases = EP_LL_SEND;
-    ok = c.ok(epLlDispatch(comm, &a, nullptr), "ll_dispatch_send", comm);
-    a.phases = EP_LL_RECV;
-    ok = c.ok(epLlDispatch(comm, &a, nullptr), "ll_dispatch_recv", comm) && ok;
-  } else {
-    ok = c.ok(epLlDispatch(comm, &a, nullptr), "ll_dispatch", comm);
+  void dispatch(unsigned phases) {
+    c.cas = describe(lc, R);
+    a.phases = phases;
+    const char* op = phases == EP_LL_SEND ? "ll_dispatch_send" : phases == EP_LL_RECV ? "ll_dispatch_recv" : "ll_dispatch";
+    dispatch_ok = c.ok(epLlDispatch(comm, &a, nullptr), op, comm) && dispatch_ok;
   }
-  if (ok) {
+
+  void checkDispatch() {
+    c.cas = describe(lc, R);
+    if (!dispatch_ok) return;
     const char* op = "ll_dispatch";
-    size_t esz = lc.fp8 ? 1 : epref::elemSize(dtype);
-    cmpRows(c, op, "recv_x", rx.p(), want.x.data(), want.rows, want.row_bytes, esz,
-            lc.fp8 ? epFloat8E4M3 : dtype);
+    int L = s.local(), M = lc.M, K = lc.K;
+    size_t esz = lc.fp8 ? 1 : epref::elemSize(lc.dtype);
+    cmpRows(c, op, "recv_x", rx.p(), want.x.data(), want.rows, want.row_bytes, esz, lc.fp8 ? epFloat8E4M3 : lc.dtype);
     checkTail(c, op, "recv_x", rx, need_x);
     if (lc.fp8)
       cmpRows(c, op, "recv_x_scales", rs.p(), want.x_scales.data(), want.rows, want.blocks * 4, 4, epFloat32,
@@ -738,57 +752,102 @@ void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
     }
   }
 
-  // --- combine: stand-in expert on every rank, then out on the source ranks
-  std::vector<uint8_t> y_me = llExpert(rx.p(), rs.as<float>(), want.row_written, lc.layout, s, M, dtype, lc.fp8,
-                                       c.rank);
-  std::vector<std::vector<uint8_t>> ys(R);
-  for (int r = 0; r < R; ++r) {
-    if (r == c.rank) {
-      ys[r] = y_me;
-      continue;
+  // Stand-in expert on every rank (this rank's from its actual recv buffers), combine args.
+  void prepareCombine() {
+    int M = lc.M, H = lc.H;
+    std::vector<uint8_t> y_me =
+        llExpert(rx.p(), rs.as<float>(), want.row_written, lc.layout, s, M, lc.dtype, lc.fp8, c.rank);
+    ys.assign(R, {});
+    for (int r = 0; r < R; ++r) {
+      if (r == c.rank) {
+        ys[r] = y_me;
+        continue;
+      }
+      epref::LlRecv rr = epref::llDispatch(all, s, M, lc.dtype, lc.fp8, lc.layout, r, kPoison);
+      ys[r] = llExpert(rr.x.data(), rr.x_scales.data(), rr.row_written, lc.layout, s, M, lc.dtype, lc.fp8, r);
     }
-    epref::LlRecv rr = epref::llDispatch(all, s, M, dtype, lc.fp8, lc.layout, r, kPoison);
-    ys[r] = llExpert(rr.x.data(), rr.x_scales.data(), rr.row_written, lc.layout, s, M, dtype, lc.fp8, r);
+    const RankInput& me = all[c.rank];
+    size_t esz = epref::elemSize(lc.dtype);
+    yb.reset(y_me.size());
+    std::memcpy(yb.p(), y_me.data(), y_me.size());
+    out.reset(static_cast<size_t>(me.num_tokens) * H * esz);
+    b.num_tokens = me.num_tokens;
+    b.max_tokens_per_rank = M;
+    b.hidden = H;
+    b.topk = lc.K;
+    b.num_experts = lc.E;
+    b.dtype = lc.dtype;
+    b.layout = lc.layout;
+    b.y = yb.p();
+    b.y_bytes = yb.bytes;
+    b.recv_count = rc_.as<int>();
+    if (em) {
+      b.recv_src_info = si.as<int>();
+      b.recv_layout_range = lr.as<int64_t>();
+    } else {
+      b.recv_topk_idx = ti.as<int64_t>();
+    }
+    b.topk_idx = nz(me.topk_idx);
+    b.topk_weights = nz(me.topk_weights);
+    b.out = out.p();
+    b.out_bytes = out.bytes;
   }
-  size_t esz = epref::elemSize(dtype);
-  Buf yb, out;
-  yb.reset(y_me.size());
-  std::memcpy(yb.p(), y_me.data(), y_me.size());
-  out.reset(static_cast<size_t>(T) * H * esz);
-  epLlCombineArgs_t b = EP_LL_COMBINE_ARGS_INIT;
-  b.num_tokens = T;
-  b.max_tokens_per_rank = M;
-  b.hidden = H;
-  b.topk = K;
-  b.num_experts = lc.E;
-  b.dtype = dtype;
-  b.layout = lc.layout;
-  b.y = yb.p();
-  b.y_bytes = yb.bytes;
-  b.recv_count = rc_.as<int>();
-  if (em) {
-    b.recv_src_info = si.as<int>();
-    b.recv_layout_range = lr.as<int64_t>();
-  } else {
-    b.recv_topk_idx = ti.as<int64_t>();
+
+  void combine(unsigned phases) {
+    c.cas = describe(lc, R);
+    b.phases = phases;
+    const char* op = phases == EP_LL_SEND ? "ll_combine_send" : phases == EP_LL_RECV ? "ll_combine_recv" : "ll_combine";
+    combine_ok = c.ok(epLlCombine(comm, &b, nullptr), op, comm) && combine_ok;
   }
-  b.topk_idx = nz(me.topk_idx);
-  b.topk_weights = nz(me.topk_weights);
-  b.out = out.p();
-  b.out_bytes = out.bytes;
-  if (lc.split) {
-    b.phases = EP_LL_SEND;
-    ok = c.ok(epLlCombine(comm, &b, nullptr), "ll_combine_send", comm);
-    b.phases = EP_LL_RECV;
-    ok = c.ok(epLlCombine(comm, &b, nullptr), "ll_combine_recv", comm) && ok;
-  } else {
-    ok = c.ok(epLlCombine(comm, &b, nullptr), "ll_combine", comm);
-  }
-  if (ok) {
-    std::vector<uint8_t> wantc = epref::llCombine(all, s, M, lc.layout, ys, dtype, c.rank);
-    cmpRows(c, "ll_combine", "out", out.p(), wantc.data(), T, static_cast<size_t>(H) * esz, esz, dtype);
+
+  void checkCombine() {
+    c.cas = describe(lc, R);
+    if (!combine_ok) return;
+    size_t esz = epref::elemSize(lc.dtype);
+    std::vector<uint8_t> wantc = epref::llCombine(all, s, lc.M, lc.layout, ys, lc.dtype, c.rank);
+    cmpRows(c, "ll_combine", "out", out.p(), wantc.data(), all[c.rank].num_tokens, static_cast<size_t>(lc.H) * esz,
+            esz, lc.dtype);
     checkTail(c, "ll_combine", "out", out, out.bytes);
   }
+};
+
+void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
+  LlRun run(comm, c, R, seed, lc);
+  if (lc.split) {
+    run.dispatch(EP_LL_SEND);
+    run.dispatch(EP_LL_RECV);
+  } else {
+    run.dispatch(EP_LL_SEND_RECV);
+  }
+  run.checkDispatch();
+  run.prepareCombine();
+  if (lc.split) {
+    run.combine(EP_LL_SEND);
+    run.combine(EP_LL_RECV);
+  } else {
+    run.combine(EP_LL_SEND_RECV);
+  }
+  run.checkCombine();
+}
+
+// Two LL steps with overlapped halves: A's combine is between its halves while B's dispatch is issued
+// (at most one dispatch and one combine between halves at a time).
+void runLlOverlap(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& la, const LlCase& lb) {
+  LlRun A(comm, c, R, mix(seed, 1), la), B(comm, c, R, mix(seed, 2), lb);
+  A.dispatch(EP_LL_SEND);
+  A.dispatch(EP_LL_RECV);
+  A.checkDispatch();
+  A.prepareCombine();
+  A.combine(EP_LL_SEND);
+  B.dispatch(EP_LL_SEND);
+  A.combine(EP_LL_RECV);
+  A.checkCombine();
+  B.dispatch(EP_LL_RECV);
+  B.checkDispatch();
+  B.prepareCombine();
+  B.combine(EP_LL_SEND);
+  B.combine(EP_LL_RECV);
+  B.checkCombine();
 }
 
 std::vector<LlCase> llCases(int R) {
@@ -807,6 +866,9 @@ std::vector<LlCase> llCases(int R) {
       {e2, 128, 6, epFloat32, 4, RM, true, 0, true},
       {e4, 56, 9, epBfloat16, 8, EM, false, 0, false},
       {e1, 8, 2, epFloat16, 6, EM, false, 0, true},
+      {e4, 128, 8, epBfloat16, 16, EM, true, 1, false},
+      {e8, 64, 9, epFloat16, 16, RM, false, 0, true},
+      {e2, 256, 4, epFloat32, 16, EM, false, 0, false},
   };
   if (R <= 4) {
     v.push_back({e4, 7168, 8, epBfloat16, 2, EM, true, 0, false});
@@ -815,6 +877,40 @@ std::vector<LlCase> llCases(int R) {
     v.push_back({e2, 7168, 4, epBfloat16, 1, EM, true, 1, false});
   }
   return v;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Random shapes (the same on every rank: drawn from the case seed)
+// ---------------------------------------------------------------------------------------------------------
+int randomHidden(std::mt19937_64& g, bool fp8) {
+  const int any[] = {8, 16, 24, 56, 128, 200, 256, 512, 1024, 2056, 4096, 7168};
+  const int f8[] = {128, 256, 384, 1024, 2048, 7168};
+  return fp8 ? f8[g() % 6] : any[g() % 12];
+}
+int tokensFor(int H, int cap) { return std::max(1, std::min(cap, 16384 / H)); }
+
+HtCase randomHtCase(uint64_t seed, int R) {
+  std::mt19937_64 g(mix(seed, 0x7c));
+  const int dts[] = {epBfloat16, epFloat16, epFloat32, epFloat8E4M3};
+  int dtype = dts[g() % 4];
+  int H = randomHidden(g, dtype == epFloat8E4M3);
+  int E = R * static_cast<int>(1 + g() % 8);
+  int K = static_cast<int>(1 + g() % 9);
+  return {E, H, K, dtype, tokensFor(H, 96)};
+}
+
+LlCase randomLlCase(uint64_t seed, int R) {
+  std::mt19937_64 g(mix(seed, 0x11));
+  const int dts[] = {epBfloat16, epFloat16, epFloat32};
+  int dtype = dts[g() % 3];
+  bool fp8 = g() % 2;
+  int H = randomHidden(g, fp8);
+  int E = R * static_cast<int>(1 + g() % 8);
+  int K = static_cast<int>(1 + g() % 9);
+  int M = std::min(kLlMaxTokens, static_cast<int>(1 + g() % kLlMaxTokens));
+  if (H >= 2048) M = std::min(M, 2);
+  int layout = g() % 2 ? EP_LL_RANK_MAJOR : EP_LL_EXPERT_MAJOR;
+  return {E, H, K, dtype, M, layout, fp8, static_cast<int>(g() % 3 == 0), g() % 2 == 0};
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -944,7 +1040,12 @@ TEST_P(HostEngine, HtDispatchCombine) {
     epHtHandle_t handle = nullptr;
     if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
     std::vector<HtCase> cases = htCases(R);
-    for (size_t i = 0; i < cases.size(); ++i) runHtCase(comm, handle, c, R, mix(seed, i), cases[i]);
+    for (int round = 0; round < 3 && c.failures == 0; ++round)
+      for (size_t i = 0; i < cases.size(); ++i) runHtCase(comm, handle, c, R, mix(seed, round * 100 + i), cases[i]);
+    for (int i = 0; i < 12 && c.failures == 0; ++i) {
+      uint64_t cs = mix(seed, 5000 + i);
+      runHtCase(comm, handle, c, R, cs, randomHtCase(cs, R));
+    }
     c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
     (void)rank;
   });
@@ -955,7 +1056,20 @@ TEST_P(HostEngine, LlDispatchCombine) {
   uint64_t seed = nameSeed("ll", R);
   runOnComm(R, seed, [&](epComm_t comm, int, Ctx& c) {
     std::vector<LlCase> cases = llCases(R);
-    for (size_t i = 0; i < cases.size(); ++i) runLlCase(comm, c, R, mix(seed, i), cases[i]);
+    for (int round = 0; round < 3 && c.failures == 0; ++round)
+      for (size_t i = 0; i < cases.size(); ++i) runLlCase(comm, c, R, mix(seed, round * 100 + i), cases[i]);
+    for (int i = 0; i < 16 && c.failures == 0; ++i) {
+      uint64_t cs = mix(seed, 5000 + i);
+      runLlCase(comm, c, R, cs, randomLlCase(cs, R));
+    }
+    // overlapped halves: expert-major then rank-major (and the reverse), with and without fp8
+    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+    for (int round = 0; round < 2; ++round) {
+      runLlOverlap(comm, c, R, mix(seed, 1000 + round), {2 * R, 128, 4, epBfloat16, 8, EM, round == 0, 0, true},
+                   {4 * R, 256, 6, epFloat16, 5, RM, round == 1, 0, true});
+      runLlOverlap(comm, c, R, mix(seed, 2000 + round), {4 * R, 128, 3, epFloat32, 4, RM, round == 1, 1, true},
+                   {2 * R, 128, 8, epBfloat16, 16, EM, round == 0, 0, true});
+    }
   });
 }
 

@@ -30,15 +30,40 @@ const char* opName(int op) {
   return (op >= 0 && op < epNumOps) ? kNames[op] : "unknown";
 }
 
-// Distinct experts of token row `row` that live on rank r, in k order; returns how many.
-int localExpertsOf(const int64_t* row, int K, const ExpertMap& m, int r, int* out_local) {
-  int n = 0;
-  for (int k = 0; k < K; ++k) {
-    int64_t e = row[k];
-    if (e < 0 || m.rankOf(e) != r || isRepeatedExpert(row, k)) continue;
-    out_local[n++] = m.localOf(e);
+// acc[j] += w * float(src[j]) (or += float(src[j]) without a weight), one loop per type so that the
+// compiler vectorizes it; fp-contract is off, so the product and the sum round separately, as in the kernels.
+template <typename Load>
+void accumulate(float* acc, int H, const Load& load, float w, bool weighted) {
+  if (weighted)
+    for (int j = 0; j < H; ++j) {
+      float prod = w * load(j);
+      acc[j] = acc[j] + prod;
+    }
+  else
+    for (int j = 0; j < H; ++j) acc[j] = acc[j] + load(j);
+}
+
+void accumulateRowImpl(float* acc, const uint8_t* src, int H, int dt, float w, bool weighted) {
+  const uint16_t* h16 = reinterpret_cast<const uint16_t*>(src);
+  const float* f32 = reinterpret_cast<const float*>(src);
+  switch (dt) {
+    case epBfloat16: accumulate(acc, H, [&](int j) { return bf16ToFloat(h16[j]); }, w, weighted); break;
+    case epFloat16: accumulate(acc, H, [&](int j) { return fp16ToFloat(h16[j]); }, w, weighted); break;
+    default: accumulate(acc, H, [&](int j) { return f32[j]; }, w, weighted); break;
   }
-  return n;
+}
+void accumulateRow(float* acc, const uint8_t* src, int H, int dt) { accumulateRowImpl(acc, src, H, dt, 1.0f, false); }
+void accumulateRowWeighted(float* acc, const uint8_t* src, int H, int dt, float w) {
+  accumulateRowImpl(acc, src, H, dt, w, true);
+}
+
+void storeRow(uint8_t* dst, const float* acc, int H, int dt) {
+  uint16_t* h16 = reinterpret_cast<uint16_t*>(dst);
+  switch (dt) {
+    case epBfloat16: for (int j = 0; j < H; ++j) h16[j] = floatToBf16(acc[j]); break;
+    case epFloat16: for (int j = 0; j < H; ++j) h16[j] = floatToFp16(acc[j]); break;
+    default: memcpy(dst, acc, sizeof(float) * H); break;
+  }
 }
 
 }  // namespace
@@ -651,25 +676,10 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
         in_[r].copyOut(scratch_.data(), 0, row);
         src = scratch_.data();
       }
-      switch (a->dtype) {
-        case epBfloat16: {
-          const uint16_t* v = reinterpret_cast<const uint16_t*>(src);
-          for (int j = 0; j < H; ++j) acc_[j] += bf16ToFloat(v[j]);
-          break;
-        }
-        case epFloat16: {
-          const uint16_t* v = reinterpret_cast<const uint16_t*>(src);
-          for (int j = 0; j < H; ++j) acc_[j] += fp16ToFloat(v[j]);
-          break;
-        }
-        default: {
-          const float* v = reinterpret_cast<const float*>(src);
-          for (int j = 0; j < H; ++j) acc_[j] += v[j];
-        }
-      }
+      accumulateRow(acc_.data(), src, H, a->dtype);
       in_[r].release(row);
     }
-    for (int j = 0; j < H; ++j) storeFromFloat(out + t * row, j, a->dtype, acc_[j]);
+    storeRow(out + t * row, acc_.data(), H, a->dtype);
   }
   return flushSends(epPhaseData);
 }
@@ -987,13 +997,9 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
       int sl = slot[static_cast<size_t>(t) * K + k];
       if (sl < 0) continue;
       const float w = a->topk_weights[static_cast<size_t>(t) * K + k];
-      const uint8_t* yr = scratch_.data() + static_cast<size_t>(sl) * row;
-      for (int j = 0; j < H; ++j) {
-        float prod = w * loadAsFloat(yr, j, a->dtype);
-        acc_[j] = acc_[j] + prod;
-      }
+      accumulateRowWeighted(acc_.data(), scratch_.data() + static_cast<size_t>(sl) * row, H, a->dtype, w);
     }
-    for (int j = 0; j < H; ++j) storeFromFloat(out + t * row, j, a->dtype, acc_[j]);
+    storeRow(out + t * row, acc_.data(), H, a->dtype);
   }
   return epSuccess;
 }
