@@ -12,6 +12,9 @@
 #include "common/param.h"
 #include "engine/comm.h"
 #include "engine/host/host_engine.h"
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+#include "engine/gpu/gpu_engine.h"
+#endif
 #include "engine/validate.h"
 
 using namespace epcomm;
@@ -66,12 +69,12 @@ struct CallGuard {
   epComm* comm;
 };
 
-ValidateCtx ctxOf(epComm* comm) { return ValidateCtx{comm, true, comm->host->maxRowBytes()}; }
+ValidateCtx ctxOf(epComm* comm) { return ValidateCtx{comm, comm->engine->hostMemory(), comm->engine->maxRowBytes()}; }
 
 // Operations other than LL halves may not start while an LL receive half is outstanding: their messages
 // would queue behind it. Every rank makes this decision identically, so no exchange is needed.
 epResult_t checkNoPending(epComm* comm, const char* what) {
-  EP_REQUIRE(!comm->host->anyPending(), epInvalidUsage,
+  EP_REQUIRE(!comm->engine->anyPending(), epInvalidUsage,
              "%s called while an LL operation's receive half (EP_LL_RECV) is outstanding; complete it first", what);
   return epSuccess;
 }
@@ -106,6 +109,13 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   return epSuccess;
 }
 
+std::unique_ptr<Engine> makeEngine(epComm* comm) {
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+  if (comm->config.engine == EP_ENGINE_GPU) return makeGpuEngine(comm);
+#endif
+  return std::make_unique<HostEngine>(comm);
+}
+
 epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* config,
                     const std::function<epResult_t(int timeout_ms, std::unique_ptr<Bootstrap>*)>& boot) {
   EP_REQUIRE(out != nullptr, epNullPointer, "comm (the output pointer) is NULL");
@@ -122,8 +132,8 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   comm->magic = kCommMagic;
   logSetRank(rank);
   EPCHECK(boot(cfg.timeout_ms, &comm->bootstrap));
-  comm->host = std::make_unique<HostEngine>(comm.get());
-  EPCHECK(comm->host->init());
+  comm->engine = makeEngine(comm.get());
+  EPCHECK(comm->engine->init());
   EP_INFO(kSubsysInit, "communicator ready: rank %d of %d, host engine, timeout %d ms", rank, nranks,
           cfg.timeout_ms);
   *out = comm.release();
@@ -245,6 +255,7 @@ epResult_t epCommAbort(epComm_t comm) {
   EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
   comm->aborted.store(true);
   if (comm->bootstrap) comm->bootstrap->abort();
+  if (comm->engine) comm->engine->abort();
   while (comm->active_calls.load() != 0) usleep(100);  // waits see the flag within one backoff step
   comm->magic = 0;
   delete comm;
@@ -291,46 +302,28 @@ epResult_t epCommEngine(epComm_t comm, epEngine_t* engine) {
   return epSuccess;
 }
 
-epResult_t epCommBarrier(epComm_t comm, epStream_t) {
+epResult_t epCommBarrier(epComm_t comm, epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
   epResult_t r = checkNoPending(comm, "epCommBarrier");
-  if (r == epSuccess) r = comm->host->barrier();
+  if (r == epSuccess) r = comm->engine->barrier(stream);
   return finish(comm, r);
 }
 
 epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx, int num_tokens, int topk, int num_experts,
                                int* num_tokens_per_rank, int* num_tokens_per_expert, uint8_t* is_token_in_rank,
-                               epStream_t) {
+                               epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
   auto run = [&]() -> epResult_t {
     EPCHECK(validateRouting(num_tokens, topk, num_experts, comm->nranks));
     EP_REQUIRE(topk_idx != nullptr || num_tokens == 0, epNullPointer, "topk_idx is NULL");
-    if (num_tokens > 0) EPCHECK(validateTopkIdx(topk_idx, num_tokens, topk, num_experts, "topk_idx"));
-    const int R = comm->nranks, L = num_experts / R;
-    if (num_tokens_per_rank) std::fill(num_tokens_per_rank, num_tokens_per_rank + R, 0);
-    if (num_tokens_per_expert) std::fill(num_tokens_per_expert, num_tokens_per_expert + num_experts, 0);
-    std::vector<uint8_t> seen(R);
-    for (int t = 0; t < num_tokens; ++t) {
-      const int64_t* row = topk_idx + static_cast<size_t>(t) * topk;
-      std::fill(seen.begin(), seen.end(), 0);
-      for (int k = 0; k < topk; ++k) {
-        int64_t e = row[k];
-        if (e < 0) continue;
-        bool repeated = false;
-        for (int j = 0; j < k; ++j) repeated = repeated || row[j] == e;
-        if (repeated) continue;
-        if (num_tokens_per_expert) num_tokens_per_expert[e]++;
-        seen[e / L] = 1;
-      }
-      for (int r = 0; r < R; ++r) {
-        if (num_tokens_per_rank) num_tokens_per_rank[r] += seen[r];
-        if (is_token_in_rank) is_token_in_rank[static_cast<size_t>(t) * R + r] = seen[r];
-      }
-    }
-    return epSuccess;
+    if (num_tokens > 0 && comm->engine->hostMemory())
+      EPCHECK(validateTopkIdx(topk_idx, num_tokens, topk, num_experts, "topk_idx"));
+    return comm->engine->layout(topk_idx, num_tokens, topk, num_experts, num_tokens_per_rank, num_tokens_per_expert,
+                                is_token_in_rank, stream);
   };
   return finish(comm, run());
 }
@@ -347,6 +340,11 @@ epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle_t* handle)
     h->comm = comm;
     h->max_tokens = max_tokens;
     h->in_rank.reserve(static_cast<size_t>(max_tokens) * comm->nranks);
+    epResult_t r = comm->engine->handleInit(h);
+    if (r != epSuccess) {
+      delete h;
+      return r;
+    }
     *handle = h;
     return epSuccess;
   };
@@ -358,6 +356,7 @@ epResult_t epHtHandleDestroy(epHtHandle_t handle) {
   EP_REQUIRE(handle != nullptr, epNullPointer, "handle is NULL");
   EP_REQUIRE(handle->magic == kHandleMagic, epInvalidArgument, "handle is not a live HT handle");
   handle->magic = 0;
+  if (handle->comm != nullptr && handle->comm->magic == kCommMagic) handle->comm->engine->handleFree(handle);
   delete handle;
   return epSuccess;
 }
@@ -372,7 +371,7 @@ epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_re
 }
 
 epResult_t epHtDispatchNotify(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle,
-                              int* num_recv_tokens_host, int* recv_tokens_per_expert_host, epStream_t) {
+                              int* num_recv_tokens_host, int* recv_tokens_per_expert_host, epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
@@ -380,41 +379,41 @@ epResult_t epHtDispatchNotify(epComm_t comm, const epHtDispatchArgs_t* args, epH
   epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, true);
   if (local == epSuccess && num_recv_tokens_host == nullptr)
     local = EP_ERROR(epNullPointer, "num_recv_tokens_host is NULL");
-  return finish(comm, comm->host->htNotify(args, handle, local, num_recv_tokens_host, recv_tokens_per_expert_host));
+  return finish(comm, comm->engine->htNotify(args, handle, local, num_recv_tokens_host, recv_tokens_per_expert_host, stream));
 }
 
-epResult_t epHtDispatch(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle, epStream_t) {
+epResult_t epHtDispatch(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle, epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
   EPCHECK(finish(comm, checkNoPending(comm, "epHtDispatch")));
   epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, false);
-  return finish(comm, comm->host->htDispatch(args, handle, local));
+  return finish(comm, comm->engine->htDispatch(args, handle, local, stream));
 }
 
-epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, epHtHandle_t handle, epStream_t) {
+epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, epHtHandle_t handle, epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
   EPCHECK(finish(comm, checkNoPending(comm, "epHtCombine")));
   epResult_t local = validateHtCombine(ctxOf(comm), args, handle);
-  return finish(comm, comm->host->htCombine(args, handle, local));
+  return finish(comm, comm->engine->htCombine(args, handle, local, stream));
 }
 
-epResult_t epLlDispatch(epComm_t comm, const epLlDispatchArgs_t* args, epStream_t) {
+epResult_t epLlDispatch(epComm_t comm, const epLlDispatchArgs_t* args, epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
   epResult_t local = validateLlDispatch(ctxOf(comm), args);
-  return finish(comm, comm->host->llDispatch(args, local));
+  return finish(comm, comm->engine->llDispatch(args, local, stream));
 }
 
-epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t) {
+epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
   epResult_t local = validateLlCombine(ctxOf(comm), args);
-  return finish(comm, comm->host->llCombine(args, local));
+  return finish(comm, comm->engine->llCombine(args, local, stream));
 }
 
 epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows, epBufferSizes_t* sizes) {
@@ -448,7 +447,7 @@ epResult_t epLlDispatchSizes(epComm_t comm, const epLlDispatchArgs_t* args, epBu
 
 epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
                        void* recvbuf, const size_t* recv_counts, const size_t* recv_displs, epDataType_t dtype,
-                       epStream_t) {
+                       epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
@@ -468,13 +467,13 @@ epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size_t* send_co
     return epSuccess;
   };
   epResult_t local = check();
-  return finish(comm, comm->host->alltoallv(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs,
-                                            dtypeSize(dtype), local));
+  return finish(comm, comm->engine->alltoallv(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs,
+                                              dtypeSize(dtype), local, stream));
 }
 
 epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* send_counts, void* recvbuf,
                              size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped, epDataType_t dtype,
-                             epStream_t) {
+                             epStream_t stream) {
   clearThreadError();
   EPCHECK(checkComm(comm));
   CallGuard guard(comm);
@@ -494,8 +493,8 @@ epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* 
     return epSuccess;
   };
   epResult_t local = check();
-  return finish(comm, comm->host->alltoallvDevice(sendbuf, send_counts, recvbuf, recv_capacity, recv_counts,
-                                                  num_dropped, dtypeSize(dtype), local));
+  return finish(comm, comm->engine->alltoallvDevice(sendbuf, send_counts, recvbuf, recv_capacity, recv_counts,
+                                                  num_dropped, dtypeSize(dtype), local, stream));
 }
 
 }  // extern "C"

@@ -12,7 +12,7 @@
 
 namespace epcomm {
 
-class HostEngine;
+class Engine;
 
 // The configuration after defaults and environment are applied.
 struct CommConfig {
@@ -33,7 +33,7 @@ struct epComm {
   int nranks = 0;
   epcomm::CommConfig config;
   std::unique_ptr<epcomm::Bootstrap> bootstrap;
-  std::unique_ptr<epcomm::HostEngine> host;
+  std::unique_ptr<epcomm::Engine> engine;
 
   std::mutex error_mutex;
   std::string last_error;
@@ -60,6 +60,8 @@ struct epHtHandle {
   std::vector<int> recv_count;         // [R] rows received from r
   std::vector<int> recv_prefix;        // [R + 1] first received row of r
   std::vector<int> recv_per_expert;    // [E/R] rows naming each local expert
+  int recv_rows = 0;                   // rows of the recv buffers of the last dispatch (exact: num_recv)
+  void* gpu = nullptr;                 // the GPU engine's device-side copy of the layout
 };
 
 namespace epcomm {

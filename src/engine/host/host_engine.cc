@@ -395,12 +395,23 @@ void HostEngine::computeLayout(const int64_t* topk_idx, int T, int K, int E, std
   }
 }
 
+epResult_t HostEngine::layout(const int64_t* topk_idx, int T, int K, int E, int* per_rank, int* per_expert,
+                              uint8_t* in_rank, epStream_t) {
+  std::vector<uint8_t> in;
+  std::vector<int> count, per_expert_to;
+  computeLayout(topk_idx, T, K, E, in, count, per_expert_to);
+  if (per_rank) std::copy(count.begin(), count.end(), per_rank);
+  if (in_rank) std::copy(in.begin(), in.end(), in_rank);
+  if (per_expert) std::copy(per_expert_to.begin(), per_expert_to.end(), per_expert);  // [R][L] == [E]
+  return epSuccess;
+}
+
 // ------------------------------------------------------------------------------------------------------
 // HT notify / dispatch / combine
 // ------------------------------------------------------------------------------------------------------
 
 epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
-                                int* per_expert_host) {
+                                int* per_expert_host, epStream_t) {
   cur_op_ = epOpHtNotify;
   cur_epoch_ = ++send_epoch_;
   if (h && local == epSuccess) h->valid = false;
@@ -451,7 +462,7 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   return epSuccess;
 }
 
-epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local) {
+epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtDispatch;
   cur_epoch_ = ++send_epoch_;
   const int R = nranks_;
@@ -627,7 +638,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   return epSuccess;
 }
 
-epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local) {
+epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtCombine;
   cur_epoch_ = ++send_epoch_;
   const int R = nranks_;
@@ -694,7 +705,7 @@ bool HostEngine::llPending(int op) const {
   return false;
 }
 
-epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local) {
+epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, epStream_t) {
   const bool ok = local == epSuccess;
   const int R = nranks_;
   const uint64_t sig = ok ? shapeSig({a->max_tokens_per_rank, a->hidden, a->topk, a->num_experts, a->dtype,
@@ -853,7 +864,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
   return epSuccess;
 }
 
-epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local) {
+epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, epStream_t) {
   const bool ok = local == epSuccess;
   const int R = nranks_;
   const uint64_t sig =
@@ -1010,7 +1021,7 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
 
 epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
                                  void* recvbuf, const size_t* recv_counts, const size_t* recv_displs, size_t es,
-                                 epResult_t local) {
+                                 epResult_t local, epStream_t) {
   cur_op_ = epOpAlltoallv;
   cur_epoch_ = ++send_epoch_;
   const int R = nranks_;
@@ -1051,7 +1062,7 @@ epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts,
 
 epResult_t HostEngine::alltoallvDevice(const void* sendbuf, const int64_t* send_counts, void* recvbuf,
                                        size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped, size_t es,
-                                       epResult_t local) {
+                                       epResult_t local, epStream_t) {
   cur_op_ = epOpAlltoallvDevice;
   cur_epoch_ = ++send_epoch_;
   const int R = nranks_;
@@ -1101,7 +1112,7 @@ epResult_t HostEngine::alltoallvDevice(const void* sendbuf, const int64_t* send_
   return epSuccess;
 }
 
-epResult_t HostEngine::barrier() {
+epResult_t HostEngine::barrier(epStream_t) {
   cur_op_ = epOpBarrier;
   cur_epoch_ = ++send_epoch_;
   for (int p = 0; p < nranks_; ++p) post(p, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, {});

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/comm.h"
+#include "engine/engine.h"
 #include "transport/shm/shm.h"
 
 namespace epcomm {
@@ -36,30 +37,37 @@ struct MsgHeader {
 };
 static_assert(sizeof(MsgHeader) == 96, "message header size is part of the wire format");
 
-class HostEngine {
+class HostEngine final : public Engine {
  public:
   explicit HostEngine(epComm* comm);
-  ~HostEngine();
-  epResult_t init();
+  ~HostEngine() override;
+  epResult_t init() override;
+  bool hostMemory() const override { return true; }
+  epResult_t handleInit(epHtHandle*) override { return epSuccess; }
+  void handleFree(epHtHandle*) override {}
+  epResult_t layout(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* per_rank,
+                    int* per_expert, uint8_t* in_rank, epStream_t stream) override;
 
   // `local` is the result of this rank's argument validation: when it is not epSuccess the rank still takes
   // part in the exchange (sending only its error) and returns `local`.
   epResult_t htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
-                      int* per_expert_host);
-  epResult_t htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local);
-  epResult_t htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local);
-  epResult_t llDispatch(const epLlDispatchArgs_t* a, epResult_t local);
-  epResult_t llCombine(const epLlCombineArgs_t* a, epResult_t local);
+                      int* per_expert_host, epStream_t stream) override;
+  epResult_t htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) override;
+  epResult_t htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) override;
+  epResult_t llDispatch(const epLlDispatchArgs_t* a, epResult_t local, epStream_t stream) override;
+  epResult_t llCombine(const epLlCombineArgs_t* a, epResult_t local, epStream_t stream) override;
   epResult_t alltoallv(const void* sendbuf, const size_t* send_counts, const size_t* send_displs, void* recvbuf,
-                       const size_t* recv_counts, const size_t* recv_displs, size_t elem_bytes, epResult_t local);
+                       const size_t* recv_counts, const size_t* recv_displs, size_t elem_bytes, epResult_t local,
+                       epStream_t stream) override;
   epResult_t alltoallvDevice(const void* sendbuf, const int64_t* send_counts, void* recvbuf, size_t recv_capacity,
-                             int64_t* recv_counts, int64_t* num_dropped, size_t elem_bytes, epResult_t local);
-  epResult_t barrier();
+                             int64_t* recv_counts, int64_t* num_dropped, size_t elem_bytes, epResult_t local,
+                             epStream_t stream) override;
+  epResult_t barrier(epStream_t stream) override;
 
   // Operation kinds that may sit between an EP_LL_SEND and its EP_LL_RECV.
   bool llPending(int op) const;
-  bool anyPending() const { return !pending_.empty(); }
-  size_t maxRowBytes() const { return ring_bytes_ / 2; }
+  bool anyPending() const override { return !pending_.empty(); }
+  size_t maxRowBytes() const override { return ring_bytes_ / 2; }
 
  private:
   struct Seg {

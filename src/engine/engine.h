@@ -1,0 +1,47 @@
+// What an engine provides to the API layer. The API layer validates arguments (validate.h) and passes the
+// result as `local`: a rank whose arguments were rejected still takes part as far as its engine needs to keep
+// peers from waiting, and returns `local`.
+#pragma once
+#include <cstddef>
+
+#include "epcomm/epcomm.h"
+
+struct epHtHandle;
+
+namespace epcomm {
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual epResult_t init() = 0;
+  // Whether argument arrays (topk_idx, layout arrays) may be read on the host.
+  virtual bool hostMemory() const = 0;
+  virtual size_t maxRowBytes() const = 0;
+  // An LL receive half is outstanding: other operations must wait for it.
+  virtual bool anyPending() const { return false; }
+
+  virtual epResult_t handleInit(epHtHandle* h) = 0;
+  virtual void handleFree(epHtHandle* h) = 0;
+
+  virtual epResult_t layout(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, int* per_rank,
+                            int* per_expert, uint8_t* in_rank, epStream_t stream) = 0;
+  virtual epResult_t htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
+                              int* per_expert_host, epStream_t stream) = 0;
+  virtual epResult_t htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local,
+                                epStream_t stream) = 0;
+  virtual epResult_t htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local,
+                               epStream_t stream) = 0;
+  virtual epResult_t llDispatch(const epLlDispatchArgs_t* a, epResult_t local, epStream_t stream) = 0;
+  virtual epResult_t llCombine(const epLlCombineArgs_t* a, epResult_t local, epStream_t stream) = 0;
+  virtual epResult_t alltoallv(const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
+                               void* recvbuf, const size_t* recv_counts, const size_t* recv_displs,
+                               size_t elem_bytes, epResult_t local, epStream_t stream) = 0;
+  virtual epResult_t alltoallvDevice(const void* sendbuf, const int64_t* send_counts, void* recvbuf,
+                                     size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped,
+                                     size_t elem_bytes, epResult_t local, epStream_t stream) = 0;
+  virtual epResult_t barrier(epStream_t stream) = 0;
+  // Makes waits in flight give up (they return epAborted); called before the communicator is freed.
+  virtual void abort() {}
+};
+
+}  // namespace epcomm
