@@ -16,7 +16,7 @@ cd "$ROOT"
 log() { echo "setup: $*" >&2; }
 
 # --- 1. System packages --------------------------------------------------------------------------------------
-PACKAGES=(build-essential python3 python3-venv python3-pip ninja-build pkg-config libgtest-dev git)
+PACKAGES=(build-essential python3 python3-venv python3-pip ninja-build pkg-config libgtest-dev git libfabric-dev)
 if command -v dpkg-query >/dev/null 2>&1; then
   missing=()
   for p in "${PACKAGES[@]}"; do

@@ -18,7 +18,13 @@
  *   host memory. All pointers are host pointers, the stream argument is ignored, and calls return when their
  *   outputs are complete. Outputs described below as "engine memory" are host memory.
  * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
- *   device memory. Not available in this release: creating a GPU communicator returns epNotSupported.
+ *   device memory. The ranks must share one host; their communication buffers (allocated once, at creation)
+ *   are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (under MPS).
+ *   This release runs layout and HT dispatch/combine on the GPU; LL and alltoallv return epNotSupported.
+ *   Argument arrays in device memory (topk_idx) are checked by the kernels: a bad expert id is treated as -1
+ *   and counted, a worst-token overflow is not written past the capacity; both are reported by
+ *   epCommGetAsyncError without breaking the communicator. worst-token and cached dispatch and combine never
+ *   synchronize with the host and may be captured in CUDA graphs; epHtDispatchNotify synchronizes.
  * - EP_ENGINE_AUTO resolves to the GPU engine when the library was built with it and a CUDA device is
  *   visible, otherwise to the host engine. Query the result with epCommEngine.
  *
@@ -127,10 +133,12 @@ typedef struct {
   int ll_max_tokens_per_rank;  /* low-latency capacity: tokens per rank per call; 0 = LL disabled */
   int ll_max_hidden;           /* low-latency: largest hidden size; 0 = 7168 */
   int ll_num_experts;          /* low-latency: experts the LL buffers are sized for; 0 = any (host engine) */
+  int ht_max_tokens_per_rank;  /* GPU engine, HT: most tokens a rank dispatches per call; 0 = 4096 */
+  int ht_max_hidden;           /* GPU engine, HT: largest hidden size in bf16 rows (fp32 rows take two); 0 = 7168 */
 } epConfig_t;
 
 #define EP_CONFIG_INIT \
-  { sizeof(epConfig_t), EP_STRUCT_MAGIC, EPCOMM_VERSION_CODE, EP_ENGINE_AUTO, -1, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(epConfig_t), EP_STRUCT_MAGIC, EPCOMM_VERSION_CODE, EP_ENGINE_AUTO, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* What a failed wait recorded (R1 of the design): operation, its epoch, this rank, the peer, the phase. */
 typedef struct {
@@ -142,9 +150,13 @@ typedef struct {
   int peer;            /* the peer it was waiting for, -1 if none */
   int phase;           /* epPhase_t */
   epResult_t result;   /* epTimeout, epRemoteError, epAborted, … */
+  /* GPU engine: argument violations found by kernels (they do not break the communicator): the first one's
+   * code (epExpertOutOfRange, epCapacityExceeded) and how many there were since creation. */
+  epResult_t violation;
+  uint64_t num_violations;
 } epErrorInfo_t;
 
-#define EP_ERROR_INFO_INIT { sizeof(epErrorInfo_t), EP_STRUCT_MAGIC, 0, 0, -1, -1, 0, epSuccess }
+#define EP_ERROR_INFO_INIT { sizeof(epErrorInfo_t), EP_STRUCT_MAGIC, 0, 0, -1, -1, 0, epSuccess, epSuccess, 0 }
 
 /* ---------------------------------------------------------------------------------------------------------
  * Errors and version

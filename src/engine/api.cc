@@ -51,6 +51,7 @@ epResult_t checkComm(epComm* comm) {
   EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
   EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator (destroyed?)");
   EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
+  comm->engine->pollAsyncError();
   int ae = comm->async_error.load();
   if (ae != epSuccess)
     EP_FAIL(static_cast<epResult_t>(ae),
@@ -82,19 +83,27 @@ epResult_t checkNoPending(epComm* comm, const char* what) {
 epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   epConfig_t def = EP_CONFIG_INIT;
   if (cfg == nullptr) cfg = &def;
-  EP_REQUIRE(cfg->magic == EP_STRUCT_MAGIC && cfg->size >= offsetof(epConfig_t, ll_num_experts) + sizeof(int),
+  EP_REQUIRE(cfg->magic == EP_STRUCT_MAGIC && cfg->size >= sizeof(epConfig_t),
              epInvalidArgument, "config was not initialised from EP_CONFIG_INIT (size %u, magic 0x%x)", cfg->size,
              cfg->magic);
   int engine = cfg->engine;
   if (engine == EP_ENGINE_AUTO) {
     const char* env = paramString("EPCOMM_ENGINE");
-    if (env == nullptr || strcmp(env, "host") == 0 || strcmp(env, "auto") == 0) engine = EP_ENGINE_HOST;
+    if (env == nullptr || strcmp(env, "auto") == 0) {
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+      engine = gpuDeviceCount() > 0 ? EP_ENGINE_GPU : EP_ENGINE_HOST;
+#else
+      engine = EP_ENGINE_HOST;
+#endif
+    } else if (strcmp(env, "host") == 0) engine = EP_ENGINE_HOST;
     else if (strcmp(env, "gpu") == 0) engine = EP_ENGINE_GPU;
     else EP_FAIL(epInvalidArgument, "EPCOMM_ENGINE = '%s' is not one of host, gpu, auto", env);
   }
   EP_REQUIRE(engine == EP_ENGINE_HOST || engine == EP_ENGINE_GPU, epInvalidArgument,
              "config.engine = %d is not an epEngine_t", engine);
-  EP_REQUIRE(engine != EP_ENGINE_GPU, epNotSupported, "the GPU engine is not available in this release");
+#ifndef EPCOMM_HAVE_GPU_ENGINE
+  EP_REQUIRE(engine != EP_ENGINE_GPU, epNotSupported, "this build of epcomm has no GPU engine (built without CUDA)");
+#endif
   out->engine = static_cast<epEngine_t>(engine);
   EP_REQUIRE(cfg->timeout_ms >= 0, epInvalidArgument, "config.timeout_ms = %d is negative", cfg->timeout_ms);
   out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
@@ -106,6 +115,13 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   out->ll_max_tokens_per_rank = cfg->ll_max_tokens_per_rank;
   out->ll_max_hidden = cfg->ll_max_hidden > 0 ? cfg->ll_max_hidden : 7168;
   out->ll_num_experts = cfg->ll_num_experts > 0 ? cfg->ll_num_experts : 0;
+  EP_REQUIRE(cfg->ht_max_tokens_per_rank >= 0 && cfg->ht_max_hidden >= 0 && cfg->num_sms >= 0, epInvalidArgument,
+             "config.ht_max_tokens_per_rank = %d, ht_max_hidden = %d and num_sms = %d must not be negative",
+             cfg->ht_max_tokens_per_rank, cfg->ht_max_hidden, cfg->num_sms);
+  out->ht_max_tokens_per_rank = cfg->ht_max_tokens_per_rank > 0 ? cfg->ht_max_tokens_per_rank : 4096;
+  out->ht_max_hidden = cfg->ht_max_hidden > 0 ? cfg->ht_max_hidden : 7168;
+  out->cuda_device = cfg->cuda_device;
+  out->num_sms = cfg->num_sms;
   return epSuccess;
 }
 
@@ -267,11 +283,14 @@ epResult_t epCommGetAsyncError(epComm_t comm, epResult_t* async_error, epErrorIn
   EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
   EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
   EP_REQUIRE(async_error != nullptr, epNullPointer, "async_error is NULL");
+  comm->engine->pollAsyncError();
   std::lock_guard<std::mutex> lock(comm->error_mutex);
   *async_error = static_cast<epResult_t>(comm->async_error.load());
   if (info != nullptr) {
     EP_REQUIRE(info->magic == EP_STRUCT_MAGIC, epInvalidArgument, "info was not initialised from EP_ERROR_INFO_INIT");
     epErrorInfo_t i = comm->async_error.load() == epSuccess ? epErrorInfo_t(EP_ERROR_INFO_INIT) : comm->async_info;
+    i.violation = comm->violation;
+    i.num_violations = comm->num_violations;
     i.size = info->size;
     memcpy(info, &i, std::min<size_t>(info->size, sizeof(i)));
   }

@@ -23,6 +23,10 @@ struct CommConfig {
   int ll_max_tokens_per_rank = 0;
   int ll_max_hidden = 7168;
   int ll_num_experts = 0;
+  int ht_max_tokens_per_rank = 4096;
+  int ht_max_hidden = 7168;
+  int cuda_device = -1;
+  int num_sms = 0;
 };
 
 }  // namespace epcomm
@@ -42,6 +46,8 @@ struct epComm {
   epErrorInfo_t async_info{};
   std::atomic<bool> aborted{false};
   std::atomic<int> active_calls{0};
+  epResult_t violation = epSuccess;  // first device-side argument violation (GPU engine)
+  uint64_t num_violations = 0;
 
   void recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase);
 };

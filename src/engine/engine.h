@@ -42,6 +42,8 @@ class Engine {
   virtual epResult_t barrier(epStream_t stream) = 0;
   // Makes waits in flight give up (they return epAborted); called before the communicator is freed.
   virtual void abort() {}
+  // Moves errors recorded by device code into the communicator (epComm::recordAsyncError / violations).
+  virtual void pollAsyncError() {}
 };
 
 }  // namespace epcomm

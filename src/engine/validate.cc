@@ -148,9 +148,9 @@ epResult_t validateHtCombine(const ValidateCtx& v, const epHtCombineArgs_t* a, c
              "num_tokens = %d differs from the %d tokens of the handle's dispatch", a->num_tokens, h->num_tokens);
   const size_t row = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
   EPCHECK(checkShape(a->num_tokens, a->hidden, 1, v.comm->nranks, v.comm->nranks, false, row, v.max_row_bytes));
-  EPCHECK(checkPtr(a->x, h->num_recv > 0, "x"));
+  EPCHECK(checkPtr(a->x, h->recv_rows > 0, "x"));
   EPCHECK(checkPtr(a->combined_x, a->num_tokens > 0, "combined_x"));
-  EPCHECK(checkBytes(a->x, a->x_bytes, h->num_recv * row, "x"));
+  EPCHECK(checkBytes(a->x, a->x_bytes, h->recv_rows * row, "x"));
   EPCHECK(checkBytes(a->combined_x, a->combined_x_bytes, a->num_tokens * row, "combined_x"));
   return epSuccess;
 }

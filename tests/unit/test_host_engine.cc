@@ -336,11 +336,16 @@ std::vector<uint8_t> llExpert(const uint8_t* rx, const float* scales, const std:
 // ---------------------------------------------------------------------------------------------------------
 // Per-rank harness
 // ---------------------------------------------------------------------------------------------------------
-epConfig_t hostConfig() {
+// Small queues (down to the 64 KiB minimum) make big rows wrap around the rings; the channel count varies
+// too. Both are drawn from the test's seed, the same on every rank.
+epConfig_t hostConfig(uint64_t seed) {
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.engine = EP_ENGINE_HOST;
   cfg.timeout_ms = kTimeoutMs;
   cfg.ll_max_tokens_per_rank = kLlMaxTokens;
+  const size_t queues[] = {0, 64 << 10, 96 << 10};
+  cfg.queue_bytes = queues[mix(seed, 0x9) % 3];
+  cfg.num_channels = static_cast<int>(mix(seed, 0xa) % 4);
   return cfg;
 }
 
@@ -354,7 +359,7 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
         Ctx ctx;
         ctx.rank = rank;
         ctx.seed = baseSeed();
-        epConfig_t cfg = hostConfig();
+        epConfig_t cfg = hostConfig(seed);
         epComm_t comm = nullptr;
         epResult_t rc = epCommInitRank(&comm, R, &id, rank, &cfg);
         if (rc != epSuccess) {
@@ -363,9 +368,16 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
           return 2;
         }
         body(comm, rank, ctx);
+        epResult_t async = epSuccess;
+        epErrorInfo_t info = EP_ERROR_INFO_INIT;
+        if (epCommGetAsyncError(comm, &async, &info) != epSuccess || async != epSuccess)
+          ctx.fail("async_error", "epCommGetAsyncError reports %d (%s): op %d epoch %llu peer %d phase %d", async,
+                   epGetErrorString(async), info.op, static_cast<unsigned long long>(info.epoch), info.peer,
+                   info.phase);
         if (rank == 0)
-          std::printf("  rank 0: %d engine calls, %zu output bytes compared, %d failures\n", ctx.calls, ctx.compared,
-                      ctx.failures);
+          std::printf("  rank 0: %d engine calls, %zu output bytes compared, %d failures (queue_bytes %zu, "
+                      "num_channels %d)\n",
+                      ctx.calls, ctx.compared, ctx.failures, cfg.queue_bytes, cfg.num_channels);
         rc = epCommDestroy(comm);
         if (rc != epSuccess) {
           std::fprintf(stderr, "rank %d: epCommDestroy: %s\n", rank, epGetErrorString(rc));
@@ -375,8 +387,8 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
       },
       kRunTimeoutMs);
   for (int r = 0; r < R; ++r)
-    EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << " failed (-1 = timed out); reproduce with EPCOMM_TEST_SEED="
-                           << baseSeed() << " (case seed " << seed << ")";
+    EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << " failed (-1 = timed out, 2 = init failed); "
+                           << "reproduce with EPCOMM_TEST_SEED=" << baseSeed() << " (case seed " << seed << ")";
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -455,6 +455,7 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
     for (int e = 0; e < L; ++e) h->recv_per_expert[e] += pe[e];
   }
   h->num_recv = h->recv_prefix[R];
+  h->recv_rows = h->num_recv;
   h->valid = true;
   if (num_recv_host) *num_recv_host = h->num_recv;
   if (per_expert_host)
@@ -633,6 +634,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     h->recv_prefix = prefix;
     h->recv_per_expert = per_expert;
     h->num_recv = num_recv;
+    h->recv_rows = num_recv;
     h->valid = true;
   }
   return epSuccess;

@@ -1,0 +1,306 @@
+#include "engine/gpu/gpu_engine.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "common/param.h"
+#include "kernels/ht.h"
+
+namespace epcomm {
+
+EP_PARAM(GpuSms, "NUM_SMS", 24);
+
+namespace {
+
+struct GpuHandle {
+  GpuHandleDev dev{};
+  void* mem = nullptr;
+};
+
+cudaStream_t streamOf(epStream_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+int gpuDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Engine> makeGpuEngine(epComm* comm) { return std::make_unique<GpuEngine>(comm); }
+
+GpuEngine::~GpuEngine() {
+  // Kernels in flight read the error record and the buffers: let them finish first. They end promptly after
+  // an abort, and within their deadline otherwise.
+  cudaDeviceSynchronize();
+  if (err_host_) cudaFreeHost(err_host_);
+}
+
+epResult_t GpuEngine::checkLaunch(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return epSuccess;
+  return EP_ERROR(epCudaError, "launching %s failed: %s", what, cudaGetErrorString(e));
+}
+
+epResult_t GpuEngine::init() {
+  const CommConfig& c = comm_->config;
+  const int R = comm_->nranks;
+  EP_REQUIRE(R <= kGpuMaxRanks, epNotSupported, "the GPU engine takes at most %d ranks on one host (nranks = %d)",
+             kGpuMaxRanks, R);
+  int ndev = gpuDeviceCount();
+  EP_REQUIRE(ndev > 0, epCudaError, "the GPU engine was requested but no CUDA device is visible");
+  if (c.cuda_device >= 0) {
+    device_ = c.cuda_device;
+  } else if (cudaGetDevice(&device_) != cudaSuccess || paramString("EPCOMM_LOCAL_RANK") != nullptr) {
+    // Under epcomm-run without an explicit device: one device per local rank, wrapping (MPS shares one).
+    const char* lr = paramString("EPCOMM_LOCAL_RANK");
+    device_ = lr ? atoi(lr) % ndev : 0;
+  }
+  EP_REQUIRE(device_ < ndev, epInvalidArgument, "config.cuda_device = %d but only %d devices are visible", device_,
+             ndev);
+  cudaError_t e = cudaSetDevice(device_);
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaSetDevice(%d): %s", device_, cudaGetErrorString(e));
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_);
+  blocks_ = c.num_sms > 0 ? c.num_sms : static_cast<int>(epParamGpuSms());
+  if (sms > 0 && blocks_ > sms) blocks_ = sms;
+
+  lay_ = gpuBufferLayout(R, c.ht_max_tokens_per_rank, c.ht_max_hidden);
+  EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
+  e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
+  memset(err_host_, 0, sizeof(GpuErrorRecord));
+  e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0);
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
+  EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d blocks per kernel", device_, R,
+          lay_.total, blocks_);
+  return epSuccess;
+}
+
+HtParams GpuEngine::baseParams(int op) const {
+  HtParams p{};
+  p.rank = comm_->rank;
+  p.nranks = comm_->nranks;
+  p.op = op;
+  p.ctrl = static_cast<GpuCtrl*>(bufs_.local());
+  for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(bufs_.peer(r));
+  p.lay = lay_;
+  p.err = err_dev_;
+  p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
+  return p;
+}
+
+void GpuEngine::pollAsyncError() {
+  if (err_host_ == nullptr) return;
+  volatile GpuErrorRecord* er = err_host_;
+  if (er->code != 0 && comm_->async_error.load() == epSuccess)
+    comm_->recordAsyncError(static_cast<epResult_t>(er->code), er->op, er->epoch, er->peer, er->phase);
+  std::lock_guard<std::mutex> lock(comm_->error_mutex);
+  comm_->violation = static_cast<epResult_t>(er->violation_code);
+  comm_->num_violations = er->violations;
+}
+
+void GpuEngine::abort() {
+  if (err_host_) reinterpret_cast<volatile GpuErrorRecord*>(err_host_)->abort = 1;
+}
+
+epResult_t GpuEngine::handleInit(epHtHandle* h) {
+  const int R = comm_->nranks, T = h->max_tokens;
+  EP_REQUIRE(T <= lay_.max_tokens, epCapacityExceeded,
+             "max_tokens = %d exceeds the communicator's config.ht_max_tokens_per_rank = %d", T, lay_.max_tokens);
+  auto g = std::make_unique<GpuHandle>();
+  const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
+  const size_t bytes = tr + 4 * (tr + R * R + (R + 1) + R + kGpuMaxExperts + 1) + 64;
+  cudaError_t e = cudaMalloc(&g->mem, bytes);
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
+  cudaMemset(g->mem, 0, bytes);
+  int32_t* ints = static_cast<int32_t*>(g->mem);
+  g->dev.pos = ints;
+  g->dev.matrix = g->dev.pos + tr;
+  g->dev.prefix = g->dev.matrix + R * R;
+  g->dev.send_base = g->dev.prefix + R + 1;
+  g->dev.per_expert = g->dev.send_base + R;
+  g->dev.num_recv = g->dev.per_expert + kGpuMaxExperts;
+  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.num_recv + 1);
+  h->gpu = g.release();
+  return epSuccess;
+}
+
+void GpuEngine::handleFree(epHtHandle* h) {
+  auto* g = static_cast<GpuHandle*>(h->gpu);
+  if (g == nullptr) return;
+  cudaFree(g->mem);
+  delete g;
+  h->gpu = nullptr;
+}
+
+epResult_t GpuEngine::layout(const int64_t* topk_idx, int T, int K, int E, int* per_rank, int* per_expert,
+                             uint8_t* in_rank, epStream_t stream) {
+  HtParams p = baseParams(epOpLayout);
+  p.T = T;
+  p.K = K;
+  p.E = E;
+  p.L = E / comm_->nranks;
+  p.topk_idx = topk_idx;
+  return checkLaunch(launchLayout(p, per_rank, per_expert, in_rank, streamOf(stream)), "the layout kernel");
+}
+
+// Shape checks only the GPU engine has (its staging is sized at creation).
+static epResult_t checkGpuShape(const GpuBufferLayout& lay, int T, int E, int K, size_t xrow, int worst,
+                                int nranks) {
+  EP_REQUIRE(E <= kGpuMaxExperts, epInvalidNumExperts, "num_experts = %d exceeds the GPU engine's %d", E,
+             kGpuMaxExperts);
+  EP_REQUIRE(K <= kGpuMaxTopk, epInvalidTopk, "topk = %d exceeds %d", K, kGpuMaxTopk);
+  EP_REQUIRE(xrow <= lay.x_stride, epInvalidHidden,
+             "rows of %zu bytes exceed the %zu bytes per row the buffers were sized for (config.ht_max_hidden)",
+             xrow, lay.x_stride);
+  EP_REQUIRE(T <= lay.max_tokens, epCapacityExceeded, "num_tokens = %d exceeds config.ht_max_tokens_per_rank = %d",
+             T, lay.max_tokens);
+  (void)worst;
+  (void)nranks;
+  return epSuccess;
+}
+
+static epResult_t checkAligned(const void* p, const char* name) {
+  EP_REQUIRE((reinterpret_cast<uintptr_t>(p) & 15) == 0, epInvalidArgument,
+             "%s = %p must be 16-byte aligned for the GPU engine", name, p);
+  return epSuccess;
+}
+
+epResult_t GpuEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
+                               int* per_expert_host, epStream_t stream) {
+  EPCHECK(local);
+  auto* g = static_cast<GpuHandle*>(h->gpu);
+  const int R = comm_->nranks, L = a->num_experts / R;
+  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, 0, 0, R));
+  HtParams p = baseParams(epOpHtNotify);
+  p.T = a->num_tokens;
+  p.K = a->topk;
+  p.E = a->num_experts;
+  p.L = L;
+  p.topk_idx = a->topk_idx;
+  p.h = g->dev;
+  cudaStream_t s = streamOf(stream);
+  EPCHECK(checkLaunch(launchHtNotify(p, s), "the notify kernel"));
+  // Exact mode: the counts are host-visible, so this call waits for them (the kernel's waits have deadlines).
+  cudaError_t e = cudaStreamSynchronize(s);
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "notify: %s", cudaGetErrorString(e));
+  pollAsyncError();
+  int ae = comm_->async_error.load();
+  if (ae != epSuccess) EP_FAIL(static_cast<epResult_t>(ae), "notify failed on the device: %s", epGetErrorString(static_cast<epResult_t>(ae)));
+  std::vector<int32_t> prefix(R + 1), per(L);
+  cudaMemcpy(prefix.data(), g->dev.prefix, sizeof(int32_t) * (R + 1), cudaMemcpyDeviceToHost);
+  cudaMemcpy(per.data(), g->dev.per_expert, sizeof(int32_t) * L, cudaMemcpyDeviceToHost);
+  h->num_tokens = a->num_tokens;
+  h->num_experts = a->num_experts;
+  h->num_recv = prefix[R];
+  h->recv_rows = h->num_recv;
+  h->recv_prefix.assign(prefix.begin(), prefix.end());
+  h->recv_per_expert.assign(per.begin(), per.end());
+  h->valid = true;
+  *num_recv_host = h->num_recv;
+  if (per_expert_host) memcpy(per_expert_host, per.data(), sizeof(int) * L);
+  return epSuccess;
+}
+
+epResult_t GpuEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) {
+  EPCHECK(local);
+  auto* g = static_cast<GpuHandle*>(h->gpu);
+  const int R = comm_->nranks;
+  const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, xrow, a->num_worst_tokens, R));
+  EPCHECK(checkAligned(a->x, "x"));
+  EPCHECK(checkAligned(a->recv_x, "recv_x"));
+  const bool cached = a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT);
+  HtParams p = baseParams(epOpHtDispatch);
+  p.T = a->num_tokens;
+  p.H = a->hidden;
+  p.K = a->topk;
+  p.E = a->num_experts;
+  p.L = a->num_experts / R;
+  p.dtype = a->dtype;
+  p.worst = a->num_worst_tokens;
+  p.xrow = xrow;
+  p.srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
+  p.x = a->x;
+  p.x_scales = a->x_scales;
+  p.topk_idx = a->topk_idx;
+  p.topk_weights = a->topk_weights;
+  p.recv_x = a->recv_x;
+  p.recv_x_scales = a->recv_x_scales;
+  p.recv_topk_idx = a->recv_topk_idx;
+  p.recv_topk_weights = a->recv_topk_weights;
+  p.recv_per_expert_out = a->recv_tokens_per_expert;
+  p.num_recv_out = a->num_recv_tokens;
+  p.h = g->dev;
+  cudaStream_t s = streamOf(stream);
+  if (cached) {
+    EPCHECK(checkLaunch(launchHtBegin(p, false, s), "the dispatch begin kernel"));
+  } else {
+    p.begins_dispatch = 1;
+    EPCHECK(checkLaunch(launchHtNotify(p, s), "the notify kernel"));
+    h->num_tokens = a->num_tokens;
+    h->num_experts = a->num_experts;
+    h->recv_rows = a->num_worst_tokens;
+    h->valid = true;
+  }
+  return checkLaunch(launchHtDispatch(p, blocks(), s), "the dispatch kernels");
+}
+
+epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) {
+  EPCHECK(local);
+  auto* g = static_cast<GpuHandle*>(h->gpu);
+  const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  EP_REQUIRE(xrow <= lay_.x_stride, epInvalidHidden,
+             "combine rows of %zu bytes exceed the %zu bytes per row the buffers were sized for", xrow, lay_.x_stride);
+  EPCHECK(checkAligned(a->x, "x"));
+  EPCHECK(checkAligned(a->combined_x, "combined_x"));
+  HtParams p = baseParams(epOpHtCombine);
+  p.T = a->num_tokens;
+  p.H = a->hidden;
+  p.dtype = a->dtype;
+  p.xrow = xrow;
+  p.x = a->x;
+  p.combined_x = a->combined_x;
+  p.h = g->dev;
+  cudaStream_t s = streamOf(stream);
+  EPCHECK(checkLaunch(launchHtBegin(p, true, s), "the combine begin kernel"));
+  return checkLaunch(launchHtCombine(p, blocks(), s), "the combine kernels");
+}
+
+epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t*, epResult_t local, epStream_t) {
+  EPCHECK(local);
+  EP_FAIL(epNotSupported, "LL dispatch on the GPU engine is not in this release (use the host engine)");
+}
+
+epResult_t GpuEngine::llCombine(const epLlCombineArgs_t*, epResult_t local, epStream_t) {
+  EPCHECK(local);
+  EP_FAIL(epNotSupported, "LL combine on the GPU engine is not in this release (use the host engine)");
+}
+
+epResult_t GpuEngine::alltoallv(const void*, const size_t*, const size_t*, void*, const size_t*, const size_t*,
+                                size_t, epResult_t local, epStream_t) {
+  EPCHECK(local);
+  EP_FAIL(epNotSupported, "alltoallv on the GPU engine is not in this release (use the host engine)");
+}
+
+epResult_t GpuEngine::alltoallvDevice(const void*, const int64_t*, void*, size_t, int64_t*, int64_t*, size_t,
+                                      epResult_t local, epStream_t) {
+  EPCHECK(local);
+  EP_FAIL(epNotSupported, "alltoallv on the GPU engine is not in this release (use the host engine)");
+}
+
+epResult_t GpuEngine::barrier(epStream_t stream) {
+  cudaError_t e = cudaStreamSynchronize(streamOf(stream));
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "barrier: %s", cudaGetErrorString(e));
+  return comm_->bootstrap->barrier(comm_->config.timeout_ms);
+}
+
+}  // namespace epcomm

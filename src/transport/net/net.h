@@ -1,0 +1,104 @@
+// epcomm's inter-host transport, shaped like NCCL's net API so that plugin/nccl is a thin ABI shim over it
+// and epcomm's own proxy can drive the very same code.
+//
+//   listen(dev) -> handle (<= kNetHandleSize bytes, sent to the peer out of band) + listen comm
+//   connect(dev, handle) / accept(listen comm): non-blocking; a null comm means "call again"
+//   isend / irecv (grouped: n buffers picked by tag) / test: asynchronous; a null request means "retry later"
+//   regMr / deregMr: registration (a no-op for sockets, fi_mr_reg for libfabric)
+//
+// Contracts every backend keeps (the NCCL plugin ABI requires them):
+// - sends and receives match in posting order per connection; a receive buffer may be larger than the send;
+// - at least kNetMaxRequests requests in flight per comm (x kNetMaxRecvs on the send side);
+// - errors are results: a peer that dies or closes makes test() fail with a message that names the peer;
+// - close* releases everything, even with transfers in flight.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "epcomm/epcomm.h"
+
+namespace epcomm::net {
+
+constexpr int kNetHandleSize = 128;  // == NCCL_NET_HANDLE_MAXSIZE
+constexpr int kNetMaxRecvs = 8;      // largest grouped receive
+constexpr int kNetMaxRequests = 32;  // == NCCL_NET_MAX_REQUESTS (we accept more, see kNetRequestPool)
+constexpr int kNetRequestPool = kNetMaxRequests * kNetMaxRecvs * 2;
+constexpr int kNetMaxDevs = 4;
+
+enum NetPtrType : int { kNetPtrHost = 0x1, kNetPtrCuda = 0x2 };
+
+struct NetProperties {
+  std::string name;      // interface / domain name
+  std::string pciPath;   // empty for virtual devices (lo, veth, ...)
+  uint64_t guid = 0;
+  int ptrSupport = kNetPtrHost;
+  int speedMbps = 10000;
+  int port = 0;
+  float latencyUs = 0;
+  int maxComms = 65536;
+  int maxRecvs = kNetMaxRecvs;
+};
+
+// One backend instance per process (chosen by EPCOMM_NET). All handles are opaque pointers.
+class NetBackend {
+ public:
+  virtual ~NetBackend() = default;
+  virtual const char* name() const = 0;
+  virtual int devices() const = 0;
+  virtual epResult_t getProperties(int dev, NetProperties* props) = 0;
+  virtual epResult_t listen(int dev, void* handle, void** listenComm) = 0;
+  virtual epResult_t connect(int dev, void* handle, void** sendComm) = 0;
+  virtual epResult_t accept(void* listenComm, void** recvComm) = 0;
+  virtual epResult_t regMr(void* comm, void* data, size_t size, int type, void** mhandle) = 0;
+  virtual epResult_t deregMr(void* comm, void* mhandle) = 0;
+  virtual epResult_t isend(void* sendComm, void* data, size_t size, int tag, void* mhandle, void** request) = 0;
+  virtual epResult_t irecv(void* recvComm, int n, void** data, const size_t* sizes, const int* tags,
+                           void** mhandles, void** request) = 0;
+  virtual epResult_t test(void* request, int* done, size_t* sizes) = 0;
+  virtual epResult_t closeSend(void* sendComm) = 0;
+  virtual epResult_t closeRecv(void* recvComm) = 0;
+  virtual epResult_t closeListen(void* listenComm) = 0;
+};
+
+// The process-wide backend selected by EPCOMM_NET=socket|ofi (default socket). On failure returns nullptr and
+// *why says why the backend is not offered (e.g. "libfabric.so.1 not found").
+NetBackend* netBackend(std::string* why);
+// Backends can also be made explicitly (tests compare them); the object lives for the whole process.
+NetBackend* netSocketBackend(std::string* why);
+NetBackend* netOfiBackend(std::string* why);
+
+// ---- logging: through NCCL's logger when the plugin was loaded by NCCL, else epcomm's own log ----------------
+enum NetLogLevel : int { kNetLogWarn = 1, kNetLogInfo = 2, kNetLogTrace = 3 };
+using NetLogSink = void (*)(int level, const char* file, int line, const char* msg);
+void netSetLogSink(NetLogSink sink);
+bool netLogEnabled(int level);
+void netLog(int level, const char* file, int line, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
+
+// Decide an error: log it once (WARN), remember it as this thread's last net error, evaluate to the code.
+epResult_t netError(epResult_t code, const char* file, int line, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+const char* netLastError();
+// Record a message as this thread's last net error without logging it again (it was logged at its source).
+epResult_t netQuietError(epResult_t code, const char* msg);
+
+}  // namespace epcomm::net
+
+#define NET_WARN(...) ::epcomm::net::netLog(::epcomm::net::kNetLogWarn, __FILE__, __LINE__, __VA_ARGS__)
+#define NET_INFO(...)                                                                       \
+  do {                                                                                      \
+    if (::epcomm::net::netLogEnabled(::epcomm::net::kNetLogInfo))                           \
+      ::epcomm::net::netLog(::epcomm::net::kNetLogInfo, __FILE__, __LINE__, __VA_ARGS__);   \
+  } while (0)
+#define NET_TRACE(...)                                                                      \
+  do {                                                                                      \
+    if (::epcomm::net::netLogEnabled(::epcomm::net::kNetLogTrace))                          \
+      ::epcomm::net::netLog(::epcomm::net::kNetLogTrace, __FILE__, __LINE__, __VA_ARGS__);  \
+  } while (0)
+#define NET_ERR(code, ...) ::epcomm::net::netError((code), __FILE__, __LINE__, __VA_ARGS__)
+#define NET_FAIL(code, ...) return NET_ERR((code), __VA_ARGS__)
+#define NETCHECK(call)                     \
+  do {                                     \
+    epResult_t net_res_ = (call);          \
+    if (net_res_ != epSuccess) return net_res_; \
+  } while (0)

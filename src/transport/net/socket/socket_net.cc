@@ -1,0 +1,768 @@
+// The socket backend: epcomm's own TCP transport.
+//
+// A connection is one control socket plus S = NTHREADS x NSOCKS data sockets, owned by NTHREADS helper
+// threads on each side. Every message sends a 16-byte header {magic, tag, size} on the control socket, in
+// posting order; that is what makes matching ordered and lets the receiver bounds-check the size against
+// the buffer it posted before a single payload byte lands. Small payloads (<= inline) follow the header on
+// the control socket and are moved by the caller's thread (no hand-off latency). Larger ones are cut into
+// chunks dealt round-robin over the data sockets; both sides compute the same plan from the size and a
+// per-connection socket cursor, so per-socket FIFO order is all the framing the data sockets need.
+//
+// Wire (little-endian host order; both ends are the same build):
+//   every socket, first: Hello {magic, version, secret, connId, index (0 = control), nsocks, chunk params}
+//   control socket:      MsgHeader {magic, tag, size} [+ payload when size <= inline]
+//   data socket k:       raw chunk bytes
+#include <errno.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/param.h"
+#include "common/time.h"
+#include "transport/net/net.h"
+#include "transport/net/sockutil.h"
+
+namespace epcomm::net {
+namespace {
+
+EP_PARAM(NetNthreads, "NET_NTHREADS", 4);           // helper threads per connection (each side)
+EP_PARAM(NetNsocks, "NET_NSOCKS", 2);               // data sockets per helper thread
+EP_PARAM(NetChunk, "NET_CHUNK", 512 << 10);         // largest piece of a message on one data socket
+EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut finer than this
+EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
+
+constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
+constexpr uint32_t kHelloMagic = 0x4550484c;   // "EPHL"
+constexpr uint32_t kMsgMagic = 0x45504d47;     // "EPMG"
+constexpr uint32_t kVersion = 1;
+constexpr int kMaxDataSocks = 64;
+
+struct SockConnectStage;
+
+struct SocketHandle {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t secret;  // random per listen; connect must present it (DESIGN R5)
+  NetAddr addr;
+  uint32_t pad;
+  SockConnectStage* stage;  // connect()'s progress, kept in the caller's copy of the handle
+};
+static_assert(sizeof(SocketHandle) <= kNetHandleSize);
+
+struct Hello {
+  uint32_t magic, version;
+  uint64_t secret;
+  uint64_t connId;
+  uint32_t index, nsocks;
+  uint32_t chunk, minChunk, inlineMax, pad;
+};
+static_assert(sizeof(Hello) == 48);
+
+struct MsgHeader {
+  uint32_t magic;
+  int32_t tag;
+  uint64_t size;
+};
+static_assert(sizeof(MsgHeader) == 16);
+
+struct SockComm;
+
+struct SockRequest {
+  SockComm* comm = nullptr;
+  bool inUse = false;
+  bool ctrlDone = false;
+  int n = 0;
+  int nMatched = 0;
+  std::atomic<int> pending{0};  // chunks not yet moved by helper threads
+  void* data[kNetMaxRecvs];
+  size_t cap[kNetMaxRecvs];
+  size_t got[kNetMaxRecvs];
+  int tags[kNetMaxRecvs];
+  bool matched[kNetMaxRecvs];
+  MsgHeader hdr;  // send side
+};
+
+struct Chunk {
+  char* ptr;
+  size_t len;
+  size_t done;
+  SockRequest* req;
+};
+
+struct DataSock {
+  int fd = -1;
+  int helper = 0;
+  std::mutex mu;
+  std::deque<Chunk> q;  // only the owning helper pops; references stay valid across push_back
+};
+
+struct Helper {
+  std::thread th;
+  int efd = -1;
+  std::vector<int> socks;
+};
+
+struct SockComm {
+  bool isSend = false;
+  std::string peer;
+  int ctrlFd = -1;
+  std::vector<std::unique_ptr<DataSock>> data;
+  std::vector<std::unique_ptr<Helper>> helpers;
+  std::atomic<bool> stop{false};
+  std::atomic<int> errCode{0};
+  std::mutex errMu;
+  std::string errMsg;
+  std::atomic<int64_t> lastProgressNs{0};
+  size_t chunk = 0, minChunk = 0, inlineMax = 0;  // the sender's, sent in Hello
+  int nextSock = 0;
+  // Control-socket state; touched only by the thread that calls isend/irecv/test (NCCL's proxy thread).
+  std::deque<SockRequest*> ctrlQ;
+  MsgHeader hdr{};
+  size_t hdrGot = 0;
+  int inlineIdx = -1;
+  size_t inlineGot = 0;
+  size_t ctrlSent = 0;
+  std::unique_ptr<SockRequest[]> pool;
+  std::vector<SockRequest*> freeList;
+
+  // First error wins; it is logged once here and reported by every later call.
+  void fail(epResult_t code, const char* fmt, ...) __attribute__((format(printf, 3, 4))) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    std::lock_guard<std::mutex> g(errMu);
+    if (errCode.load() != 0) return;
+    errMsg = msg;
+    errCode.store(code);
+    NET_WARN("%s", msg);
+  }
+  epResult_t error() {
+    int c = errCode.load(std::memory_order_acquire);
+    if (c == 0) return epSuccess;
+    std::lock_guard<std::mutex> g(errMu);
+    return netQuietError(static_cast<epResult_t>(c), errMsg.c_str());
+  }
+  const char* side() const { return isSend ? "send" : "recv"; }
+};
+
+void helperLoop(SockComm* c, Helper* h) {
+  std::vector<pollfd> pfds;
+  std::string err;
+  while (!c->stop.load(std::memory_order_acquire)) {
+    bool progressed = false;
+    pfds.clear();
+    for (int si : h->socks) {
+      DataSock& ds = *c->data[si];
+      for (;;) {
+        Chunk* ch;
+        {
+          std::lock_guard<std::mutex> g(ds.mu);
+          if (ds.q.empty()) break;
+          ch = &ds.q.front();
+        }
+        ssize_t r = c->isSend ? sendSome(ds.fd, ch->ptr + ch->done, ch->len - ch->done, &err)
+                              : recvSome(ds.fd, ch->ptr + ch->done, ch->len - ch->done, &err);
+        if (r < 0) {
+          c->fail(epRemoteError, "NET/epcomm: %s connection with peer %s: data socket %d: %s", c->side(),
+                  c->peer.c_str(), si, err.c_str());
+          return;
+        }
+        if (r == 0) {
+          pfds.push_back({ds.fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
+          break;
+        }
+        ch->done += r;
+        progressed = true;
+        if (ch->done == ch->len) {
+          ch->req->pending.fetch_sub(1, std::memory_order_release);
+          std::lock_guard<std::mutex> g(ds.mu);
+          ds.q.pop_front();
+        }
+      }
+    }
+    if (progressed) {
+      c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
+      continue;
+    }
+    // Nothing moved: sleep until a socket is ready or new chunks are queued (eventfd).
+    pfds.push_back({h->efd, POLLIN, 0});
+    int pr = poll(pfds.data(), pfds.size(), 1000);
+    if (pr > 0 && (pfds.back().revents & POLLIN)) {
+      uint64_t v;
+      ssize_t rr = read(h->efd, &v, sizeof(v));
+      (void)rr;
+    }
+  }
+}
+
+void wake(Helper* h) {
+  uint64_t one = 1;
+  ssize_t r = write(h->efd, &one, sizeof(one));
+  (void)r;
+}
+
+// Deal a message of `size` bytes at `base` over the data sockets. Identical on both sides.
+void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
+  size_t S = c->data.size();
+  size_t cs = (size + S - 1) / S;
+  cs = (cs + 4095) & ~size_t(4095);
+  cs = std::max(cs, c->minChunk);
+  cs = std::min(cs, c->chunk);
+  for (size_t off = 0; off < size; off += cs) {
+    DataSock& ds = *c->data[c->nextSock];
+    c->nextSock = (c->nextSock + 1) % static_cast<int>(S);
+    req->pending.fetch_add(1, std::memory_order_relaxed);
+    bool wasEmpty;
+    {
+      std::lock_guard<std::mutex> g(ds.mu);
+      wasEmpty = ds.q.empty();
+      ds.q.push_back(Chunk{base + off, std::min(cs, size - off), 0, req});
+    }
+    if (wasEmpty) wake(c->helpers[ds.helper].get());
+  }
+}
+
+void destroyComm(SockComm* c) {
+  c->stop.store(true, std::memory_order_release);
+  for (auto& h : c->helpers) {
+    if (h->th.joinable()) {
+      wake(h.get());
+      h->th.join();
+    }
+    if (h->efd >= 0) close(h->efd);
+  }
+  for (auto& d : c->data)
+    if (d->fd >= 0) close(d->fd);
+  if (c->ctrlFd >= 0) close(c->ctrlFd);
+  delete c;
+}
+
+// fds[0] = control, fds[1..] = data sockets. Takes ownership of the fds.
+SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, const std::string& peer) {
+  auto* c = new SockComm();
+  c->isSend = isSend;
+  c->peer = peer;
+  c->ctrlFd = fds[0];
+  c->chunk = h.chunk;
+  c->minChunk = h.minChunk;
+  c->inlineMax = h.inlineMax;
+  int S = static_cast<int>(fds.size()) - 1;
+  int T = static_cast<int>(std::clamp<int64_t>(epParamNetNthreads(), 1, S));
+  c->pool.reset(new SockRequest[kNetRequestPool]);
+  for (int i = kNetRequestPool - 1; i >= 0; --i) {
+    c->pool[i].comm = c;
+    c->freeList.push_back(&c->pool[i]);
+  }
+  for (int t = 0; t < T; ++t) {
+    auto h2 = std::make_unique<Helper>();
+    h2->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    c->helpers.push_back(std::move(h2));
+  }
+  for (int s = 0; s < S; ++s) {
+    auto d = std::make_unique<DataSock>();
+    d->fd = fds[s + 1];
+    d->helper = s % T;
+    c->helpers[d->helper]->socks.push_back(s);
+    c->data.push_back(std::move(d));
+  }
+  c->lastProgressNs.store(nowNs());
+  for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
+  NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
+           c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
+  return c;
+}
+
+SockRequest* getRequest(SockComm* c) {
+  if (c->freeList.empty()) return nullptr;
+  SockRequest* r = c->freeList.back();
+  c->freeList.pop_back();
+  r->inUse = true;
+  r->ctrlDone = false;
+  r->n = 0;
+  r->nMatched = 0;
+  r->pending.store(0, std::memory_order_relaxed);
+  return r;
+}
+
+void putRequest(SockRequest* r) {
+  r->inUse = false;
+  r->comm->freeList.push_back(r);
+}
+
+// Sender: headers (and inline payloads) in posting order.
+void sendCtrlProgress(SockComm* c) {
+  std::string err;
+  while (!c->ctrlQ.empty()) {
+    SockRequest* r = c->ctrlQ.front();
+    size_t payload = r->hdr.size <= c->inlineMax ? r->hdr.size : 0;
+    size_t total = sizeof(MsgHeader) + payload;
+    iovec iov[2];
+    int niov = 0;
+    if (c->ctrlSent < sizeof(MsgHeader)) {
+      iov[niov++] = {reinterpret_cast<char*>(&r->hdr) + c->ctrlSent, sizeof(MsgHeader) - c->ctrlSent};
+      if (payload) iov[niov++] = {r->data[0], payload};
+    } else {
+      size_t off = c->ctrlSent - sizeof(MsgHeader);
+      iov[niov++] = {static_cast<char*>(r->data[0]) + off, payload - off};
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = niov;
+    ssize_t k = sendmsg(c->ctrlFd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      c->fail(epRemoteError, "NET/epcomm: send connection with peer %s: control socket: %s", c->peer.c_str(),
+              strerror(errno));
+      return;
+    }
+    c->ctrlSent += k;
+    c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
+    if (c->ctrlSent < total) return;
+    c->ctrlSent = 0;
+    r->ctrlDone = true;
+    c->ctrlQ.pop_front();
+  }
+}
+
+// Receiver: match headers to posted buffers in order; every length from the wire is checked first.
+void recvCtrlProgress(SockComm* c) {
+  std::string err;
+  while (!c->ctrlQ.empty() && c->errCode.load(std::memory_order_relaxed) == 0) {
+    SockRequest* r = c->ctrlQ.front();
+    if (c->inlineIdx >= 0) {
+      int i = c->inlineIdx;
+      ssize_t k = recvSome(c->ctrlFd, static_cast<char*>(r->data[i]) + c->inlineGot, r->got[i] - c->inlineGot, &err);
+      if (k < 0) {
+        c->fail(epRemoteError, "NET/epcomm: recv connection with peer %s: control socket: %s", c->peer.c_str(),
+                err.c_str());
+        return;
+      }
+      if (k == 0) return;
+      c->inlineGot += k;
+      c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
+      if (c->inlineGot < r->got[i]) continue;
+      c->inlineIdx = -1;
+    } else {
+      ssize_t k = recvSome(c->ctrlFd, reinterpret_cast<char*>(&c->hdr) + c->hdrGot, sizeof(MsgHeader) - c->hdrGot,
+                           &err);
+      if (k < 0) {
+        c->fail(epRemoteError, "NET/epcomm: recv connection with peer %s: control socket: %s", c->peer.c_str(),
+                err.c_str());
+        return;
+      }
+      if (k == 0) return;
+      c->hdrGot += k;
+      c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
+      if (c->hdrGot < sizeof(MsgHeader)) continue;
+      c->hdrGot = 0;
+      if (c->hdr.magic != kMsgMagic) {
+        c->fail(epRemoteError, "NET/epcomm: peer %s sent a corrupt message header (magic %#x)", c->peer.c_str(),
+                c->hdr.magic);
+        return;
+      }
+      int i = -1;
+      for (int j = 0; j < r->n; ++j)
+        if (!r->matched[j] && r->tags[j] == c->hdr.tag) {
+          i = j;
+          break;
+        }
+      if (i < 0) {
+        c->fail(epRemoteError, "NET/epcomm: peer %s sent tag %d, which matches no posted receive", c->peer.c_str(),
+                c->hdr.tag);
+        return;
+      }
+      if (c->hdr.size > r->cap[i]) {
+        c->fail(epRemoteError, "NET/epcomm: peer %s sent %llu bytes (tag %d) into a %zu-byte receive buffer",
+                c->peer.c_str(), static_cast<unsigned long long>(c->hdr.size), c->hdr.tag, r->cap[i]);
+        return;
+      }
+      r->matched[i] = true;
+      r->got[i] = c->hdr.size;
+      r->nMatched++;
+      if (c->hdr.size <= c->inlineMax) {
+        if (c->hdr.size > 0) {
+          c->inlineIdx = i;
+          c->inlineGot = 0;
+          continue;
+        }
+      } else {
+        planChunks(c, r, static_cast<char*>(r->data[i]), c->hdr.size);
+      }
+    }
+    if (r->nMatched == r->n) {
+      r->ctrlDone = true;
+      c->ctrlQ.pop_front();
+    }
+  }
+}
+
+// ---- connection establishment ---------------------------------------------------------------------------------
+
+struct SockListen {
+  int fd = -1;
+  int dev = 0;
+  uint64_t secret = 0;
+  NetAddr addr{};
+  struct Pending {
+    int fd;
+    Hello h;
+    size_t got;
+    int64_t startNs;
+    NetAddr from;
+  };
+  struct Group {
+    uint64_t connId;
+    Hello h;
+    std::vector<int> fds;
+    int count;
+    int64_t startNs;
+    NetAddr from;
+  };
+  std::vector<Pending> pend;
+  std::vector<Group> groups;
+};
+
+struct SockConnectStage {
+  Hello hello{};
+  NetAddr peer{};
+  std::vector<TcpConnector> conns;
+  std::vector<size_t> sent;
+};
+
+bool constantTimeEq(uint64_t a, uint64_t b) {
+  volatile uint64_t d = a ^ b;
+  return d == 0;
+}
+
+class SocketBackend final : public NetBackend {
+ public:
+  const char* name() const override { return "socket"; }
+  int devices() const override { return static_cast<int>(netInterfaces().size()); }
+
+  epResult_t getProperties(int dev, NetProperties* p) override {
+    const auto& ifs = netInterfaces();
+    if (dev < 0 || dev >= static_cast<int>(ifs.size()))
+      NET_FAIL(epInvalidArgument, "NET/epcomm: device %d out of range [0,%zu)", dev, ifs.size());
+    *p = NetProperties{};
+    p->name = ifs[dev].name;
+    p->pciPath = ifs[dev].pciPath;
+    p->guid = static_cast<uint64_t>(dev);
+    p->ptrSupport = kNetPtrHost;
+    p->speedMbps = ifs[dev].speedMbps;
+    p->maxComms = 65536;
+    p->maxRecvs = kNetMaxRecvs;
+    return epSuccess;
+  }
+
+  epResult_t listen(int dev, void* handle, void** listenComm) override {
+    const auto& ifs = netInterfaces();
+    if (dev < 0 || dev >= static_cast<int>(ifs.size()))
+      NET_FAIL(epInvalidArgument, "NET/epcomm: device %d out of range [0,%zu)", dev, ifs.size());
+    auto* l = new SockListen();
+    l->dev = dev;
+    l->secret = randomU64();
+    epResult_t r = tcpListen(ifs[dev], &l->fd, &l->addr);
+    if (r != epSuccess) {
+      delete l;
+      return r;
+    }
+    memset(handle, 0, kNetHandleSize);
+    auto* h = static_cast<SocketHandle*>(handle);
+    h->magic = kHandleMagic;
+    h->version = kVersion;
+    h->secret = l->secret;
+    h->addr = l->addr;
+    h->stage = nullptr;
+    *listenComm = l;
+    NET_INFO("NET/epcomm: listening on %s (%s)", addrToString(l->addr).c_str(), ifs[dev].name.c_str());
+    return epSuccess;
+  }
+
+  epResult_t connect(int dev, void* handle, void** sendComm) override {
+    (void)dev;
+    *sendComm = nullptr;
+    auto* h = static_cast<SocketHandle*>(handle);
+    if (h->magic != kHandleMagic || h->version != kVersion)
+      NET_FAIL(epInvalidArgument, "NET/epcomm: connect() got a handle that is not an epcomm socket handle");
+    SockConnectStage* st = h->stage;
+    if (st == nullptr) {
+      st = new SockConnectStage();
+      int64_t T = std::clamp<int64_t>(epParamNetNthreads(), 1, kMaxDataSocks);
+      int64_t S = std::clamp<int64_t>(T * std::max<int64_t>(1, epParamNetNsocks()), 1, kMaxDataSocks);
+      st->hello = Hello{kHelloMagic, kVersion, h->secret, randomU64(), 0, static_cast<uint32_t>(S),
+                        static_cast<uint32_t>(std::clamp<int64_t>(epParamNetChunk(), 4096, 1 << 30)),
+                        static_cast<uint32_t>(std::clamp<int64_t>(epParamNetMinChunk(), 4096, 1 << 30)),
+                        static_cast<uint32_t>(std::clamp<int64_t>(epParamNetInline(), 0, 1 << 30)), 0};
+      st->peer = h->addr;
+      st->conns.resize(S + 1);
+      st->sent.assign(S + 1, 0);
+      h->stage = st;
+    }
+    bool all = true;
+    for (size_t i = 0; i < st->conns.size(); ++i) {
+      TcpConnector& tc = st->conns[i];
+      epResult_t r = tc.progress(st->peer);
+      if (r != epSuccess) {
+        abandon(h);
+        return r;
+      }
+      if (!tc.connected) {
+        all = false;
+        continue;
+      }
+      if (st->sent[i] < sizeof(Hello)) {
+        Hello hh = st->hello;
+        hh.index = static_cast<uint32_t>(i);
+        std::string err;
+        ssize_t k = sendSome(tc.fd, reinterpret_cast<char*>(&hh) + st->sent[i], sizeof(Hello) - st->sent[i], &err);
+        if (k < 0) {
+          std::string peer = addrToString(st->peer);
+          abandon(h);
+          NET_FAIL(epRemoteError, "NET/epcomm: connect to peer %s: %s", peer.c_str(), err.c_str());
+        }
+        st->sent[i] += k;
+        if (st->sent[i] < sizeof(Hello)) all = false;
+      }
+    }
+    if (!all) return epSuccess;
+    std::vector<int> fds;
+    for (auto& tc : st->conns) fds.push_back(tc.fd);
+    *sendComm = makeComm(true, fds, st->hello, addrToString(st->peer));
+    delete st;
+    h->stage = nullptr;
+    return epSuccess;
+  }
+
+  epResult_t accept(void* listenComm, void** recvComm) override {
+    *recvComm = nullptr;
+    auto* l = static_cast<SockListen*>(listenComm);
+    if (l == nullptr) NET_FAIL(epInvalidUsage, "NET/epcomm: accept() on a null listen comm");
+    int64_t now = nowNs();
+    int64_t tmoNs = netTimeoutMs() * 1000000LL;
+    for (;;) {
+      NetAddr from{};
+      socklen_t fl = sizeof(from);
+      int fd = accept4(l->fd, &from.sa, &fl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        NET_FAIL(epSystemError, "NET/epcomm: accept on %s: %s", addrToString(l->addr).c_str(), strerror(errno));
+      }
+      if (l->pend.size() >= 4096) {  // a flood of strangers must not exhaust us
+        close(fd);
+        continue;
+      }
+      tuneSocket(fd);
+      l->pend.push_back({fd, Hello{}, 0, now, from});
+    }
+    for (size_t i = 0; i < l->pend.size();) {
+      auto& p = l->pend[i];
+      std::string err;
+      ssize_t k = recvSome(p.fd, reinterpret_cast<char*>(&p.h) + p.got, sizeof(Hello) - p.got, &err);
+      const char* drop = nullptr;
+      if (k < 0) drop = "closed before its hello";
+      else p.got += k;
+      if (!drop && p.got < sizeof(Hello)) {
+        if (now - p.startNs > tmoNs) drop = "sent no hello within EPCOMM_TIMEOUT_MS";
+        else {
+          ++i;
+          continue;
+        }
+      }
+      if (!drop) {
+        const Hello& h = p.h;
+        if (h.magic != kHelloMagic || h.version != kVersion) drop = "is not an epcomm peer of this version";
+        else if (!constantTimeEq(h.secret, l->secret)) drop = "presented a wrong secret";
+        else if (h.nsocks < 1 || h.nsocks > kMaxDataSocks || h.index > h.nsocks) drop = "sent bad socket counts";
+        else if (h.chunk < 4096 || h.minChunk < 4096 || h.inlineMax > (1u << 30)) drop = "sent bad chunk sizes";
+      }
+      if (drop) {
+        NET_WARN("NET/epcomm: dropping connection from %s on %s: it %s", addrToString(p.from).c_str(),
+                 addrToString(l->addr).c_str(), drop);
+        close(p.fd);
+        l->pend.erase(l->pend.begin() + i);
+        continue;
+      }
+      SockListen::Group* g = nullptr;
+      for (auto& gg : l->groups)
+        if (gg.connId == p.h.connId) g = &gg;
+      if (g == nullptr) {
+        l->groups.push_back({p.h.connId, p.h, std::vector<int>(p.h.nsocks + 1, -1), 0, now, p.from});
+        g = &l->groups.back();
+      }
+      if (g->h.nsocks != p.h.nsocks || g->h.chunk != p.h.chunk || g->h.minChunk != p.h.minChunk ||
+          g->h.inlineMax != p.h.inlineMax || g->fds[p.h.index] != -1) {
+        NET_WARN("NET/epcomm: dropping connection from %s: inconsistent with its connection group",
+                 addrToString(p.from).c_str());
+        close(p.fd);
+      } else {
+        g->fds[p.h.index] = p.fd;
+        g->count++;
+      }
+      l->pend.erase(l->pend.begin() + i);
+    }
+    for (size_t gi = 0; gi < l->groups.size();) {
+      auto& g = l->groups[gi];
+      if (g.count == static_cast<int>(g.fds.size())) {
+        NetAddr peer = g.from;
+        SockComm* c = makeComm(false, g.fds, g.h, addrToString(peer));
+        l->groups.erase(l->groups.begin() + gi);
+        *recvComm = c;
+        return epSuccess;
+      }
+      if (now - g.startNs > tmoNs) {
+        NET_WARN("NET/epcomm: dropping incomplete connection from %s (%d of %zu sockets)",
+                 addrToString(g.from).c_str(), g.count, g.fds.size());
+        for (int fd : g.fds)
+          if (fd >= 0) close(fd);
+        l->groups.erase(l->groups.begin() + gi);
+        continue;
+      }
+      ++gi;
+    }
+    return epSuccess;
+  }
+
+  epResult_t regMr(void* comm, void* data, size_t size, int type, void** mhandle) override {
+    (void)comm;
+    (void)data;
+    (void)size;
+    if (type != kNetPtrHost)
+      NET_FAIL(epNotSupported, "NET/epcomm: the socket backend takes host memory only (type %d)", type);
+    *mhandle = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5eed));  // nothing to register for TCP
+    return epSuccess;
+  }
+  epResult_t deregMr(void*, void*) override { return epSuccess; }
+
+  epResult_t isend(void* sendComm, void* data, size_t size, int tag, void* mhandle, void** request) override {
+    (void)mhandle;
+    *request = nullptr;
+    auto* c = static_cast<SockComm*>(sendComm);
+    NETCHECK(c->error());
+    if (size > 0 && data == nullptr) NET_FAIL(epNullPointer, "NET/epcomm: isend of %zu bytes from NULL", size);
+    SockRequest* r = getRequest(c);
+    if (r == nullptr) return epSuccess;  // too many in flight: NCCL retries
+    r->n = 1;
+    r->data[0] = data;
+    r->cap[0] = r->got[0] = size;
+    r->tags[0] = tag;
+    r->hdr = MsgHeader{kMsgMagic, tag, size};
+    if (size > c->inlineMax) planChunks(c, r, static_cast<char*>(data), size);
+    c->ctrlQ.push_back(r);
+    sendCtrlProgress(c);
+    *request = r;
+    return epSuccess;
+  }
+
+  epResult_t irecv(void* recvComm, int n, void** data, const size_t* sizes, const int* tags, void** mhandles,
+                   void** request) override {
+    (void)mhandles;
+    *request = nullptr;
+    auto* c = static_cast<SockComm*>(recvComm);
+    NETCHECK(c->error());
+    if (n < 1 || n > kNetMaxRecvs) NET_FAIL(epInvalidArgument, "NET/epcomm: irecv of %d buffers (1..%d)", n, kNetMaxRecvs);
+    SockRequest* r = getRequest(c);
+    if (r == nullptr) return epSuccess;
+    r->n = n;
+    for (int i = 0; i < n; ++i) {
+      r->data[i] = data[i];
+      r->cap[i] = sizes[i];
+      r->got[i] = 0;
+      r->tags[i] = tags[i];
+      r->matched[i] = false;
+    }
+    c->ctrlQ.push_back(r);
+    recvCtrlProgress(c);
+    *request = r;
+    return epSuccess;
+  }
+
+  epResult_t test(void* request, int* done, size_t* sizes) override {
+    *done = 0;
+    auto* r = static_cast<SockRequest*>(request);
+    if (r == nullptr || !r->inUse) NET_FAIL(epInvalidUsage, "NET/epcomm: test() of a request not in flight");
+    SockComm* c = r->comm;
+    NETCHECK(c->error());
+    if (c->isSend) sendCtrlProgress(c);
+    else recvCtrlProgress(c);
+    NETCHECK(c->error());
+    if (r->ctrlDone && r->pending.load(std::memory_order_acquire) == 0) {
+      *done = 1;
+      if (sizes)
+        for (int i = 0; i < r->n; ++i) sizes[i] = r->got[i];
+      putRequest(r);
+      return epSuccess;
+    }
+    // Errors are results, never hangs: a receive whose payload has started but stopped flowing fails after
+    // EPCOMM_TIMEOUT_MS. (An idle peer is no error: NCCL may post receives long before the sender reaches
+    // the collective. Dead peers show up at once as EOF/RST, unreachable ones through TCP_USER_TIMEOUT.)
+    bool midMessage = !c->isSend && (r->pending.load() > 0 || (c->inlineIdx >= 0 && c->ctrlQ.front() == r));
+    if (midMessage) {
+      int64_t idleMs = (nowNs() - c->lastProgressNs.load(std::memory_order_relaxed)) / 1000000LL;
+      if (idleMs > netTimeoutMs()) {
+        c->fail(epTimeout, "NET/epcomm: recv connection with peer %s: no data for %lld ms in the middle of a message",
+                c->peer.c_str(), static_cast<long long>(idleMs));
+        return c->error();
+      }
+    }
+    return epSuccess;
+  }
+
+  epResult_t closeSend(void* comm) override {
+    if (comm) destroyComm(static_cast<SockComm*>(comm));
+    return epSuccess;
+  }
+  epResult_t closeRecv(void* comm) override {
+    if (comm) destroyComm(static_cast<SockComm*>(comm));
+    return epSuccess;
+  }
+  epResult_t closeListen(void* listenComm) override {
+    auto* l = static_cast<SockListen*>(listenComm);
+    if (!l) return epSuccess;
+    for (auto& p : l->pend) close(p.fd);
+    for (auto& g : l->groups)
+      for (int fd : g.fds)
+        if (fd >= 0) close(fd);
+    if (l->fd >= 0) close(l->fd);
+    delete l;
+    return epSuccess;
+  }
+
+ private:
+  static void abandon(SocketHandle* h) {
+    if (h->stage) {
+      for (auto& tc : h->stage->conns) tc.close();
+      delete h->stage;
+      h->stage = nullptr;
+    }
+  }
+};
+
+}  // namespace
+
+NetBackend* netSocketBackend(std::string* why) {
+  static SocketBackend* b = new SocketBackend();  // lives for the process; comms own all real resources
+  if (b->devices() <= 0) {
+    if (why) *why = "no usable network interface (check EPCOMM_SOCKET_IFNAME)";
+    return nullptr;
+  }
+  return b;
+}
+
+}  // namespace epcomm::net

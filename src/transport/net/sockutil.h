@@ -1,0 +1,66 @@
+// TCP helpers shared by the socket backend and the libfabric backend's out-of-band handshake: interface
+// selection (NCCL's rules), addresses, socket tuning, non-blocking listen/connect/accept state machines.
+#pragma once
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epcomm/epcomm.h"
+
+namespace epcomm::net {
+
+union NetAddr {
+  sockaddr sa;
+  sockaddr_in sin;
+  sockaddr_in6 sin6;
+};
+static_assert(sizeof(NetAddr) == 28);
+
+std::string addrToString(const NetAddr& a);  // "1.2.3.4:port" / "[::1]:port"
+socklen_t addrLen(const NetAddr& a);
+
+struct NetIf {
+  std::string name;
+  NetAddr addr{};         // port 0
+  std::string pciPath;    // realpath of /sys/class/net/<if>/device, empty when virtual
+  int speedMbps = 10000;  // /sys/class/net/<if>/speed, NCCL's default when unknown
+};
+
+// Interfaces in NCCL's order: EPCOMM_SOCKET_IFNAME (else NCCL_SOCKET_IFNAME) when set — "a,b" prefixes,
+// "^a,b" excludes, leading "=" exact names; else everything but docker*/lo*/virbr*, then docker*/virbr*, then
+// lo last. One address per interface (IPv4 preferred, no link-local IPv6). Cached after the first call.
+const std::vector<NetIf>& netInterfaces();
+// Exposed for tests: does `ifname` pass the filter `spec`?
+bool ifnameMatches(const char* spec, const char* ifname);
+
+// Socket tuning applied to every data socket: TCP_NODELAY, large buffers when the kernel allows them,
+// keepalive + TCP_USER_TIMEOUT so that an unreachable peer turns into an error within EPCOMM_TIMEOUT_MS.
+void tuneSocket(int fd);
+int64_t netTimeoutMs();  // EPCOMM_TIMEOUT_MS (default 30000)
+
+// Listening socket bound to `ifc` (port 0 = any); fills *bound with the address peers must use.
+epResult_t tcpListen(const NetIf& ifc, int* fd, NetAddr* bound);
+
+// Non-blocking connect of one socket, driven by repeated calls. Retries refused connections until the
+// deadline (the peer's listener is created before the handle is exchanged, but a full backlog can refuse).
+struct TcpConnector {
+  int fd = -1;
+  bool connected = false;
+  int64_t deadlineNs = 0;
+  int64_t retryAtNs = 0;
+  // Returns epSuccess with connected==true when done, epSuccess with connected==false to be called again.
+  epResult_t progress(const NetAddr& peer);
+  void close();
+};
+
+// Moves bytes without blocking. Returns bytes moved (>=0; 0 = would block), or -1 with *err set (peer closed,
+// reset, ...). For recv, a peer that closed yields -1 with err = "closed".
+ssize_t sendSome(int fd, const void* p, size_t n, std::string* err);
+ssize_t recvSome(int fd, void* p, size_t n, std::string* err);
+
+uint64_t randomU64();  // from getrandom(); secrets and connection ids
+
+}  // namespace epcomm::net

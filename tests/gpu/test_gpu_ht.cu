@@ -1,0 +1,562 @@
+// GPU engine, HT mode, on the ranks of one host (several ranks may share one GPU under CUDA MPS).
+// Exits 77 (skipped) without a GPU. Ranks: EPCOMM_GPU_TEST_RANKS (default "2,4,8").
+//  - bit-exact against the host engine on fresh random inputs (uneven and zero token counts, -1 routing,
+//    worst-token padding, cached handle, fp8 dispatch, bf16/fp16/fp32 combine), outputs poisoned first;
+//  - structured rows (source rank and token encoded in the row) so misplaced rows show, per-expert counts
+//    against an independent all-rank count;
+//  - CUDA graphs: layout -> dispatch -> expert stand-in -> combine captured once and replayed 1000 times with
+//    fresh inputs and routing each time, every replay bit-identical to eager calls interleaved with it; two
+//    graphs on one communicator replayed alternately;
+//  - a rank that stops participating: the others report a timeout within the deadline, exit cleanly, and a
+//    new communicator works afterwards.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../unit/multiproc.h"
+#include "common/dtype.h"
+#include "engine/routing.h"
+#include "epcomm/epcomm.h"
+
+namespace {
+
+#define CK(cond, ...)                                      \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      fprintf(stderr, "[rank %d] ", g_rank);               \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__);   \
+      return 1;                                            \
+    }                                                      \
+  } while (0)
+#define CKE(call, comm)                                                                                  \
+  do {                                                                                                   \
+    epResult_t r_ = (call);                                                                              \
+    CK(r_ == epSuccess, "%s -> %s: %s", #call, epGetErrorString(r_), epGetLastError(comm));              \
+  } while (0)
+#define CKC(call)                                                  \
+  do {                                                             \
+    cudaError_t c_ = (call);                                       \
+    CK(c_ == cudaSuccess, "%s -> %s", #call, cudaGetErrorString(c_)); \
+  } while (0)
+
+int g_rank = -1;
+uint64_t g_seed = 0;
+
+std::vector<int> rankCounts() {
+  const char* s = getenv("EPCOMM_GPU_TEST_RANKS");
+  std::string v = s ? s : "2,4,8";
+  std::vector<int> out;
+  for (size_t i = 0; i < v.size();) {
+    size_t j = v.find(',', i);
+    out.push_back(atoi(v.substr(i, j - i).c_str()));
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
+  return out;
+}
+
+// All ranks' inputs, generated identically on every rank from (seed, rank).
+struct Inputs {
+  int T;
+  std::vector<uint8_t> x;       // [T, H] dtype
+  std::vector<float> scales;    // fp8
+  std::vector<int64_t> idx;     // [T, K]
+  std::vector<float> w;         // [T, K]
+};
+
+Inputs makeInputs(uint64_t seed, int rank, int T, int H, int K, int E, int dtype, bool structured) {
+  std::mt19937_64 rng(seed * 1000003 + rank);
+  Inputs in;
+  in.T = T;
+  in.x.resize(static_cast<size_t>(T) * H * epDataTypeSize(static_cast<epDataType_t>(dtype)));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < H; ++j) {
+      float v = nd(rng);
+      if (structured && j < 3) v = j == 0 ? static_cast<float>(rank) : j == 1 ? static_cast<float>(t % 256) : static_cast<float>(t / 256);
+      epcomm::storeFromFloat(in.x.data(), static_cast<size_t>(t) * H + j, dtype, v);
+    }
+  if (dtype == epFloat8E4M3) {
+    in.scales.resize(static_cast<size_t>(T) * (H / 128));
+    for (auto& s : in.scales) s = 0.5f + static_cast<float>(rng() % 1000) / 1000.0f;
+  }
+  rng.seed(seed * 7777777 + rank);  // routing from its own stream, independent of H and dtype
+  in.idx.resize(static_cast<size_t>(T) * K);
+  in.w.resize(static_cast<size_t>(T) * K);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      int64_t e = static_cast<int64_t>(k) * (E / K) + static_cast<int64_t>(rng() % (E / K));
+      if (rng() % 11 == 0) e = -1;
+      if (k > 0 && rng() % 29 == 0) e = in.idx[static_cast<size_t>(t) * K];  // an occasional repeat
+      in.idx[static_cast<size_t>(t) * K + k] = e;
+      in.w[static_cast<size_t>(t) * K + k] = static_cast<float>(rng() % 10000) / 10000.0f;
+    }
+  return in;
+}
+
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t count, int poison = 0xA5) : n(count) {
+    cudaMalloc(&p, bytes() ? bytes() : 16);
+    cudaMemset(p, poison, bytes() ? bytes() : 16);
+  }
+  ~DevBuf() { cudaFree(p); }
+  size_t bytes() const { return n * sizeof(T); }
+  std::vector<T> host() const {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), p, bytes(), cudaMemcpyDeviceToHost);
+    return v;
+  }
+  void upload(const std::vector<T>& v) { cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice); }
+};
+
+// Stand-in expert: y = x * (rank + 1), in fp32, rounded to the row type.
+template <int kDtype>
+__global__ void expertKernel(const void* x, void* y, size_t n, float scale) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    epcomm::storeFromFloat(y, i, kDtype, __fmul_rn(epcomm::loadAsFloat(x, i, kDtype), scale));
+}
+void expert(const void* x, void* y, size_t n, float scale, int dtype, cudaStream_t s) {
+  if (dtype == epBfloat16) expertKernel<epBfloat16><<<132, 256, 0, s>>>(x, y, n, scale);
+  else if (dtype == epFloat16) expertKernel<epFloat16><<<132, 256, 0, s>>>(x, y, n, scale);
+  else expertKernel<epFloat32><<<132, 256, 0, s>>>(x, y, n, scale);
+}
+std::vector<uint8_t> expertHost(const std::vector<uint8_t>& x, size_t n, float scale, int dtype) {
+  std::vector<uint8_t> y(x.size());
+  for (size_t i = 0; i < n; ++i) epcomm::storeFromFloat(y.data(), i, dtype, epcomm::loadAsFloat(x.data(), i, dtype) * scale);
+  return y;
+}
+
+epConfig_t gpuConfig() {
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_GPU;
+  cfg.timeout_ms = 20000;
+  cfg.cuda_device = 0;
+  cfg.ht_max_tokens_per_rank = 512;
+  cfg.ht_max_hidden = 7168;
+  return cfg;
+}
+
+struct Case {
+  int T, H, K, E, dtype, comb_dtype, worst_extra;  // worst_extra < 0: exact mode
+  bool cached_again;
+};
+
+// One case on both engines; compares every output bit for bit.
+int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t seed, cudaStream_t s) {
+  const int T = (rank == 1 && R > 2) ? 0 : c.T - rank * 3;  // uneven, and zero tokens on rank 1
+  Inputs in = makeInputs(seed, rank, T, c.H, c.K, c.E, c.dtype, true);
+  const size_t es = epDataTypeSize(static_cast<epDataType_t>(c.dtype)), xrow = c.H * es;
+  const int L = c.E / R;
+  // ---- host engine ----
+  epHtHandle_t hh, gh;
+  CKE(epHtHandleCreate(h, c.T, &hh), h);
+  CKE(epHtHandleCreate(g, c.T, &gh), g);
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = c.H;
+  a.topk = c.K;
+  a.num_experts = c.E;
+  a.dtype = c.dtype;
+  int num_recv = 0;
+  std::vector<int> per_h(L), per_g(L);
+  a.topk_idx = in.idx.data();
+  CKE(epHtDispatchNotify(h, &a, hh, &num_recv, per_h.data(), nullptr), h);
+  const int rows = c.worst_extra >= 0 ? num_recv + c.worst_extra : num_recv;
+  std::vector<uint8_t> hx(static_cast<size_t>(rows) * xrow, 0xA5);
+  std::vector<float> hsc(static_cast<size_t>(rows) * (c.H / 128 + 1));
+  std::vector<int64_t> hidx(static_cast<size_t>(rows) * c.K, 77);
+  std::vector<float> hw(static_cast<size_t>(rows) * c.K, 77.0f);
+  int h_num_recv = -1;
+  a.x = in.x.data();
+  a.x_scales = in.scales.empty() ? nullptr : in.scales.data();
+  a.topk_weights = in.w.data();
+  a.num_worst_tokens = c.worst_extra >= 0 ? rows : 0;
+  a.recv_x = hx.data();
+  a.recv_x_bytes = hx.size();
+  a.recv_x_scales = hsc.data();
+  a.recv_x_scales_bytes = hsc.size() * 4;
+  a.recv_topk_idx = hidx.data();
+  a.recv_topk_idx_bytes = hidx.size() * 8;
+  a.recv_topk_weights = hw.data();
+  a.recv_topk_weights_bytes = hw.size() * 4;
+  a.recv_tokens_per_expert = per_h.data();
+  a.num_recv_tokens = &h_num_recv;
+  CKE(epHtDispatch(h, &a, hh, nullptr), h);
+  // ---- GPU engine ----
+  DevBuf<uint8_t> dx(in.x.size() + 16), dgx(hx.size() + 16);
+  DevBuf<float> dsc(in.scales.size() + 4), dgsc(hsc.size() + 4), dw(in.w.size() + 4), dgw(hw.size() + 4);
+  DevBuf<int64_t> didx(in.idx.size() + 2), dgidx(hidx.size() + 2);
+  DevBuf<int> dper(L + 1), dnum(1);
+  cudaMemcpy(dx.p, in.x.data(), in.x.size(), cudaMemcpyHostToDevice);
+  if (!in.scales.empty()) cudaMemcpy(dsc.p, in.scales.data(), in.scales.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(didx.p, in.idx.data(), in.idx.size() * 8, cudaMemcpyHostToDevice);
+  cudaMemcpy(dw.p, in.w.data(), in.w.size() * 4, cudaMemcpyHostToDevice);
+  epHtDispatchArgs_t b = a;
+  b.x = dx.p;
+  b.x_scales = in.scales.empty() ? nullptr : dsc.p;
+  b.topk_idx = didx.p;
+  b.topk_weights = dw.p;
+  b.recv_x = dgx.p;
+  b.recv_x_scales = dgsc.p;
+  b.recv_topk_idx = dgidx.p;
+  b.recv_topk_weights = dgw.p;
+  b.recv_tokens_per_expert = dper.p;
+  b.num_recv_tokens = dnum.p;
+  if (c.worst_extra < 0) {
+    int g_num_recv = -1;
+    CKE(epHtDispatchNotify(g, &b, gh, &g_num_recv, per_g.data(), s), g);
+    CK(g_num_recv == num_recv, "notify: GPU says %d rows, host %d", g_num_recv, num_recv);
+    CK(per_g == per_h, "notify: per-expert counts differ from the host engine");
+  }
+  CKE(epHtDispatch(g, &b, gh, s), g);
+  CKC(cudaStreamSynchronize(s));
+  // ---- compare dispatch ----
+  auto gx = dgx.host();
+  CK(memcmp(gx.data(), hx.data(), static_cast<size_t>(num_recv) * xrow) == 0, "recv_x differs (T=%d H=%d dtype %d)",
+     T, c.H, c.dtype);
+  for (size_t i = static_cast<size_t>(num_recv) * xrow; i < hx.size(); ++i)
+    CK(gx[i] == 0xA5, "worst-token padding row byte %zu was written", i);
+  auto gidx = dgidx.host();
+  CK(memcmp(gidx.data(), hidx.data(), hidx.size() * 8) == 0, "recv_topk_idx differs");
+  auto gw = dgw.host();
+  CK(memcmp(gw.data(), hw.data(), hw.size() * 4) == 0, "recv_topk_weights differs");
+  if (c.dtype == epFloat8E4M3) {
+    auto gsc = dgsc.host();
+    CK(memcmp(gsc.data(), hsc.data(), static_cast<size_t>(num_recv) * (c.H / 128) * 4) == 0, "recv_x_scales differ");
+  }
+  auto gper = dper.host();
+  CK(memcmp(gper.data(), per_h.data(), L * 4) == 0, "recv_tokens_per_expert differs");
+  CK(dnum.host()[0] == num_recv, "num_recv_tokens %d vs %d", dnum.host()[0], num_recv);
+  // Structured: rows ordered by (source rank, token), per-expert counts equal an independent count.
+  std::vector<int> want_per(L, 0);
+  int prev_src = -1, prev_tok = -1;
+  for (int i = 0; i < num_recv; ++i) {
+    int src = static_cast<int>(epcomm::loadAsFloat(hx.data(), static_cast<size_t>(i) * c.H, c.dtype));
+    int tok = static_cast<int>(epcomm::loadAsFloat(hx.data(), static_cast<size_t>(i) * c.H + 1, c.dtype)) +
+              256 * static_cast<int>(epcomm::loadAsFloat(hx.data(), static_cast<size_t>(i) * c.H + 2, c.dtype));
+    if (c.dtype != epFloat8E4M3)
+      CK(src > prev_src || (src == prev_src && tok > prev_tok), "row %d (rank %d token %d) out of order", i, src, tok);
+    prev_src = src;
+    prev_tok = tok;
+  }
+  for (int r = 0; r < R; ++r) {
+    const int Tr = (r == 1 && R > 2) ? 0 : c.T - r * 3;
+    Inputs o = makeInputs(seed, r, Tr, 8, c.K, c.E, epFloat32, false);
+    for (int t = 0; t < Tr; ++t)
+      for (int k = 0; k < c.K; ++k) {
+        int64_t e = o.idx[static_cast<size_t>(t) * c.K + k];
+        if (e < 0 || e / L != rank || epcomm::isRepeatedExpert(&o.idx[static_cast<size_t>(t) * c.K], k)) continue;
+        want_per[e % L]++;
+      }
+  }
+  CK(want_per == per_h, "per-expert counts differ from the all-rank count");
+  // ---- combine ----
+  if (c.dtype != epFloat8E4M3) {
+    for (int pass = 0; pass < (c.cached_again ? 2 : 1); ++pass) {
+      const size_t ces = epDataTypeSize(static_cast<epDataType_t>(c.comb_dtype)), crow = c.H * ces;
+      // Expert input in the combine type: the received rows converted, then the stand-in.
+      std::vector<uint8_t> cx(static_cast<size_t>(rows) * crow);
+      for (size_t i = 0; i < static_cast<size_t>(num_recv) * c.H; ++i)
+        epcomm::storeFromFloat(cx.data(), i, c.comb_dtype, epcomm::loadAsFloat(hx.data(), i, c.dtype) + pass);
+      std::vector<uint8_t> cy = expertHost(cx, static_cast<size_t>(num_recv) * c.H, static_cast<float>(rank + 1), c.comb_dtype);
+      std::vector<uint8_t> hout(static_cast<size_t>(T) * crow, 0x5A);
+      epHtCombineArgs_t ca = EP_HT_COMBINE_ARGS_INIT;
+      ca.num_tokens = T;
+      ca.hidden = c.H;
+      ca.dtype = c.comb_dtype;
+      ca.x = cy.data();
+      ca.x_bytes = cy.size();
+      ca.combined_x = hout.data();
+      ca.combined_x_bytes = hout.size();
+      CKE(epHtCombine(h, &ca, hh, nullptr), h);
+      DevBuf<uint8_t> dcx(cx.size() + 16), dcy(cx.size() + 16), dout(hout.size() + 16);
+      dcx.upload(cx);
+      expert(dcx.p, dcy.p, static_cast<size_t>(num_recv) * c.H, static_cast<float>(rank + 1), c.comb_dtype, s);
+      epHtCombineArgs_t cg = ca;
+      cg.x = dcy.p;
+      cg.combined_x = dout.p;
+      CKE(epHtCombine(g, &cg, gh, s), g);
+      CKC(cudaStreamSynchronize(s));
+      auto gy = dcy.host();
+      CK(memcmp(gy.data(), cy.data(), static_cast<size_t>(num_recv) * crow) == 0, "stand-in expert differs");
+      auto gout = dout.host();
+      CK(memcmp(gout.data(), hout.data(), hout.size()) == 0, "combined_x differs (pass %d, dtype %d)", pass,
+         c.comb_dtype);
+      if (pass == 0 && c.cached_again) {  // dispatch again with the cached layout and new x
+        for (auto& v : in.x) v ^= 0x11;
+        a.x = in.x.data();
+        a.flags = EP_HT_USE_HANDLE_LAYOUT;
+        b.flags = EP_HT_USE_HANDLE_LAYOUT;
+        cudaMemcpy(dx.p, in.x.data(), in.x.size(), cudaMemcpyHostToDevice);
+        CKE(epHtDispatch(h, &a, hh, nullptr), h);
+        CKE(epHtDispatch(g, &b, gh, s), g);
+        CKC(cudaStreamSynchronize(s));
+        gx = dgx.host();
+        CK(memcmp(gx.data(), hx.data(), static_cast<size_t>(num_recv) * xrow) == 0, "cached dispatch recv_x differs");
+      }
+    }
+  }
+  epHtHandleDestroy(hh);
+  epHtHandleDestroy(gh);
+  epResult_t ae;
+  epErrorInfo_t info = EP_ERROR_INFO_INIT;
+  CKE(epCommGetAsyncError(g, &ae, &info), g);
+  CK(ae == epSuccess && info.num_violations == 0, "async error %d, %llu violations", ae,
+     static_cast<unsigned long long>(info.num_violations));
+  return 0;
+}
+
+int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epComm_t* g, epComm_t* h) {
+  epConfig_t cfg = gpuConfig();
+  CKE(epCommInitRank(g, R, &gid, rank, &cfg), nullptr);
+  epConfig_t hc = EP_CONFIG_INIT;
+  hc.engine = EP_ENGINE_HOST;
+  hc.queue_bytes = 8 << 20;
+  CKE(epCommInitRank(h, R, &hid, rank, &hc), nullptr);
+  return 0;
+}
+
+class GpuHt : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuHt, BitExactAgainstHostEngine) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(cudaSetDevice(0));
+    epComm_t g, h;
+    if (initPair(rank, R, gid, hid, &g, &h)) return 1;
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const int E = 16 * R;
+    const Case cases[] = {
+        {64, 128, 4, E, epBfloat16, epBfloat16, -1, true},   // exact mode + cached handle
+        {96, 256, 8, E, epBfloat16, epBfloat16, 5, false},   // worst-token padding
+        {40, 7168, 8, E, epBfloat16, epBfloat16, 0, false},  // DeepSeek hidden, exactly full worst-token
+        {50, 512, 6, E, epFloat8E4M3, epBfloat16, 3, false}, // fp8 dispatch
+        {33, 64, 1, E, epFloat16, epFloat16, -1, false},     // fp16, top-1
+        {45, 96, 9, 9 * R, epFloat32, epFloat32, 2, true},   // fp32, top-9
+    };
+    uint64_t seed_i = seed;
+    for (const Case& c : cases)
+      if (runCase(g, h, rank, R, c, ++seed_i, s)) return 1;
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+// Device-side input generator: fresh x and routing for replay `it`, without host work between replays.
+__global__ void genInputs(uint16_t* x, int64_t* idx, float* w, int T, int H, int K, int E, uint64_t seed) {
+  auto hash = [](uint64_t v) {
+    v ^= v >> 33;
+    v *= 0xff51afd7ed558ccdull;
+    v ^= v >> 33;
+    v *= 0xc4ceb9fe1a85ec53ull;
+    return v ^ (v >> 33);
+  };
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * H; i += gridDim.x * blockDim.x)
+    x[i] = epcomm::floatToBf16(static_cast<float>(static_cast<int>(hash(seed * 7919 + i) % 2001) - 1000) / 256.0f);
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * K; i += gridDim.x * blockDim.x) {
+    const int k = static_cast<int>(i % K);
+    uint64_t hv = hash(seed * 104729 + i + 1);
+    idx[i] = (hv % 13 == 0) ? -1 : static_cast<int64_t>(k) * (E / K) + static_cast<int64_t>((hv >> 8) % (E / K));
+    w[i] = static_cast<float>(hv % 1000) / 1000.0f;
+  }
+}
+
+struct Pipeline {  // layout -> worst-token dispatch -> stand-in -> combine, on device buffers
+  int T, H, K, E, W, R, rank;
+  epComm_t comm;
+  epHtHandle_t h;
+  DevBuf<uint16_t> x, recv_x, y, out, out_eager;
+  DevBuf<int64_t> idx, recv_idx;
+  DevBuf<float> w, recv_w;
+  DevBuf<int> per_rank, per_expert, recv_per, num_recv;
+  DevBuf<uint8_t> in_rank;
+  Pipeline(epComm_t c, int R_, int rank_, int T_, int H_, int K_, int E_)
+      : T(T_), H(H_), K(K_), E(E_), W(T_ * R_), R(R_), rank(rank_), comm(c),
+        x(static_cast<size_t>(T_) * H_), recv_x(static_cast<size_t>(T_) * R_ * H_), y(static_cast<size_t>(T_) * R_ * H_),
+        out(static_cast<size_t>(T_) * H_), out_eager(static_cast<size_t>(T_) * H_), idx(static_cast<size_t>(T_) * K_),
+        recv_idx(static_cast<size_t>(T_) * R_ * K_), w(static_cast<size_t>(T_) * K_), recv_w(static_cast<size_t>(T_) * R_ * K_),
+        per_rank(R_), per_expert(E_), recv_per(E_ / R_), num_recv(1), in_rank(static_cast<size_t>(T_) * R_) {
+    epHtHandleCreate(comm, T, &h);
+  }
+  ~Pipeline() { epHtHandleDestroy(h); }
+  epResult_t run(cudaStream_t s, uint16_t* dst) {
+    epResult_t r = epGetDispatchLayout(comm, idx.p, T, K, E, per_rank.p, per_expert.p, in_rank.p, s);
+    if (r != epSuccess) return r;
+    epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+    a.num_tokens = T;
+    a.hidden = H;
+    a.topk = K;
+    a.num_experts = E;
+    a.dtype = epBfloat16;
+    a.num_worst_tokens = W;
+    a.x = x.p;
+    a.topk_idx = idx.p;
+    a.topk_weights = w.p;
+    a.recv_x = recv_x.p;
+    a.recv_x_bytes = recv_x.bytes();
+    a.recv_topk_idx = recv_idx.p;
+    a.recv_topk_idx_bytes = recv_idx.bytes();
+    a.recv_topk_weights = recv_w.p;
+    a.recv_topk_weights_bytes = recv_w.bytes();
+    a.recv_tokens_per_expert = recv_per.p;
+    a.num_recv_tokens = num_recv.p;
+    if ((r = epHtDispatch(comm, &a, h, s)) != epSuccess) return r;
+    expert(recv_x.p, y.p, static_cast<size_t>(W) * H, static_cast<float>(rank + 1), epBfloat16, s);
+    epHtCombineArgs_t c = EP_HT_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.hidden = H;
+    c.dtype = epBfloat16;
+    c.x = y.p;
+    c.x_bytes = y.bytes();
+    c.combined_x = dst;
+    c.combined_x_bytes = out.bytes();
+    return epHtCombine(comm, &c, h, s);
+  }
+};
+
+TEST_P(GpuHt, GraphReplayMatchesEager) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const int replays = getenv("EPCOMM_GPU_TEST_REPLAYS") ? atoi(getenv("EPCOMM_GPU_TEST_REPLAYS")) : 1000;
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(cudaSetDevice(0));
+    epConfig_t cfg = gpuConfig();
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    Pipeline A(comm, R, rank, 128, 512, 8, 8 * R), B(comm, R, rank, 64, 1024, 4, 4 * R);
+    cudaGraph_t ga, gb;
+    cudaGraphExec_t ea, eb;
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CKE(A.run(s, A.out.p), comm);
+    CKC(cudaStreamEndCapture(s, &ga));
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CKE(B.run(s, B.out.p), comm);
+    CKC(cudaStreamEndCapture(s, &gb));
+    CKC(cudaGraphInstantiate(&ea, ga, 0));
+    CKC(cudaGraphInstantiate(&eb, gb, 0));
+    size_t bad = 0;
+    for (int it = 0; it < replays; ++it) {
+      Pipeline& P = (it & 1) ? B : A;
+      genInputs<<<64, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed * 100000 + it * 64 + rank);
+      CKC(cudaGraphLaunch((it & 1) ? eb : ea, s));
+      CKE(P.run(s, P.out_eager.p), comm);  // eager, interleaved on the same communicator, same inputs
+      CKC(cudaStreamSynchronize(s));
+      auto g = P.out.host(), e = P.out_eager.host();
+      if (memcmp(g.data(), e.data(), g.size() * 2) != 0) ++bad;
+      CK(bad == 0, "replay %d differs from eager", it);
+    }
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
+    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
+       static_cast<unsigned long long>(info.num_violations));
+    cudaGraphExecDestroy(ea);
+    cudaGraphExecDestroy(eb);
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 600000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
+  const int R = GetParam();
+  epUniqueId gid, gid2;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&gid2), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(cudaSetDevice(0));
+    epConfig_t cfg = gpuConfig();
+    cfg.timeout_ms = 1000;
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    {
+      Pipeline P(comm, R, rank, 32, 256, 2, 2 * R);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 5 + rank);
+      CKE(P.run(s, P.out.p), comm);
+      CKC(cudaStreamSynchronize(s));
+      if (rank != R - 1) {  // the last rank stops participating
+        auto t0 = std::chrono::steady_clock::now();
+        CKE(P.run(s, P.out.p), comm);
+        CKC(cudaStreamSynchronize(s));
+        double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        epResult_t ae;
+        epErrorInfo_t info = EP_ERROR_INFO_INIT;
+        CKE(epCommGetAsyncError(comm, &ae, &info), comm);
+        CK(ae == epTimeout && info.peer == R - 1, "async error %d peer %d (after %.0f ms)", ae, info.peer, ms);
+        CK(ms < 1000 * 3 + 2000, "timeout reported after %.0f ms", ms);
+      }
+    }
+    CKE(epCommAbort(comm), comm);
+    // A new communicator works afterwards.
+    epConfig_t cfg2 = gpuConfig();
+    CKE(epCommInitRank(&comm, R, &gid2, rank, &cfg2), nullptr);
+    {
+      Pipeline P(comm, R, rank, 32, 256, 2, 2 * R);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 9 + rank);
+      CKE(P.run(s, P.out.p), comm);
+      CKC(cudaStreamSynchronize(s));
+      epResult_t ae;
+      CKE(epCommGetAsyncError(comm, &ae, nullptr), comm);
+      CK(ae == epSuccess, "new communicator: async error %d", ae);
+    }
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GpuHt, ::testing::ValuesIn(rankCounts()),
+                         [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
+
+// Whether a CUDA device is visible, asked in a child so this process never initialises CUDA before forking.
+bool haveGpu() {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    _exit(cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+}  // namespace
+
+
+int main(int argc, char** argv) {
+  if (!haveGpu()) {
+    printf("no CUDA device: the gpu suite is skipped\n");
+    return 77;
+  }
+  g_seed = getenv("EPCOMM_TEST_SEED") ? strtoull(getenv("EPCOMM_TEST_SEED"), nullptr, 0) : std::random_device{}();
+  printf("seed %llu (EPCOMM_TEST_SEED reproduces)\n", static_cast<unsigned long long>(g_seed));
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
