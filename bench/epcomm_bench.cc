@@ -285,12 +285,14 @@ T* devUpload(const std::vector<T>& v) {
   T* p = nullptr;
   CUCHECK(cudaMalloc(&p, v.size() * sizeof(T) + 16));
   CUCHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  CUCHECK(cudaDeviceSynchronize());  // a pageable copy may return before its DMA is done
   return p;
 }
 void* devAlloc(size_t bytes) {
   void* p = nullptr;
   CUCHECK(cudaMalloc(&p, bytes + 16));
   CUCHECK(cudaMemset(p, 0, bytes + 16));
+  CUCHECK(cudaDeviceSynchronize());
   return p;
 }
 

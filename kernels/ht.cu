@@ -26,10 +26,26 @@ __device__ __forceinline__ void stRelease(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ GpuCtrl* ctrlOf(const HtParams& p, int r) { return reinterpret_cast<GpuCtrl*>(p.base[r]); }
-__device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) {
-  return *reinterpret_cast<volatile uint64_t*>(&p.ctrl->epoch);
+__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+
+// Starts operation `epoch + 1` (one thread of a one-block kernel). The control words are read and written
+// with strong operations, never through a possibly stale L1 line: a stale epoch would put this rank one
+// operation behind its peers.
+__device__ __forceinline__ uint64_t bumpEpoch(GpuCtrl* c, uint64_t* last_out, uint64_t* prev) {
+  const uint64_t e = ldAcquire(&c->epoch) + 1;
+  stRelaxed(&c->epoch, e);
+  if (last_out != nullptr) {
+    *prev = ldAcquire(last_out);
+    stRelaxed(last_out, e);
+  }
+  __threadfence();
+  return e;
+}
+
+__device__ __forceinline__ GpuCtrl* ctrlOf(const HtParams& p, int r) { return reinterpret_cast<GpuCtrl*>(p.base[r]); }
+__device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) { return ldAcquire(&p.ctrl->epoch); }
 
 // First failure wins; later waits see err->code and give up at once.
 __device__ void recordError(const HtParams& p, int code, int peer, int phase, uint64_t epoch) {
@@ -52,13 +68,20 @@ __device__ void recordViolation(const HtParams& p, int code) {
 __device__ bool waitAtLeast(const HtParams& p, const uint64_t* flag, uint64_t want, int peer, int phase,
                             uint64_t epoch) {
   if (ldAcquire(flag) >= want) return true;
-  const uint64_t start = globaltimer();
+  // %globaltimer can step backwards or jump when the driver resynchronizes it (seen in a VM): elapsed time is
+  // the sum of the forward steps between checks, each capped, so a jump never fakes a timeout.
+  constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;
+  uint64_t last = globaltimer(), elapsed = 0;
   volatile GpuErrorRecord* err = p.err;
   for (uint32_t it = 1;; ++it) {
     if (ldAcquire(flag) >= want) return true;
     if ((it & 127) == 0) {
       if (err->code != 0 || err->abort != 0) return false;
-      if (globaltimer() - start > p.timeout_ns) {
+      const uint64_t now = globaltimer();
+      const int64_t step = static_cast<int64_t>(now - last);
+      last = now;
+      if (step > 0) elapsed += static_cast<uint64_t>(step) < kMaxStepNs ? static_cast<uint64_t>(step) : kMaxStepNs;
+      if (elapsed > p.timeout_ns) {
         recordError(p, epTimeout, peer, phase, epoch);
         return false;
       }
@@ -128,12 +151,9 @@ __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoc
 __global__ void __launch_bounds__(64, 1) htBeginKernel(HtParams p, int combine) {
   __shared__ uint64_t s_epoch, s_prev;
   if (threadIdx.x == 0) {
-    uint64_t e = p.ctrl->epoch + 1;
-    p.ctrl->epoch = e;
-    uint64_t* last = combine ? &p.ctrl->last_combine_epoch : &p.ctrl->last_dispatch_epoch;
-    s_prev = *last;
-    *last = e;
-    s_epoch = e;
+    uint64_t prev = 0;
+    s_epoch = bumpEpoch(p.ctrl, combine ? &p.ctrl->last_combine_epoch : &p.ctrl->last_dispatch_epoch, &prev);
+    s_prev = prev;
   }
   __syncthreads();
   waitAllPeers(p, combine ? p.ctrl->combine_ack : p.ctrl->dispatch_ack, s_prev, epPhaseHeader, s_epoch);
@@ -152,14 +172,9 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int R = p.nranks, L = p.L, K = p.K;
   if (tid == 0) {
-    uint64_t e = p.ctrl->epoch + 1;
-    p.ctrl->epoch = e;
-    s_epoch = e;
-    s_prev = 0;
-    if (p.begins_dispatch) {
-      s_prev = p.ctrl->last_dispatch_epoch;
-      p.ctrl->last_dispatch_epoch = e;
-    }
+    uint64_t prev = 0;
+    s_epoch = bumpEpoch(p.ctrl, p.begins_dispatch ? &p.ctrl->last_dispatch_epoch : nullptr, &prev);
+    s_prev = prev;
   }
   for (int i = tid; i < p.E; i += blockDim.x) s_expert[i] = 0;
   for (int r = tid; r < R; r += blockDim.x) s_count[r] = 0;

@@ -834,10 +834,14 @@ TEST_P(NetPlugin, CloseInFlight) {
       size_t cap = kSz;
       int tag = 0;
       if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      int doneEarly = 0, sz0;
+      ncclResult_t r = ncclSuccess;
+      // Keep progressing while waiting, as NCCL's proxy thread does (libfabric providers need both sides).
+      while (!gShared->flag[2].load() && r == ncclSuccess && !doneEarly) r = net->test(req, &doneEarly, &sz0);
       while (!gShared->flag[2].load()) usleep(100);
       // Either the first message made it before the close, or the error names the peer — never a hang.
       int got;
-      ncclResult_t r = waitReq(net, req, &got, 20000);
+      if (r == ncclSuccess && !doneEarly) r = waitReq(net, req, &got, 20000);
       REQ(r == ncclSuccess || r == ncclRemoteError || r == ncclSystemError, "test -> %d", r);
       // The second message cannot complete: the sender closed with it in flight.
       if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) {
@@ -868,7 +872,8 @@ void killedPeer(int victim, const std::function<void(const std::function<int(int
     CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
     void* req = nullptr;
     if (rank == 0) {
-      if (int e = postSend(net, sc, buf, kSz, 0, mh, &req)) return e;
+      // Post once (NULL = not now is acceptable; the survivor then retries in its wait loop below).
+      CK(net->isend(sc, buf, kSz, 0, mh, &req));
     } else {
       void* d = buf;
       size_t cap = kSz;
@@ -876,19 +881,31 @@ void killedPeer(int victim, const std::function<void(const std::function<int(int
       if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
     }
     if (rank == victim) {
-      // Let the transfer start, then die without closing anything.
-      for (int i = 0; i < 20; ++i) {
+      // Let the transfer start, then die without closing anything. A killed sender stops driving its
+      // side right after posting (a fast provider could otherwise finish 256 MiB before the kill); a killed
+      // receiver progresses a little first so that data is flowing.
+      for (int i = 0; i < (victim == 0 ? 0 : 20); ++i) {
         int done, s;
-        net->test(req, &done, &s);
+        if (req) net->test(req, &done, &s);
         usleep(1000);
       }
+      for (int i = 0; i < 1000 && !req && victim == 0; ++i) net->isend(sc, buf, kSz, 0, mh, &req);
       gShared->flag[3].store(1);
       raise(SIGKILL);
     }
+    ncclResult_t r = ncclSuccess;
+    int got, done = 0;
+    // A surviving sender keeps progressing (providers need both sides for the connection); a surviving
+    // receiver waits until the sender is gone, so that the message cannot have been delivered whole (shm's
+    // CMA lets the receiver pull the data without any help from the sender).
+    while (victim == 1 && !gShared->flag[3].load() && r == ncclSuccess && req) r = net->test(req, &done, &got);
+    REQ(!done, "the whole message went through before the kill");
     while (!gShared->flag[3].load()) usleep(100);
+    if (victim == 0) usleep(200 * 1000);
     auto t0 = std::chrono::steady_clock::now();
-    int got;
-    ncclResult_t r = waitReq(net, req, &got, 30000);
+    auto end = t0 + std::chrono::seconds(30);
+    while (r == ncclSuccess && !req && std::chrono::steady_clock::now() < end) r = net->isend(sc, buf, kSz, 0, mh, &req);
+    if (r == ncclSuccess && req) r = waitReq(net, req, &got, 30000);
     double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     REQ(r == ncclRemoteError || r == ncclSystemError, "survivor's test -> %d after %.1fs", r, sec);
     REQ(sec < 12, "error took %.1f s (EPCOMM_TIMEOUT_MS=10000)", sec);

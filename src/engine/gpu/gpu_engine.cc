@@ -72,6 +72,24 @@ epResult_t GpuEngine::init() {
   blocks_ = c.num_sms > 0 ? c.num_sms : static_cast<int>(epParamGpuSms());
   if (sms > 0 && blocks_ > sms) blocks_ = sms;
 
+  // Ranks sharing this GPU (processes under MPS): kernels that wait for peers spin, so every sharing rank's
+  // blocks of one such kernel must be resident together, with SMs left for a late peer's next kernel, or they
+  // could wait for a kernel that cannot be scheduled. Blocks of different MPS clients may not share an SM, so
+  // count one SM per block: at most SMs / (sharing ranks + 1) blocks per kernel.
+  struct DevId {
+    char bus[32];
+  };
+  std::vector<DevId> ids(R);
+  cudaDeviceGetPCIBusId(ids[comm_->rank].bus, sizeof(ids[0].bus), device_);
+  EPCHECK(comm_->bootstrap->allgather(ids.data(), sizeof(DevId), c.timeout_ms));
+  int sharing = 0;
+  for (const DevId& d : ids) sharing += strcmp(d.bus, ids[comm_->rank].bus) == 0;
+  const int cap = sms / (sharing + 1);
+  if (sharing > 1 && blocks_ > cap) {
+    EP_INFO(kSubsysInit, "%d ranks share GPU %s: %d blocks per kernel instead of %d", sharing,
+            ids[comm_->rank].bus, cap > 0 ? cap : 1, blocks_);
+    blocks_ = cap > 0 ? cap : 1;
+  }
   lay_ = gpuBufferLayout(R, c.ht_max_tokens_per_rank, c.ht_max_hidden);
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
@@ -81,6 +99,8 @@ epResult_t GpuEngine::init() {
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d blocks per kernel", device_, R,
           lay_.total, blocks_);
+  if (getenv("EPCOMM_GPU_REPORT") && comm_->rank == 0)
+    fprintf(stderr, "epcomm: GPU engine: %d ranks share the GPU, %d blocks per kernel\n", sharing, blocks_);
   return epSuccess;
 }
 
@@ -120,7 +140,13 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const size_t bytes = tr + 4 * (tr + R * R + (R + 1) + R + kGpuMaxExperts + 1) + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
-  cudaMemset(g->mem, 0, bytes);
+  // cudaMemset runs on the legacy stream, asynchronously: finish it before kernels on other streams write here.
+  e = cudaMemset(g->mem, 0, bytes);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    cudaFree(g->mem);
+    EP_FAIL(epCudaError, "clearing a handle failed: %s", cudaGetErrorString(e));
+  }
   int32_t* ints = static_cast<int32_t*>(g->mem);
   g->dev.pos = ints;
   g->dev.matrix = g->dev.pos + tr;

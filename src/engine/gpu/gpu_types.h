@@ -27,12 +27,13 @@ constexpr int kGpuMaxTopk = 32;
 
 enum GpuCounter { kDoneDispatchSend = 0, kDoneDispatchRecv, kDoneCombineSend, kDoneCombineReduce, kNumDone };
 
+// Lines this rank writes (epochs, counters) are kept apart from the lines peers write (flags, acks).
 struct GpuCtrl {
-  uint64_t epoch;                          // written only by one-block begin/notify kernels
+  alignas(128) uint64_t epoch;             // written only by one-block begin/notify kernels
   uint64_t last_dispatch_epoch;            // last op that wrote dispatch staging
   uint64_t last_combine_epoch;             // last op that wrote combine staging
-  uint32_t done[kNumDone];                 // last-block counters, reset by the last block
-  uint64_t data_flag[kGpuMaxRanks];        // src finished writing its dispatch rows of epoch v here
+  alignas(128) uint32_t done[kNumDone];    // last-block counters, reset by the last block
+  alignas(128) uint64_t data_flag[kGpuMaxRanks];  // src finished writing its dispatch rows of epoch v here
   uint64_t combine_flag[kGpuMaxRanks];     // src finished writing its combine rows of epoch v here
   uint64_t dispatch_ack[kGpuMaxRanks];     // peer finished reading the dispatch rows this rank wrote (epoch)
   uint64_t combine_ack[kGpuMaxRanks];      // peer finished reading the combine rows this rank wrote (epoch)

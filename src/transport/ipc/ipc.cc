@@ -23,7 +23,9 @@ epResult_t IpcBuffers::init(Bootstrap* bs, size_t bytes, int timeout_ms) {
   cudaError_t e = cudaMalloc(&base_[rank_], bytes);
   if (e != cudaSuccess)
     EP_FAIL(epCudaError, "cudaMalloc of the %zu-byte communication buffer failed: %s", bytes, cudaGetErrorString(e));
+  // Finished before the barrier below: peers start writing here as soon as they pass it.
   e = cudaMemset(base_[rank_], 0, bytes);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMemset of the communication buffer failed: %s", cudaGetErrorString(e));
   std::vector<cudaIpcMemHandle_t> handles(R);
   e = cudaIpcGetMemHandle(&handles[rank_], base_[rank_]);
