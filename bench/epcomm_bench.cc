@@ -270,6 +270,8 @@ void benchLl(const Options& o, std::vector<Row>& rows) {
 }
 
 
+double g_p2p = 0;  // NVLink peer copy bandwidth per rank (GPU engine, several GPUs)
+
 #ifdef EPCOMM_HAVE_GPU_ENGINE
 #define CUCHECK(call)                                                                   \
   do {                                                                                  \
@@ -330,11 +332,36 @@ double copyRoofline(cudaStream_t s) {
   return 2.0 * bytes * nranks / mine;
 }
 
+// Peer-to-peer copy bandwidth from this rank's GPU to the next one (NVLink between GPUs), bytes moved per
+// second per rank, all ranks copying at once; 0 when the ranks share one GPU.
+double p2pBandwidth(cudaStream_t s) {
+  int ndev = 0, dev = 0;
+  cudaGetDeviceCount(&ndev);
+  cudaGetDevice(&dev);
+  if (ndev < 2) return 0;
+  const int peer = (dev + 1) % ndev;
+  const size_t bytes = size_t{1} << 30;
+  void* src = devAlloc(bytes);
+  void* dst = nullptr;
+  cudaSetDevice(peer);
+  CUCHECK(cudaMalloc(&dst, bytes));
+  cudaSetDevice(dev);
+  cudaDeviceEnablePeerAccess(peer, 0);
+  cudaGetLastError();
+  std::vector<double> t;
+  for (int i = 0; i < 5; ++i)
+    t.push_back(timeOnStream(s, [&] { cudaMemcpyPeerAsync(dst, peer, src, dev, bytes, s); }));
+  cudaFree(src);
+  cudaFree(dst);
+  return bytes / median(std::vector<double>(t.begin() + 1, t.end()));
+}
+
 void benchGpuHt(const Options& o, std::vector<Row>& rows, double& roof) {
   const int T = o.ht_tokens, H = o.hidden, K = o.topk, E = o.experts, R = nranks;
   cudaStream_t s;
   CUCHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   roof = copyRoofline(s);
+  g_p2p = p2pBandwidth(s);
   std::mt19937_64 rng(1234 + rank);
   std::vector<int64_t> idx;
   std::vector<float> w;
@@ -484,10 +511,15 @@ int main(int argc, char** argv) {
            engine == EP_ENGINE_GPU ? "; floor_GB/s counts the bytes the kernels move" : "");
     printf("%-12s %5s %6s %6s %5s %7s %12s %14s %12s %9s\n", "operation", "ranks", "tokens", "hidden", "topk",
            "experts", "median_ms", "GB/s(DeepEP)", "floor_GB/s", "x_memcpy");
+    if (g_p2p > 0)
+      printf("NVLink peer copy: %.2f GB/s per rank (all ranks copying to the next GPU at once); x_p2p below is "
+             "GB/s(DeepEP) over it\n", g_p2p / 1e9);
     for (const Row& r : rows) {
       double floor_gbs = r.floor_bytes / r.median_s / 1e9;
-      printf("%-12s %5d %6d %6d %5d %7d %12.3f %14.2f %12.2f %9.3f\n", r.op.c_str(), nranks, r.tokens, o.hidden,
+      printf("%-12s %5d %6d %6d %5d %7d %12.3f %14.2f %12.2f %9.3f", r.op.c_str(), nranks, r.tokens, o.hidden,
              o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, floor_gbs, floor_gbs * 1e9 / roof);
+      if (g_p2p > 0) printf("   x_p2p %.3f", r.deepep_gbs * 1e9 / g_p2p);
+      printf("\n");
     }
   }
   CHECK(epCommDestroy(comm));

@@ -14,9 +14,12 @@ export LD_LIBRARY_PATH="$BIN:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 
-export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/mps-pipe.XXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/mps-log.XXXX)
-nvidia-cuda-mps-control -d && echo "MPS daemon started"
-trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
+# NO_MPS=1: one rank per GPU, no MPS (several GPUs).
+if [ "${NO_MPS:-0}" != 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/mps-pipe.XXXX) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/mps-log.XXXX)
+  nvidia-cuda-mps-control -d && echo "MPS daemon started"
+  trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon stopped"' EXIT
+fi
 
 rc=0
 if [ "$WHAT" = test ] || [ "$WHAT" = all ]; then

@@ -142,11 +142,18 @@ std::vector<uint8_t> expertHost(const std::vector<uint8_t>& x, size_t n, float s
   return y;
 }
 
+// One GPU per rank when there are enough, otherwise ranks share (under MPS).
+cudaError_t selectDevice(int rank) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  return e != cudaSuccess ? e : cudaSetDevice(rank % n);
+}
+
 epConfig_t gpuConfig() {
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.engine = EP_ENGINE_GPU;
   cfg.timeout_ms = 20000;
-  cfg.cuda_device = 0;
+  cfg.cuda_device = -1;  // the device the rank selected (rank % devices)
   cfg.ht_max_tokens_per_rank = 512;
   cfg.ht_max_hidden = 7168;
   return cfg;
@@ -374,7 +381,7 @@ TEST_P(GpuHt, BitExactAgainstHostEngine) {
   const uint64_t seed = g_seed;
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
-    CKC(cudaSetDevice(0));
+    CKC(selectDevice(rank));
     epComm_t g, h;
     if (initPair(rank, R, gid, hid, &g, &h)) return 1;
     cudaStream_t s;
@@ -478,7 +485,7 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
   const uint64_t seed = g_seed;
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
-    CKC(cudaSetDevice(0));
+    CKC(selectDevice(rank));
     epConfig_t cfg = gpuConfig();
     epComm_t comm;
     CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
@@ -526,7 +533,7 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
   ASSERT_EQ(epGetUniqueId(&gid2), epSuccess);
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
-    CKC(cudaSetDevice(0));
+    CKC(selectDevice(rank));
     epConfig_t cfg = gpuConfig();
     cfg.timeout_ms = 1000;
     epComm_t comm;
