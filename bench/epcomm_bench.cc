@@ -98,6 +98,20 @@ void makeBf16(std::mt19937_64& rng, std::vector<uint16_t>& x, size_t n) {
   for (auto& v : x) v = epcomm::floatToBf16(nd(rng));
 }
 
+// HT dispatch arguments of the standard shape, bf16 rows; receive buffers are set by the caller.
+epHtDispatchArgs_t htArgs(const Options& o, const void* x, const int64_t* idx, const float* w) {
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = o.ht_tokens;
+  a.hidden = o.hidden;
+  a.topk = o.topk;
+  a.num_experts = o.experts;
+  a.dtype = epBfloat16;
+  a.x = x;
+  a.topk_idx = idx;
+  a.topk_weights = w;
+  return a;
+}
+
 struct Row {
   std::string op;
   int tokens;
@@ -145,15 +159,7 @@ void benchHt(const Options& o, std::vector<Row>& rows) {
   makeBf16(rng, x, static_cast<size_t>(T) * H);
   epHtHandle_t h;
   CHECK(epHtHandleCreate(comm, T, &h));
-  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
-  a.num_tokens = T;
-  a.hidden = H;
-  a.topk = K;
-  a.num_experts = E;
-  a.dtype = epBfloat16;
-  a.x = x.data();
-  a.topk_idx = idx.data();
-  a.topk_weights = w.data();
+  epHtDispatchArgs_t a = htArgs(o, x.data(), idx.data(), w.data());
   int num_recv = 0;
   std::vector<int> per_expert(E / nranks);
   CHECK(epHtDispatchNotify(comm, &a, h, &num_recv, per_expert.data(), nullptr));
@@ -373,15 +379,7 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, double& roof) {
   uint16_t* d_x = devUpload(x);
   epHtHandle_t h;
   CHECK(epHtHandleCreate(comm, T, &h));
-  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
-  a.num_tokens = T;
-  a.hidden = H;
-  a.topk = K;
-  a.num_experts = E;
-  a.dtype = epBfloat16;
-  a.x = d_x;
-  a.topk_idx = d_idx;
-  a.topk_weights = d_w;
+  epHtDispatchArgs_t a = htArgs(o, d_x, d_idx, d_w);
   int num_recv = 0;
   CHECK(epHtDispatchNotify(comm, &a, h, &num_recv, nullptr, s));
   // Worst-token mode with the capacity of this routing: no host synchronization inside the timed calls.

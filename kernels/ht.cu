@@ -371,38 +371,27 @@ __global__ void __launch_bounds__(512) htCombineSendKernel(HtParams p) {
 
 template <int kDtype>
 struct Vec8;  // 16 bytes of a row as floats
-template <>
-struct Vec8<epBfloat16> {
+// bf16 and fp16: eight 16-bit values per 16 bytes, converted by the shared rules of common/dtype.h.
+template <float (*kToFloat)(uint16_t), uint16_t (*kFromFloat)(float)>
+struct Vec8Half {
   static constexpr int kN = 8;
   __device__ static void add(float* acc, int4 v) {
     const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], bf16ToFloat(h[i]));
+    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], kToFloat(h[i]));
   }
   __device__ static int4 pack(const float* acc) {
     int4 v;
     uint16_t* h = reinterpret_cast<uint16_t*>(&v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = floatToBf16(acc[i]);
+    for (int i = 0; i < 8; ++i) h[i] = kFromFloat(acc[i]);
     return v;
   }
 };
 template <>
-struct Vec8<epFloat16> {
-  static constexpr int kN = 8;
-  __device__ static void add(float* acc, int4 v) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], fp16ToFloat(h[i]));
-  }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    uint16_t* h = reinterpret_cast<uint16_t*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = floatToFp16(acc[i]);
-    return v;
-  }
-};
+struct Vec8<epBfloat16> : Vec8Half<bf16ToFloat, floatToBf16> {};
+template <>
+struct Vec8<epFloat16> : Vec8Half<fp16ToFloat, floatToFp16> {};
 template <>
 struct Vec8<epFloat32> {
   static constexpr int kN = 4;

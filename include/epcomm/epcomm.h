@@ -201,7 +201,8 @@ EPCOMM_API epResult_t epUniqueIdFromString(const char* str, epUniqueId* id);
  * epcomm-run sets them. */
 EPCOMM_API epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config);
 
-/* Collective teardown: waits (with the deadline) until peers are done with this rank's memory. */
+/* Releases this rank's member once its own work in flight has ended (GPU kernels end within their deadline).
+ * Local: peers keep their mappings valid until they destroy theirs. */
 EPCOMM_API epResult_t epCommDestroy(epComm_t comm);
 /* Local, prompt teardown even when peers are dead; in-flight waits on this communicator return epAborted. */
 EPCOMM_API epResult_t epCommAbort(epComm_t comm);

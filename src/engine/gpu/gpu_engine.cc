@@ -117,6 +117,31 @@ HtParams GpuEngine::baseParams(int op) const {
   return p;
 }
 
+HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const {
+  HtParams p = baseParams(op);
+  p.T = a->num_tokens;
+  p.H = a->hidden;
+  p.K = a->topk;
+  p.E = a->num_experts;
+  p.L = a->num_experts / comm_->nranks;
+  p.dtype = a->dtype;
+  p.worst = a->num_worst_tokens;
+  p.xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  p.srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
+  p.x = a->x;
+  p.x_scales = a->x_scales;
+  p.topk_idx = a->topk_idx;
+  p.topk_weights = a->topk_weights;
+  p.recv_x = a->recv_x;
+  p.recv_x_scales = a->recv_x_scales;
+  p.recv_topk_idx = a->recv_topk_idx;
+  p.recv_topk_weights = a->recv_topk_weights;
+  p.recv_per_expert_out = a->recv_tokens_per_expert;
+  p.num_recv_out = a->num_recv_tokens;
+  p.h = h;
+  return p;
+}
+
 void GpuEngine::pollAsyncError() {
   if (err_host_ == nullptr) return;
   volatile GpuErrorRecord* er = err_host_;
@@ -179,8 +204,7 @@ epResult_t GpuEngine::layout(const int64_t* topk_idx, int T, int K, int E, int* 
 }
 
 // Shape checks only the GPU engine has (its staging is sized at creation).
-static epResult_t checkGpuShape(const GpuBufferLayout& lay, int T, int E, int K, size_t xrow, int worst,
-                                int nranks) {
+static epResult_t checkGpuShape(const GpuBufferLayout& lay, int T, int E, int K, size_t xrow) {
   EP_REQUIRE(E <= kGpuMaxExperts, epInvalidNumExperts, "num_experts = %d exceeds the GPU engine's %d", E,
              kGpuMaxExperts);
   EP_REQUIRE(K <= kGpuMaxTopk, epInvalidTopk, "topk = %d exceeds %d", K, kGpuMaxTopk);
@@ -189,8 +213,6 @@ static epResult_t checkGpuShape(const GpuBufferLayout& lay, int T, int E, int K,
              xrow, lay.x_stride);
   EP_REQUIRE(T <= lay.max_tokens, epCapacityExceeded, "num_tokens = %d exceeds config.ht_max_tokens_per_rank = %d",
              T, lay.max_tokens);
-  (void)worst;
-  (void)nranks;
   return epSuccess;
 }
 
@@ -205,14 +227,8 @@ epResult_t GpuEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRes
   EPCHECK(local);
   auto* g = static_cast<GpuHandle*>(h->gpu);
   const int R = comm_->nranks, L = a->num_experts / R;
-  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, 0, 0, R));
-  HtParams p = baseParams(epOpHtNotify);
-  p.T = a->num_tokens;
-  p.K = a->topk;
-  p.E = a->num_experts;
-  p.L = L;
-  p.topk_idx = a->topk_idx;
-  p.h = g->dev;
+  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, 0));
+  HtParams p = dispatchParams(epOpHtNotify, a, g->dev);
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtNotify(p, s), "the notify kernel"));
   // Exact mode: the counts are host-visible, so this call waits for them (the kernel's waits have deadlines).
@@ -239,33 +255,12 @@ epResult_t GpuEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRes
 epResult_t GpuEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) {
   EPCHECK(local);
   auto* g = static_cast<GpuHandle*>(h->gpu);
-  const int R = comm_->nranks;
   const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
-  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, xrow, a->num_worst_tokens, R));
+  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, xrow));
   EPCHECK(checkAligned(a->x, "x"));
   EPCHECK(checkAligned(a->recv_x, "recv_x"));
   const bool cached = a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT);
-  HtParams p = baseParams(epOpHtDispatch);
-  p.T = a->num_tokens;
-  p.H = a->hidden;
-  p.K = a->topk;
-  p.E = a->num_experts;
-  p.L = a->num_experts / R;
-  p.dtype = a->dtype;
-  p.worst = a->num_worst_tokens;
-  p.xrow = xrow;
-  p.srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
-  p.x = a->x;
-  p.x_scales = a->x_scales;
-  p.topk_idx = a->topk_idx;
-  p.topk_weights = a->topk_weights;
-  p.recv_x = a->recv_x;
-  p.recv_x_scales = a->recv_x_scales;
-  p.recv_topk_idx = a->recv_topk_idx;
-  p.recv_topk_weights = a->recv_topk_weights;
-  p.recv_per_expert_out = a->recv_tokens_per_expert;
-  p.num_recv_out = a->num_recv_tokens;
-  p.h = g->dev;
+  HtParams p = dispatchParams(epOpHtDispatch, a, g->dev);
   cudaStream_t s = streamOf(stream);
   if (cached) {
     EPCHECK(checkLaunch(launchHtBegin(p, false, s), "the dispatch begin kernel"));

@@ -42,6 +42,7 @@ class GpuEngine final : public Engine {
 
  private:
   HtParams baseParams(int op) const;
+  HtParams dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const;
   epResult_t checkLaunch(cudaError_t e, const char* what);
   int blocks() const { return blocks_; }
 
