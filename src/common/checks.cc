@@ -20,5 +20,6 @@ epResult_t setError(epResult_t code, const char* file, int line, const char* fmt
 
 const char* threadLastError() { return tLastError; }
 void clearThreadError() { tLastError[0] = '\0'; }
+void setThreadErrorText(const char* text) { snprintf(tLastError, sizeof(tLastError), "%s", text); }
 
 }  // namespace epcomm

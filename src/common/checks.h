@@ -12,6 +12,7 @@ namespace epcomm {
 epResult_t setError(epResult_t code, const char* file, int line, const char* fmt, ...)
     __attribute__((format(printf, 4, 5)));
 const char* threadLastError();
+void setThreadErrorText(const char* text);  // without logging: hands a message decided elsewhere to this thread
 void clearThreadError();
 
 }  // namespace epcomm

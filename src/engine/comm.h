@@ -66,6 +66,7 @@ struct epHtHandle {
   std::vector<int> recv_count;         // [R] rows received from r
   std::vector<int> recv_prefix;        // [R + 1] first received row of r
   std::vector<int> recv_per_expert;    // [E/R] rows naming each local expert
+  std::vector<int> recv_chan_count;    // [R][channels] rows received from r on each host-engine channel
   int recv_rows = 0;                   // rows of the recv buffers of the last dispatch (exact: num_recv)
   void* gpu = nullptr;                 // the GPU engine's device-side copy of the layout
 };

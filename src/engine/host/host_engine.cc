@@ -5,6 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <cstring>
 
 #include "common/checks.h"
@@ -17,10 +21,12 @@
 namespace epcomm {
 
 EP_PARAM(QueueBytes, "QUEUE_BYTES", 1 << 20);
+EP_PARAM(HostChannels, "HOST_CHANNELS", 0);
 
 namespace {
 
 constexpr uint32_t kMsgMagic = 0x65704d31u;  // "epM1"
+constexpr int kMaxChannels = 8;
 constexpr int64_t kLiveCheckNs = 50 * 1000000LL;
 
 const char* opName(int op) {
@@ -77,6 +83,72 @@ uint64_t shapeSig(std::initializer_list<int64_t> values) {
   return h;
 }
 
+// Threads that serve channels 1..C-1 of a rank (channel 0 runs on the caller's thread). One job at a time.
+class ChannelPool {
+ public:
+  explicit ChannelPool(int channels) : res_(channels, epSuccess), msg_(channels) {
+    for (int c = 1; c < channels; ++c) threads_.emplace_back([this, c] { loop(c); });
+  }
+  ~ChannelPool() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  epResult_t run(const std::function<epResult_t(int)>& fn) {
+    if (threads_.empty()) return fn(0);
+    {
+      std::lock_guard<std::mutex> l(m_);
+      fn_ = &fn;
+      pending_ = static_cast<int>(threads_.size());
+      ++gen_;
+    }
+    cv_.notify_all();
+    res_[0] = fn(0);
+    msg_[0] = threadLastError();
+    std::unique_lock<std::mutex> l(m_);
+    done_.wait(l, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+    for (size_t c = 0; c < res_.size(); ++c)
+      if (res_[c] != epSuccess) {
+        setThreadErrorText(msg_[c].c_str());  // the channel's message becomes the caller's
+        return res_[c];
+      }
+    return epSuccess;
+  }
+
+ private:
+  void loop(int c) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> l(m_);
+    while (true) {
+      cv_.wait(l, [&] { return stop_ || gen_ != seen; });
+      if (stop_) return;
+      seen = gen_;
+      const std::function<epResult_t(int)>* fn = fn_;
+      l.unlock();
+      clearThreadError();
+      res_[c] = (*fn)(c);
+      msg_[c] = threadLastError();
+      l.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::mutex m_;
+  std::condition_variable cv_, done_;
+  const std::function<epResult_t(int)>* fn_ = nullptr;
+  uint64_t gen_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::vector<epResult_t> res_;
+  std::vector<std::string> msg_;
+};
+
+epResult_t HostEngine::runChannels(const std::function<epResult_t(int)>& fn) { return pool_->run(fn); }
+
 HostEngine::HostEngine(epComm* comm) : comm_(comm), rank_(comm->rank), nranks_(comm->nranks) {}
 
 HostEngine::~HostEngine() = default;
@@ -85,7 +157,6 @@ epResult_t HostEngine::init() {
   ring_bytes_ = comm_->config.queue_bytes ? comm_->config.queue_bytes : static_cast<size_t>(epParamQueueBytes());
   EP_REQUIRE(ring_bytes_ >= 64 * 1024 && ring_bytes_ <= (size_t{1} << 32), epInvalidArgument,
              "queue_bytes (EPCOMM_QUEUE_BYTES) = %zu is outside [64 KiB, 4 GiB]", ring_bytes_);
-  const int C = 1;  // one channel per rank pair; see README (host engine channels)
   Bootstrap* bs = comm_->bootstrap.get();
 
   // All ranks must share memory: check host identity (hostname + EPCOMM_HOSTID) first.
@@ -93,6 +164,7 @@ epResult_t HostEngine::init() {
     char host[128];
     int64_t pid;
     uint64_t ring_bytes;
+    int32_t channels;
   } me{};
   gethostname(me.host, 64);
   if (const char* hid = paramString("EPCOMM_HOSTID")) {
@@ -101,6 +173,13 @@ epResult_t HostEngine::init() {
   }
   me.pid = getpid();
   me.ring_bytes = ring_bytes_;
+  // Channels (threads per rank): the config's, else EPCOMM_HOST_CHANNELS, else the cores of the host shared
+  // among its ranks (at most kMaxChannels); all ranks then use the smallest wish.
+  me.channels = comm_->config.num_channels > 0 ? comm_->config.num_channels
+                : epParamHostChannels() > 0     ? static_cast<int>(epParamHostChannels())
+                                                : static_cast<int>(std::max<long>(1, std::min<long>(kMaxChannels, sysconf(_SC_NPROCESSORS_ONLN) /
+                                                                                          nranks_)));
+  me.channels = std::min(me.channels, kMaxChannels);
   std::vector<HostInfo> all(nranks_);
   all[rank_] = me;
   EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.timeout_ms));
@@ -115,6 +194,9 @@ epResult_t HostEngine::init() {
               static_cast<unsigned long long>(all[r].ring_bytes), r);
     pids_.push_back(all[r].pid);
   }
+  nchan_ = me.channels;
+  for (const HostInfo& i : all) nchan_ = std::min(nchan_, static_cast<int>(i.channels));
+  const int C = nchan_;
 
   EPCHECK(own_.create(shmRegionName(bs->secret(), rank_), rank_, nranks_, C, ring_bytes_));
   epResult_t res = bs->barrier(comm_->config.timeout_ms);
@@ -130,15 +212,17 @@ epResult_t HostEngine::init() {
   EPCHECK(res);
   EPCHECK(res2);
 
-  out_.resize(nranks_);
-  in_.resize(nranks_);
-  for (int r = 0; r < nranks_; ++r) {
-    const ShmRegion& dst = (r == rank_) ? own_ : *peers_[r];
-    out_[r] = RingEnd(dst.ringCtl(rank_, 0), dst.ringData(rank_, 0), ring_bytes_);
-    in_[r] = RingEnd(own_.ringCtl(r, 0), own_.ringData(r, 0), ring_bytes_);
-  }
-  outq_.resize(nranks_);
-  EP_INFO(kSubsysInit, "host engine ready: %d ranks, queues of %zu bytes", nranks_, ring_bytes_);
+  out_.assign(C, std::vector<RingEnd>(nranks_));
+  in_.assign(C, std::vector<RingEnd>(nranks_));
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < nranks_; ++r) {
+      const ShmRegion& dst = (r == rank_) ? own_ : *peers_[r];
+      out_[c][r] = RingEnd(dst.ringCtl(rank_, c), dst.ringData(rank_, c), ring_bytes_);
+      in_[c][r] = RingEnd(own_.ringCtl(r, c), own_.ringData(r, c), ring_bytes_);
+    }
+  outq_.assign(C, std::vector<std::deque<OutMsg>>(nranks_));
+  pool_ = std::make_unique<ChannelPool>(C);
+  EP_INFO(kSubsysInit, "host engine ready: %d ranks, %d channels, queues of %zu bytes", nranks_, C, ring_bytes_);
   return epSuccess;
 }
 
@@ -158,7 +242,7 @@ MsgHeader HostEngine::makeHeader(int op, epResult_t status, uint64_t sig) const 
 }
 
 void HostEngine::post(int peer, const MsgHeader& hdr, const void* extra, size_t extra_bytes,
-                      std::vector<Seg> payload) {
+                      std::vector<Seg> payload, int ch) {
   OutMsg m;
   MsgHeader h = hdr;
   h.extra_bytes = extra_bytes;
@@ -171,19 +255,19 @@ void HostEngine::post(int peer, const MsgHeader& hdr, const void* extra, size_t 
   m.segs.push_back({m.own.data(), m.own.size()});
   for (const Seg& s : payload)
     if (s.n) m.segs.push_back(s);
-  outq_[peer].push_back(std::move(m));
+  outq_[ch][peer].push_back(std::move(m));
 }
 
-bool HostEngine::pushSends() {
+bool HostEngine::pushSends(int ch) {
   bool moved = false;
   for (int p = 0; p < nranks_; ++p) {
-    auto& q = outq_[p];
+    auto& q = outq_[ch][p];
     while (!q.empty()) {
       OutMsg& m = q.front();
       bool full = false;
       while (m.seg < m.segs.size()) {
         const Seg& s = m.segs[m.seg];
-        size_t n = out_[p].push(s.p + m.off, s.n - m.off);
+        size_t n = out_[ch][p].push(s.p + m.off, s.n - m.off);
         if (n == 0) {
           full = true;
           break;
@@ -235,15 +319,15 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
   return epSuccess;
 }
 
-epResult_t HostEngine::waitIn(int peer, size_t bytes, int phase) {
-  if (in_[peer].available() >= bytes) return epSuccess;
+epResult_t HostEngine::waitIn(int peer, size_t bytes, int phase, int ch) {
+  if (in_[ch][peer].available() >= bytes) return epSuccess;
   int64_t idle = nowNs(), live = idle;
   size_t last_avail = 0;
   Backoff backoff;
   while (true) {
-    size_t avail = in_[peer].available();
+    size_t avail = in_[ch][peer].available();
     if (avail >= bytes) return epSuccess;
-    bool moved = pushSends();
+    bool moved = pushSends(ch);
     if (moved || avail != last_avail) {
       idle = nowNs();
       last_avail = avail;
@@ -255,13 +339,13 @@ epResult_t HostEngine::waitIn(int peer, size_t bytes, int phase) {
   }
 }
 
-epResult_t HostEngine::recvInto(int peer, void* dst, size_t len, int phase) {
+epResult_t HostEngine::recvInto(int peer, void* dst, size_t len, int phase, int ch) {
   uint8_t* d = static_cast<uint8_t*>(dst);
   int64_t idle = nowNs(), live = idle;
   Backoff backoff;
   while (len > 0) {
-    size_t n = in_[peer].pull(d, len);
-    bool moved = pushSends();
+    size_t n = in_[ch][peer].pull(d, len);
+    bool moved = pushSends(ch);
     if (n > 0 || moved) {
       d += n;
       len -= n;
@@ -275,13 +359,13 @@ epResult_t HostEngine::recvInto(int peer, void* dst, size_t len, int phase) {
   return epSuccess;
 }
 
-epResult_t HostEngine::skipIn(int peer, size_t len, int phase) {
+epResult_t HostEngine::skipIn(int peer, size_t len, int phase, int ch) {
   int64_t idle = nowNs(), live = idle;
   Backoff backoff;
   while (len > 0) {
-    size_t n = std::min(len, in_[peer].available());
-    if (n > 0) in_[peer].release(n);
-    bool moved = pushSends();
+    size_t n = std::min(len, in_[ch][peer].available());
+    if (n > 0) in_[ch][peer].release(n);
+    bool moved = pushSends(ch);
     if (n > 0 || moved) {
       len -= n;
       idle = nowNs();
@@ -294,21 +378,21 @@ epResult_t HostEngine::skipIn(int peer, size_t len, int phase) {
   return epSuccess;
 }
 
-epResult_t HostEngine::flushSends(int phase) {
+epResult_t HostEngine::flushSends(int phase, int ch) {
   int64_t idle = nowNs(), live = idle;
   Backoff backoff;
   while (true) {
     bool empty = true;
-    for (auto& q : outq_) empty = empty && q.empty();
+    for (auto& q : outq_[ch]) empty = empty && q.empty();
     if (empty) return epSuccess;
-    if (pushSends()) {
+    if (pushSends(ch)) {
       idle = nowNs();
       backoff.reset();
       continue;
     }
     int waiting = -1;
     for (int p = 0; p < nranks_; ++p)
-      if (!outq_[p].empty()) waiting = p;
+      if (!outq_[ch][p].empty()) waiting = p;
     EPCHECK(checkWait(waiting, phase, idle, live));
     backoff.pause();
   }
@@ -410,12 +494,57 @@ epResult_t HostEngine::layout(const int64_t* topk_idx, int T, int K, int E, int*
 // HT notify / dispatch / combine
 // ------------------------------------------------------------------------------------------------------
 
+// Per-channel counts of the tokens this rank sends to p: channel c carries tokens [chanBegin(c), chanBegin(c+1)).
+static void chanCountsTo(const uint8_t* in_rank, int T, int R, int C, int p, int* out) {
+  for (int c = 0; c < C; ++c) {
+    const int b = static_cast<int>(static_cast<int64_t>(T) * c / C), e = static_cast<int>(static_cast<int64_t>(T) * (c + 1) / C);
+    int n = 0;
+    for (int t = b; t < e; ++t) n += in_rank[static_cast<size_t>(t) * R + p];
+    out[c] = n;
+  }
+}
+
+// The HT count message to p: [per local expert of p (L)] [per channel (C)], and the rows in v[0].
+static std::vector<int> countMessage(const std::vector<uint8_t>& in_rank, const std::vector<int>& per_expert_to,
+                                     int T, int R, int L, int C, int p) {
+  std::vector<int> m(L + C, 0);
+  if (!per_expert_to.empty()) std::copy_n(per_expert_to.begin() + static_cast<size_t>(p) * L, L, m.begin());
+  chanCountsTo(in_rank.data(), T, R, C, p, m.data() + L);
+  return m;
+}
+
+// Fills the handle's receive side from the peers' count messages; false if a message is malformed.
+static bool readCounts(const std::vector<int64_t>& rows, const std::vector<const int*>& msgs, int R, int L, int C,
+                       bool with_experts, epHtHandle* h) {
+  h->recv_count.assign(R, 0);
+  h->recv_prefix.assign(R + 1, 0);
+  h->recv_chan_count.assign(static_cast<size_t>(R) * C, 0);
+  if (with_experts) h->recv_per_expert.assign(L, 0);
+  for (int s = 0; s < R; ++s) {
+    if (rows[s] < 0 || rows[s] > INT32_MAX / R) return false;
+    int64_t sum = 0;
+    for (int c = 0; c < C; ++c) {
+      const int v = msgs[s][L + c];
+      if (v < 0) return false;
+      h->recv_chan_count[static_cast<size_t>(s) * C + c] = v;
+      sum += v;
+    }
+    if (sum != rows[s]) return false;
+    h->recv_count[s] = static_cast<int>(rows[s]);
+    h->recv_prefix[s + 1] = h->recv_prefix[s] + h->recv_count[s];
+    if (with_experts)
+      for (int e = 0; e < L; ++e) h->recv_per_expert[e] += msgs[s][e];
+  }
+  h->num_recv = h->recv_prefix[R];
+  return true;
+}
+
 epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, int* num_recv_host,
                                 int* per_expert_host, epStream_t) {
   cur_op_ = epOpHtNotify;
   cur_epoch_ = ++send_epoch_;
   if (h && local == epSuccess) h->valid = false;
-  const int R = nranks_;
+  const int R = nranks_, C = nchan_;
   const int E = local == epSuccess ? a->num_experts : 0;
   const int L = local == epSuccess ? E / R : 0;
   const uint64_t sig = shapeSig({E});
@@ -426,7 +555,8 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (local == epSuccess) {
       hdr.v[0] = send_count[p];
-      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L, {});
+      std::vector<int> m = countMessage(in_rank, per_expert_to, a->num_tokens, R, L, C, p);
+      post(p, hdr, m.data(), sizeof(int) * m.size(), {});
     } else {
       post(p, hdr, nullptr, 0, {});
     }
@@ -438,23 +568,20 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   EPCHECK(drainPayloads(in));
   EPCHECK(flushSends(epPhaseHeader));
   if (st != epSuccess) return st;
-  for (int s = 0; s < R; ++s)
-    if (in[s].extra.size() != sizeof(int) * L || in[s].h.v[0] < 0 || in[s].h.v[0] > INT32_MAX / R)
+  std::vector<int64_t> rows(R);
+  std::vector<const int*> msgs(R);
+  for (int s = 0; s < R; ++s) {
+    if (in[s].extra.size() != sizeof(int) * (L + C))
       return fail(epInternalError, s, epPhaseHeader, "notify message has a bad count array");
+    rows[s] = in[s].h.v[0];
+    msgs[s] = reinterpret_cast<const int*>(in[s].extra.data());
+  }
+  if (!readCounts(rows, msgs, R, L, C, true, h))
+    return fail(epInternalError, -1, epPhaseHeader, "notify counts are inconsistent");
   h->num_tokens = a->num_tokens;
   h->num_experts = E;
   h->in_rank = std::move(in_rank);
   h->send_count = std::move(send_count);
-  h->recv_count.assign(R, 0);
-  h->recv_prefix.assign(R + 1, 0);
-  h->recv_per_expert.assign(L, 0);
-  for (int s = 0; s < R; ++s) {
-    h->recv_count[s] = static_cast<int>(in[s].h.v[0]);
-    h->recv_prefix[s + 1] = h->recv_prefix[s] + h->recv_count[s];
-    const int* pe = reinterpret_cast<const int*>(in[s].extra.data());
-    for (int e = 0; e < L; ++e) h->recv_per_expert[e] += pe[e];
-  }
-  h->num_recv = h->recv_prefix[R];
   h->recv_rows = h->num_recv;
   h->valid = true;
   if (num_recv_host) *num_recv_host = h->num_recv;
@@ -463,10 +590,35 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   return epSuccess;
 }
 
+// Channel data messages: after the operation's header on channel 0, every rank whose arguments were accepted
+// sends each peer one message per channel (a header stating its size, then the rows of that channel's tokens).
+// On failure, receivers consume those messages of the accepted peers and discard them.
+epResult_t HostEngine::drainChannels(const std::vector<Incoming>& in) {
+  return runChannels([&](int c) -> epResult_t {
+    for (int s = 0; s < nranks_; ++s) {
+      if (in[s].h.status != epSuccess) continue;
+      MsgHeader h;
+      EPCHECK(recvInto(s, &h, sizeof(h), epPhaseData, c));
+      if (h.magic != in[s].h.magic || h.epoch != in[s].h.epoch)
+        return fail(epInternalError, s, epPhaseData, "channel message out of sync");
+      EPCHECK(skipIn(s, h.extra_bytes + h.data_bytes, epPhaseData, c));
+    }
+    return flushSends(epPhaseData, c);
+  });
+}
+
+epResult_t HostEngine::recvChannelHeader(int s, int c, uint64_t expect_bytes) {
+  MsgHeader h;
+  EPCHECK(recvInto(s, &h, sizeof(h), epPhaseData, c));
+  if (h.magic != kMsgMagic || h.epoch != cur_epoch_ || h.src != s || h.extra_bytes != 0 || h.data_bytes != expect_bytes)
+    return fail(epInternalError, s, epPhaseData, "channel message does not match its operation header");
+  return epSuccess;
+}
+
 epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtDispatch;
   cur_epoch_ = ++send_epoch_;
-  const int R = nranks_;
+  const int R = nranks_, C = nchan_;
   const bool ok = local == epSuccess;
   const bool cached = ok && (a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT));
   const int T = ok ? a->num_tokens : 0, H = ok ? a->hidden : 0, K = ok ? a->topk : 0;
@@ -482,11 +634,11 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   // Layout: from the handle (cached / exact mode) or from topk_idx.
   std::vector<uint8_t> in_rank_new;
   std::vector<int> send_count_new, per_expert_to;
-  const uint8_t* in_rank = nullptr;
+  const std::vector<uint8_t>* in_rank = &in_rank_new;
   const int* send_count = nullptr;
   if (ok) {
     if (cached) {
-      in_rank = h->in_rank.data();
+      in_rank = &h->in_rank;
       send_count = h->send_count.data();
       if (send_idx) {  // per-expert counts travel again so that the receiver can check its cached copy
         std::vector<uint8_t> tmp;
@@ -495,53 +647,53 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       }
     } else {
       computeLayout(a->topk_idx, T, K, E, in_rank_new, send_count_new, per_expert_to);
-      in_rank = in_rank_new.data();
       send_count = send_count_new.data();
     }
   }
 
-  // Payload to p, field-major: x rows, scale rows, topk_idx rows (local ids), topk_weights rows.
-  std::vector<std::vector<int64_t>> idx_out(ok ? R : 0);
-  std::vector<std::vector<float>> w_out(ok ? R : 0);
+  // Channel 0: the counts. Channel c: the rows of tokens [chanBegin(c), chanBegin(c+1)), field-major (x rows,
+  // scale rows, topk_idx rows as local ids, topk_weights rows).
+  std::vector<std::vector<int64_t>> idx_out(ok ? R * C : 0);
+  std::vector<std::vector<float>> w_out(ok ? R * C : 0);
   for (int p = 0; p < R; ++p) {
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
       post(p, hdr, nullptr, 0, {});
       continue;
     }
-    const int n = send_count[p];
-    std::vector<Seg> segs;
-    segs.reserve(static_cast<size_t>(n) * (fp8 ? 2 : 1) + 2);
-    const uint8_t* x = static_cast<const uint8_t*>(a->x);
-    for (int t = 0; t < T; ++t)
-      if (in_rank[static_cast<size_t>(t) * R + p]) segs.push_back({x + t * xrow, xrow});
-    if (fp8) {
-      const uint8_t* sc = reinterpret_cast<const uint8_t*>(a->x_scales);
-      for (int t = 0; t < T; ++t)
-        if (in_rank[static_cast<size_t>(t) * R + p]) segs.push_back({sc + t * srow, srow});
-    }
-    if (send_idx) {
-      idx_out[p].reserve(static_cast<size_t>(n) * K);
-      if (send_w) w_out[p].reserve(static_cast<size_t>(n) * K);
-      for (int t = 0; t < T; ++t) {
-        if (!in_rank[static_cast<size_t>(t) * R + p]) continue;
-        for (int k = 0; k < K; ++k) {
-          int64_t e = a->topk_idx[static_cast<size_t>(t) * K + k];
-          bool here = e >= 0 && m.rankOf(e) == p;
-          idx_out[p].push_back(here ? m.localOf(e) : -1);
-          if (send_w) w_out[p].push_back(here ? a->topk_weights[static_cast<size_t>(t) * K + k] : 0.0f);
-        }
-      }
-      segs.push_back({reinterpret_cast<const uint8_t*>(idx_out[p].data()), idx_out[p].size() * sizeof(int64_t)});
-      if (send_w)
-        segs.push_back({reinterpret_cast<const uint8_t*>(w_out[p].data()), w_out[p].size() * sizeof(float)});
-    }
-    hdr.v[0] = n;
+    hdr.v[0] = send_count[p];
     hdr.v[1] = (send_idx ? 1 : 0) | (send_w ? 2 : 0);
-    if (send_idx)
-      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L, std::move(segs));
-    else
-      post(p, hdr, nullptr, 0, std::move(segs));
+    std::vector<int> cm = countMessage(*in_rank, per_expert_to, T, R, L, C, p);
+    post(p, hdr, cm.data(), sizeof(int) * cm.size(), {});
+    for (int c = 0; c < C; ++c) {
+      const int tb = chanBegin(T, c), te = chanBegin(T, c + 1);
+      std::vector<Seg> segs;
+      const uint8_t* x = static_cast<const uint8_t*>(a->x);
+      auto in = [&](int t) { return (*in_rank)[static_cast<size_t>(t) * R + p] != 0; };
+      for (int t = tb; t < te; ++t)
+        if (in(t)) segs.push_back({x + t * xrow, xrow});
+      if (fp8) {
+        const uint8_t* sc = reinterpret_cast<const uint8_t*>(a->x_scales);
+        for (int t = tb; t < te; ++t)
+          if (in(t)) segs.push_back({sc + t * srow, srow});
+      }
+      if (send_idx) {
+        auto& io = idx_out[static_cast<size_t>(p) * C + c];
+        auto& wo = w_out[static_cast<size_t>(p) * C + c];
+        for (int t = tb; t < te; ++t) {
+          if (!in(t)) continue;
+          for (int k = 0; k < K; ++k) {
+            int64_t e = a->topk_idx[static_cast<size_t>(t) * K + k];
+            bool here = e >= 0 && m.rankOf(e) == p;
+            io.push_back(here ? m.localOf(e) : -1);
+            if (send_w) wo.push_back(here ? a->topk_weights[static_cast<size_t>(t) * K + k] : 0.0f);
+          }
+        }
+        segs.push_back({reinterpret_cast<const uint8_t*>(io.data()), io.size() * sizeof(int64_t)});
+        if (send_w) segs.push_back({reinterpret_cast<const uint8_t*>(wo.data()), wo.size() * sizeof(float)});
+      }
+      post(p, makeHeader(cur_op_, local, sig), nullptr, 0, std::move(segs), c);
+    }
   }
   pushSends();
 
@@ -549,72 +701,74 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   EPCHECK(recvHeaders(in, sig));
   epResult_t st = statusFromPeers(in, local, sig);
   // Receive-side checks of what peers announced.
-  std::vector<int> recv_count(R), prefix(R + 1, 0), per_expert(L, 0);
+  epHtHandle fresh;
+  epHtHandle* lay = cached ? h : &fresh;
+  std::vector<int> per_expert(L, 0);
   bool have_counts = true;
   if (st == epSuccess) {
+    std::vector<int64_t> rows(R);
+    std::vector<const int*> msgs(R);
     for (int s = 0; s < R && st == epSuccess; ++s) {
-      const MsgHeader& hh = in[s].h;
-      int64_t n = hh.v[0];
-      bool has_idx = hh.v[1] & 1, has_w = hh.v[1] & 2;
-      size_t expect = static_cast<size_t>(n) * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0));
-      if (n < 0 || n > INT32_MAX / R || hh.data_bytes != expect ||
-          (has_idx && in[s].extra.size() != sizeof(int) * L))
-        st = fail(epInternalError, s, epPhaseHeader, "dispatch message sizes do not match its header");
-      recv_count[s] = static_cast<int>(n);
-      prefix[s + 1] = prefix[s] + recv_count[s];
-      if (has_idx) {
-        const int* pe = reinterpret_cast<const int*>(in[s].extra.data());
-        for (int e = 0; e < L; ++e) per_expert[e] += pe[e];
-      } else {
-        have_counts = false;
-      }
+      if (in[s].extra.size() != sizeof(int) * (L + C) || in[s].h.data_bytes != 0)
+        st = fail(epInternalError, s, epPhaseHeader, "dispatch count message does not match its header");
+      rows[s] = in[s].h.v[0];
+      msgs[s] = reinterpret_cast<const int*>(in[s].extra.data());
+      have_counts = have_counts && (in[s].h.v[1] & 1);
     }
-    if (st == epSuccess && cached) {
-      for (int s = 0; s < R && st == epSuccess; ++s)
-        if (recv_count[s] != h->recv_count[s])
-          st = EP_ERROR(epInvalidUsage,
-                        "the handle's cached layout expects %d rows from rank %d but it sent %d: the routing "
-                        "changed since the handle was filled (notify again, or dispatch without "
-                        "EP_HT_USE_HANDLE_LAYOUT)",
-                        h->recv_count[s], s, recv_count[s]);
-      if (!have_counts) per_expert = h->recv_per_expert;
+    if (st == epSuccess) {
+      epHtHandle check;
+      if (!readCounts(rows, msgs, R, L, C, have_counts, &check))
+        st = fail(epInternalError, -1, epPhaseHeader, "dispatch counts are inconsistent");
+      else if (cached && (check.recv_count != h->recv_count || check.recv_chan_count != h->recv_chan_count))
+        st = EP_ERROR(epInvalidUsage,
+                      "the handle's cached layout does not match what the ranks sent: the routing changed since "
+                      "the handle was filled (notify again, or dispatch without EP_HT_USE_HANDLE_LAYOUT)");
+      else if (!cached)
+        fresh = std::move(check);
+      per_expert = have_counts ? (cached ? check.recv_per_expert : fresh.recv_per_expert) : h->recv_per_expert;
     }
-    if (st == epSuccess && a->num_worst_tokens > 0 && prefix[R] > a->num_worst_tokens)
+    if (st == epSuccess && a->num_worst_tokens > 0 && lay->num_recv > a->num_worst_tokens)
       st = EP_ERROR(epCapacityExceeded,
                     "HT dispatch received %d rows but num_worst_tokens is %d; nothing was written past the "
                     "capacity",
-                    prefix[R], a->num_worst_tokens);
+                    lay->num_recv, a->num_worst_tokens);
   }
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
-    EPCHECK(flushSends(epPhaseData));
+    EPCHECK(drainChannels(in));
     if (ok && !cached) h->valid = false;
     return st;
   }
 
-  // Data: every field of rank s lands contiguously at its final rows.
+  // Data: each channel places its rows of every source contiguously at their final rows.
   uint8_t* rx = static_cast<uint8_t*>(a->recv_x);
-  for (int s = 0; s < R; ++s) {
-    const int n = recv_count[s], b = prefix[s];
-    const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
-    EPCHECK(recvInto(s, rx + b * xrow, n * xrow, epPhaseData));
-    if (fp8) EPCHECK(recvInto(s, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData));
-    if (has_idx) {
-      if (a->recv_topk_idx)
-        EPCHECK(recvInto(s, a->recv_topk_idx + static_cast<size_t>(b) * K, sizeof(int64_t) * n * K, epPhaseData));
-      else
-        EPCHECK(skipIn(s, sizeof(int64_t) * n * K, epPhaseData));
+  EPCHECK(runChannels([&](int c) -> epResult_t {
+    for (int s = 0; s < R; ++s) {
+      int b = lay->recv_prefix[s];
+      for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
+      const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
+      const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
+      EPCHECK(recvChannelHeader(s, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
+      EPCHECK(recvInto(s, rx + b * xrow, n * xrow, epPhaseData, c));
+      if (fp8)
+        EPCHECK(recvInto(s, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData, c));
+      if (has_idx) {
+        if (a->recv_topk_idx)
+          EPCHECK(recvInto(s, a->recv_topk_idx + static_cast<size_t>(b) * K, sizeof(int64_t) * n * K, epPhaseData, c));
+        else
+          EPCHECK(skipIn(s, sizeof(int64_t) * n * K, epPhaseData, c));
+      }
+      if (has_w) {
+        if (a->recv_topk_weights)
+          EPCHECK(recvInto(s, a->recv_topk_weights + static_cast<size_t>(b) * K, sizeof(float) * n * K, epPhaseData, c));
+        else
+          EPCHECK(skipIn(s, sizeof(float) * n * K, epPhaseData, c));
+      }
     }
-    if (has_w) {
-      if (a->recv_topk_weights)
-        EPCHECK(recvInto(s, a->recv_topk_weights + static_cast<size_t>(b) * K, sizeof(float) * n * K, epPhaseData));
-      else
-        EPCHECK(skipIn(s, sizeof(float) * n * K, epPhaseData));
-    }
-  }
-  EPCHECK(flushSends(epPhaseData));
+    return flushSends(epPhaseData, c);
+  }));
 
-  const int num_recv = prefix[R];
+  const int num_recv = lay->num_recv;
   if (a->num_worst_tokens > 0) {
     for (int r = num_recv; r < a->num_worst_tokens; ++r)
       for (int k = 0; k < K; ++k) {
@@ -630,8 +784,9 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     h->num_experts = E;
     h->in_rank = std::move(in_rank_new);
     h->send_count = std::move(send_count_new);
-    h->recv_count = recv_count;
-    h->recv_prefix = prefix;
+    h->recv_count = std::move(fresh.recv_count);
+    h->recv_prefix = std::move(fresh.recv_prefix);
+    h->recv_chan_count = std::move(fresh.recv_chan_count);
     h->recv_per_expert = per_expert;
     h->num_recv = num_recv;
     h->recv_rows = num_recv;
@@ -643,11 +798,13 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
 epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtCombine;
   cur_epoch_ = ++send_epoch_;
-  const int R = nranks_;
+  const int R = nranks_, C = nchan_;
   const bool ok = local == epSuccess;
   const int H = ok ? a->hidden : 0;
   const size_t es = ok ? dtypeSize(a->dtype) : 0, row = H * es;
   const uint64_t sig = ok ? shapeSig({H, a->dtype}) : 0;
+  // Channel 0: the row count; channel c: the rows of source p's tokens in p's channel c, which are
+  // contiguous in this rank's receive order.
   for (int p = 0; p < R; ++p) {
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
@@ -655,15 +812,20 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
       continue;
     }
     hdr.v[0] = h->recv_count[p];
+    post(p, hdr, nullptr, 0, {});
     const uint8_t* x = static_cast<const uint8_t*>(a->x) + h->recv_prefix[p] * row;
-    post(p, hdr, nullptr, 0, {{x, h->recv_count[p] * row}});
+    for (int c = 0; c < C; ++c) {
+      const int n = h->recv_chan_count[static_cast<size_t>(p) * C + c];
+      post(p, makeHeader(cur_op_, local, sig), nullptr, 0, {{x, n * row}}, c);
+      x += n * row;
+    }
   }
   pushSends();
   std::vector<Incoming> in;
   EPCHECK(recvHeaders(in, sig));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s) {
-    if (in[s].h.v[0] != h->send_count[s] || in[s].h.data_bytes != static_cast<uint64_t>(h->send_count[s]) * row)
+    if (in[s].h.v[0] != h->send_count[s] || in[s].h.data_bytes != 0)
       st = EP_ERROR(epInvalidUsage,
                     "rank %d returns %lld rows in HT combine but this rank's handle sent it %d tokens: the handles "
                     "of the ranks come from different dispatches",
@@ -671,30 +833,38 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   }
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
-    EPCHECK(flushSends(epPhaseData));
+    EPCHECK(drainChannels(in));
     return st;
   }
-  // Token by token, ranks ascending: fp32 accumulation in the order the design fixes, rounded once.
+  // Token by token, ranks ascending: fp32 accumulation in the order the design fixes, rounded once. Each
+  // channel reduces its own tokens.
   const int T = a->num_tokens;
-  acc_.resize(H);
-  scratch_.resize(row);
   uint8_t* out = static_cast<uint8_t*>(a->combined_x);
-  for (int t = 0; t < T; ++t) {
-    std::fill(acc_.begin(), acc_.end(), 0.0f);
-    for (int r = 0; r < R; ++r) {
-      if (!h->in_rank[static_cast<size_t>(t) * R + r]) continue;
-      EPCHECK(waitIn(r, row, epPhaseData));
-      const uint8_t* src = in_[r].peek(row);
-      if (src == nullptr) {
-        in_[r].copyOut(scratch_.data(), 0, row);
-        src = scratch_.data();
+  return runChannels([&](int c) -> epResult_t {
+    const int tb = chanBegin(T, c), te = chanBegin(T, c + 1);
+    std::vector<int> cnt(R, 0);
+    for (int t = tb; t < te; ++t)
+      for (int r = 0; r < R; ++r) cnt[r] += h->in_rank[static_cast<size_t>(t) * R + r];
+    for (int r = 0; r < R; ++r) EPCHECK(recvChannelHeader(r, c, cnt[r] * row));
+    std::vector<float> acc(H);
+    std::vector<uint8_t> tmp(row);
+    for (int t = tb; t < te; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int r = 0; r < R; ++r) {
+        if (!h->in_rank[static_cast<size_t>(t) * R + r]) continue;
+        EPCHECK(waitIn(r, row, epPhaseData, c));
+        const uint8_t* src = in_[c][r].peek(row);
+        if (src == nullptr) {
+          in_[c][r].copyOut(tmp.data(), 0, row);
+          src = tmp.data();
+        }
+        accumulateRow(acc.data(), src, H, a->dtype);
+        in_[c][r].release(row);
       }
-      accumulateRow(acc_.data(), src, H, a->dtype);
-      in_[r].release(row);
+      storeRow(out + t * row, acc.data(), H, a->dtype);
     }
-    storeRow(out + t * row, acc_.data(), H, a->dtype);
-  }
-  return flushSends(epPhaseData);
+    return flushSends(epPhaseData, c);
+  });
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -842,7 +1012,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
       for (int i = 0; i < n; ++i) {
         const int32_t* mi = md.data() + static_cast<size_t>(i) * (1 + K);
         EPCHECK(waitIn(s, rb, epPhaseData));
-        auto place = [&](size_t dst_row) { in_[s].copyOut(dst_base + dst_row * rb, 0, rb); };
+        auto place = [&](size_t dst_row) { in_[0][s].copyOut(dst_base + dst_row * rb, 0, rb); };
         if (expert_major) {
           for (int k = 0; k < K; ++k) {
             int e = mi[1 + k];
@@ -859,7 +1029,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
             for (int k = 0; k < K; ++k)
               a->recv_topk_idx[(static_cast<size_t>(s) * M + mi[0]) * K + k] = mi[1 + k];
         }
-        in_[s].release(rb);
+        in_[0][s].release(rb);
       }
     }
   }

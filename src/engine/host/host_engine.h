@@ -91,14 +91,23 @@ class HostEngine final : public Engine {
   };
 
   // ---- transport ----
-  void post(int peer, const MsgHeader& h, const void* extra, size_t extra_bytes, std::vector<Seg> payload);
-  bool pushSends();  // pushes what fits; true if anything moved
-  epResult_t waitIn(int peer, size_t bytes, int phase);        // until `bytes` are readable from peer
-  epResult_t recvInto(int peer, void* dst, size_t len, int phase);
-  epResult_t skipIn(int peer, size_t len, int phase);
-  epResult_t flushSends(int phase);
+  // Channel `ch` (default 0, the operation headers' channel) is served by one thread at a time.
+  void post(int peer, const MsgHeader& h, const void* extra, size_t extra_bytes, std::vector<Seg> payload,
+            int ch = 0);
+  bool pushSends(int ch = 0);  // pushes what fits; true if anything moved
+  epResult_t waitIn(int peer, size_t bytes, int phase, int ch = 0);  // until `bytes` are readable from peer
+  epResult_t recvInto(int peer, void* dst, size_t len, int phase, int ch = 0);
+  epResult_t skipIn(int peer, size_t len, int phase, int ch = 0);
+  epResult_t flushSends(int phase, int ch = 0);
+  // Runs fn(c) for every channel c at once (c = 0 on the calling thread, the others on the channel threads)
+  // and returns the first failure, with its message.
+  epResult_t runChannels(const std::function<epResult_t(int)>& fn);
+  // Tokens [begin, end) of channel c.
+  int chanBegin(int T, int c) const { return static_cast<int>(static_cast<int64_t>(T) * c / nchan_); }
   epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check);
   epResult_t recvHeaders(std::vector<Incoming>& in, uint64_t sig);
+  epResult_t drainChannels(const std::vector<Incoming>& in);
+  epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);
   epResult_t drainPayloads(std::vector<Incoming>& in, std::vector<bool>* done = nullptr);
   epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
   MsgHeader makeHeader(int op, epResult_t status, uint64_t sig) const;
@@ -117,9 +126,11 @@ class HostEngine final : public Engine {
   size_t ring_bytes_ = 0;
   ShmRegion own_;
   std::vector<std::unique_ptr<ShmRegion>> peers_;
-  std::vector<RingEnd> out_, in_;
+  int nchan_ = 1;
+  std::vector<std::vector<RingEnd>> out_, in_;          // [channel][peer]
   std::vector<int64_t> pids_;
-  std::vector<std::deque<OutMsg>> outq_;
+  std::vector<std::vector<std::deque<OutMsg>>> outq_;  // [channel][peer]
+  std::unique_ptr<class ChannelPool> pool_;
   uint64_t send_epoch_ = 0;  // operations this rank has sent
   uint64_t recv_epoch_ = 0;  // operations this rank has received
   int cur_op_ = epOpNone;
