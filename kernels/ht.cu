@@ -30,21 +30,14 @@ __device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Starts operation `epoch + 1` (one thread of a one-block kernel). The control words are read and written
-// with strong operations, never through a possibly stale L1 line: a stale epoch would put this rank one
-// operation behind its peers.
-__device__ __forceinline__ uint64_t bumpEpoch(GpuCtrl* c, uint64_t* last_out, uint64_t* prev) {
+// Starts operation `epoch + 1` (one thread of a one-block kernel). The epoch is read and written with strong
+// operations, never through a possibly stale L1 line: a stale epoch would put this rank behind its peers.
+__device__ __forceinline__ uint64_t bumpEpoch(GpuCtrl* c) {
   const uint64_t e = ldAcquire(&c->epoch) + 1;
   stRelaxed(&c->epoch, e);
-  if (last_out != nullptr) {
-    *prev = ldAcquire(last_out);
-    stRelaxed(last_out, e);
-  }
   __threadfence();
   return e;
 }
-
-__device__ __forceinline__ GpuCtrl* ctrlOf(const HtParams& p, int r) { return reinterpret_cast<GpuCtrl*>(p.base[r]); }
 __device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) { return ldAcquire(&p.ctrl->epoch); }
 
 // First failure wins; later waits see err->code and give up at once.
@@ -90,34 +83,6 @@ __device__ bool waitAtLeast(const HtParams& p, const uint64_t* flag, uint64_t wa
   }
 }
 
-// Each thread r < R waits on flags[r]; every thread returns the common verdict.
-__device__ bool waitAllPeers(const HtParams& p, const uint64_t* flags, uint64_t want, int phase, uint64_t epoch) {
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) s_ok = 1;
-  __syncthreads();
-  for (int r = threadIdx.x; r < p.nranks; r += blockDim.x)
-    if (!waitAtLeast(p, flags + r, want, r, phase, epoch)) s_ok = 0;
-  __syncthreads();
-  return s_ok != 0;
-}
-
-// The last block of a launch to get here raises flag[rank] to `epoch` on every peer (flags selects which
-// array of the peers' GpuCtrl), after every block's writes are visible system-wide.
-__device__ void lastBlockSignals(const HtParams& p, int counter, size_t flag_offset, uint64_t epoch) {
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    if (atomicAdd(&p.ctrl->done[counter], 1u) == gridDim.x - 1) {
-      p.ctrl->done[counter] = 0;  // not used to derive the epoch, so resetting it here is safe (G2)
-      __threadfence_system();
-      for (int r = 0; r < p.nranks; ++r) {
-        uint64_t* f = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(ctrlOf(p, r)) + flag_offset) + p.rank;
-        stRelease(f, epoch);
-      }
-    }
-  }
-}
-
 // A warp copies one row of `bytes` (a multiple of 16), four 16-byte loads in flight per lane.
 __device__ __forceinline__ void warpCopy16(void* dst, const void* src, size_t bytes, int lane) {
   const int4* s = static_cast<const int4*>(src);
@@ -144,38 +109,33 @@ __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoc
   return p.lay.mailbox + ((epoch & 1) * p.nranks + src) * p.lay.mailbox_entry;
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Begin: bumps the epoch (one block, so no other block of this launch reads it) and waits until every peer
-// finished reading what this rank wrote into its staging during the previous op that used it.
-// ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(64, 1) htBeginKernel(HtParams p, int combine) {
-  __shared__ uint64_t s_epoch, s_prev;
-  if (threadIdx.x == 0) {
-    uint64_t prev = 0;
-    s_epoch = bumpEpoch(p.ctrl, combine ? &p.ctrl->last_combine_epoch : &p.ctrl->last_dispatch_epoch, &prev);
-    s_prev = prev;
-  }
-  __syncthreads();
-  waitAllPeers(p, combine ? p.ctrl->combine_ack : p.ctrl->dispatch_ack, s_prev, epPhaseHeader, s_epoch);
+__device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int kind, int src, int ch) {
+  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.qctrl + kind * p.lay.qctrl_stride) + src * p.C + ch;
+}
+__device__ __forceinline__ int chanBegin(int T, int C, int c) {
+  return static_cast<int>(static_cast<int64_t>(T) * c / C);
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Notify (one block): layout of this rank's tokens (in_rank, per-destination positions, per-expert counts),
-// the exchange of counts through the peers' mailboxes, and the receive-side prefix sums.
+// Begin: bumps the epoch (one block, so no other block of this launch reads it).
+// ---------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
+  if (threadIdx.x == 0) bumpEpoch(p.ctrl);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Notify (one block): layout of this rank's tokens (in_rank, per-destination positions, per-expert and
+// per-channel counts), the exchange of counts through the peers' mailboxes, and the receive-side prefixes.
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   extern __shared__ int s_expert[];  // [E]
-  __shared__ uint64_t s_epoch, s_prev;
+  __shared__ uint64_t s_epoch;
   __shared__ int s_count[kGpuMaxRanks];
   __shared__ int s_warp[32];
   __shared__ int s_total;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  const int R = p.nranks, L = p.L, K = p.K;
-  if (tid == 0) {
-    uint64_t prev = 0;
-    s_epoch = bumpEpoch(p.ctrl, p.begins_dispatch ? &p.ctrl->last_dispatch_epoch : nullptr, &prev);
-    s_prev = prev;
-  }
+  const int R = p.nranks, L = p.L, K = p.K, C = p.C;
+  if (tid == 0) s_epoch = bumpEpoch(p.ctrl);
   for (int i = tid; i < p.E; i += blockDim.x) s_expert[i] = 0;
   for (int r = tid; r < R; r += blockDim.x) s_count[r] = 0;
   __syncthreads();
@@ -222,15 +182,24 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
       __syncthreads();
     }
   }
+  // Tokens sent to r before channel c's first token (in_rank is complete: written by this block above).
+  for (int i = tid; i < R * C; i += blockDim.x) {
+    const int r = i / C, c = i % C, tb = chanBegin(p.T, C, c);
+    int n = 0;
+    for (int t = 0; t < tb; ++t) n += p.h.in_rank[static_cast<size_t>(t) * R + r];
+    p.h.send_chan_base[i] = n;
+  }
+  __syncthreads();
 
-  // Before this op writes into the peers' staging, they must be done reading the previous dispatch's rows.
-  if (p.begins_dispatch && !waitAllPeers(p, p.ctrl->dispatch_ack, s_prev, epPhaseHeader, e)) return;
-
-  // Mailbox entry for every peer r: counts to every rank, then per local expert of r.
+  // Mailbox entry for every peer r: counts to every rank, per local expert of r, per channel (to r).
   for (int r = 0; r < R; ++r) {
     int32_t* ent = reinterpret_cast<int32_t*>(p.base[r] + mailboxOffset(p, e, p.rank) + sizeof(MailboxHead));
     for (int j = tid; j < R; j += blockDim.x) ent[j] = s_count[j];
     for (int l = tid; l < L; l += blockDim.x) ent[R + l] = s_expert[r * L + l];
+    for (int c = tid; c < C; c += blockDim.x) {
+      const int next = c + 1 < C ? p.h.send_chan_base[r * C + c + 1] : s_count[r];
+      ent[R + L + c] = next - p.h.send_chan_base[r * C + c];
+    }
   }
   __threadfence_system();
   __syncthreads();
@@ -251,18 +220,13 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   auto countsOf = [&](int s) {
     return reinterpret_cast<const int32_t*>(me + mailboxOffset(p, e, s) + sizeof(MailboxHead));
   };
-  for (int i = tid; i < R * R; i += blockDim.x) p.h.matrix[i] = countsOf(i / R)[i % R];
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < R; ++s) sum += countsOf(s)[R + l];
     p.h.per_expert[l] = sum;
     if (p.recv_per_expert_out) p.recv_per_expert_out[l] = sum;
   }
-  for (int r = tid; r < R; r += blockDim.x) {
-    int b = 0;
-    for (int s = 0; s < p.rank; ++s) b += countsOf(s)[r];
-    p.h.send_base[r] = b;
-  }
+  for (int i = tid; i < R * C; i += blockDim.x) p.h.recv_chan[i] = countsOf(i / C)[R + L + i % C];
   if (tid == 0) {
     int acc = 0;
     p.h.prefix[0] = 0;
@@ -277,96 +241,108 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Dispatch send: a warp per token writes its row (and scales, local expert ids, weights) straight into the
-// final receive row of each destination's staging.
+// Dispatch: block 2c sends channel c's tokens (a warp per destination, in token order, into the destination's
+// queue for this rank and channel); block 2c+1 receives channel c (a warp per source) and copies each row to
+// its final receive row: source rank order, then token order.
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(512) htDispatchKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
-  const int lane = threadIdx.x & 31;
-  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
-  const int R = p.nranks, K = p.K;
-  for (int t = gw; t < p.T; t += nw) {
-    for (int r = 0; r < R; ++r) {
-      const size_t tr = static_cast<size_t>(t) * R + r;
-      if (!p.h.in_rank[tr]) continue;
-      const size_t slot = static_cast<size_t>(p.h.send_base[r] + p.h.pos[tr]);
-      uint8_t* b = p.base[r];
-      warpCopy16(b + p.lay.disp_x + slot * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + t * p.xrow, p.xrow,
-                 lane);
-      if (p.srow)
-        warpCopy4(b + p.lay.disp_scales + slot * p.lay.scale_stride,
-                  reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
-      if (p.topk_idx != nullptr && lane < K) {
-        int64_t x = p.topk_idx[static_cast<size_t>(t) * K + lane];
-        bool here = x >= 0 && x < p.E && x / p.L == r;
-        reinterpret_cast<int64_t*>(b + p.lay.disp_idx)[slot * kGpuMaxTopk + lane] = here ? x % p.L : -1;
-        if (p.topk_weights != nullptr)
-          reinterpret_cast<float*>(b + p.lay.disp_w)[slot * kGpuMaxTopk + lane] =
-              here ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
+  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int R = p.nranks, K = p.K, Q = p.Q, C = p.C;
+  if ((blockIdx.x & 1) == 0) {
+    const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
+    for (int r = warp; r < R; r += nwarps) {
+      uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
+      const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
+      const uint64_t base = ldAcquire(tail);  // this rank is the only writer
+      uint64_t sent = 0, room = 0;
+      uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
+      for (int t = tb; t < te; ++t) {
+        if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
+        const uint64_t idx = base + sent;
+        if (idx >= room) {  // wait for room: the receiver's head must be past idx - Q
+          bool ok = true;
+          if (lane == 0) ok = waitAtLeast(p, head, idx + 1 > static_cast<uint64_t>(Q) ? idx + 1 - Q : 0, r,
+                                          epPhaseData, e);
+          if (!__shfl_sync(kFull, ok, 0)) return;
+          room = ldAcquire(head) + Q;
+        }
+        uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
+        warpCopy16(slot, static_cast<const uint8_t*>(p.x) + t * p.xrow, p.xrow, lane);
+        if (p.srow) warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
+        if (p.topk_idx != nullptr && lane < K) {
+          int64_t x = p.topk_idx[static_cast<size_t>(t) * K + lane];
+          bool here = x >= 0 && x < p.E && x / p.L == r;
+          uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+          reinterpret_cast<int64_t*>(meta)[lane] = here ? x % p.L : -1;
+          if (p.topk_weights != nullptr)
+            reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] =
+                here ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
+        }
+        ++sent;
+        if ((sent & 7) == 0) {  // publish every 8 rows
+          __threadfence_system();
+          __syncwarp();
+          if (lane == 0) stRelease(tail, base + sent);
+        }
       }
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0) stRelease(tail, base + sent);
     }
+    return;
   }
-  lastBlockSignals(p, kDoneDispatchSend, offsetof(GpuCtrl, data_flag), e);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Dispatch receive: once every source raised its flag, copy the staging rows into the caller's buffers
-// (this is the extra pass of caller-memory outputs), pad worst-token rows, and acknowledge to the sources.
-// ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(512) htDispatchRecvKernel(HtParams p) {
-  const uint64_t e = currentEpoch(p);
-  if (!waitAllPeers(p, p.ctrl->data_flag, e, epPhaseData, e)) return;
-  const int lane = threadIdx.x & 31;
-  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
-  const int num_recv = *p.h.num_recv, K = p.K;
+  // Receive side.
+  const int num_recv = *p.h.num_recv;
   const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
-  const int all_rows = p.worst > 0 ? p.worst : num_recv;
   const uint8_t* me = p.base[p.rank];
-  for (int i = gw; i < all_rows; i += nw) {
-    if (i < rows) {
-      warpCopy16(static_cast<uint8_t*>(p.recv_x) + i * p.xrow, me + p.lay.disp_x + i * p.lay.x_stride, p.xrow,
-                 lane);
-      if (p.srow)
-        warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + i * p.srow, me + p.lay.disp_scales +
-                  i * p.lay.scale_stride, p.srow, lane);
-      if (lane < K && p.topk_idx != nullptr) {
-        if (p.recv_topk_idx)
-          p.recv_topk_idx[static_cast<size_t>(i) * K + lane] =
-              reinterpret_cast<const int64_t*>(me + p.lay.disp_idx)[static_cast<size_t>(i) * kGpuMaxTopk + lane];
-        if (p.recv_topk_weights && p.topk_weights)
-          p.recv_topk_weights[static_cast<size_t>(i) * K + lane] =
-              reinterpret_cast<const float*>(me + p.lay.disp_w)[static_cast<size_t>(i) * kGpuMaxTopk + lane];
+  for (int s = warp; s < R; s += nwarps) {
+    const int n = p.h.recv_chan[s * C + c];
+    int dst = p.h.prefix[s];
+    for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
+    uint64_t* tail = qCounter(p, p.rank, kDispTail, s, c);
+    uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
+    const uint64_t base = ldAcquire(head);
+    const uint8_t* q = me + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
+    uint64_t avail = base;
+    for (int i = 0; i < n; ++i) {
+      const uint64_t idx = base + i;
+      if (idx >= avail) {
+        bool ok = true;
+        if (lane == 0) ok = waitAtLeast(p, tail, idx + 1, s, epPhaseData, e);
+        if (!__shfl_sync(kFull, ok, 0)) return;
+        avail = ldAcquire(tail);
       }
-    } else if (lane < K) {  // worst-token padding
-      if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(i) * K + lane] = -1;
-      if (p.recv_topk_weights) p.recv_topk_weights[static_cast<size_t>(i) * K + lane] = 0.0f;
+      const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
+      const int row = dst + i;
+      if (row < rows) {  // worst-token overflow: never written past the capacity (recorded by notify)
+        warpCopy16(static_cast<uint8_t*>(p.recv_x) + row * p.xrow, slot, p.xrow, lane);
+        if (p.srow)
+          warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow, lane);
+        const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+        if (lane < K && p.topk_idx != nullptr) {
+          if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const int64_t*>(meta)[lane];
+          if (p.recv_topk_weights && p.topk_weights)
+            p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
+                reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane];
+        }
+      }
+      __syncwarp();
+      if (((i + 1) & 7) == 0 && lane == 0) stRelease(head, idx + 1);  // room for the sender
     }
+    __syncwarp();
+    if (lane == 0) stRelease(head, base + n);
   }
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 1) {  // worst-token padding and the counts
+    for (int i = rows + warp; i < p.worst; i += nwarps)
+      if (lane < K) {
+        if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(i) * K + lane] = -1;
+        if (p.recv_topk_weights) p.recv_topk_weights[static_cast<size_t>(i) * K + lane] = 0.0f;
+      }
     for (int l = threadIdx.x; l < p.L; l += blockDim.x)
       if (p.recv_per_expert_out) p.recv_per_expert_out[l] = p.h.per_expert[l];
     if (threadIdx.x == 0 && p.num_recv_out) *p.num_recv_out = num_recv;
   }
-  lastBlockSignals(p, kDoneDispatchRecv, offsetof(GpuCtrl, dispatch_ack), e);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Combine send: each received row goes back to its source, into the source's combine staging at
-// [this rank][its position among the tokens the source sent here].
-// ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(512) htCombineSendKernel(HtParams p) {
-  const uint64_t e = currentEpoch(p);
-  const int lane = threadIdx.x & 31;
-  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
-  const int num_recv = *p.h.num_recv;
-  for (int i = gw; i < num_recv; i += nw) {
-    int s = 0;
-    while (s + 1 < p.nranks && p.h.prefix[s + 1] <= i) ++s;
-    const size_t j = static_cast<size_t>(i - p.h.prefix[s]);
-    uint8_t* dst = p.base[s] + p.lay.comb_x + (static_cast<size_t>(p.rank) * p.lay.max_tokens + j) * p.lay.x_stride;
-    warpCopy16(dst, static_cast<const uint8_t*>(p.x) + i * p.xrow, p.xrow, lane);
-  }
-  lastBlockSignals(p, kDoneCombineSend, offsetof(GpuCtrl, combine_flag), e);
 }
 
 template <int kDtype>
@@ -410,34 +386,96 @@ struct Vec8<epFloat32> {
 };
 
 // ---------------------------------------------------------------------------------------------------------
-// Combine reduce: a warp per token sums the rows returned by the ranks that received it, in ascending rank
-// order, in fp32, and rounds once.
+// Combine: block 2c returns, for every source s, the rows of s's channel-c tokens (contiguous in this rank's
+// receive order) into s's combine queue for this rank and channel; block 2c+1 reduces this rank's channel-c
+// tokens, a warp per token: rows of the ranks that received it, in ascending rank order, in fp32, rounded once.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
-__global__ void __launch_bounds__(512) htCombineReduceKernel(HtParams p) {
+__global__ void __launch_bounds__(512) htCombineKernel(HtParams p) {
   using V = Vec8<kDtype>;
   const uint64_t e = currentEpoch(p);
-  if (!waitAllPeers(p, p.ctrl->combine_flag, e, epPhaseData, e)) return;
-  const int lane = threadIdx.x & 31;
-  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
-  const int R = p.nranks, chunks = static_cast<int>(p.xrow / 16);
-  const uint8_t* stage = p.base[p.rank] + p.lay.comb_x;
-  for (int t = gw; t < p.T; t += nw) {
-    for (int c = lane; c < chunks; c += 32) {
-      float acc[V::kN];
-#pragma unroll
-      for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
-      for (int r = 0; r < R; ++r) {
+  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int R = p.nranks, Q = p.Q, C = p.C;
+  if ((blockIdx.x & 1) == 0) {
+    for (int s = warp; s < R; s += nwarps) {
+      const int n = p.h.recv_chan[s * C + c];
+      int src = p.h.prefix[s];
+      for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
+      uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
+      const uint64_t* head = qCounter(p, s, kCombHead, p.rank, c);
+      const uint64_t base = ldAcquire(tail);
+      uint64_t room = 0;
+      uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
+      for (int i = 0; i < n; ++i) {
+        const uint64_t idx = base + i;
+        if (idx >= room) {
+          bool ok = true;
+          if (lane == 0) ok = waitAtLeast(p, head, idx + 1 > static_cast<uint64_t>(Q) ? idx + 1 - Q : 0, s,
+                                          epPhaseData, e);
+          if (!__shfl_sync(kFull, ok, 0)) return;
+          room = ldAcquire(head) + Q;
+        }
+        warpCopy16(q + (idx % Q) * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow,
+                   lane);
+        if (((i + 1) & 7) == 0) {
+          __threadfence_system();
+          __syncwarp();
+          if (lane == 0) stRelease(tail, idx + 1);
+        }
+      }
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0) stRelease(tail, base + n);
+    }
+    return;
+  }
+  // Reduce side: tokens in rounds of one per warp; heads advance after each round.
+  __shared__ uint64_t s_base[kGpuMaxRanks];
+  __shared__ int s_used[kGpuMaxRanks];
+  __shared__ int s_ok;
+  const uint8_t* me = p.base[p.rank];
+  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    s_base[r] = ldAcquire(qCounter(p, p.rank, kCombHead, r, c));
+    s_used[r] = 0;
+  }
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  for (int round = tb; round < te; round += nwarps) {
+    const int t = round + warp;
+    if (t < te && s_ok) {
+      for (int r = 0; r < R && s_ok; ++r) {
         const size_t tr = static_cast<size_t>(t) * R + r;
         if (!p.h.in_rank[tr]) continue;
-        const int4* src = reinterpret_cast<const int4*>(
-            stage + (static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]) * p.lay.x_stride);
-        V::add(acc, src[c]);
+        const uint64_t idx = s_base[r] + (p.h.pos[tr] - p.h.send_chan_base[r * C + c]);
+        bool ok = true;
+        if (lane == 0) ok = waitAtLeast(p, qCounter(p, p.rank, kCombTail, r, c), idx + 1, r, epPhaseData, e);
+        if (!__shfl_sync(kFull, ok, 0)) s_ok = 0;
       }
-      reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[c] = V::pack(acc);
+      if (s_ok) {
+        for (int ch = lane; ch < chunks; ch += 32) {
+          float acc[V::kN];
+#pragma unroll
+          for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
+          for (int r = 0; r < R; ++r) {
+            const size_t tr = static_cast<size_t>(t) * R + r;
+            if (!p.h.in_rank[tr]) continue;
+            const uint64_t idx = s_base[r] + (p.h.pos[tr] - p.h.send_chan_base[r * C + c]);
+            const int4* src = reinterpret_cast<const int4*>(
+                me + p.lay.comb_q + ((static_cast<size_t>(r) * C + c) * Q + idx % Q) * p.lay.x_stride);
+            V::add(acc, src[ch]);
+          }
+          reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
+        }
+        if (lane == 0)
+          for (int r = 0; r < R; ++r) atomicAdd(&s_used[r], p.h.in_rank[static_cast<size_t>(t) * R + r]);
+      }
     }
+    __syncthreads();
+    if (!s_ok) return;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) stRelease(qCounter(p, p.rank, kCombHead, r, c), s_base[r] + s_used[r]);
+    __syncthreads();
   }
-  lastBlockSignals(p, kDoneCombineReduce, offsetof(GpuCtrl, combine_ack), e);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -471,8 +509,8 @@ __global__ void __launch_bounds__(256) layoutKernel(HtParams p, int* per_rank, i
 // ---------------------------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------------------------
-cudaError_t launchHtBegin(const HtParams& p, bool combine, cudaStream_t s) {
-  htBeginKernel<<<1, 64, 0, s>>>(p, combine ? 1 : 0);
+cudaError_t launchHtBegin(const HtParams& p, cudaStream_t s) {
+  htBeginKernel<<<1, 32, 0, s>>>(p);
   return cudaGetLastError();
 }
 
@@ -482,22 +520,16 @@ cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-cudaError_t launchHtDispatch(const HtParams& p, int blocks, cudaStream_t s) {
-  htDispatchKernel<<<blocks, 512, 0, s>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  htDispatchRecvKernel<<<blocks, 512, 0, s>>>(p);
+cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
+  htDispatchKernel<<<2 * p.C, 512, 0, s>>>(p);
   return cudaGetLastError();
 }
 
-cudaError_t launchHtCombine(const HtParams& p, int blocks, cudaStream_t s) {
-  htCombineSendKernel<<<blocks, 512, 0, s>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
+cudaError_t launchHtCombine(const HtParams& p, cudaStream_t s) {
   switch (p.dtype) {
-    case epBfloat16: htCombineReduceKernel<epBfloat16><<<blocks, 512, 0, s>>>(p); break;
-    case epFloat16: htCombineReduceKernel<epFloat16><<<blocks, 512, 0, s>>>(p); break;
-    default: htCombineReduceKernel<epFloat32><<<blocks, 512, 0, s>>>(p); break;
+    case epBfloat16: htCombineKernel<epBfloat16><<<2 * p.C, 512, 0, s>>>(p); break;
+    case epFloat16: htCombineKernel<epFloat16><<<2 * p.C, 512, 0, s>>>(p); break;
+    default: htCombineKernel<epFloat32><<<2 * p.C, 512, 0, s>>>(p); break;
   }
   return cudaGetLastError();
 }

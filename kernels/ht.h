@@ -6,10 +6,10 @@
 
 namespace epcomm {
 
-cudaError_t launchHtBegin(const HtParams& p, bool combine, cudaStream_t s);
-cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s);
-cudaError_t launchHtDispatch(const HtParams& p, int blocks, cudaStream_t s);  // send + receive
-cudaError_t launchHtCombine(const HtParams& p, int blocks, cudaStream_t s);   // send + reduce
+cudaError_t launchHtBegin(const HtParams& p, cudaStream_t s);     // bumps the epoch
+cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s);    // bumps the epoch, exchanges counts
+cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s);  // 2 * C blocks: send and receive
+cudaError_t launchHtCombine(const HtParams& p, cudaStream_t s);   // 2 * C blocks: send and reduce
 cudaError_t launchLayout(const HtParams& p, int* per_rank, int* per_expert, uint8_t* in_rank, cudaStream_t s);
 
 }  // namespace epcomm

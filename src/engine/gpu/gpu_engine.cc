@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -14,6 +15,7 @@
 namespace epcomm {
 
 EP_PARAM(GpuSms, "NUM_SMS", 24);
+EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 32);
 
 namespace {
 
@@ -52,8 +54,8 @@ epResult_t GpuEngine::checkLaunch(cudaError_t e, const char* what) {
 epResult_t GpuEngine::init() {
   const CommConfig& c = comm_->config;
   const int R = comm_->nranks;
-  EP_REQUIRE(R <= kGpuMaxRanks, epNotSupported, "the GPU engine takes at most %d ranks on one host (nranks = %d)",
-             kGpuMaxRanks, R);
+  // A warp of each sending and receiving block serves one peer, so peers never wait behind each other.
+  EP_REQUIRE(R <= 16, epNotSupported, "the GPU engine takes at most 16 ranks on one host (nranks = %d)", R);
   int ndev = gpuDeviceCount();
   EP_REQUIRE(ndev > 0, epCudaError, "the GPU engine was requested but no CUDA device is visible");
   if (c.cuda_device >= 0) {
@@ -90,17 +92,22 @@ epResult_t GpuEngine::init() {
             ids[comm_->rank].bus, cap > 0 ? cap : 1, blocks_);
     blocks_ = cap > 0 ? cap : 1;
   }
-  lay_ = gpuBufferLayout(R, c.ht_max_tokens_per_rank, c.ht_max_hidden);
+  const int channels = std::max(1, std::min(blocks_ / 2, kGpuMaxChannels));
+  const int queue_rows = static_cast<int>(epParamGpuQueueRows());
+  EP_REQUIRE(queue_rows >= 16 && queue_rows <= 4096, epInvalidArgument,
+             "EPCOMM_GPU_QUEUE_ROWS = %d is outside [16, 4096]", queue_rows);
+  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden);
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
   memset(err_host_, 0, sizeof(GpuErrorRecord));
   e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
-  EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d blocks per kernel", device_, R,
-          lay_.total, blocks_);
+  EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
+          device_, R, lay_.total, lay_.channels, lay_.queue_rows);
   if (getenv("EPCOMM_GPU_REPORT") && comm_->rank == 0)
-    fprintf(stderr, "epcomm: GPU engine: %d ranks share the GPU, %d blocks per kernel\n", sharing, blocks_);
+    fprintf(stderr, "epcomm: GPU engine: %d ranks share the GPU, %d channels (%d blocks per kernel), %d-row queues, "
+            "%zu-byte buffer per rank\n", sharing, lay_.channels, 2 * lay_.channels, lay_.queue_rows, lay_.total);
   return epSuccess;
 }
 
@@ -114,6 +121,8 @@ HtParams GpuEngine::baseParams(int op) const {
   p.lay = lay_;
   p.err = err_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
+  p.C = lay_.channels;
+  p.Q = lay_.queue_rows;
   return p;
 }
 
@@ -157,12 +166,11 @@ void GpuEngine::abort() {
 }
 
 epResult_t GpuEngine::handleInit(epHtHandle* h) {
-  const int R = comm_->nranks, T = h->max_tokens;
-  EP_REQUIRE(T <= lay_.max_tokens, epCapacityExceeded,
-             "max_tokens = %d exceeds the communicator's config.ht_max_tokens_per_rank = %d", T, lay_.max_tokens);
+  const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  const size_t bytes = tr + 4 * (tr + R * R + (R + 1) + R + kGpuMaxExperts + 1) + 64;
+  const size_t ints = tr + (R + 1) + 2 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1;
+  const size_t bytes = 4 * ints + tr + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
   // cudaMemset runs on the legacy stream, asynchronously: finish it before kernels on other streams write here.
@@ -172,12 +180,12 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
     cudaFree(g->mem);
     EP_FAIL(epCudaError, "clearing a handle failed: %s", cudaGetErrorString(e));
   }
-  int32_t* ints = static_cast<int32_t*>(g->mem);
-  g->dev.pos = ints;
-  g->dev.matrix = g->dev.pos + tr;
-  g->dev.prefix = g->dev.matrix + R * R;
-  g->dev.send_base = g->dev.prefix + R + 1;
-  g->dev.per_expert = g->dev.send_base + R;
+  int32_t* p = static_cast<int32_t*>(g->mem);
+  g->dev.pos = p;
+  g->dev.prefix = g->dev.pos + tr;
+  g->dev.recv_chan = g->dev.prefix + R + 1;
+  g->dev.send_chan_base = g->dev.recv_chan + R * C;
+  g->dev.per_expert = g->dev.send_chan_base + R * C;
   g->dev.num_recv = g->dev.per_expert + kGpuMaxExperts;
   g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.num_recv + 1);
   h->gpu = g.release();
@@ -204,15 +212,15 @@ epResult_t GpuEngine::layout(const int64_t* topk_idx, int T, int K, int E, int* 
 }
 
 // Shape checks only the GPU engine has (its staging is sized at creation).
-static epResult_t checkGpuShape(const GpuBufferLayout& lay, int T, int E, int K, size_t xrow) {
+static epResult_t checkGpuShape(const GpuBufferLayout& lay, int max_tokens, int T, int E, int K, size_t xrow) {
   EP_REQUIRE(E <= kGpuMaxExperts, epInvalidNumExperts, "num_experts = %d exceeds the GPU engine's %d", E,
              kGpuMaxExperts);
   EP_REQUIRE(K <= kGpuMaxTopk, epInvalidTopk, "topk = %d exceeds %d", K, kGpuMaxTopk);
   EP_REQUIRE(xrow <= lay.x_stride, epInvalidHidden,
              "rows of %zu bytes exceed the %zu bytes per row the buffers were sized for (config.ht_max_hidden)",
              xrow, lay.x_stride);
-  EP_REQUIRE(T <= lay.max_tokens, epCapacityExceeded, "num_tokens = %d exceeds config.ht_max_tokens_per_rank = %d",
-             T, lay.max_tokens);
+  EP_REQUIRE(T <= max_tokens, epCapacityExceeded, "num_tokens = %d exceeds config.ht_max_tokens_per_rank = %d", T,
+             max_tokens);
   return epSuccess;
 }
 
@@ -227,7 +235,7 @@ epResult_t GpuEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRes
   EPCHECK(local);
   auto* g = static_cast<GpuHandle*>(h->gpu);
   const int R = comm_->nranks, L = a->num_experts / R;
-  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, 0));
+  EPCHECK(checkGpuShape(lay_, comm_->config.ht_max_tokens_per_rank, a->num_tokens, a->num_experts, a->topk, 0));
   HtParams p = dispatchParams(epOpHtNotify, a, g->dev);
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtNotify(p, s), "the notify kernel"));
@@ -256,23 +264,22 @@ epResult_t GpuEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epR
   EPCHECK(local);
   auto* g = static_cast<GpuHandle*>(h->gpu);
   const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
-  EPCHECK(checkGpuShape(lay_, a->num_tokens, a->num_experts, a->topk, xrow));
+  EPCHECK(checkGpuShape(lay_, comm_->config.ht_max_tokens_per_rank, a->num_tokens, a->num_experts, a->topk, xrow));
   EPCHECK(checkAligned(a->x, "x"));
   EPCHECK(checkAligned(a->recv_x, "recv_x"));
   const bool cached = a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT);
   HtParams p = dispatchParams(epOpHtDispatch, a, g->dev);
   cudaStream_t s = streamOf(stream);
   if (cached) {
-    EPCHECK(checkLaunch(launchHtBegin(p, false, s), "the dispatch begin kernel"));
+    EPCHECK(checkLaunch(launchHtBegin(p, s), "the dispatch begin kernel"));
   } else {
-    p.begins_dispatch = 1;
     EPCHECK(checkLaunch(launchHtNotify(p, s), "the notify kernel"));
     h->num_tokens = a->num_tokens;
     h->num_experts = a->num_experts;
     h->recv_rows = a->num_worst_tokens;
     h->valid = true;
   }
-  return checkLaunch(launchHtDispatch(p, blocks(), s), "the dispatch kernels");
+  return checkLaunch(launchHtDispatch(p, s), "the dispatch kernel");
 }
 
 epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) {
@@ -292,8 +299,8 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.combined_x = a->combined_x;
   p.h = g->dev;
   cudaStream_t s = streamOf(stream);
-  EPCHECK(checkLaunch(launchHtBegin(p, true, s), "the combine begin kernel"));
-  return checkLaunch(launchHtCombine(p, blocks(), s), "the combine kernels");
+  EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
+  return checkLaunch(launchHtCombine(p, s), "the combine kernel");
 }
 
 epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t*, epResult_t local, epStream_t) {

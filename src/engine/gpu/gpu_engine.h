@@ -44,7 +44,6 @@ class GpuEngine final : public Engine {
   HtParams baseParams(int op) const;
   HtParams dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const;
   epResult_t checkLaunch(cudaError_t e, const char* what);
-  int blocks() const { return blocks_; }
 
   epComm* comm_;
   int device_ = 0;

@@ -1,18 +1,20 @@
 // Device-visible state of the GPU engine, shared by the kernels and the host code that sets them up.
 //
 // Each rank owns one communication buffer in GPU memory, allocated once at communicator creation and mapped
-// by every peer of the host (CUDA IPC). Layout (offsets in GpuBufferLayout):
-//   [GpuCtrl]                       epochs, last-block counters, and the flags/acks peers write
-//   [mailbox: 2 x R entries]        notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
-//   [dispatch staging]              rows peers send this rank, at their final receive position:
-//       x [R*max_tokens][x_stride], scales [..][scale_stride], topk_idx [..][kGpuMaxTopk], weights [..]
-//   [combine staging]               expert outputs returned to this rank: [src rank][max_tokens][x_stride]
+// by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
+// Layout (offsets in GpuBufferLayout):
+//   [GpuCtrl]                      epoch and the last-block counter
+//   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
+//   [queue counters: 4 x R x C]    cumulative rows per (src, channel): dispatch tail (written by src), dispatch
+//                                  head (written here, read by src), combine tail, combine head
+//   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
+//   [combine queues: R x C x Q]    slots of one expert-output row
 //
-// Protocol of one operation with epoch e (G1/G2 of the design): a one-block kernel bumps ctrl.epoch first, so
-// every block of the following kernels reads a value nobody writes during their launch. A sender writes rows
-// into a peer's staging only after that peer acknowledged (ack >= epoch of the previous op that used it) that
-// it finished reading them; the last block of a sending kernel (found with a counter it resets) raises the
-// peers' flags to e; the last block of a receiving kernel acknowledges to every sender.
+// An operation: a one-block kernel bumps ctrl.epoch first (so every block of the following kernels reads a
+// value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel
+// whose even blocks send and odd blocks receive: channel c of a rank carries its tokens
+// [T*c/C, T*(c+1)/C), pipelined through a bounded per-peer queue of Q rows. The counters only grow, so no
+// per-operation reset exists (graph replays need none) and a sender waits for room by reading the peer's head.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -24,64 +26,54 @@ namespace epcomm {
 constexpr int kGpuMaxRanks = 64;
 constexpr int kGpuMaxExperts = 4096;
 constexpr int kGpuMaxTopk = 32;
+constexpr int kGpuMaxChannels = 32;
 
-enum GpuCounter { kDoneDispatchSend = 0, kDoneDispatchRecv, kDoneCombineSend, kDoneCombineReduce, kNumDone };
-
-// Lines this rank writes (epochs, counters) are kept apart from the lines peers write (flags, acks).
 struct GpuCtrl {
-  alignas(128) uint64_t epoch;             // written only by one-block begin/notify kernels
-  uint64_t last_dispatch_epoch;            // last op that wrote dispatch staging
-  uint64_t last_combine_epoch;             // last op that wrote combine staging
-  alignas(128) uint32_t done[kNumDone];    // last-block counters, reset by the last block
-  alignas(128) uint64_t data_flag[kGpuMaxRanks];  // src finished writing its dispatch rows of epoch v here
-  uint64_t combine_flag[kGpuMaxRanks];     // src finished writing its combine rows of epoch v here
-  uint64_t dispatch_ack[kGpuMaxRanks];     // peer finished reading the dispatch rows this rank wrote (epoch)
-  uint64_t combine_ack[kGpuMaxRanks];      // peer finished reading the combine rows this rank wrote (epoch)
+  alignas(128) uint64_t epoch;   // written only by one-block begin/notify kernels
+  alignas(128) uint32_t done;    // spare last-block counter
 };
+
+enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kNumQueueCounters };
 
 struct GpuBufferLayout {
-  size_t mailbox, mailbox_entry;           // offset of mailbox[0][0], bytes per entry
-  size_t disp_x, disp_scales, disp_idx, disp_w;
-  size_t comb_x;
-  size_t x_stride, scale_stride;           // bytes per staging row
+  size_t mailbox, mailbox_entry;  // offset of mailbox[0][0], bytes per entry
+  size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
+  size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
+  size_t comb_q;                  // combine queues (slots of x_stride bytes)
+  size_t x_stride, scale_stride;  // bytes of a row's x part and scale part in a slot
   size_t total;
-  int max_tokens;                          // per rank and call
-  int staging_rows;                        // R * max_tokens
+  int nranks, channels, queue_rows;
 };
 
-// Mailbox entry written by src into every peer's mailbox: its counts to every rank and, for that receiver,
-// per local expert.
 struct MailboxHead {
-  uint64_t tag;     // epoch, written last
+  uint64_t tag;  // epoch, written last
   int32_t status;
   int32_t pad;
-  // int32_t counts_to[R]; int32_t per_expert[L] follow
+  // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C] follow
 };
 
-EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int max_tokens, int max_hidden) {
+EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   GpuBufferLayout l{};
-  l.max_tokens = max_tokens;
-  l.staging_rows = nranks * max_tokens;
-  l.x_stride = up(static_cast<size_t>(max_hidden) * 2);
+  l.nranks = nranks;
+  l.channels = channels;
+  l.queue_rows = queue_rows;
+  l.x_stride = (static_cast<size_t>(max_hidden) * 2 + 15) & ~size_t{15};
   l.scale_stride = (static_cast<size_t>(max_hidden) / 128 * 4 + 15) & ~size_t{15};
-  if (l.scale_stride == 0) l.scale_stride = 16;
   size_t off = up(sizeof(GpuCtrl));
   l.mailbox = off;
-  l.mailbox_entry = (sizeof(MailboxHead) + 4 * static_cast<size_t>(nranks) + 4 * static_cast<size_t>(kGpuMaxExperts) /
-                     nranks + 15) & ~size_t{15};
+  l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
+                     15) & ~size_t{15};
   off = up(off + 2 * nranks * l.mailbox_entry);
-  const size_t rows = l.staging_rows;
-  l.disp_x = off;
-  off = up(off + rows * l.x_stride);
-  l.disp_scales = off;
-  off = up(off + rows * l.scale_stride);
-  l.disp_idx = off;
-  off = up(off + rows * kGpuMaxTopk * 8);
-  l.disp_w = off;
-  off = up(off + rows * kGpuMaxTopk * 4);
-  l.comb_x = off;
-  off = up(off + rows * l.x_stride);
+  l.qctrl = off;
+  l.qctrl_stride = up(static_cast<size_t>(nranks) * channels * 8);
+  off = up(off + kNumQueueCounters * l.qctrl_stride);
+  const size_t slots = static_cast<size_t>(nranks) * channels * queue_rows;
+  l.disp_slot = l.x_stride + l.scale_stride + kGpuMaxTopk * 12;
+  l.disp_q = off;
+  off = up(off + slots * l.disp_slot);
+  l.comb_q = off;
+  off = up(off + slots * l.x_stride);
   l.total = off;
   return l;
 }
@@ -100,13 +92,13 @@ struct GpuErrorRecord {
 
 // The handle's layout on the device.
 struct GpuHandleDev {
-  uint8_t* in_rank;   // [max_tokens, R]
-  int32_t* pos;       // [max_tokens, R] position of token t among the tokens this rank sends to r
-  int32_t* matrix;    // [R, R] tokens s sends to r
-  int32_t* prefix;    // [R + 1] first receive row of each source at this rank
-  int32_t* send_base; // [R] first row of this rank's tokens in r's staging
-  int32_t* per_expert;// [L] received rows naming each local expert
-  int32_t* num_recv;  // [1]
+  uint8_t* in_rank;         // [max_tokens, R]
+  int32_t* pos;             // [max_tokens, R] position of token t among the tokens this rank sends to r
+  int32_t* prefix;          // [R + 1] first receive row of each source at this rank
+  int32_t* recv_chan;       // [R, C] rows each source sends this rank on each channel
+  int32_t* send_chan_base;  // [R, C] tokens this rank sends to r before channel c's first token
+  int32_t* per_expert;      // [L] received rows naming each local expert
+  int32_t* num_recv;        // [1]
 };
 
 // Everything an HT kernel needs, passed by value.
@@ -117,9 +109,9 @@ struct HtParams {
   GpuBufferLayout lay;
   GpuErrorRecord* err;
   uint64_t timeout_ns;
+  int C, Q;                          // channels and queue rows
   // operation
   int T, H, K, E, L, dtype, worst;  // worst = num_worst_tokens (0 = exact)
-  int begins_dispatch;               // notify kernel also starts a dispatch (worst-token, not cached)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
   const void* x;
   const float* x_scales;
