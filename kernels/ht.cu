@@ -105,6 +105,16 @@ __device__ __forceinline__ void warpCopy4(void* dst, const void* src, size_t byt
   for (int i = lane; i < static_cast<int>(bytes / 4); i += 32) d[i] = s[i];
 }
 
+// The G warps that serve one peer in a block synchronize among themselves only (named barrier 1 + peer), so
+// peers never wait for each other. With one warp per peer a warp barrier suffices.
+__device__ __forceinline__ void groupSync(int G, int peer) {
+  if (G == 1) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + peer), "r"(G * 32) : "memory");
+  }
+}
+
 __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoch, int src) {
   return p.lay.mailbox + ((epoch & 1) * p.nranks + src) * p.lay.mailbox_entry;
 }
@@ -245,31 +255,37 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
 // queue for this rank and channel); block 2c+1 receives channel c (a warp per source) and copies each row to
 // its final receive row: source rank order, then token order.
 // ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(512) htDispatchKernel(HtParams p) {
+__global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
-  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int R = p.nranks, K = p.K, Q = p.Q, C = p.C;
+  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int R = p.nranks, K = p.K, Q = p.Q, C = p.C, G = p.G;
+  const int peer = warp / G, g = warp % G;  // G warps serve each peer
   if ((blockIdx.x & 1) == 0) {
+    // Send: rounds of G tokens; warp g writes token tb + k*G + g into its slot (its position among this
+    // channel's tokens to the peer), then the group publishes the tail.
+    const int r = peer;
     const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
-    for (int r = warp; r < R; r += nwarps) {
-      uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
-      const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
-      const uint64_t base = ldAcquire(tail);  // this rank is the only writer
-      uint64_t sent = 0, room = 0;
-      uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
-      for (int t = tb; t < te; ++t) {
-        if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
-        const uint64_t idx = base + sent;
-        if (idx >= room) {  // wait for room: the receiver's head must be past idx - Q
-          bool ok = true;
-          if (lane == 0) ok = waitAtLeast(p, head, idx + 1 > static_cast<uint64_t>(Q) ? idx + 1 - Q : 0, r,
-                                          epPhaseData, e);
-          if (!__shfl_sync(kFull, ok, 0)) return;
-          room = ldAcquire(head) + Q;
-        }
+    uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
+    const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
+    const uint64_t base = ldAcquire(tail);  // this rank is the only writer
+    const int chan_base = p.h.send_chan_base[r * C + c];
+    uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
+    uint64_t sent = 0;
+    bool alive = true;  // after a failed wait the warp keeps meeting its group's barriers, doing nothing
+    for (int k = tb; k < te; k += G) {
+      const int t = k + g;
+      if (alive && t < te && p.h.in_rank[static_cast<size_t>(t) * R + r]) {
+        const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
+        bool ok = true;
+        if (lane == 0 && idx + 1 > static_cast<uint64_t>(Q)) ok = waitAtLeast(p, head, idx + 1 - Q, r, epPhaseData, e);
+        alive = __shfl_sync(kFull, ok, 0);
+      }
+      if (alive && t < te && p.h.in_rank[static_cast<size_t>(t) * R + r]) {
+        const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
         uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
         warpCopy16(slot, static_cast<const uint8_t*>(p.x) + t * p.xrow, p.xrow, lane);
-        if (p.srow) warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
+        if (p.srow)
+          warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
         if (p.topk_idx != nullptr && lane < K) {
           int64_t x = p.topk_idx[static_cast<size_t>(t) * K + lane];
           bool here = x >= 0 && x < p.E && x / p.L == r;
@@ -279,24 +295,23 @@ __global__ void __launch_bounds__(512) htDispatchKernel(HtParams p) {
             reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] =
                 here ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
         }
-        ++sent;
-        if ((sent & 7) == 0) {  // publish every 8 rows
-          __threadfence_system();
-          __syncwarp();
-          if (lane == 0) stRelease(tail, base + sent);
-        }
       }
       __threadfence_system();
-      __syncwarp();
-      if (lane == 0) stRelease(tail, base + sent);
+      groupSync(G, r);
+      if (g == 0 && lane == 0) {
+        for (int u = k; u < k + G && u < te; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
+        stRelease(tail, base + sent);
+      }
     }
     return;
   }
-  // Receive side.
+  // Receive: rows of source s in rounds of G; warp g copies row k*G + g to its final receive row, then the
+  // group publishes the head (room for the sender).
   const int num_recv = *p.h.num_recv;
   const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
   const uint8_t* me = p.base[p.rank];
-  for (int s = warp; s < R; s += nwarps) {
+  {
+    const int s = peer;
     const int n = p.h.recv_chan[s * C + c];
     int dst = p.h.prefix[s];
     for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
@@ -304,36 +319,39 @@ __global__ void __launch_bounds__(512) htDispatchKernel(HtParams p) {
     uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
     const uint64_t base = ldAcquire(head);
     const uint8_t* q = me + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
-    uint64_t avail = base;
-    for (int i = 0; i < n; ++i) {
-      const uint64_t idx = base + i;
-      if (idx >= avail) {
+    bool alive = true;
+    for (int k = 0; k < n; k += G) {
+      const int i = k + g;
+      if (alive && i < n) {
         bool ok = true;
-        if (lane == 0) ok = waitAtLeast(p, tail, idx + 1, s, epPhaseData, e);
-        if (!__shfl_sync(kFull, ok, 0)) return;
-        avail = ldAcquire(tail);
+        if (lane == 0) ok = waitAtLeast(p, tail, base + i + 1, s, epPhaseData, e);
+        alive = __shfl_sync(kFull, ok, 0);
       }
-      const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
-      const int row = dst + i;
-      if (row < rows) {  // worst-token overflow: never written past the capacity (recorded by notify)
-        warpCopy16(static_cast<uint8_t*>(p.recv_x) + row * p.xrow, slot, p.xrow, lane);
-        if (p.srow)
-          warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow, lane);
-        const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
-        if (lane < K && p.topk_idx != nullptr) {
-          if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const int64_t*>(meta)[lane];
-          if (p.recv_topk_weights && p.topk_weights)
-            p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
-                reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane];
+      if (alive && i < n) {
+        const uint64_t idx = base + i;
+        const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
+        const int row = dst + i;
+        if (row < rows) {  // worst-token overflow: never written past the capacity (recorded by notify)
+          warpCopy16(static_cast<uint8_t*>(p.recv_x) + row * p.xrow, slot, p.xrow, lane);
+          if (p.srow)
+            warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow, lane);
+          const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+          if (lane < K && p.topk_idx != nullptr) {
+            if (p.recv_topk_idx)
+              p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const int64_t*>(meta)[lane];
+            if (p.recv_topk_weights && p.topk_weights)
+              p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
+                  reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane];
+          }
         }
       }
-      __syncwarp();
-      if (((i + 1) & 7) == 0 && lane == 0) stRelease(head, idx + 1);  // room for the sender
+      groupSync(G, s);
+      if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n));
     }
-    __syncwarp();
-    if (lane == 0) stRelease(head, base + n);
   }
   if (blockIdx.x == 1) {  // worst-token padding and the counts
+    __syncthreads();
+    const int nwarps = blockDim.x >> 5;
     for (int i = rows + warp; i < p.worst; i += nwarps)
       if (lane < K) {
         if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(i) * K + lane] = -1;
@@ -391,41 +409,38 @@ struct Vec8<epFloat32> {
 // tokens, a warp per token: rows of the ranks that received it, in ascending rank order, in fp32, rounded once.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
-__global__ void __launch_bounds__(512) htCombineKernel(HtParams p) {
+__global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   using V = Vec8<kDtype>;
   const uint64_t e = currentEpoch(p);
   const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int R = p.nranks, Q = p.Q, C = p.C;
+  const int R = p.nranks, Q = p.Q, C = p.C, G = p.G;
   if ((blockIdx.x & 1) == 0) {
-    for (int s = warp; s < R; s += nwarps) {
-      const int n = p.h.recv_chan[s * C + c];
-      int src = p.h.prefix[s];
-      for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
-      uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
-      const uint64_t* head = qCounter(p, s, kCombHead, p.rank, c);
-      const uint64_t base = ldAcquire(tail);
-      uint64_t room = 0;
-      uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
-      for (int i = 0; i < n; ++i) {
+    // Send: the G warps of source s copy its rows in rounds of G, then publish the tail.
+    const int s = warp / G, g = warp % G;
+    const int n = p.h.recv_chan[s * C + c];
+    int src = p.h.prefix[s];
+    for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
+    uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
+    const uint64_t* head = qCounter(p, s, kCombHead, p.rank, c);
+    const uint64_t base = ldAcquire(tail);
+    uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
+    bool alive = true;
+    for (int k = 0; k < n; k += G) {
+      const int i = k + g;
+      if (alive && i < n) {
+        bool ok = true;
+        if (lane == 0 && base + i + 1 > static_cast<uint64_t>(Q))
+          ok = waitAtLeast(p, head, base + i + 1 - Q, s, epPhaseData, e);
+        alive = __shfl_sync(kFull, ok, 0);
+      }
+      if (alive && i < n) {
         const uint64_t idx = base + i;
-        if (idx >= room) {
-          bool ok = true;
-          if (lane == 0) ok = waitAtLeast(p, head, idx + 1 > static_cast<uint64_t>(Q) ? idx + 1 - Q : 0, s,
-                                          epPhaseData, e);
-          if (!__shfl_sync(kFull, ok, 0)) return;
-          room = ldAcquire(head) + Q;
-        }
         warpCopy16(q + (idx % Q) * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow,
                    lane);
-        if (((i + 1) & 7) == 0) {
-          __threadfence_system();
-          __syncwarp();
-          if (lane == 0) stRelease(tail, idx + 1);
-        }
       }
       __threadfence_system();
-      __syncwarp();
-      if (lane == 0) stRelease(tail, base + n);
+      groupSync(G, s);
+      if (g == 0 && lane == 0) stRelease(tail, base + min(k + G, n));
     }
     return;
   }
@@ -521,15 +536,15 @@ cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s) {
 }
 
 cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
-  htDispatchKernel<<<2 * p.C, 512, 0, s>>>(p);
+  htDispatchKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchHtCombine(const HtParams& p, cudaStream_t s) {
   switch (p.dtype) {
-    case epBfloat16: htCombineKernel<epBfloat16><<<2 * p.C, 512, 0, s>>>(p); break;
-    case epFloat16: htCombineKernel<epFloat16><<<2 * p.C, 512, 0, s>>>(p); break;
-    default: htCombineKernel<epFloat32><<<2 * p.C, 512, 0, s>>>(p); break;
+    case epBfloat16: htCombineKernel<epBfloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
+    case epFloat16: htCombineKernel<epFloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
+    default: htCombineKernel<epFloat32><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
   }
   return cudaGetLastError();
 }

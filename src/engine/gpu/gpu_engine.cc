@@ -15,7 +15,7 @@
 namespace epcomm {
 
 EP_PARAM(GpuSms, "NUM_SMS", 24);
-EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 32);
+EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 64);
 
 namespace {
 
@@ -94,8 +94,9 @@ epResult_t GpuEngine::init() {
   }
   const int channels = std::max(1, std::min(blocks_ / 2, kGpuMaxChannels));
   const int queue_rows = static_cast<int>(epParamGpuQueueRows());
-  EP_REQUIRE(queue_rows >= 16 && queue_rows <= 4096, epInvalidArgument,
-             "EPCOMM_GPU_QUEUE_ROWS = %d is outside [16, 4096]", queue_rows);
+  // The reducing block consumes one token per warp per round (up to 32 warps): a queue holds at least that.
+  EP_REQUIRE(queue_rows >= 32 && queue_rows <= 4096, epInvalidArgument,
+             "EPCOMM_GPU_QUEUE_ROWS = %d is outside [32, 4096]", queue_rows);
   lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden);
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
@@ -123,6 +124,8 @@ HtParams GpuEngine::baseParams(int op) const {
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.C = lay_.channels;
   p.Q = lay_.queue_rows;
+  // G warps per peer, R * G warps per block (at most 32); named barriers 1..15 need R < 16 when G > 1.
+  p.G = comm_->nranks >= 16 ? 1 : std::max(1, std::min(8, 32 / comm_->nranks));
   return p;
 }
 

@@ -109,7 +109,7 @@ struct HtParams {
   GpuBufferLayout lay;
   GpuErrorRecord* err;
   uint64_t timeout_ns;
-  int C, Q;                          // channels and queue rows
+  int C, Q, G;                       // channels, queue rows, warps per peer in a block
   // operation
   int T, H, K, E, L, dtype, worst;  // worst = num_worst_tokens (0 = exact)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
