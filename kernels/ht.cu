@@ -456,34 +456,36 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   }
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
+  __shared__ const int4* s_rows[32][16];  // per warp: the rows of its token, in ascending rank order
   for (int round = tb; round < te; round += nwarps) {
     const int t = round + warp;
     if (t < te && s_ok) {
-      for (int r = 0; r < R && s_ok; ++r) {
-        const size_t tr = static_cast<size_t>(t) * R + r;
-        if (!p.h.in_rank[tr]) continue;
-        const uint64_t idx = s_base[r] + (p.h.pos[tr] - p.h.send_chan_base[r * C + c]);
-        bool ok = true;
-        if (lane == 0) ok = waitAtLeast(p, qCounter(p, p.rank, kCombTail, r, c), idx + 1, r, epPhaseData, e);
-        if (!__shfl_sync(kFull, ok, 0)) s_ok = 0;
+      // Lane r finds and waits for the row from rank r; the list is built once per token, not per chunk.
+      const int4* row = nullptr;
+      bool ok = true;
+      if (lane < R) {
+        const size_t tr = static_cast<size_t>(t) * R + lane;
+        if (p.h.in_rank[tr]) {
+          const uint64_t idx = s_base[lane] + (p.h.pos[tr] - p.h.send_chan_base[lane * C + c]);
+          ok = waitAtLeast(p, qCounter(p, p.rank, kCombTail, lane, c), idx + 1, lane, epPhaseData, e);
+          row = reinterpret_cast<const int4*>(me + p.lay.comb_q +
+                                              ((static_cast<size_t>(lane) * C + c) * Q + idx % Q) * p.lay.x_stride);
+        }
       }
+      if (!__all_sync(kFull, ok)) s_ok = 0;
+      const unsigned have = __ballot_sync(kFull, row != nullptr);
+      if (row != nullptr) s_rows[warp][__popc(have & ((1u << lane) - 1))] = row;
+      __syncwarp();
+      const int nrows = __popc(have);
       if (s_ok) {
         for (int ch = lane; ch < chunks; ch += 32) {
           float acc[V::kN];
 #pragma unroll
           for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
-          for (int r = 0; r < R; ++r) {
-            const size_t tr = static_cast<size_t>(t) * R + r;
-            if (!p.h.in_rank[tr]) continue;
-            const uint64_t idx = s_base[r] + (p.h.pos[tr] - p.h.send_chan_base[r * C + c]);
-            const int4* src = reinterpret_cast<const int4*>(
-                me + p.lay.comb_q + ((static_cast<size_t>(r) * C + c) * Q + idx % Q) * p.lay.x_stride);
-            V::add(acc, src[ch]);
-          }
+          for (int j = 0; j < nrows; ++j) V::add(acc, s_rows[warp][j][ch]);
           reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
         }
-        if (lane == 0)
-          for (int r = 0; r < R; ++r) atomicAdd(&s_used[r], p.h.in_rank[static_cast<size_t>(t) * R + r]);
+        if (row != nullptr) atomicAdd(&s_used[lane], 1);
       }
     }
     __syncthreads();
