@@ -421,10 +421,11 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, double& roof) {
     if (i >= o.warmup) tg.push_back(g);
   }
   const double row = 2.0 * H, recv = num_recv * row;
-  // Bytes the kernels move through HBM (read + written): dispatch reads each sent row and writes it into the
-  // receiver's staging, which the receive pass reads and writes into recv_x; combine writes each row into the
-  // source's staging (reading it) and the reduction reads it and writes one output row per token.
-  const double disp_bytes = 4 * recv, comb_bytes = 3 * recv + T * row;
+  // Bytes the kernels move through HBM (read + written): dispatch reads each sent row, writes it into the
+  // receiver's queue, which the receiving block reads and writes into recv_x (4 per row); combine reads each
+  // expert-output row, writes it into the source's queue, the receiving block moves it into the combine
+  // staging (read + write), and the reduction reads it and writes one output row per token (5 per row + 1).
+  const double disp_bytes = 4 * recv, comb_bytes = 5 * recv + T * row;
   rows.push_back({"HT dispatch", T, median(td), recv / median(td) / 1e9, disp_bytes * R});
   rows.push_back({"HT combine", T, median(tc), recv / median(tc) / 1e9, comb_bytes * R});
   rows.push_back({"HT graph d+c", T, median(tg), 2 * recv / median(tg) / 1e9, (disp_bytes + comb_bytes) * R});

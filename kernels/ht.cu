@@ -444,54 +444,60 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     }
     return;
   }
-  // Reduce side: tokens in rounds of one per warp; heads advance after each round.
-  __shared__ uint64_t s_base[kGpuMaxRanks];
-  __shared__ int s_used[kGpuMaxRanks];
-  __shared__ int s_ok;
+  // Receive side, in two phases so that the sources never wait for each other: (1) the G warps of source r
+  // move its rows out of the queue, in rounds of G, into this rank's combine staging at the row's position
+  // among the tokens this rank sent to r, publishing the head after each round; (2) once the block's rows are
+  // all in, a warp per token sums them in ascending rank order, in fp32, and rounds once.
   const uint8_t* me = p.base[p.rank];
-  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
-  for (int r = threadIdx.x; r < R; r += blockDim.x) {
-    s_base[r] = ldAcquire(qCounter(p, p.rank, kCombHead, r, c));
-    s_used[r] = 0;
-  }
+  uint8_t* stage = p.base[p.rank] + p.lay.comb_stage;
+  __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
-  __shared__ const int4* s_rows[32][16];  // per warp: the rows of its token, in ascending rank order
-  for (int round = tb; round < te; round += nwarps) {
-    const int t = round + warp;
-    if (t < te && s_ok) {
-      // Lane r finds and waits for the row from rank r; the list is built once per token, not per chunk.
-      const int4* row = nullptr;
-      bool ok = true;
-      if (lane < R) {
-        const size_t tr = static_cast<size_t>(t) * R + lane;
-        if (p.h.in_rank[tr]) {
-          const uint64_t idx = s_base[lane] + (p.h.pos[tr] - p.h.send_chan_base[lane * C + c]);
-          ok = waitAtLeast(p, qCounter(p, p.rank, kCombTail, lane, c), idx + 1, lane, epPhaseData, e);
-          row = reinterpret_cast<const int4*>(me + p.lay.comb_q +
-                                              ((static_cast<size_t>(lane) * C + c) * Q + idx % Q) * p.lay.x_stride);
-        }
-      }
-      if (!__all_sync(kFull, ok)) s_ok = 0;
-      const unsigned have = __ballot_sync(kFull, row != nullptr);
-      if (row != nullptr) s_rows[warp][__popc(have & ((1u << lane) - 1))] = row;
-      __syncwarp();
-      const int nrows = __popc(have);
-      if (s_ok) {
-        for (int ch = lane; ch < chunks; ch += 32) {
-          float acc[V::kN];
+  {
+    const int r = warp / G, g = warp % G;
+    const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
+    // Rows from r on this channel: its tokens in [tb, te) that went to r.
+    int n = 0;
+    for (int t = tb + lane; t < te; t += 32) n += p.h.in_rank[static_cast<size_t>(t) * R + r];
 #pragma unroll
-          for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
-          for (int j = 0; j < nrows; ++j) V::add(acc, s_rows[warp][j][ch]);
-          reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
-        }
-        if (row != nullptr) atomicAdd(&s_used[lane], 1);
+    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(kFull, n, o);
+    uint64_t* tail = qCounter(p, p.rank, kCombTail, r, c);
+    uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
+    const uint64_t base = ldAcquire(head);
+    const int first = p.h.send_chan_base[r * C + c];
+    const uint8_t* q = me + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * Q * p.lay.x_stride;
+    bool alive = true;
+    for (int k = 0; k < n; k += G) {
+      const int i = k + g;
+      if (alive && i < n) {
+        bool ok = true;
+        if (lane == 0) ok = waitAtLeast(p, tail, base + i + 1, r, epPhaseData, e);
+        alive = __shfl_sync(kFull, ok, 0);
+        if (!alive && lane == 0) s_ok = 0;
       }
+      if (alive && i < n)
+        warpCopy16(stage + (static_cast<size_t>(r) * p.lay.max_tokens + first + i) * p.lay.x_stride,
+                   q + ((base + i) % Q) * p.lay.x_stride, p.xrow, lane);
+      groupSync(G, r);
+      if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n));
     }
-    __syncthreads();
-    if (!s_ok) return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) stRelease(qCounter(p, p.rank, kCombHead, r, c), s_base[r] + s_used[r]);
-    __syncthreads();
+  }
+  __syncthreads();
+  if (!s_ok) return;
+  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
+  for (int t = tb + warp; t < te; t += nwarps) {
+    for (int ch = lane; ch < chunks; ch += 32) {
+      float acc[V::kN];
+#pragma unroll
+      for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
+      for (int r = 0; r < R; ++r) {
+        const size_t tr = static_cast<size_t>(t) * R + r;
+        if (!p.h.in_rank[tr]) continue;
+        V::add(acc, reinterpret_cast<const int4*>(
+                        stage + (static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]) * p.lay.x_stride)[ch]);
+      }
+      reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
+    }
   }
 }
 

@@ -97,7 +97,7 @@ epResult_t GpuEngine::init() {
   // The reducing block consumes one token per warp per round (up to 32 warps): a queue holds at least that.
   EP_REQUIRE(queue_rows >= 32 && queue_rows <= 4096, epInvalidArgument,
              "EPCOMM_GPU_QUEUE_ROWS = %d is outside [32, 4096]", queue_rows);
-  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden);
+  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank);
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));

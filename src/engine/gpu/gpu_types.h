@@ -9,6 +9,8 @@
 //                                  head (written here, read by src), combine tail, combine head
 //   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
 //   [combine queues: R x C x Q]    slots of one expert-output row
+//   [combine staging: R x max_tokens] where the receiving blocks move combine rows out of the queues, so that
+//                                  each source drains independently; the reduction then reads them here
 //
 // An operation: a one-block kernel bumps ctrl.epoch first (so every block of the following kernels reads a
 // value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel
@@ -40,9 +42,10 @@ struct GpuBufferLayout {
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
   size_t comb_q;                  // combine queues (slots of x_stride bytes)
+  size_t comb_stage;              // combine rows moved out of the queues: [src][max_tokens][x_stride]
   size_t x_stride, scale_stride;  // bytes of a row's x part and scale part in a slot
   size_t total;
-  int nranks, channels, queue_rows;
+  int nranks, channels, queue_rows, max_tokens;
 };
 
 struct MailboxHead {
@@ -52,12 +55,13 @@ struct MailboxHead {
   // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C] follow
 };
 
-EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden) {
+EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   GpuBufferLayout l{};
   l.nranks = nranks;
   l.channels = channels;
   l.queue_rows = queue_rows;
+  l.max_tokens = max_tokens;
   l.x_stride = (static_cast<size_t>(max_hidden) * 2 + 15) & ~size_t{15};
   l.scale_stride = (static_cast<size_t>(max_hidden) / 128 * 4 + 15) & ~size_t{15};
   size_t off = up(sizeof(GpuCtrl));
@@ -74,6 +78,8 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   off = up(off + slots * l.disp_slot);
   l.comb_q = off;
   off = up(off + slots * l.x_stride);
+  l.comb_stage = off;
+  off = up(off + static_cast<size_t>(nranks) * max_tokens * l.x_stride);
   l.total = off;
   return l;
 }
