@@ -133,7 +133,8 @@ typedef struct {
   int ll_max_tokens_per_rank;  /* low-latency capacity: tokens per rank per call; 0 = LL disabled */
   int ll_max_hidden;           /* low-latency: largest hidden size; 0 = 7168 */
   int ll_num_experts;          /* low-latency: experts the LL buffers are sized for; 0 = any (host engine) */
-  int ht_max_tokens_per_rank;  /* GPU engine, HT: most tokens a rank dispatches per call; 0 = 4096 */
+  int ht_max_tokens_per_rank;  /* GPU engine, HT: most tokens a rank dispatches per call (sizes the combine
+                                  staging); 0 = 4096 */
   int ht_max_hidden;           /* GPU engine, HT: largest hidden size in bf16 rows (fp32 rows take two); 0 = 7168 */
 } epConfig_t;
 
