@@ -12,12 +12,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 WORLDS="${WORLDS:-2 4}"
-BUILD="${BUILD_DIR:-build-nccl-net}"
-if [ ! -f "$BUILD/build.ninja" ]; then
-  meson setup "$BUILD" --wrap-mode=nodownload -Dcuda=disabled -Dtests=false -Dbuildtype=release
-fi
-ninja -C "$BUILD" plugin/nccl/libnccl-net-epcomm.so
-PLUGIN="$ROOT/$BUILD/plugin/nccl/libnccl-net-epcomm.so"
+# shellcheck source=scripts/build_nccl_plugin.sh
+source scripts/build_nccl_plugin.sh
 
 export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d -t epcomm-mps-pipe.XXXXXX)"
 export CUDA_MPS_LOG_DIRECTORY="$(mktemp -d -t epcomm-mps-log.XXXXXX)"

@@ -13,15 +13,10 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 WORLDS="${WORLDS:-2 4}"
 OFI_PROVIDERS="${OFI_PROVIDERS:-tcp;ofi_rxm shm}"
-BUILD="${BUILD_DIR:-build-nccl-net}"
 LOGS="$(mktemp -d -t epcomm-nccl-logs.XXXXXX)"
 
-# --- build the plugin (host code only: no CUDA needed for it) ----------------------------------------------------
-if [ ! -f "$BUILD/build.ninja" ]; then
-  meson setup "$BUILD" --wrap-mode=nodownload -Dcuda=disabled -Dtests=false -Dbuildtype=release
-fi
-ninja -C "$BUILD" plugin/nccl/libnccl-net-epcomm.so
-PLUGIN="$ROOT/$BUILD/plugin/nccl/libnccl-net-epcomm.so"
+# shellcheck source=scripts/build_nccl_plugin.sh
+source scripts/build_nccl_plugin.sh
 echo "plugin: $PLUGIN"
 
 # --- private MPS daemon: ranks sharing the GPU run concurrently instead of time-slicing ---------------------------
