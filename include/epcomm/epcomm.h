@@ -24,7 +24,10 @@
  *   Argument arrays in device memory (topk_idx) are checked by the kernels: a bad expert id is treated as -1
  *   and counted, a worst-token overflow is not written past the capacity; both are reported by
  *   epCommGetAsyncError without breaking the communicator. worst-token and cached dispatch and combine never
- *   synchronize with the host and may be captured in CUDA graphs; epHtDispatchNotify synchronizes.
+ *   synchronize with the host and may be captured in CUDA graphs; epHtDispatchNotify synchronizes. A call
+ *   rejected by the host-side checks launches nothing: when every rank rejects it (the usual case, the shapes
+ *   being the same everywhere) nothing else happens; when only some do, the others' kernels end at the
+ *   deadline and epCommGetAsyncError reports the timeout.
  * - EP_ENGINE_AUTO resolves to the GPU engine when the library was built with it and a CUDA device is
  *   visible, otherwise to the host engine. Query the result with epCommEngine.
  *

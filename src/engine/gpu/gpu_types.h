@@ -3,7 +3,7 @@
 // Each rank owns one communication buffer in GPU memory, allocated once at communicator creation and mapped
 // by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
 // Layout (offsets in GpuBufferLayout):
-//   [GpuCtrl]                      epoch and the last-block counter
+//   [GpuCtrl]                      the epoch
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
 //   [queue counters: 4 x R x C]    cumulative rows per (src, channel): dispatch tail (written by src), dispatch
 //                                  head (written here, read by src), combine tail, combine head
@@ -32,7 +32,6 @@ constexpr int kGpuMaxChannels = 32;
 
 struct GpuCtrl {
   alignas(128) uint64_t epoch;   // written only by one-block begin/notify kernels
-  alignas(128) uint32_t done;    // spare last-block counter
 };
 
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kNumQueueCounters };
