@@ -1,0 +1,62 @@
+// The GPU engine's buffer layout and routing rules are __host__ __device__ code: checked here, on the CPU,
+// exactly as the kernels use them.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "engine/gpu/gpu_types.h"
+#include "engine/routing.h"
+
+namespace epcomm {
+namespace {
+
+TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
+  for (int R : {1, 2, 3, 8, 16})
+    for (int C : {1, 7, 12, kGpuMaxChannels})
+      for (int Q : {32, 64, 1000})
+        for (int H : {128, 7168})
+          for (int T : {1, 512, 4096}) {
+            const GpuBufferLayout l = gpuBufferLayout(R, C, Q, H, T);
+            SCOPED_TRACE(testing::Message() << "R " << R << " C " << C << " Q " << Q << " H " << H << " T " << T);
+            const std::vector<size_t> starts = {l.mailbox, l.qctrl, l.disp_q, l.comb_q, l.comb_stage, l.total};
+            EXPECT_TRUE(std::is_sorted(starts.begin(), starts.end()));
+            for (size_t s : starts) EXPECT_EQ(s % 256, 0u);
+            EXPECT_GE(l.mailbox, sizeof(GpuCtrl));
+            // Each region holds what the kernels index in it.
+            EXPECT_GE(l.mailbox_entry, sizeof(MailboxHead) + 4 * (R + kGpuMaxExperts / R + kGpuMaxChannels));
+            EXPECT_EQ(l.mailbox_entry % 16, 0u);
+            EXPECT_LE(l.mailbox + 2 * R * l.mailbox_entry, l.qctrl);
+            EXPECT_GE(l.qctrl_stride, static_cast<size_t>(R) * C * 8);
+            EXPECT_LE(l.qctrl + kNumQueueCounters * l.qctrl_stride, l.disp_q);
+            EXPECT_GE(l.x_stride, static_cast<size_t>(H) * 2);  // a bf16 row (or an fp32 row of half the hidden)
+            EXPECT_EQ(l.x_stride % 16, 0u);                      // 16-byte copies
+            EXPECT_GE(l.scale_stride, static_cast<size_t>(H) / 128 * 4);
+            EXPECT_GE(l.disp_slot, l.x_stride + l.scale_stride + kGpuMaxTopk * 12);
+            EXPECT_LE(l.disp_q + static_cast<size_t>(R) * C * Q * l.disp_slot, l.comb_q);
+            EXPECT_LE(l.comb_q + static_cast<size_t>(R) * C * Q * l.x_stride, l.comb_stage);
+            EXPECT_LE(l.comb_stage + static_cast<size_t>(R) * T * l.x_stride, l.total);
+          }
+}
+
+TEST(Routing, ExpertMapLayoutRangeAndRepeats) {
+  ExpertMap m{256, 8, 32};
+  EXPECT_EQ(m.rankOf(0), 0);
+  EXPECT_EQ(m.rankOf(255), 7);
+  EXPECT_EQ(m.localOf(33), 1);
+  for (int64_t count : {0, 1, 77, 65535})
+    for (int64_t begin : {0, 5, 123456}) {
+      const int64_t v = packLayoutRange(count, begin);
+      EXPECT_EQ(layoutRangeCount(v), count);
+      EXPECT_EQ(layoutRangeBegin(v), begin);
+    }
+  const int64_t row[] = {4, -1, 4, 7, -1};
+  EXPECT_FALSE(isRepeatedExpert(row, 0));
+  EXPECT_FALSE(isRepeatedExpert(row, 1));
+  EXPECT_TRUE(isRepeatedExpert(row, 2));
+  EXPECT_FALSE(isRepeatedExpert(row, 3));
+  EXPECT_TRUE(isRepeatedExpert(row, 4));  // a repeated -1 is skipped anyway
+}
+
+}  // namespace
+}  // namespace epcomm
