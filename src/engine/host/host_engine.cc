@@ -1046,8 +1046,8 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
     EPCHECK(flushSends(epPhaseData));
     const size_t row = H * dtypeSize(a->dtype);
     const uint8_t* y = static_cast<const uint8_t*>(a->y);
-    // Rows back to source s in (local expert ascending, token ascending) order, staged so that the send
-    // half returns at once and y may be reused.
+    // Rows back to source s in (local expert ascending, token ascending) order; a send half on its own stages
+    // them, so that it returns at once and y may be reused.
     std::vector<std::vector<size_t>> rows_to(R);  // y row indices
     for (int e = 0; e < L; ++e) {
       for (int s = 0; s < R; ++s) {
@@ -1066,6 +1066,22 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
           }
         }
       }
+    }
+    // With the receive half in the same call, y stays valid until the call returns (the receive half flushes
+    // the sends): the rows go out of y directly, runs of consecutive rows as one piece.
+    if (a->phases & EP_LL_RECV) {
+      for (int s = 0; s < R; ++s) {
+        std::vector<Seg> segs;
+        for (size_t yr : rows_to[s]) {
+          const uint8_t* p = y + yr * row;
+          if (!segs.empty() && segs.back().p + segs.back().n == p) segs.back().n += row;
+          else segs.push_back({p, row});
+        }
+        MsgHeader hdr = makeHeader(cur_op_, local, sig);
+        hdr.v[0] = static_cast<int64_t>(rows_to[s].size());
+        post(s, hdr, nullptr, 0, std::move(segs));
+      }
+      return epSuccess;
     }
     size_t total = 0;
     for (int s = 0; s < R; ++s) total += rows_to[s].size() * row;
@@ -1184,7 +1200,9 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
     }
     storeRow(out + t * row, acc_.data(), H, a->dtype);
   }
-  return epSuccess;
+  // In a call with both halves this rank's rows were sent straight from y: they must be out before it returns.
+  // (A receive half on its own must not wait here: a later send half's staged messages may be queued too.)
+  return (a->phases & EP_LL_SEND) ? flushSends(epPhaseData) : epSuccess;
 }
 
 // ------------------------------------------------------------------------------------------------------
