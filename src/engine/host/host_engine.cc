@@ -399,8 +399,7 @@ epResult_t HostEngine::flushSends(int phase, int ch) {
 }
 
 // Reads every peer's header (and extra array), in rank order.
-epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in, uint64_t sig) {
-  (void)sig;
+epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in) {
   in.resize(nranks_);
   for (int s = 0; s < nranks_; ++s) {
     EPCHECK(recvInto(s, &in[s].h, sizeof(MsgHeader), epPhaseHeader));
@@ -416,9 +415,8 @@ epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in, uint64_t sig) {
 }
 
 // Consumes the data of every message not yet consumed.
-epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in, std::vector<bool>* done) {
+epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
   for (int s = 0; s < nranks_; ++s) {
-    if (done && (*done)[s]) continue;
     EPCHECK(skipIn(s, in[s].h.data_bytes, epPhaseData));
   }
   return epSuccess;
@@ -563,7 +561,7 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   }
   pushSends();
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   EPCHECK(drainPayloads(in));
   EPCHECK(flushSends(epPhaseHeader));
@@ -698,7 +696,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   pushSends();
 
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   // Receive-side checks of what peers announced.
   epHtHandle fresh;
@@ -822,7 +820,7 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   }
   pushSends();
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s) {
     if (in[s].h.v[0] != h->send_count[s] || in[s].h.data_bytes != 0)
@@ -960,7 +958,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
   const size_t srow = a->use_fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
   const size_t meta = sizeof(int32_t) * (1 + K);
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, pend.sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
   for (int s = 0; s < R && st == epSuccess; ++s) {
     const MsgHeader& h = in[s].h;
@@ -1129,7 +1127,7 @@ epResult_t HostEngine::llOp(int op, unsigned phases, epResult_t local, uint64_t 
   cur_epoch_ = p.epoch;
   if (local == epSuccess && p.status == epSuccess) return recv(p);
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, p.sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local != epSuccess ? local : p.status, p.sig);
   EPCHECK(drainPayloads(in));
   return st;
@@ -1170,7 +1168,7 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
           }
   }
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, pend.sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
   for (int s = 0; s < R && st == epSuccess; ++s)
     if (in[s].h.v[0] != expect[s] || in[s].h.data_bytes != static_cast<uint64_t>(expect[s]) * row)
@@ -1229,7 +1227,7 @@ epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts,
   }
   pushSends();
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s) {
     const MsgHeader& h = in[s].h;
@@ -1271,7 +1269,7 @@ epResult_t HostEngine::alltoallvDevice(const void* sendbuf, const int64_t* send_
   }
   pushSends();
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, sig));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s)
     if (in[s].h.v[0] < 0 || in[s].h.data_bytes != static_cast<uint64_t>(in[s].h.v[0]) * es)
@@ -1308,7 +1306,7 @@ epResult_t HostEngine::barrier(epStream_t) {
   for (int p = 0; p < nranks_; ++p) post(p, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, {});
   pushSends();
   std::vector<Incoming> in;
-  EPCHECK(recvHeaders(in, 0));
+  EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, epSuccess, 0);
   EPCHECK(drainPayloads(in));
   EPCHECK(flushSends(epPhaseHeader));

@@ -105,10 +105,10 @@ class HostEngine final : public Engine {
   // Tokens [begin, end) of channel c.
   int chanBegin(int T, int c) const { return static_cast<int>(static_cast<int64_t>(T) * c / nchan_); }
   epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check);
-  epResult_t recvHeaders(std::vector<Incoming>& in, uint64_t sig);
+  epResult_t recvHeaders(std::vector<Incoming>& in);
   epResult_t drainChannels(const std::vector<Incoming>& in);
   epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);
-  epResult_t drainPayloads(std::vector<Incoming>& in, std::vector<bool>* done = nullptr);
+  epResult_t drainPayloads(std::vector<Incoming>& in);
   epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
   MsgHeader makeHeader(int op, epResult_t status, uint64_t sig) const;
   epResult_t fail(epResult_t code, int peer, int phase, const char* what);
