@@ -251,9 +251,9 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Dispatch: block 2c sends channel c's tokens (a warp per destination, in token order, into the destination's
-// queue for this rank and channel); block 2c+1 receives channel c (a warp per source) and copies each row to
-// its final receive row: source rank order, then token order.
+// Dispatch: block 2c sends channel c's tokens (G warps per destination, in token order, into the
+// destination's queue for this rank and channel); block 2c+1 receives channel c (G warps per source) and
+// copies each row to its final receive row: source rank order, then token order.
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);

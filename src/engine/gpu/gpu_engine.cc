@@ -214,7 +214,7 @@ epResult_t GpuEngine::layout(const int64_t* topk_idx, int T, int K, int E, int* 
   return checkLaunch(launchLayout(p, per_rank, per_expert, in_rank, streamOf(stream)), "the layout kernel");
 }
 
-// Shape checks only the GPU engine has (its staging is sized at creation).
+// Shape checks only the GPU engine has (its queue slots and combine staging are sized at creation).
 static epResult_t checkGpuShape(const GpuBufferLayout& lay, int max_tokens, int T, int E, int K, size_t xrow) {
   EP_REQUIRE(E <= kGpuMaxExperts, epInvalidNumExperts, "num_experts = %d exceeds the GPU engine's %d", E,
              kGpuMaxExperts);
