@@ -1,6 +1,7 @@
 #include "engine/host/host_engine.h"
 
 #include <signal.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@ namespace epcomm {
 
 EP_PARAM(QueueBytes, "QUEUE_BYTES", 1 << 20);
 EP_PARAM(HostChannels, "HOST_CHANNELS", 0);
+EP_PARAM(HostCma, "HOST_CMA", 1);
 
 namespace {
 
@@ -165,6 +167,7 @@ epResult_t HostEngine::init() {
     int64_t pid;
     uint64_t ring_bytes;
     int32_t channels;
+    uint64_t probe_addr;  // cross-memory attach probe: a word peers try to read with process_vm_readv
   } me{};
   gethostname(me.host, 64);
   if (const char* hid = paramString("EPCOMM_HOSTID")) {
@@ -180,6 +183,8 @@ epResult_t HostEngine::init() {
                                                 : static_cast<int>(std::max<long>(1, std::min<long>(kMaxChannels, sysconf(_SC_NPROCESSORS_ONLN) /
                                                                                           nranks_)));
   me.channels = std::min(me.channels, kMaxChannels);
+  cma_probe_ = 0x65704d4100000000ull | static_cast<uint64_t>(rank_);
+  me.probe_addr = reinterpret_cast<uint64_t>(&cma_probe_);
   std::vector<HostInfo> all(nranks_);
   all[rank_] = me;
   EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.timeout_ms));
@@ -197,6 +202,23 @@ epResult_t HostEngine::init() {
   nchan_ = me.channels;
   for (const HostInfo& i : all) nchan_ = std::min(nchan_, static_cast<int>(i.channels));
   const int C = nchan_;
+  // Cross-memory attach (process_vm_readv): HT dispatch receivers then copy rows straight out of the
+  // senders' x, one copy instead of two through the queues. Used only if every rank can read every peer
+  // (a seccomp profile or ptrace policy may forbid it) and EPCOMM_HOST_CMA is not 0; all ranks agree.
+  int32_t can = epParamHostCma() != 0 ? 1 : 0;
+  for (int r = 0; r < nranks_ && can; ++r) {
+    if (r == rank_) continue;
+    uint64_t word = 0;
+    iovec local{&word, sizeof(word)}, remote{reinterpret_cast<void*>(all[r].probe_addr), sizeof(word)};
+    if (process_vm_readv(static_cast<pid_t>(all[r].pid), &local, 1, &remote, 1, 0) != sizeof(word) ||
+        word != (0x65704d4100000000ull | static_cast<uint64_t>(r)))
+      can = 0;
+  }
+  std::vector<int32_t> cans(nranks_);
+  cans[rank_] = can;
+  EPCHECK(bs->allgather(cans.data(), sizeof(int32_t), comm_->config.timeout_ms));
+  cma_ = true;
+  for (int32_t c : cans) cma_ = cma_ && c != 0;
 
   EPCHECK(own_.create(shmRegionName(bs->secret(), rank_), rank_, nranks_, C, ring_bytes_));
   epResult_t res = bs->barrier(comm_->config.timeout_ms);
@@ -222,7 +244,8 @@ epResult_t HostEngine::init() {
     }
   outq_.assign(C, std::vector<std::deque<OutMsg>>(nranks_));
   pool_ = std::make_unique<ChannelPool>(C);
-  EP_INFO(kSubsysInit, "host engine ready: %d ranks, %d channels, queues of %zu bytes", nranks_, C, ring_bytes_);
+  EP_INFO(kSubsysInit, "host engine ready: %d ranks, %d channels, queues of %zu bytes, %s", nranks_, C,
+          ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues");
   return epSuccess;
 }
 
@@ -613,6 +636,51 @@ epResult_t HostEngine::recvChannelHeader(int s, int c, uint64_t expect_bytes) {
   return epSuccess;
 }
 
+// Copies rows `tokens` of `row` bytes at remote_base in rank src's memory to dst (contiguous): one
+// process_vm_readv per batch of up to IOV_MAX rows; a plain copy for this rank's own rows.
+epResult_t HostEngine::pullRows(int src, const std::vector<int32_t>& tokens, uint64_t remote_base, size_t row,
+                                uint8_t* dst) {
+  if (tokens.empty() || row == 0) return epSuccess;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(remote_base));
+  if (src == rank_) {
+    for (size_t i = 0; i < tokens.size(); ++i) memcpy(dst + i * row, base + static_cast<size_t>(tokens[i]) * row, row);
+    return epSuccess;
+  }
+  constexpr size_t kBatch = 1024;  // IOV_MAX
+  std::vector<iovec> remote(std::min(tokens.size(), kBatch));
+  for (size_t i = 0; i < tokens.size(); i += kBatch) {
+    const size_t n = std::min(kBatch, tokens.size() - i);
+    for (size_t j = 0; j < n; ++j)
+      remote[j] = {const_cast<uint8_t*>(base) + static_cast<size_t>(tokens[i + j]) * row, row};
+    iovec local{dst + i * row, n * row};
+    ssize_t got;
+    SYSCHECK_RETRY(process_vm_readv(static_cast<pid_t>(pids_[src]), &local, 1, remote.data(), n, 0), got);
+    if (got != static_cast<ssize_t>(n * row)) {
+      char msg[200];
+      snprintf(msg, sizeof(msg), "reading %zu bytes of rank %d's rows failed (%s)", n * row, src,
+               got < 0 ? strerror(errno) : "short read");
+      return fail(got < 0 && errno == ESRCH ? epRemoteError : epSystemError, src, epPhaseData, msg);
+    }
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::exchangeDone() {
+  for (int p = 0; p < nranks_; ++p) {
+    MsgHeader h = makeHeader(cur_op_, epSuccess, 0);
+    h.v[0] = -2;  // "done reading your memory"
+    post(p, h, nullptr, 0, {});
+  }
+  pushSends();
+  for (int s = 0; s < nranks_; ++s) {
+    MsgHeader h;
+    EPCHECK(recvInto(s, &h, sizeof(h), epPhaseData));
+    if (h.magic != kMsgMagic || h.epoch != cur_epoch_ || h.src != s || h.v[0] != -2)
+      return fail(epInternalError, s, epPhaseData, "completion message out of sync");
+  }
+  return flushSends(epPhaseData);
+}
+
 epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtDispatch;
   cur_epoch_ = ++send_epoch_;
@@ -650,9 +718,11 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   }
 
   // Channel 0: the counts. Channel c: the rows of tokens [chanBegin(c), chanBegin(c+1)), field-major (x rows,
-  // scale rows, topk_idx rows as local ids, topk_weights rows).
+  // scale rows, topk_idx rows as local ids, topk_weights rows). With cross-memory attach the x and scale rows
+  // stay here and the message carries their token indices instead: the receiver pulls them.
   std::vector<std::vector<int64_t>> idx_out(ok ? R * C : 0);
   std::vector<std::vector<float>> w_out(ok ? R * C : 0);
+  std::vector<std::vector<int32_t>> tok_out(ok && cma_ ? R * C : 0);
   for (int p = 0; p < R; ++p) {
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
@@ -661,6 +731,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     }
     hdr.v[0] = send_count[p];
     hdr.v[1] = (send_idx ? 1 : 0) | (send_w ? 2 : 0);
+    hdr.v[2] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a->x));
+    hdr.v[3] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a->x_scales));
     std::vector<int> cm = countMessage(*in_rank, per_expert_to, T, R, L, C, p);
     post(p, hdr, cm.data(), sizeof(int) * cm.size(), {});
     for (int c = 0; c < C; ++c) {
@@ -668,9 +740,16 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       std::vector<Seg> segs;
       const uint8_t* x = static_cast<const uint8_t*>(a->x);
       auto in = [&](int t) { return (*in_rank)[static_cast<size_t>(t) * R + p] != 0; };
-      for (int t = tb; t < te; ++t)
-        if (in(t)) segs.push_back({x + t * xrow, xrow});
-      if (fp8) {
+      if (cma_) {
+        auto& to = tok_out[static_cast<size_t>(p) * C + c];
+        for (int t = tb; t < te; ++t)
+          if (in(t)) to.push_back(t);
+        segs.push_back({reinterpret_cast<const uint8_t*>(to.data()), to.size() * sizeof(int32_t)});
+      } else {
+        for (int t = tb; t < te; ++t)
+          if (in(t)) segs.push_back({x + t * xrow, xrow});
+      }
+      if (fp8 && !cma_) {
         const uint8_t* sc = reinterpret_cast<const uint8_t*>(a->x_scales);
         for (int t = tb; t < te; ++t)
           if (in(t)) segs.push_back({sc + t * srow, srow});
@@ -734,6 +813,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
     EPCHECK(drainChannels(in));
+    if (cma_) EPCHECK(exchangeDone());
     if (ok && !cached) h->valid = false;
     return st;
   }
@@ -746,10 +826,20 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
       const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
       const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
-      EPCHECK(recvChannelHeader(s, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
-      EPCHECK(recvInto(s, rx + b * xrow, n * xrow, epPhaseData, c));
-      if (fp8)
-        EPCHECK(recvInto(s, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData, c));
+      if (cma_) {
+        EPCHECK(recvChannelHeader(s, c, n * (sizeof(int32_t) + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
+        std::vector<int32_t> tokens(n);
+        EPCHECK(recvInto(s, tokens.data(), n * sizeof(int32_t), epPhaseData, c));
+        EPCHECK(pullRows(s, tokens, static_cast<uint64_t>(in[s].h.v[2]), xrow, rx + b * xrow));
+        if (fp8)
+          EPCHECK(pullRows(s, tokens, static_cast<uint64_t>(in[s].h.v[3]), srow,
+                           reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow));
+      } else {
+        EPCHECK(recvChannelHeader(s, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
+        EPCHECK(recvInto(s, rx + b * xrow, n * xrow, epPhaseData, c));
+        if (fp8)
+          EPCHECK(recvInto(s, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData, c));
+      }
       if (has_idx) {
         if (a->recv_topk_idx)
           EPCHECK(recvInto(s, a->recv_topk_idx + static_cast<size_t>(b) * K, sizeof(int64_t) * n * K, epPhaseData, c));
@@ -765,6 +855,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     }
     return flushSends(epPhaseData, c);
   }));
+  // The senders' x must stay put until every receiver has pulled its rows.
+  if (cma_) EPCHECK(exchangeDone());
 
   const int num_recv = lay->num_recv;
   if (a->num_worst_tokens > 0) {

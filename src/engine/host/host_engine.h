@@ -108,6 +108,8 @@ class HostEngine final : public Engine {
   epResult_t recvHeaders(std::vector<Incoming>& in);
   epResult_t drainChannels(const std::vector<Incoming>& in);
   epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);
+  epResult_t pullRows(int src, const std::vector<int32_t>& tokens, uint64_t remote_base, size_t row, uint8_t* dst);
+  epResult_t exchangeDone();  // every rank tells every peer it has finished reading its memory
   epResult_t drainPayloads(std::vector<Incoming>& in);
   epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
   MsgHeader makeHeader(int op, epResult_t status, uint64_t sig) const;
@@ -127,6 +129,8 @@ class HostEngine final : public Engine {
   ShmRegion own_;
   std::vector<std::unique_ptr<ShmRegion>> peers_;
   int nchan_ = 1;
+  bool cma_ = false;             // HT dispatch rows are pulled from the senders' memory (process_vm_readv)
+  uint64_t cma_probe_ = 0;
   std::vector<std::vector<RingEnd>> out_, in_;          // [channel][peer]
   std::vector<int64_t> pids_;
   std::vector<std::vector<std::deque<OutMsg>>> outq_;  // [channel][peer]
