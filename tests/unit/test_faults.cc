@@ -113,6 +113,61 @@ TEST(Faults, RankKilledMidOperation) {
   EXPECT_EQ(codes2[1], 0);
 }
 
+// The same during HT dispatch, whose receivers read rows straight out of the senders' memory (when the host
+// allows cross-memory attach) and whose senders wait until every receiver is done with their rows.
+TEST(Faults, RankKilledDuringHtDispatch) {
+  constexpr int R = 3, kVictim = 1, T = 256, H = 2048, K = 2, E = 6;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<uint16_t> x(static_cast<size_t>(T) * H, 0x3c00), recv(static_cast<size_t>(T) * R * H);
+    std::vector<int64_t> idx(static_cast<size_t>(T) * K);
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int64_t>((i * 7 + rank) % E);
+    epHtHandle_t h;
+    CHECK_OR_RETURN(epHtHandleCreate(comm, T, &h) == epSuccess, "handle");
+    epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+    a.num_tokens = T;
+    a.hidden = H;
+    a.topk = K;
+    a.num_experts = E;
+    a.dtype = epBfloat16;
+    a.num_worst_tokens = T * R;
+    a.x = x.data();
+    a.topk_idx = idx.data();
+    a.recv_x = recv.data();
+    a.recv_x_bytes = recv.size() * 2;
+    CHECK_OR_RETURN(epHtDispatch(comm, &a, h, nullptr) == epSuccess, "warm-up: %s", epGetLastError(comm));
+    if (rank == kVictim) {
+      std::thread([] {
+        usleep(3000);
+        kill(getpid(), SIGKILL);
+      }).detach();
+      for (;;) epHtDispatch(comm, &a, h, nullptr);
+    }
+    epResult_t r = epSuccess;
+    double last = 0;
+    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      r = epHtDispatch(comm, &a, h, nullptr);
+      last = msSince(t0);
+    }
+    CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
+    auto t0 = std::chrono::steady_clock::now();
+    CHECK_OR_RETURN(epCommAbort(comm) == epSuccess, "abort");
+    CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
+    return 0;
+  }, 60000);
+  EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
+  for (int r = 0; r < R; ++r) {
+    if (r == kVictim) continue;
+    EXPECT_EQ(codes[r], 0) << "rank " << r;
+  }
+}
+
 TEST(Faults, RankStopsParticipating) {
   constexpr int R = 3, kSilent = 1;
   epUniqueId id;

@@ -656,10 +656,13 @@ epResult_t HostEngine::pullRows(int src, const std::vector<int32_t>& tokens, uin
     ssize_t got;
     SYSCHECK_RETRY(process_vm_readv(static_cast<pid_t>(pids_[src]), &local, 1, remote.data(), n, 0), got);
     if (got != static_cast<ssize_t>(n * row)) {
+      // The peer exited (ESRCH) or its memory went away (EFAULT: it failed, returned and freed or exited): a
+      // remote failure. Anything else is this host refusing the read.
+      const int err = got < 0 ? errno : EFAULT;
       char msg[200];
       snprintf(msg, sizeof(msg), "reading %zu bytes of rank %d's rows failed (%s)", n * row, src,
-               got < 0 ? strerror(errno) : "short read");
-      return fail(got < 0 && errno == ESRCH ? epRemoteError : epSystemError, src, epPhaseData, msg);
+               got < 0 ? strerror(err) : "short read");
+      return fail(err == ESRCH || err == EFAULT ? epRemoteError : epSystemError, src, epPhaseData, msg);
     }
   }
   return epSuccess;
