@@ -843,12 +843,15 @@ TEST_P(NetPlugin, CloseInFlight) {
       int got;
       if (r == ncclSuccess && !doneEarly) r = waitReq(net, req, &got, 20000);
       REQ(r == ncclSuccess || r == ncclRemoteError || r == ncclSystemError, "test -> %d", r);
-      // The second message cannot complete: the sender closed with it in flight.
+      // The second message was in flight when the sender closed: it either arrives whole (a backend whose
+      // close lets the provider finish what it already started, ofi) or fails naming the peer (socket); it
+      // never hangs and never arrives cut.
       if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) {
-        (void)e;  // an error already at posting time is the expected outcome too
+        (void)e;  // an error already at posting time is an expected outcome too
       } else {
         r = waitReq(net, req, &got, 20000);
-        REQ(r == ncclRemoteError || r == ncclSystemError, "message after close: test -> %d", r);
+        REQ(r == ncclRemoteError || r == ncclSystemError || (r == ncclSuccess && got == static_cast<int>(kSz)),
+            "message after close: test -> %d (%d bytes)", r, got);
       }
       // closeRecv with a receive posted: releases everything.
       void* req2 = nullptr;

@@ -741,7 +741,9 @@ class OfiBackend final : public NetBackend {
     if (!op) return;
     OfiRequest* r = op->req;
     if (!r->isSend) r->got[op->idx] = len;
-    if (err && err != FI_ECANCELED && r->error == 0) r->error = err;
+    // A cancellation is expected only for operations of a closed comm; on a live request (the provider gave
+    // up on it, e.g. the peer closed) it is an error, never a short success.
+    if (err && r->error == 0 && (err != FI_ECANCELED || r->comm != nullptr)) r->error = err;
     r->outstanding--;
     if (r->comm == nullptr && r->outstanding == 0) delete r;  // its comm was closed: nobody tests it any more
   }
