@@ -27,15 +27,7 @@
 
 namespace {
 
-#define CK(cond, ...)                                      \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "[rank %d] ", g_rank);               \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__);   \
-      return 1;                                            \
-    }                                                      \
-  } while (0)
+#define CK(...) EP_RANK_CHECK(g_rank, __VA_ARGS__)
 #define CKE(call, comm)                                                                                  \
   do {                                                                                                   \
     epResult_t r_ = (call);                                                                              \

@@ -8,9 +8,21 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <thread>
 #include <vector>
+
+// Inside a rank's body: on failure print the rank, the message and the place, and end the body with 1.
+#define EP_RANK_CHECK(rank, cond, ...)                 \
+  do {                                                 \
+    if (!(cond)) {                                     \
+      fprintf(stderr, "rank %d: ", (rank));            \
+      fprintf(stderr, __VA_ARGS__);                    \
+      fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__); \
+      return 1;                                        \
+    }                                                  \
+  } while (0)
 
 namespace epcomm::test {
 

@@ -18,18 +18,27 @@ namespace {
 constexpr int kTimeoutMs = 1500;
 constexpr int kSlackMs = 1500;
 
-#define CHECK_OR_RETURN(cond, ...)                       \
-  do {                                                   \
-    if (!(cond)) {                                       \
-      fprintf(stderr, "rank %d: ", rank);                \
-      fprintf(stderr, __VA_ARGS__);                      \
-      fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__); \
-      return 1;                                          \
-    }                                                    \
-  } while (0)
+#define CHECK_OR_RETURN(...) EP_RANK_CHECK(rank, __VA_ARGS__)
 
 double msSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A surviving rank's last step: epCommAbort must return promptly even though a peer is dead.
+int abortPromptly(epComm_t comm, int rank) {
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_OR_RETURN(epCommAbort(comm) == epSuccess, "abort");
+  CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
+  return 0;
+}
+
+// The victim died of SIGKILL and every other rank passed its checks.
+void expectOnlyVictimKilled(const std::vector<int>& codes, int victim) {
+  EXPECT_EQ(codes[victim], 128 + SIGKILL);
+  for (size_t r = 0; r < codes.size(); ++r) {
+    if (static_cast<int>(r) == victim) continue;
+    EXPECT_EQ(codes[r], 0) << "rank " << r;
+  }
 }
 
 epConfig_t config() {
@@ -86,16 +95,9 @@ TEST(Faults, RankKilledMidOperation) {
     // Later calls fail fast instead of waiting again.
     t0 = std::chrono::steady_clock::now();
     CHECK_OR_RETURN(epCommBarrier(comm, nullptr) != epSuccess && msSince(t0) < 100, "broken comm did not fail fast");
-    t0 = std::chrono::steady_clock::now();
-    CHECK_OR_RETURN(epCommAbort(comm) == epSuccess, "abort");
-    CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
-    return 0;
+    return abortPromptly(comm, rank);
   }, 60000);
-  EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
-  for (int r = 0; r < R; ++r) {
-    if (r == kVictim) continue;
-    EXPECT_EQ(codes[r], 0) << "rank " << r;
-  }
+  expectOnlyVictimKilled(codes, kVictim);
 
   // A new communicator among fresh processes works afterwards.
   epUniqueId id2;
@@ -156,16 +158,9 @@ TEST(Faults, RankKilledDuringHtDispatch) {
     }
     CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
     CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
-    auto t0 = std::chrono::steady_clock::now();
-    CHECK_OR_RETURN(epCommAbort(comm) == epSuccess, "abort");
-    CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
-    return 0;
+    return abortPromptly(comm, rank);
   }, 60000);
-  EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
-  for (int r = 0; r < R; ++r) {
-    if (r == kVictim) continue;
-    EXPECT_EQ(codes[r], 0) << "rank " << r;
-  }
+  expectOnlyVictimKilled(codes, kVictim);
 }
 
 TEST(Faults, RankStopsParticipating) {
@@ -194,10 +189,7 @@ TEST(Faults, RankStopsParticipating) {
                     "async %d peer %d op %d", async, info.peer, info.op);
     CHECK_OR_RETURN(std::string(epGetLastError(comm)).find("rank 1") != std::string::npos, "message: %s",
                     epGetLastError(comm));
-    t0 = std::chrono::steady_clock::now();
-    epCommAbort(comm);
-    CHECK_OR_RETURN(msSince(t0) < 500, "abort took %.0f ms", msSince(t0));
-    return 0;
+    return abortPromptly(comm, rank);
   }, 60000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }

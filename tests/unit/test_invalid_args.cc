@@ -15,15 +15,7 @@ namespace {
 
 constexpr int kR = 2, kT = 6, kH = 128, kK = 2, kE = 4;
 
-#define EXPECT_OR_FAIL(cond, ...)                      \
-  do {                                                 \
-    if (!(cond)) {                                     \
-      fprintf(stderr, "rank %d: ", rank);              \
-      fprintf(stderr, __VA_ARGS__);                    \
-      fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__); \
-      return 1;                                        \
-    }                                                  \
-  } while (0)
+#define EXPECT_OR_FAIL(...) EP_RANK_CHECK(rank, __VA_ARGS__)
 
 // One rank's valid HT inputs and buffers; dispatch + combine with the identity as the expert stand-in.
 struct Ht {
