@@ -3,6 +3,7 @@
 // the socket backend and for the ofi backend with the providers "tcp;ofi_rxm" and "shm" (skipped, with the
 // reason, where the plugin does not offer them). Each process does its own dlopen + init after fork, so the
 // backend and its parameters come from that process's environment.
+#include <dirent.h>
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -159,6 +160,18 @@ struct Net {
   ncclResult_t closeRecv(void* c) { return v11 ? v11->closeRecv(c) : v10 ? v10->closeRecv(c) : v9 ? v9->closeRecv(c) : v8->closeRecv(c); }
   ncclResult_t closeListen(void* c) { return v11 ? v11->closeListen(c) : v10 ? v10->closeListen(c) : v9 ? v9->closeListen(c) : v8->closeListen(c); }
 };
+
+// libfabric's shm provider backs each endpoint with a 16 MiB /dev/shm file (the plugin names it
+// "epcomm-<pid>-<nonce>") and unlinks it only when the library is unloaded normally. Our ranks leave with _exit
+// or are killed, so the parent removes what each one left once the whole run is over.
+void removeShmLeftovers(pid_t pid) {
+  const std::string prefix = "epcomm-" + std::to_string(pid) + "-";
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d))
+      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) unlink((std::string("/dev/shm/") + e->d_name).c_str());
+    closedir(d);
+  }
+}
 
 // ---- shared memory between the forked ranks (handles, barriers, flags) ----------------------------------------
 constexpr int kMaxRanks = 4;
@@ -353,7 +366,7 @@ class NetPlugin : public ::testing::TestWithParam<Backend> {
       rc = body(rank, &net);
       net.finalize();
       return rc;
-    }, timeoutMs);
+    }, timeoutMs, removeShmLeftovers);
     return codes;
   }
 
@@ -389,6 +402,7 @@ class NetPlugin : public ::testing::TestWithParam<Backend> {
     close(pfd[0]);
     int st = 0;
     waitpid(pid, &st, 0);
+    removeShmLeftovers(pid);
     bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
     cache[key] = {ok, buf};
     *why = buf;
@@ -928,7 +942,7 @@ TEST_P(NetPlugin, SenderKilledMidTransfer) {
       Net net;
       int rc = openNet(b, &net);
       return rc ? rc : body(rank, &net);
-    }, 60000);
+    }, 60000, removeShmLeftovers);
     EXPECT_EQ(codes[0], 128 + SIGKILL);
     EXPECT_EQ(codes[1], 0) << "survivor";
   });
@@ -944,7 +958,7 @@ TEST_P(NetPlugin, ReceiverKilledMidTransfer) {
       Net net;
       int rc = openNet(b, &net);
       return rc ? rc : body(rank, &net);
-    }, 60000);
+    }, 60000, removeShmLeftovers);
     EXPECT_EQ(codes[1], 128 + SIGKILL);
     EXPECT_EQ(codes[0], 0) << "survivor";
   });

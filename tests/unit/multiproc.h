@@ -1,6 +1,8 @@
 // Runs one function per rank in forked child processes, as the tests' stand-in for a launcher.
 // The parent waits with a deadline, kills stragglers, and returns each rank's exit code
 // (128 + signal for a rank killed by a signal, -1 for one that outlived the deadline).
+// `reaped`, when given, is called with each child's pid once all of them are gone (to clean up what they left
+// behind; not earlier, since a survivor may still reach into what a dead rank left).
 #pragma once
 #include <signal.h>
 #include <sys/types.h>
@@ -26,7 +28,8 @@
 
 namespace epcomm::test {
 
-inline std::vector<int> runRanks(int nranks, const std::function<int(int rank)>& body, int timeout_ms = 60000) {
+inline std::vector<int> runRanks(int nranks, const std::function<int(int rank)>& body, int timeout_ms = 60000,
+                                 const std::function<void(pid_t)>& reaped = {}) {
   std::vector<pid_t> pids(nranks, -1);
   for (int r = 0; r < nranks; ++r) {
     pid_t pid = fork();
@@ -43,6 +46,7 @@ inline std::vector<int> runRanks(int nranks, const std::function<int(int rank)>&
     }
     pids[r] = pid;
   }
+  const std::vector<pid_t> children = pids;
   std::vector<int> codes(nranks, -1);
   auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   int left = nranks;
@@ -69,6 +73,8 @@ inline std::vector<int> runRanks(int nranks, const std::function<int(int rank)>&
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  if (reaped)
+    for (pid_t c : children) reaped(c);
   return codes;
 }
 

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -777,6 +778,21 @@ class OfiBackend final : public NetBackend {
     return epSuccess;
   }
 
+  // libfabric's shm provider names its /dev/shm region after the pid. A process that dies without unloading
+  // libfabric (killed, _exit) leaves that file behind, and a later process that gets the same pid then cannot
+  // create its endpoint. A random name per endpoint cannot collide with anything a dead process left.
+  static void uniqueShmName(fi_info* info) {
+    if (strcmp(info->fabric_attr->prov_name, "shm") != 0 || info->addr_format != FI_ADDR_STR) return;
+    std::random_device rd;
+    uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    char name[96];
+    snprintf(name, sizeof(name), "fi_shm://epcomm-%d-%016llx", static_cast<int>(getpid()),
+             static_cast<unsigned long long>(nonce));
+    free(info->src_addr);  // fi_freeinfo frees it with free()
+    info->src_addr = strdup(name);
+    info->src_addrlen = info->src_addr ? strlen(name) + 1 : 0;
+  }
+
   epResult_t openDev(int dev) {
     if (dev < 0 || dev >= devices()) NET_FAIL(epInvalidArgument, "NET/epcomm: device %d out of range", dev);
     OfiDev* d = devs_[dev].get();
@@ -802,6 +818,7 @@ class OfiBackend final : public NetBackend {
     rc = fi_av_open(d->domain, &ava, &d->av, nullptr);
     if (rc) goto fail;
     step = "fi_endpoint";
+    uniqueShmName(d->info);
     rc = fi_endpoint(d->domain, d->info, &d->ep, nullptr);
     if (rc) goto fail;
     step = "fi_ep_bind(cq)";
