@@ -115,9 +115,9 @@ TEST(Faults, RankKilledMidOperation) {
   EXPECT_EQ(codes2[1], 0);
 }
 
-// The same during HT dispatch, whose receivers read rows straight out of the senders' memory (when the host
-// allows cross-memory attach) and whose senders wait until every receiver is done with their rows.
-TEST(Faults, RankKilledDuringHtDispatch) {
+// The same during HT dispatch and combine, whose ranks read rows straight out of their peers' memory (when the
+// host allows cross-memory attach) and keep their own rows in place until every peer is done with them.
+TEST(Faults, RankKilledDuringHtDispatchAndCombine) {
   constexpr int R = 3, kVictim = 1, T = 256, H = 2048, K = 2, E = 6;
   epUniqueId id;
   ASSERT_EQ(epGetUniqueId(&id), epSuccess);
@@ -126,6 +126,7 @@ TEST(Faults, RankKilledDuringHtDispatch) {
     epComm_t comm;
     CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
     std::vector<uint16_t> x(static_cast<size_t>(T) * H, 0x3c00), recv(static_cast<size_t>(T) * R * H);
+    std::vector<uint16_t> combined(static_cast<size_t>(T) * H);
     std::vector<int64_t> idx(static_cast<size_t>(T) * K);
     for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int64_t>((i * 7 + rank) % E);
     epHtHandle_t h;
@@ -141,19 +142,27 @@ TEST(Faults, RankKilledDuringHtDispatch) {
     a.topk_idx = idx.data();
     a.recv_x = recv.data();
     a.recv_x_bytes = recv.size() * 2;
-    CHECK_OR_RETURN(epHtDispatch(comm, &a, h, nullptr) == epSuccess, "warm-up: %s", epGetLastError(comm));
+    epHtCombineArgs_t c = EP_HT_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.hidden = H;
+    c.x = recv.data();
+    c.x_bytes = recv.size() * 2;
+    c.combined_x = combined.data();
+    c.combined_x_bytes = combined.size() * 2;
+    auto step = [&](int i) { return (i & 1) ? epHtCombine(comm, &c, h, nullptr) : epHtDispatch(comm, &a, h, nullptr); };
+    CHECK_OR_RETURN(step(0) == epSuccess && step(1) == epSuccess, "warm-up: %s", epGetLastError(comm));
     if (rank == kVictim) {
       std::thread([] {
         usleep(3000);
         kill(getpid(), SIGKILL);
       }).detach();
-      for (;;) epHtDispatch(comm, &a, h, nullptr);
+      for (int i = 0;; ++i) step(i);
     }
     epResult_t r = epSuccess;
     double last = 0;
     for (int i = 0; i < 100000 && r == epSuccess; ++i) {
       auto t0 = std::chrono::steady_clock::now();
-      r = epHtDispatch(comm, &a, h, nullptr);
+      r = step(i);
       last = msSince(t0);
     }
     CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));

@@ -652,20 +652,24 @@ epResult_t HostEngine::pullRows(int src, const std::vector<int32_t>& tokens, uin
     const size_t n = std::min(kBatch, tokens.size() - i);
     for (size_t j = 0; j < n; ++j)
       remote[j] = {const_cast<uint8_t*>(base) + static_cast<size_t>(tokens[i + j]) * row, row};
-    iovec local{dst + i * row, n * row};
-    ssize_t got;
-    SYSCHECK_RETRY(process_vm_readv(static_cast<pid_t>(pids_[src]), &local, 1, remote.data(), n, 0), got);
-    if (got != static_cast<ssize_t>(n * row)) {
-      // The peer exited (ESRCH) or its memory went away (EFAULT: it failed, returned and freed or exited): a
-      // remote failure. Anything else is this host refusing the read.
-      const int err = got < 0 ? errno : EFAULT;
-      char msg[200];
-      snprintf(msg, sizeof(msg), "reading %zu bytes of rank %d's rows failed (%s)", n * row, src,
-               got < 0 ? strerror(err) : "short read");
-      return fail(err == ESRCH || err == EFAULT ? epRemoteError : epSystemError, src, epPhaseData, msg);
-    }
+    EPCHECK(readPeer(src, remote.data(), n, dst + i * row, n * row));
   }
   return epSuccess;
+}
+
+// One process_vm_readv of `bytes` from rank src's memory (n remote pieces) into dst.
+epResult_t HostEngine::readPeer(int src, const iovec* remote, size_t n, void* dst, size_t bytes) {
+  iovec local{dst, bytes};
+  ssize_t got;
+  SYSCHECK_RETRY(process_vm_readv(static_cast<pid_t>(pids_[src]), &local, 1, remote, n, 0), got);
+  if (got == static_cast<ssize_t>(bytes)) return epSuccess;
+  // The peer exited (ESRCH) or its memory went away (EFAULT: it failed, returned and freed or exited): a
+  // remote failure. Anything else is this host refusing the read.
+  const int err = got < 0 ? errno : EFAULT;
+  char msg[200];
+  snprintf(msg, sizeof(msg), "reading %zu bytes of rank %d's rows failed (%s)", bytes, src,
+           got < 0 ? strerror(err) : "short read");
+  return fail(err == ESRCH || err == EFAULT ? epRemoteError : epSystemError, src, epPhaseData, msg);
 }
 
 epResult_t HostEngine::exchangeDone() {
@@ -896,17 +900,20 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   const int H = ok ? a->hidden : 0;
   const size_t es = ok ? dtypeSize(a->dtype) : 0, row = H * es;
   const uint64_t sig = ok ? shapeSig({H, a->dtype}) : 0;
-  // Channel 0: the row count; channel c: the rows of source p's tokens in p's channel c, which are
-  // contiguous in this rank's receive order.
+  // Channel 0: the row count and where p's rows start in x; channel c: the rows of source p's tokens in p's
+  // channel c, which are contiguous in this rank's receive order. With cross-memory attach there are no channel
+  // messages: p pulls its rows straight out of x.
   for (int p = 0; p < R; ++p) {
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
       post(p, hdr, nullptr, 0, {});
       continue;
     }
-    hdr.v[0] = h->recv_count[p];
-    post(p, hdr, nullptr, 0, {});
     const uint8_t* x = static_cast<const uint8_t*>(a->x) + h->recv_prefix[p] * row;
+    hdr.v[0] = h->recv_count[p];
+    hdr.v[1] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x));
+    post(p, hdr, nullptr, 0, {});
+    if (cma_) continue;
     for (int c = 0; c < C; ++c) {
       const int n = h->recv_chan_count[static_cast<size_t>(p) * C + c];
       post(p, makeHeader(cur_op_, local, sig), nullptr, 0, {{x, n * row}}, c);
@@ -926,13 +933,20 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   }
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
-    EPCHECK(drainChannels(in));
+    if (cma_) EPCHECK(exchangeDone());
+    else EPCHECK(drainChannels(in));
     return st;
   }
   // Token by token, ranks ascending: fp32 accumulation in the order the design fixes, rounded once. Each
   // channel reduces its own tokens.
   const int T = a->num_tokens;
   uint8_t* out = static_cast<uint8_t*>(a->combined_x);
+  if (cma_) {
+    st = runChannels([&](int c) -> epResult_t { return htCombinePulled(a, h, in, c); });
+    // The peers' x must stay put until every rank has pulled its rows.
+    EPCHECK(exchangeDone());
+    return st;
+  }
   return runChannels([&](int c) -> epResult_t {
     const int tb = chanBegin(T, c), te = chanBegin(T, c + 1);
     std::vector<int> cnt(R, 0);
@@ -958,6 +972,57 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
     }
     return flushSends(epPhaseData, c);
   });
+}
+
+// HT combine with cross-memory attach, channel c: the rows this rank's channel-c tokens got back from rank r
+// are contiguous in r's x (r received them in token order), so they come over in blocks, one
+// process_vm_readv per peer and block, into a staging buffer small enough to stay in cache for the reduction.
+epResult_t HostEngine::htCombinePulled(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in,
+                                       int c) {
+  const int R = nranks_, C = nchan_, H = a->hidden;
+  const size_t row = static_cast<size_t>(H) * dtypeSize(a->dtype);
+  const int T = a->num_tokens, tb = chanBegin(T, c), te = chanBegin(T, c + 1);
+  const uint8_t* in_rank = h->in_rank.data();
+  // Where channel c's rows start in each peer's x: after the rows of this rank's earlier channels.
+  std::vector<const uint8_t*> next(R);
+  std::vector<int> per_chan(C);
+  for (int r = 0; r < R; ++r) {
+    chanCountsTo(in_rank, T, R, C, r, per_chan.data());
+    size_t off = 0;
+    for (int cc = 0; cc < c; ++cc) off += per_chan[cc];
+    next[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(in[r].h.v[1])) + off * row;
+  }
+  const int block = static_cast<int>(std::clamp<size_t>((256u << 10) / std::max<size_t>(row, 1), 1, 1024));
+  std::vector<uint8_t> stage(static_cast<size_t>(R) * block * row);
+  std::vector<const uint8_t*> cur(R);
+  std::vector<float> acc(H);
+  uint8_t* out = static_cast<uint8_t*>(a->combined_x);
+  for (int t0 = tb; t0 < te; t0 += block) {
+    const int t1 = std::min(te, t0 + block);
+    for (int r = 0; r < R; ++r) {
+      size_t n = 0;
+      for (int t = t0; t < t1; ++t) n += in_rank[static_cast<size_t>(t) * R + r];
+      if (r == rank_ || n == 0) {  // this rank's own rows are read in place
+        cur[r] = next[r];
+      } else {
+        uint8_t* dst = stage.data() + static_cast<size_t>(r) * block * row;
+        iovec remote{const_cast<uint8_t*>(next[r]), n * row};
+        EPCHECK(readPeer(r, &remote, 1, dst, n * row));
+        cur[r] = dst;
+      }
+      next[r] += n * row;
+    }
+    for (int t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int r = 0; r < R; ++r) {
+        if (!in_rank[static_cast<size_t>(t) * R + r]) continue;
+        accumulateRow(acc.data(), cur[r], H, a->dtype);
+        cur[r] += row;
+      }
+      storeRow(out + static_cast<size_t>(t) * row, acc.data(), H, a->dtype);
+    }
+  }
+  return epSuccess;
 }
 
 // ------------------------------------------------------------------------------------------------------

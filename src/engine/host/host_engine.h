@@ -109,6 +109,8 @@ class HostEngine final : public Engine {
   epResult_t drainChannels(const std::vector<Incoming>& in);
   epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);
   epResult_t pullRows(int src, const std::vector<int32_t>& tokens, uint64_t remote_base, size_t row, uint8_t* dst);
+  epResult_t readPeer(int src, const iovec* remote, size_t n, void* dst, size_t bytes);
+  epResult_t htCombinePulled(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in, int c);
   epResult_t exchangeDone();  // every rank tells every peer it has finished reading its memory
   epResult_t drainPayloads(std::vector<Incoming>& in);
   epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
@@ -129,7 +131,7 @@ class HostEngine final : public Engine {
   ShmRegion own_;
   std::vector<std::unique_ptr<ShmRegion>> peers_;
   int nchan_ = 1;
-  bool cma_ = false;             // HT dispatch rows are pulled from the senders' memory (process_vm_readv)
+  bool cma_ = false;             // HT dispatch/combine rows are pulled from the peers' memory (process_vm_readv)
   uint64_t cma_probe_ = 0;
   std::vector<std::vector<RingEnd>> out_, in_;          // [channel][peer]
   std::vector<int64_t> pids_;
