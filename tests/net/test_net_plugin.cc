@@ -965,6 +965,31 @@ TEST_P(NetPlugin, ReceiverKilledMidTransfer) {
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 
+// libfabric's default shm region name is "<pid>:..."; a region left by a dead process with a since reused pid
+// would block the endpoint (CI hit this once pids wrapped). The plugin names regions "epcomm-<pid>-<nonce>".
+TEST_P(NetPlugin, ShmRegionNameIsUnique) {
+  const char* prov = GetParam().provider;
+  if (!prov || strcmp(prov, "shm") != 0) GTEST_SKIP() << "ofi shm only";
+  run(1, [](int, Net* net) {
+    void* lc = nullptr;
+    char h[NCCL_NET_HANDLE_MAXSIZE];
+    CK(net->listen(0, h, &lc));  // opens the device, hence the endpoint
+    const std::string ours = "epcomm-" + std::to_string(getpid()) + "-", dflt = std::to_string(getpid()) + ":";
+    int nOurs = 0, nDflt = 0;
+    if (DIR* d = opendir("/dev/shm")) {
+      while (dirent* e = readdir(d)) {
+        nOurs += strncmp(e->d_name, ours.c_str(), ours.size()) == 0;
+        nDflt += strncmp(e->d_name, dflt.c_str(), dflt.size()) == 0;
+      }
+      closedir(d);
+    }
+    REQ(nOurs == 1 && nDflt == 0, "/dev/shm holds %d regions named %s* and %d named %s*", nOurs, ours.c_str(), nDflt,
+        dflt.c_str());
+    CK(net->closeListen(lc));
+    return 0;
+  });
+}
+
 // A peer that stops (alive, sockets open) in the middle of a message: the receiver's test() fails with a
 // timeout within EPCOMM_TIMEOUT_MS instead of hanging.
 TEST_P(NetPlugin, StalledSenderTimesOut) {
