@@ -654,7 +654,7 @@ struct LlCase {
   int E, H, K, dtype, M, layout;
   bool fp8;
   int counts_mode;  // 0 uneven (with a zero), 1 full (T == M everywhere)
-  bool split;       // phases split: SEND then RECV
+  int split;        // 0: SEND_RECV; 1: SEND then RECV; 2: odd ranks split, even ranks one call
 };
 
 std::string describe(const LlCase& l, int R) {
@@ -832,7 +832,8 @@ struct LlRun {
 
 void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
   LlRun run(comm, c, R, seed, lc);
-  if (lc.split) {
+  const bool split = lc.split == 1 || (lc.split == 2 && c.rank % 2 == 1);
+  if (split) {
     run.dispatch(EP_LL_SEND);
     run.dispatch(EP_LL_RECV);
   } else {
@@ -840,7 +841,7 @@ void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
   }
   run.checkDispatch();
   run.prepareCombine();
-  if (lc.split) {
+  if (split) {
     run.combine(EP_LL_SEND);
     run.combine(EP_LL_RECV);
   } else {
@@ -850,9 +851,23 @@ void runLlCase(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& lc) {
 }
 
 // Two LL steps with overlapped halves: A's combine is between its halves while B's dispatch is issued
-// (at most one dispatch and one combine between halves at a time).
+// (at most one dispatch and one combine between halves at a time). With la.split == 2 the even ranks issue
+// every operation in one call meanwhile.
 void runLlOverlap(epComm_t comm, Ctx& c, int R, uint64_t seed, const LlCase& la, const LlCase& lb) {
   LlRun A(comm, c, R, mix(seed, 1), la), B(comm, c, R, mix(seed, 2), lb);
+  if (la.split == 2 && c.rank % 2 == 0) {  // even ranks issue each operation in one call meanwhile
+    A.dispatch(EP_LL_SEND_RECV);
+    A.checkDispatch();
+    A.prepareCombine();
+    A.combine(EP_LL_SEND_RECV);
+    A.checkCombine();
+    B.dispatch(EP_LL_SEND_RECV);
+    B.checkDispatch();
+    B.prepareCombine();
+    B.combine(EP_LL_SEND_RECV);
+    B.checkCombine();
+    return;
+  }
   A.dispatch(EP_LL_SEND);
   A.dispatch(EP_LL_RECV);
   A.checkDispatch();
@@ -880,10 +895,10 @@ std::vector<LlCase> llCases(int R) {
       {e8, 256, 9, epFloat32, 2, EM, true, 1, true},
       {e1, 56, 4, epFloat32, 8, EM, false, 1, false},
       {e4, 8, 5, epFloat16, 8, RM, false, 1, false},
-      {e4, 1024, 8, epBfloat16, 8, RM, false, 0, false},
+      {e4, 1024, 8, epBfloat16, 8, RM, false, 0, 2},
       {e8, 384, 7, epBfloat16, 8, EM, true, 0, true},
       {e2, 128, 6, epFloat32, 4, RM, true, 0, true},
-      {e4, 56, 9, epBfloat16, 8, EM, false, 0, false},
+      {e4, 56, 9, epBfloat16, 8, EM, false, 0, 2},
       {e1, 8, 2, epFloat16, 6, EM, false, 0, true},
       {e4, 128, 8, epBfloat16, 16, EM, true, 1, false},
       {e8, 64, 9, epFloat16, 16, RM, false, 0, true},
@@ -893,7 +908,7 @@ std::vector<LlCase> llCases(int R) {
     v.push_back({e4, 7168, 8, epBfloat16, 2, EM, true, 0, false});
     v.push_back({e2, 7168, 4, epBfloat16, 2, RM, false, 1, true});
   } else {
-    v.push_back({e2, 7168, 4, epBfloat16, 1, EM, true, 1, false});
+    v.push_back({e2, 7168, 4, epBfloat16, 1, EM, true, 1, 2});
   }
   return v;
 }
@@ -929,7 +944,7 @@ LlCase randomLlCase(uint64_t seed, int R) {
   int M = std::min(kLlMaxTokens, static_cast<int>(1 + g() % kLlMaxTokens));
   if (H >= 2048) M = std::min(M, 2);
   int layout = g() % 2 ? EP_LL_RANK_MAJOR : EP_LL_EXPERT_MAJOR;
-  return {E, H, K, dtype, M, layout, fp8, static_cast<int>(g() % 3 == 0), g() % 2 == 0};
+  return {E, H, K, dtype, M, layout, fp8, static_cast<int>(g() % 3 == 0), static_cast<int>(g() % 3)};
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1081,7 +1096,7 @@ TEST_P(HostEngine, LlDispatchCombine) {
     // overlapped halves: expert-major then rank-major (and the reverse), with and without fp8
     const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
     for (int round = 0; round < 2; ++round) {
-      runLlOverlap(comm, c, R, mix(seed, 1000 + round), {2 * R, 128, 4, epBfloat16, 8, EM, round == 0, 0, true},
+      runLlOverlap(comm, c, R, mix(seed, 1000 + round), {2 * R, 128, 4, epBfloat16, 8, EM, round == 0, 0, 1 + round},
                    {4 * R, 256, 6, epFloat16, 5, RM, round == 1, 0, true});
       runLlOverlap(comm, c, R, mix(seed, 2000 + round), {4 * R, 128, 3, epFloat32, 4, RM, round == 1, 1, true},
                    {2 * R, 128, 8, epBfloat16, 16, EM, round == 0, 0, true});

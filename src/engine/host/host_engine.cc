@@ -437,10 +437,28 @@ epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in) {
   return epSuccess;
 }
 
-// Consumes the data of every message not yet consumed.
+// Consumes the data of every message not yet consumed; rows left in a sender's memory will not be read.
 epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
   for (int s = 0; s < nranks_; ++s) {
     EPCHECK(skipIn(s, in[s].h.data_bytes, epPhaseData));
+    if (in[s].h.flags & kMsgRowsByReference) in_[0][s].setReadDone(in[s].h.epoch);
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::waitReadDone(uint64_t epoch) {
+  int64_t idle = nowNs(), live = idle;
+  Backoff backoff;
+  for (int p = 0; p < nranks_; ++p) {
+    while (out_[0][p].readDone() < epoch) {
+      if (pushSends()) {
+        idle = nowNs();
+        backoff.reset();
+        continue;
+      }
+      EPCHECK(checkWait(p, epPhaseData, idle, live));
+      backoff.pause();
+    }
   }
   return epSuccess;
 }
@@ -1225,8 +1243,28 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
         }
       }
     }
-    // With the receive half in the same call, y stays valid until the call returns (the receive half flushes
-    // the sends): the rows go out of y directly, runs of consecutive rows as one piece.
+    // With the receive half in the same call, y stays valid until the call returns. With cross-memory attach
+    // the rows stay in y and each peer reads its own (the message lists their y rows); this call returns once
+    // every peer is done with them.
+    if ((a->phases & EP_LL_RECV) && cma_) {
+      ll_by_ref_epoch_ = cur_epoch_;
+      std::vector<int32_t>& idx = ll_combine_rows_;
+      idx.clear();
+      for (int s = 0; s < R; ++s)
+        for (size_t yr : rows_to[s]) idx.push_back(static_cast<int32_t>(yr));
+      size_t off = 0;
+      for (int s = 0; s < R; ++s) {
+        MsgHeader hdr = makeHeader(cur_op_, local, sig);
+        hdr.flags = kMsgRowsByReference;
+        hdr.v[0] = static_cast<int64_t>(rows_to[s].size());
+        hdr.v[2] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(y));
+        post(s, hdr, nullptr, 0, {{reinterpret_cast<const uint8_t*>(idx.data() + off), rows_to[s].size() * 4}});
+        off += rows_to[s].size();
+      }
+      return epSuccess;
+    }
+    // Otherwise, in a call with both halves, the rows go out of y directly (the receive half flushes the sends
+    // before returning), runs of consecutive rows as one piece.
     if (a->phases & EP_LL_RECV) {
       for (int s = 0; s < R; ++s) {
         std::vector<Seg> segs;
@@ -1331,19 +1369,58 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
   EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
   for (int s = 0; s < R && st == epSuccess; ++s)
-    if (in[s].h.v[0] != expect[s] || in[s].h.data_bytes != static_cast<uint64_t>(expect[s]) * row)
+    if (in[s].h.v[0] != expect[s] ||
+        in[s].h.data_bytes != static_cast<uint64_t>(expect[s]) *
+                                  ((in[s].h.flags & kMsgRowsByReference) ? sizeof(int32_t) : row))
       st = EP_ERROR(epInvalidUsage,
                     "rank %d returns %lld rows in LL combine but this rank's routing names %d (token, expert) pairs "
                     "on it: topk_idx or the dispatch outputs passed to combine differ from those of the dispatch",
                     s, static_cast<long long>(in[s].h.v[0]), expect[s]);
+  const bool left_in_y = (a->phases & EP_LL_SEND) && ll_by_ref_epoch_ == pend.epoch;
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
     EPCHECK(flushSends(epPhaseData));
+    if (left_in_y) EPCHECK(waitReadDone(pend.epoch));
     return st;
   }
   scratch_.resize(static_cast<size_t>(next) * row);
-  for (int s = 0; s < R; ++s)
-    EPCHECK(recvInto(s, scratch_.data() + prefix[s] * row, expect[s] * row, epPhaseData));
+  for (int s = 0; s < R; ++s) {
+    uint8_t* dst = scratch_.data() + prefix[s] * row;
+    if (!(in[s].h.flags & kMsgRowsByReference)) {
+      EPCHECK(recvInto(s, dst, expect[s] * row, epPhaseData));
+      continue;
+    }
+    // Rows left in rank s's y: read them in runs of consecutive y rows, up to IOV_MAX runs per read.
+    std::vector<int32_t> yrows(expect[s]);
+    EPCHECK(recvInto(s, yrows.data(), yrows.size() * sizeof(int32_t), epPhaseData));
+    const uint8_t* ybase = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(in[s].h.v[2]));
+    std::vector<iovec> runs;
+    size_t bytes = 0;
+    auto flush = [&]() -> epResult_t {
+      if (runs.empty()) return epSuccess;
+      if (s == rank_) {
+        for (const iovec& v : runs) memcpy(dst, v.iov_base, v.iov_len), dst += v.iov_len;
+      } else {
+        EPCHECK(readPeer(s, runs.data(), runs.size(), dst, bytes));
+        dst += bytes;
+      }
+      runs.clear();
+      bytes = 0;
+      return epSuccess;
+    };
+    for (size_t i = 0; i < yrows.size(); ++i) {
+      const uint8_t* p = ybase + static_cast<size_t>(yrows[i]) * row;
+      if (!runs.empty() && static_cast<const uint8_t*>(runs.back().iov_base) + runs.back().iov_len == p) {
+        runs.back().iov_len += row;
+      } else {
+        if (runs.size() == 1024) EPCHECK(flush());
+        runs.push_back({const_cast<uint8_t*>(p), row});
+      }
+      bytes += row;
+    }
+    EPCHECK(flush());
+    in_[0][s].setReadDone(pend.epoch);
+  }
   // The rows from rank s occupy [prefix[s], prefix[s+1]); slot numbering above runs over experts in
   // ascending order, which is also ascending rank order, so slot == staging row.
   acc_.resize(H);
@@ -1358,9 +1435,12 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
     }
     storeRow(out + t * row, acc_.data(), H, a->dtype);
   }
-  // In a call with both halves this rank's rows were sent straight from y: they must be out before it returns.
-  // (A receive half on its own must not wait here: a later send half's staged messages may be queued too.)
-  return (a->phases & EP_LL_SEND) ? flushSends(epPhaseData) : epSuccess;
+  // In a call with both halves this rank's rows were sent straight from y, or are read from it by the peers:
+  // either way they must be out before it returns. (A receive half on its own must not wait here: a later
+  // send half's staged messages may be queued too.)
+  if (!(a->phases & EP_LL_SEND)) return epSuccess;
+  EPCHECK(flushSends(epPhaseData));
+  return left_in_y ? waitReadDone(pend.epoch) : epSuccess;
 }
 
 // ------------------------------------------------------------------------------------------------------

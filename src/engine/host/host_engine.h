@@ -33,8 +33,12 @@ struct MsgHeader {
   uint64_t extra_bytes; // op-specific array following the header
   uint64_t data_bytes;  // data following the extra array
   int64_t v[4];         // op-specific scalars
-  uint8_t pad[16];
+  uint32_t flags;       // kMsgRowsByReference, ...
+  uint8_t pad[12];
 };
+// The message carries row indices, not rows: the receiver reads the rows from the sender's memory
+// (process_vm_readv, base address in v[2]) and then signals RingEnd::setReadDone(epoch) on that sender's ring.
+constexpr uint32_t kMsgRowsByReference = 1;
 static_assert(sizeof(MsgHeader) == 96, "message header size is part of the wire format");
 
 class HostEngine final : public Engine {
@@ -112,6 +116,7 @@ class HostEngine final : public Engine {
   epResult_t readPeer(int src, const iovec* remote, size_t n, void* dst, size_t bytes);
   epResult_t htCombinePulled(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in, int c);
   epResult_t exchangeDone();  // every rank tells every peer it has finished reading its memory
+  epResult_t waitReadDone(uint64_t epoch);  // until every peer has finished reading this rank's memory for epoch
   epResult_t drainPayloads(std::vector<Incoming>& in);
   epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
   MsgHeader makeHeader(int op, epResult_t status, uint64_t sig) const;
@@ -131,7 +136,7 @@ class HostEngine final : public Engine {
   ShmRegion own_;
   std::vector<std::unique_ptr<ShmRegion>> peers_;
   int nchan_ = 1;
-  bool cma_ = false;             // HT dispatch/combine rows are pulled from the peers' memory (process_vm_readv)
+  bool cma_ = false;             // HT dispatch/combine and joined LL combine rows are pulled (process_vm_readv)
   uint64_t cma_probe_ = 0;
   std::vector<std::vector<RingEnd>> out_, in_;          // [channel][peer]
   std::vector<int64_t> pids_;
@@ -142,8 +147,10 @@ class HostEngine final : public Engine {
   int cur_op_ = epOpNone;
   uint64_t cur_epoch_ = 0;
   std::deque<Pending> pending_;
+  uint64_t ll_by_ref_epoch_ = 0;  // the LL combine whose rows this rank left in place for the peers to read
   // Reused scratch: staging of LL sends (kept until pushed) and receive-side row buffers.
   std::vector<uint8_t> ll_dispatch_stage_, ll_combine_stage_, scratch_;
+  std::vector<int32_t> ll_combine_rows_;  // y rows of a joined LL combine whose rows the peers read
   std::vector<float> acc_;
 };
 

@@ -35,7 +35,10 @@ struct alignas(64) RingCtl {
   std::atomic<uint64_t> tail;  // bytes written by the producer
   char pad0[56];
   std::atomic<uint64_t> head;  // bytes consumed by the consumer
-  char pad1[56];
+  // The consumer's "done reading the producer's memory up to operation epoch N" (rows it pulled from the
+  // producer instead of receiving them through this ring); monotonic like the counters.
+  std::atomic<uint64_t> read_done;
+  char pad1[48];
 };
 static_assert(sizeof(RingCtl) == 128, "ring control is two cache lines");
 
@@ -91,6 +94,10 @@ class RingEnd {
   // Consumer: copies len ready bytes at offset off from the read position without consuming them.
   void copyOut(void* dst, size_t off, size_t len) const;
   void release(size_t len);
+  // Consumer: it has finished reading the producer's memory for operation `epoch`.
+  void setReadDone(uint64_t epoch) { ctl_->read_done.store(epoch, std::memory_order_release); }
+  // Producer: the last operation epoch for which the consumer finished reading this producer's memory.
+  uint64_t readDone() const { return ctl_->read_done.load(std::memory_order_acquire); }
 
  private:
   RingCtl* ctl_ = nullptr;
