@@ -172,6 +172,78 @@ TEST(Faults, RankKilledDuringHtDispatchAndCombine) {
   expectOnlyVictimKilled(codes, kVictim);
 }
 
+// The same during LL dispatch and combine issued in one call each: combine's peers read the expert outputs out
+// of this rank's y, which must stay put until they signal that they are done (or are found dead).
+TEST(Faults, RankKilledDuringLlDispatchAndCombine) {
+  constexpr int R = 3, kVictim = 2, T = 64, H = 2048, K = 2, E = 6, L = E / R;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    cfg.ll_max_tokens_per_rank = T;
+    cfg.ll_max_hidden = H;
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<uint16_t> x(static_cast<size_t>(T) * H, 0x3c00), recv(static_cast<size_t>(L) * R * T * H);
+    std::vector<uint16_t> out(static_cast<size_t>(T) * H);
+    std::vector<int64_t> idx(static_cast<size_t>(T) * K), range(static_cast<size_t>(L) * R);
+    std::vector<int> count(L), src(static_cast<size_t>(L) * R * T);
+    std::vector<float> w(idx.size(), 0.5f);
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int64_t>((i * 5 + rank) % E);
+    epLlDispatchArgs_t d = EP_LL_DISPATCH_ARGS_INIT;
+    d.num_tokens = T;
+    d.max_tokens_per_rank = T;
+    d.hidden = H;
+    d.topk = K;
+    d.num_experts = E;
+    d.x = x.data();
+    d.topk_idx = idx.data();
+    d.recv_x = recv.data();
+    d.recv_x_bytes = recv.size() * 2;
+    d.recv_count = count.data();
+    d.recv_count_bytes = count.size() * sizeof(int);
+    d.recv_src_info = src.data();
+    d.recv_src_info_bytes = src.size() * sizeof(int);
+    d.recv_layout_range = range.data();
+    d.recv_layout_range_bytes = range.size() * sizeof(int64_t);
+    epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.max_tokens_per_rank = T;
+    c.hidden = H;
+    c.topk = K;
+    c.num_experts = E;
+    c.y = recv.data();
+    c.y_bytes = recv.size() * 2;
+    c.recv_count = count.data();
+    c.recv_src_info = src.data();
+    c.recv_layout_range = range.data();
+    c.topk_idx = idx.data();
+    c.topk_weights = w.data();
+    c.out = out.data();
+    c.out_bytes = out.size() * 2;
+    auto step = [&](int i) { return (i & 1) ? epLlCombine(comm, &c, nullptr) : epLlDispatch(comm, &d, nullptr); };
+    CHECK_OR_RETURN(step(0) == epSuccess && step(1) == epSuccess, "warm-up: %s", epGetLastError(comm));
+    if (rank == kVictim) {
+      std::thread([] {
+        usleep(3000);
+        kill(getpid(), SIGKILL);
+      }).detach();
+      for (int i = 0;; ++i) step(i);
+    }
+    epResult_t r = epSuccess;
+    double last = 0;
+    for (int i = 0; i < 1000000 && r == epSuccess; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      r = step(i);
+      last = msSince(t0);
+    }
+    CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
+    return abortPromptly(comm, rank);
+  }, 60000);
+  expectOnlyVictimKilled(codes, kVictim);
+}
+
 TEST(Faults, RankStopsParticipating) {
   constexpr int R = 3, kSilent = 1;
   epUniqueId id;
