@@ -8,6 +8,12 @@
 // Sends are queued and pushed as ring space allows; every wait keeps pushing, so ranks never deadlock on
 // bounded rings. A wait that sees no progress for timeout_ms, a dead peer process, or an abort ends the
 // operation with an error recorded as the communicator's asynchronous error.
+//
+// Rows by reference. When every rank may read every other's memory (process_vm_readv, EPCOMM_HOST_CMA), the
+// large rows of HT dispatch, HT combine and one-call LL combine stay where they are: the message names them
+// and the receiver reads them straight into place. The owner keeps them untouched until every reader is done:
+// HT ops end with a "done" message from every rank; LL combine readers raise the read_done counter of the
+// ring they received on, because a split-half peer may already have queued later messages on that ring.
 #pragma once
 #include <sys/uio.h>
 
