@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -39,6 +40,28 @@ void expectOnlyVictimKilled(const std::vector<int>& codes, int victim) {
     if (static_cast<int>(r) == victim) continue;
     EXPECT_EQ(codes[r], 0) << "rank " << r;
   }
+}
+
+// Ranks repeat step(i) for i = 0, 1, ...; the victim is killed 3 ms into its loop. A survivor's step must then
+// fail with a remote error or timeout within the deadline, and abort must be prompt.
+int killedMidStep(epComm_t comm, int rank, int victim, const std::function<epResult_t(int)>& step) {
+  if (rank == victim) {
+    std::thread([] {
+      usleep(3000);
+      kill(getpid(), SIGKILL);
+    }).detach();
+    for (int i = 0;; ++i) step(i);
+  }
+  epResult_t r = epSuccess;
+  double last = 0;
+  for (int i = 0; i < 1000000 && r == epSuccess; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    r = step(i);
+    last = msSince(t0);
+  }
+  CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
+  CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
+  return abortPromptly(comm, rank);
 }
 
 epConfig_t config() {
@@ -151,23 +174,7 @@ TEST(Faults, RankKilledDuringHtDispatchAndCombine) {
     c.combined_x_bytes = combined.size() * 2;
     auto step = [&](int i) { return (i & 1) ? epHtCombine(comm, &c, h, nullptr) : epHtDispatch(comm, &a, h, nullptr); };
     CHECK_OR_RETURN(step(0) == epSuccess && step(1) == epSuccess, "warm-up: %s", epGetLastError(comm));
-    if (rank == kVictim) {
-      std::thread([] {
-        usleep(3000);
-        kill(getpid(), SIGKILL);
-      }).detach();
-      for (int i = 0;; ++i) step(i);
-    }
-    epResult_t r = epSuccess;
-    double last = 0;
-    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      r = step(i);
-      last = msSince(t0);
-    }
-    CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
-    CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
-    return abortPromptly(comm, rank);
+    return killedMidStep(comm, rank, kVictim, step);
   }, 60000);
   expectOnlyVictimKilled(codes, kVictim);
 }
@@ -223,23 +230,7 @@ TEST(Faults, RankKilledDuringLlDispatchAndCombine) {
     c.out_bytes = out.size() * 2;
     auto step = [&](int i) { return (i & 1) ? epLlCombine(comm, &c, nullptr) : epLlDispatch(comm, &d, nullptr); };
     CHECK_OR_RETURN(step(0) == epSuccess && step(1) == epSuccess, "warm-up: %s", epGetLastError(comm));
-    if (rank == kVictim) {
-      std::thread([] {
-        usleep(3000);
-        kill(getpid(), SIGKILL);
-      }).detach();
-      for (int i = 0;; ++i) step(i);
-    }
-    epResult_t r = epSuccess;
-    double last = 0;
-    for (int i = 0; i < 1000000 && r == epSuccess; ++i) {
-      auto t0 = std::chrono::steady_clock::now();
-      r = step(i);
-      last = msSince(t0);
-    }
-    CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "got %s (%s)", epGetErrorString(r), epGetLastError(comm));
-    CHECK_OR_RETURN(last < kTimeoutMs + kSlackMs, "failed after %.0f ms, deadline %d ms", last, kTimeoutMs);
-    return abortPromptly(comm, rank);
+    return killedMidStep(comm, rank, kVictim, step);
   }, 60000);
   expectOnlyVictimKilled(codes, kVictim);
 }
