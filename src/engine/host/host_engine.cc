@@ -691,19 +691,10 @@ epResult_t HostEngine::readPeer(int src, const iovec* remote, size_t n, void* ds
 }
 
 epResult_t HostEngine::exchangeDone() {
-  for (int p = 0; p < nranks_; ++p) {
-    MsgHeader h = makeHeader(cur_op_, epSuccess, 0);
-    h.v[0] = -2;  // "done reading your memory"
-    post(p, h, nullptr, 0, {});
-  }
-  pushSends();
-  for (int s = 0; s < nranks_; ++s) {
-    MsgHeader h;
-    EPCHECK(recvInto(s, &h, sizeof(h), epPhaseData));
-    if (h.magic != kMsgMagic || h.epoch != cur_epoch_ || h.src != s || h.v[0] != -2)
-      return fail(epInternalError, s, epPhaseData, "completion message out of sync");
-  }
-  return flushSends(epPhaseData);
+  // This rank is done reading every peer's memory for this operation; then wait until every peer is done with
+  // this rank's (the counters, not messages: nothing else need sit in the rings in between).
+  for (int s = 0; s < nranks_; ++s) in_[0][s].setReadDone(cur_epoch_);
+  return waitReadDone(cur_epoch_);
 }
 
 epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {

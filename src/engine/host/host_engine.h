@@ -12,8 +12,9 @@
 // Rows by reference. When every rank may read every other's memory (process_vm_readv, EPCOMM_HOST_CMA), the
 // large rows of HT dispatch, HT combine and one-call LL combine stay where they are: the message names them
 // and the receiver reads them straight into place. The owner keeps them untouched until every reader is done:
-// HT ops end with a "done" message from every rank; LL combine readers raise the read_done counter of the
-// ring they received on, because a split-half peer may already have queued later messages on that ring.
+// readers raise the read_done counter (to the operation's epoch) of the ring they received the message on,
+// and the owner waits for those counters. A counter rather than a message, because a peer with split LL
+// halves may already have queued later messages on that ring.
 #pragma once
 #include <sys/uio.h>
 
@@ -121,7 +122,7 @@ class HostEngine final : public Engine {
   epResult_t pullRows(int src, const std::vector<int32_t>& tokens, uint64_t remote_base, size_t row, uint8_t* dst);
   epResult_t readPeer(int src, const iovec* remote, size_t n, void* dst, size_t bytes);
   epResult_t htCombinePulled(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in, int c);
-  epResult_t exchangeDone();  // every rank tells every peer it has finished reading its memory
+  epResult_t exchangeDone();  // every rank tells every peer it has finished reading its memory, and waits for theirs
   epResult_t waitReadDone(uint64_t epoch);  // until every peer has finished reading this rank's memory for epoch
   epResult_t drainPayloads(std::vector<Incoming>& in);
   epResult_t statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig);
