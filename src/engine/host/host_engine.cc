@@ -654,25 +654,36 @@ epResult_t HostEngine::recvChannelHeader(int s, int c, uint64_t expect_bytes) {
   return epSuccess;
 }
 
-// Copies rows `tokens` of `row` bytes at remote_base in rank src's memory to dst (contiguous): one
-// process_vm_readv per batch of up to IOV_MAX rows; a plain copy for this rank's own rows.
+// Copies rows `tokens` of `row` bytes at remote_base in rank src's memory to dst (contiguous): runs of
+// consecutive rows as one piece, one process_vm_readv per IOV_MAX pieces; a plain copy for this rank's own rows.
 epResult_t HostEngine::pullRows(int src, const std::vector<int32_t>& tokens, uint64_t remote_base, size_t row,
                                 uint8_t* dst) {
-  if (tokens.empty() || row == 0) return epSuccess;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(remote_base));
-  if (src == rank_) {
-    for (size_t i = 0; i < tokens.size(); ++i) memcpy(dst + i * row, base + static_cast<size_t>(tokens[i]) * row, row);
+  std::vector<iovec> runs;
+  size_t bytes = 0;
+  auto flush = [&]() -> epResult_t {
+    if (runs.empty()) return epSuccess;
+    if (src == rank_) {
+      for (const iovec& v : runs) memcpy(dst, v.iov_base, v.iov_len), dst += v.iov_len;
+    } else {
+      EPCHECK(readPeer(src, runs.data(), runs.size(), dst, bytes));
+      dst += bytes;
+    }
+    runs.clear();
+    bytes = 0;
     return epSuccess;
+  };
+  for (int32_t t : tokens) {
+    const uint8_t* p = base + static_cast<size_t>(t) * row;
+    if (!runs.empty() && static_cast<const uint8_t*>(runs.back().iov_base) + runs.back().iov_len == p) {
+      runs.back().iov_len += row;
+    } else {
+      if (runs.size() == 1024) EPCHECK(flush());  // IOV_MAX
+      runs.push_back({const_cast<uint8_t*>(p), row});
+    }
+    bytes += row;
   }
-  constexpr size_t kBatch = 1024;  // IOV_MAX
-  std::vector<iovec> remote(std::min(tokens.size(), kBatch));
-  for (size_t i = 0; i < tokens.size(); i += kBatch) {
-    const size_t n = std::min(kBatch, tokens.size() - i);
-    for (size_t j = 0; j < n; ++j)
-      remote[j] = {const_cast<uint8_t*>(base) + static_cast<size_t>(tokens[i + j]) * row, row};
-    EPCHECK(readPeer(src, remote.data(), n, dst + i * row, n * row));
-  }
-  return epSuccess;
+  return flush();
 }
 
 // One process_vm_readv of `bytes` from rank src's memory (n remote pieces) into dst.
@@ -1238,7 +1249,6 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
     // the rows stay in y and each peer reads its own (the message lists their y rows); this call returns once
     // every peer is done with them.
     if ((a->phases & EP_LL_RECV) && cma_) {
-      ll_by_ref_epoch_ = cur_epoch_;
       std::vector<int32_t>& idx = ll_combine_rows_;
       idx.clear();
       for (int s = 0; s < R; ++s)
@@ -1367,7 +1377,8 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
                     "rank %d returns %lld rows in LL combine but this rank's routing names %d (token, expert) pairs "
                     "on it: topk_idx or the dispatch outputs passed to combine differ from those of the dispatch",
                     s, static_cast<long long>(in[s].h.v[0]), expect[s]);
-  const bool left_in_y = (a->phases & EP_LL_SEND) && ll_by_ref_epoch_ == pend.epoch;
+  // A call with both halves that reached here sent successfully, and with cross-memory attach left its rows in y.
+  const bool left_in_y = (a->phases & EP_LL_SEND) && cma_;
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
     EPCHECK(flushSends(epPhaseData));
@@ -1381,35 +1392,10 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
       EPCHECK(recvInto(s, dst, expect[s] * row, epPhaseData));
       continue;
     }
-    // Rows left in rank s's y: read them in runs of consecutive y rows, up to IOV_MAX runs per read.
+    // Rows left in rank s's y: the message lists their y rows.
     std::vector<int32_t> yrows(expect[s]);
     EPCHECK(recvInto(s, yrows.data(), yrows.size() * sizeof(int32_t), epPhaseData));
-    const uint8_t* ybase = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(in[s].h.v[2]));
-    std::vector<iovec> runs;
-    size_t bytes = 0;
-    auto flush = [&]() -> epResult_t {
-      if (runs.empty()) return epSuccess;
-      if (s == rank_) {
-        for (const iovec& v : runs) memcpy(dst, v.iov_base, v.iov_len), dst += v.iov_len;
-      } else {
-        EPCHECK(readPeer(s, runs.data(), runs.size(), dst, bytes));
-        dst += bytes;
-      }
-      runs.clear();
-      bytes = 0;
-      return epSuccess;
-    };
-    for (size_t i = 0; i < yrows.size(); ++i) {
-      const uint8_t* p = ybase + static_cast<size_t>(yrows[i]) * row;
-      if (!runs.empty() && static_cast<const uint8_t*>(runs.back().iov_base) + runs.back().iov_len == p) {
-        runs.back().iov_len += row;
-      } else {
-        if (runs.size() == 1024) EPCHECK(flush());
-        runs.push_back({const_cast<uint8_t*>(p), row});
-      }
-      bytes += row;
-    }
-    EPCHECK(flush());
+    EPCHECK(pullRows(s, yrows, static_cast<uint64_t>(in[s].h.v[2]), row, dst));
     in_[0][s].setReadDone(pend.epoch);
   }
   // The rows from rank s occupy [prefix[s], prefix[s+1]); slot numbering above runs over experts in

@@ -154,7 +154,6 @@ class HostEngine final : public Engine {
   int cur_op_ = epOpNone;
   uint64_t cur_epoch_ = 0;
   std::deque<Pending> pending_;
-  uint64_t ll_by_ref_epoch_ = 0;  // the LL combine whose rows this rank left in place for the peers to read
   // Reused scratch: staging of LL sends (kept until pushed) and receive-side row buffers.
   std::vector<uint8_t> ll_dispatch_stage_, ll_combine_stage_, scratch_;
   std::vector<int32_t> ll_combine_rows_;  // y rows of a joined LL combine whose rows the peers read
