@@ -29,7 +29,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -783,11 +782,9 @@ class OfiBackend final : public NetBackend {
   // create its endpoint. A random name per endpoint cannot collide with anything a dead process left.
   static void uniqueShmName(fi_info* info) {
     if (strcmp(info->fabric_attr->prov_name, "shm") != 0 || info->addr_format != FI_ADDR_STR) return;
-    std::random_device rd;
-    uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     char name[96];
     snprintf(name, sizeof(name), "fi_shm://epcomm-%d-%016llx", static_cast<int>(getpid()),
-             static_cast<unsigned long long>(nonce));
+             static_cast<unsigned long long>(randomU64()));
     free(info->src_addr);  // fi_freeinfo frees it with free()
     info->src_addr = strdup(name);
     info->src_addrlen = info->src_addr ? strlen(name) + 1 : 0;
