@@ -164,13 +164,17 @@ struct Net {
 // libfabric's shm provider backs each endpoint with a 16 MiB /dev/shm file (the plugin names it
 // "epcomm-<pid>-<nonce>") and unlinks it only when the library is unloaded normally. Our ranks leave with _exit
 // or are killed, so the parent removes what each one left once the whole run is over.
-void removeShmLeftovers(pid_t pid) {
-  const std::string prefix = "epcomm-" + std::to_string(pid) + "-";
+std::vector<std::string> shmFilesStartingWith(const std::string& prefix) {
+  std::vector<std::string> names;
   if (DIR* d = opendir("/dev/shm")) {
     while (dirent* e = readdir(d))
-      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) unlink((std::string("/dev/shm/") + e->d_name).c_str());
+      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) names.push_back(std::string("/dev/shm/") + e->d_name);
     closedir(d);
   }
+  return names;
+}
+void removeShmLeftovers(pid_t pid) {
+  for (const std::string& f : shmFilesStartingWith("epcomm-" + std::to_string(pid) + "-")) unlink(f.c_str());
 }
 
 // ---- shared memory between the forked ranks (handles, barriers, flags) ----------------------------------------
@@ -975,15 +979,8 @@ TEST_P(NetPlugin, ShmRegionNameIsUnique) {
     char h[NCCL_NET_HANDLE_MAXSIZE];
     CK(net->listen(0, h, &lc));  // opens the device, hence the endpoint
     const std::string ours = "epcomm-" + std::to_string(getpid()) + "-", dflt = std::to_string(getpid()) + ":";
-    int nOurs = 0, nDflt = 0;
-    if (DIR* d = opendir("/dev/shm")) {
-      while (dirent* e = readdir(d)) {
-        nOurs += strncmp(e->d_name, ours.c_str(), ours.size()) == 0;
-        nDflt += strncmp(e->d_name, dflt.c_str(), dflt.size()) == 0;
-      }
-      closedir(d);
-    }
-    REQ(nOurs == 1 && nDflt == 0, "/dev/shm holds %d regions named %s* and %d named %s*", nOurs, ours.c_str(), nDflt,
+    const size_t nOurs = shmFilesStartingWith(ours).size(), nDflt = shmFilesStartingWith(dflt).size();
+    REQ(nOurs == 1 && nDflt == 0, "/dev/shm holds %zu regions named %s* and %zu named %s*", nOurs, ours.c_str(), nDflt,
         dflt.c_str());
     CK(net->closeListen(lc));
     return 0;
