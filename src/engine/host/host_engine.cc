@@ -342,83 +342,73 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
   return epSuccess;
 }
 
-epResult_t HostEngine::waitIn(int peer, size_t bytes, int phase, int ch) {
-  if (in_[ch][peer].available() >= bytes) return epSuccess;
+// Every wait of the engine: step() either finishes (kDone), moves something (kMoved: the no-progress deadline
+// restarts), or finds nothing to do (kIdle: check abort, dead peers and the deadline, then back off). step may
+// name the peer it is waiting on, for the error message.
+template <typename Step>
+epResult_t HostEngine::spin(int peer, int phase, Step&& step) {
   int64_t idle = nowNs(), live = idle;
-  size_t last_avail = 0;
   Backoff backoff;
-  while (true) {
-    size_t avail = in_[ch][peer].available();
-    if (avail >= bytes) return epSuccess;
-    bool moved = pushSends(ch);
-    if (moved || avail != last_avail) {
+  for (;;) {
+    const Spin r = step(peer);
+    if (r == Spin::kDone) return epSuccess;
+    if (r == Spin::kMoved) {
       idle = nowNs();
-      last_avail = avail;
       backoff.reset();
       continue;
     }
     EPCHECK(checkWait(peer, phase, idle, live));
     backoff.pause();
   }
+}
+
+epResult_t HostEngine::waitIn(int peer, size_t bytes, int phase, int ch) {
+  if (in_[ch][peer].available() >= bytes) return epSuccess;
+  size_t last_avail = 0;
+  return spin(peer, phase, [&](int&) {
+    const size_t avail = in_[ch][peer].available();
+    if (avail >= bytes) return Spin::kDone;
+    const bool moved = pushSends(ch);
+    if (!moved && avail == last_avail) return Spin::kIdle;
+    last_avail = avail;
+    return Spin::kMoved;
+  });
 }
 
 epResult_t HostEngine::recvInto(int peer, void* dst, size_t len, int phase, int ch) {
   uint8_t* d = static_cast<uint8_t*>(dst);
-  int64_t idle = nowNs(), live = idle;
-  Backoff backoff;
-  while (len > 0) {
-    size_t n = in_[ch][peer].pull(d, len);
-    bool moved = pushSends(ch);
-    if (n > 0 || moved) {
-      d += n;
-      len -= n;
-      idle = nowNs();
-      backoff.reset();
-      continue;
-    }
-    EPCHECK(checkWait(peer, phase, idle, live));
-    backoff.pause();
-  }
-  return epSuccess;
+  return spin(peer, phase, [&](int&) {
+    if (len == 0) return Spin::kDone;
+    const size_t n = in_[ch][peer].pull(d, len);
+    const bool moved = pushSends(ch);
+    d += n;
+    len -= n;
+    return n > 0 || moved ? Spin::kMoved : Spin::kIdle;
+  });
 }
 
 epResult_t HostEngine::skipIn(int peer, size_t len, int phase, int ch) {
-  int64_t idle = nowNs(), live = idle;
-  Backoff backoff;
-  while (len > 0) {
-    size_t n = std::min(len, in_[ch][peer].available());
+  return spin(peer, phase, [&](int&) {
+    if (len == 0) return Spin::kDone;
+    const size_t n = std::min(len, in_[ch][peer].available());
     if (n > 0) in_[ch][peer].release(n);
-    bool moved = pushSends(ch);
-    if (n > 0 || moved) {
-      len -= n;
-      idle = nowNs();
-      backoff.reset();
-      continue;
-    }
-    EPCHECK(checkWait(peer, phase, idle, live));
-    backoff.pause();
-  }
-  return epSuccess;
+    const bool moved = pushSends(ch);
+    len -= n;
+    return n > 0 || moved ? Spin::kMoved : Spin::kIdle;
+  });
 }
 
 epResult_t HostEngine::flushSends(int phase, int ch) {
-  int64_t idle = nowNs(), live = idle;
-  Backoff backoff;
-  while (true) {
+  return spin(-1, phase, [&](int& waiting) {
     bool empty = true;
     for (auto& q : outq_[ch]) empty = empty && q.empty();
-    if (empty) return epSuccess;
-    if (pushSends(ch)) {
-      idle = nowNs();
-      backoff.reset();
-      continue;
-    }
-    int waiting = -1;
+    if (empty) return Spin::kDone;
+    if (pushSends(ch)) return Spin::kMoved;
+    waiting = -1;
     for (int p = 0; p < nranks_; ++p)
       if (!outq_[ch][p].empty()) waiting = p;
-    EPCHECK(checkWait(waiting, phase, idle, live));
-    backoff.pause();
-  }
+    return Spin::kIdle;
+  });
 }
 
 // Reads every peer's header (and extra array), in rank order.
@@ -447,20 +437,13 @@ epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
 }
 
 epResult_t HostEngine::waitReadDone(uint64_t epoch) {
-  int64_t idle = nowNs(), live = idle;
-  Backoff backoff;
-  for (int p = 0; p < nranks_; ++p) {
-    while (out_[0][p].readDone() < epoch) {
-      if (pushSends()) {
-        idle = nowNs();
-        backoff.reset();
-        continue;
-      }
-      EPCHECK(checkWait(p, epPhaseData, idle, live));
-      backoff.pause();
-    }
-  }
-  return epSuccess;
+  int p = 0;
+  return spin(0, epPhaseData, [&](int& peer) {
+    while (p < nranks_ && out_[0][p].readDone() >= epoch) ++p;
+    if (p == nranks_) return Spin::kDone;
+    peer = p;
+    return pushSends() ? Spin::kMoved : Spin::kIdle;
+  });
 }
 
 // Agreement check after the headers: every rank must have issued the same operation (op, epoch, shape);

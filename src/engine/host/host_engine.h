@@ -110,6 +110,9 @@ class HostEngine final : public Engine {
   epResult_t recvInto(int peer, void* dst, size_t len, int phase, int ch = 0);
   epResult_t skipIn(int peer, size_t len, int phase, int ch = 0);
   epResult_t flushSends(int phase, int ch = 0);
+  enum class Spin { kDone, kMoved, kIdle };
+  template <typename Step>  // Spin step(int& peer)
+  epResult_t spin(int peer, int phase, Step&& step);
   // Runs fn(c) for every channel c at once (c = 0 on the calling thread, the others on the channel threads)
   // and returns the first failure, with its message.
   epResult_t runChannels(const std::function<epResult_t(int)>& fn);
