@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,7 +28,7 @@ namespace {
 
 struct Options {
   int ht_tokens = 4096, ll_tokens = 128, hidden = 7168, topk = 8, experts = 256, iters = 5, warmup = 2, sms = 24;
-  bool ht = true, ll = true;
+  bool ht = true, ll = true, a2a = false;
 };
 
 #define CHECK(call)                                                                                   \
@@ -362,12 +363,8 @@ double p2pBandwidth(cudaStream_t s) {
   return bytes / median(std::vector<double>(t.begin() + 1, t.end()));
 }
 
-void benchGpuHt(const Options& o, std::vector<Row>& rows, double& roof) {
+void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   const int T = o.ht_tokens, H = o.hidden, K = o.topk, E = o.experts, R = nranks;
-  cudaStream_t s;
-  CUCHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  roof = copyRoofline(s);
-  g_p2p = p2pBandwidth(s);
   std::mt19937_64 rng(1234 + rank);
   std::vector<int64_t> idx;
   std::vector<float> w;
@@ -441,12 +438,174 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, double& roof) {
   cudaGraphDestroy(graph);
   epHtHandleDestroy(h);
 }
+
+// LL on the GPU engine, microseconds. Eager: one call after a host barrier (median over iterations). Graph: a
+// graph holding `kReps` back-to-back operations, replayed after a host barrier; its time / kReps per operation
+// (median over replays), which amortizes the barrier's skew between ranks.
+struct LlTimes {
+  std::string what;
+  double eager_us, graph_us;
+  double bytes;  // DeepEP's accounting: bytes of (token, expert) rows this rank sends
+};
+std::vector<LlTimes> g_ll;
+
+void benchGpuLl(const Options& o, cudaStream_t s) {
+  const int T = o.ll_tokens, H = o.hidden, K = o.topk, E = o.experts, L = E / nranks, M = T, R = nranks;
+  std::mt19937_64 rng(4321 + rank);
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  makeRouting(rng, T, K, E, idx, w);
+  std::vector<uint16_t> x;
+  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  int64_t* d_idx = devUpload(idx);
+  float* d_w = devUpload(w);
+  uint16_t* d_x = devUpload(x);
+  double pairs = 0;
+  for (int64_t e : idx) pairs += e >= 0;
+  const size_t rows = static_cast<size_t>(L) * R * M;
+  void* recv_x = devAlloc(rows * H * 2);
+  float* scales = static_cast<float*>(devAlloc(rows * (H / 128) * 4));
+  int* cnt = static_cast<int*>(devAlloc(L * 4));
+  int* src = static_cast<int*>(devAlloc(rows * 4));
+  int64_t* lr = static_cast<int64_t*>(devAlloc(static_cast<size_t>(L) * R * 8));
+  void* y = devAlloc(rows * H * 2);
+  void* out = devAlloc(static_cast<size_t>(T) * H * 2);
+  auto dargs = [&](bool fp8, unsigned phases) {
+    epLlDispatchArgs_t d = EP_LL_DISPATCH_ARGS_INIT;
+    d.num_tokens = T;
+    d.max_tokens_per_rank = M;
+    d.hidden = H;
+    d.topk = K;
+    d.num_experts = E;
+    d.use_fp8 = fp8;
+    d.phases = phases;
+    d.x = d_x;
+    d.topk_idx = d_idx;
+    d.recv_x = recv_x;
+    d.recv_x_bytes = rows * H * 2;
+    d.recv_x_scales = fp8 ? scales : nullptr;
+    d.recv_x_scales_bytes = fp8 ? rows * (H / 128) * 4 : 0;
+    d.recv_count = cnt;
+    d.recv_count_bytes = L * 4;
+    d.recv_src_info = src;
+    d.recv_src_info_bytes = rows * 4;
+    d.recv_layout_range = lr;
+    d.recv_layout_range_bytes = static_cast<size_t>(L) * R * 8;
+    return d;
+  };
+  auto cargs = [&](unsigned phases) {
+    epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.max_tokens_per_rank = M;
+    c.hidden = H;
+    c.topk = K;
+    c.num_experts = E;
+    c.phases = phases;
+    c.y = y;
+    c.y_bytes = rows * H * 2;
+    c.recv_count = cnt;
+    c.recv_src_info = src;
+    c.recv_layout_range = lr;
+    c.topk_idx = d_idx;
+    c.topk_weights = d_w;
+    c.out = out;
+    c.out_bytes = static_cast<size_t>(T) * H * 2;
+    return c;
+  };
+  constexpr int kReps = 20;
+  const int samples = std::max(o.iters, 1000 / kReps);
+  auto measure = [&](const std::string& what, double bytes, const std::function<void()>& op) {
+    std::vector<double> te, tg;
+    for (int i = 0; i < o.warmup + samples; ++i) {
+      double t = timeOnStream(s, op);
+      if (i >= o.warmup) te.push_back(t);
+    }
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUCHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int r = 0; r < kReps; ++r) op();
+    CUCHECK(cudaStreamEndCapture(s, &graph));
+    CUCHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < o.warmup + samples; ++i) {
+      double t = timeOnStream(s, [&] { CUCHECK(cudaGraphLaunch(exec, s)); });
+      if (i >= o.warmup) tg.push_back(t / kReps);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    g_ll.push_back({what, median(te) * 1e6, median(tg) * 1e6, bytes});
+  };
+  const double row = 2.0 * H, row8 = H + H / 128 * 4.0;
+  for (int fp8 = 0; fp8 < 2; ++fp8) {
+    epLlDispatchArgs_t d = dargs(fp8, EP_LL_SEND_RECV), ds = dargs(fp8, EP_LL_SEND), dr = dargs(fp8, EP_LL_RECV);
+    const std::string tag = fp8 ? " fp8" : "";
+    const double b = pairs * (fp8 ? row8 : row);
+    measure("dispatch" + tag, b, [&] { CHECK(epLlDispatch(comm, &d, s)); });
+    measure("dispatch halves" + tag, b, [&] {
+      CHECK(epLlDispatch(comm, &ds, s));
+      CHECK(epLlDispatch(comm, &dr, s));
+    });
+  }
+  epLlDispatchArgs_t d = dargs(false, EP_LL_SEND_RECV);
+  CHECK(epLlDispatch(comm, &d, s));
+  CUCHECK(cudaMemcpyAsync(y, recv_x, rows * H * 2, cudaMemcpyDeviceToDevice, s));
+  epLlCombineArgs_t c = cargs(EP_LL_SEND_RECV), cs = cargs(EP_LL_SEND), cr = cargs(EP_LL_RECV);
+  measure("combine", pairs * row, [&] { CHECK(epLlCombine(comm, &c, s)); });
+  measure("combine halves", pairs * row, [&] {
+    CHECK(epLlCombine(comm, &cs, s));
+    CHECK(epLlCombine(comm, &cr, s));
+  });
+  measure("round trip", 2 * pairs * row, [&] {
+    CHECK(epLlDispatch(comm, &d, s));
+    CHECK(epLlCombine(comm, &c, s));
+  });
+  for (void* p : {static_cast<void*>(d_idx), static_cast<void*>(d_w), static_cast<void*>(d_x), recv_x,
+                  static_cast<void*>(scales), static_cast<void*>(cnt), static_cast<void*>(src),
+                  static_cast<void*>(lr), y, out})
+    cudaFree(p);
+}
+
+// alltoallv (device counts) on the GPU engine: `bytes` per rank split evenly over the ranks. Useful work is each
+// byte read once and written once: 2 * bytes * R per operation over the copy roofline of the same run.
+struct A2aTimes {
+  size_t bytes;
+  double host_us, dev_us;
+};
+std::vector<A2aTimes> g_a2a;
+
+void benchGpuA2a(const Options& o, cudaStream_t s) {
+  const int R = nranks;
+  for (size_t bytes = size_t{1} << 20; bytes <= (size_t{256} << 20); bytes <<= 2) {
+    const size_t per = bytes / R / 4 * 4;  // float32 elements to each peer, as bytes
+    void* sb = devAlloc(per * R);
+    void* rb = devAlloc(per * R);
+    std::vector<int64_t> counts(R, static_cast<int64_t>(per / 4));
+    int64_t* dc = devUpload(counts);
+    int64_t* rc = static_cast<int64_t*>(devAlloc(R * 8));
+    std::vector<size_t> hc(R, per / 4), hd(R);
+    for (int p = 0; p < R; ++p) hd[p] = p * (per / 4);
+    std::vector<double> th, td;
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      double a = timeOnStream(s, [&] {
+        CHECK(epAlltoallv(comm, sb, hc.data(), hd.data(), rb, hc.data(), hd.data(), epFloat32, s));
+      });
+      double b = timeOnStream(s, [&] {
+        CHECK(epAlltoallvDevice(comm, sb, dc, rb, per / 4 * R, rc, nullptr, epFloat32, s));
+      });
+      if (i >= o.warmup) {
+        th.push_back(a);
+        td.push_back(b);
+      }
+    }
+    g_a2a.push_back({per * R, median(th) * 1e6, median(td) * 1e6});
+    for (void* p : {sb, rb, static_cast<void*>(dc), static_cast<void*>(rc)}) cudaFree(p);
+  }
+}
 #endif
 
 int usage(const char* argv0) {
   fprintf(stderr,
           "usage: epcomm-run -n R -- %s [--ht-tokens N] [--ll-tokens N] [--hidden H] [--topk K] [--experts E]\n"
-          "                                [--iters N] [--warmup N] [--ops ht,ll] [--sms N]\n",
+          "                                [--iters N] [--warmup N] [--ops ht,ll,a2a] [--sms N]\n",
           argv0);
   return 2;
 }
@@ -473,6 +632,7 @@ int main(int argc, char** argv) {
       std::string ops = argv[++i];
       o.ht = ops.find("ht") != std::string::npos;
       o.ll = ops.find("ll") != std::string::npos;
+      o.a2a = ops.find("a2a") != std::string::npos;
     } else return usage(argv[0]);
   }
   epConfig_t cfg = EP_CONFIG_INIT;
@@ -495,7 +655,13 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   if (engine == EP_ENGINE_GPU) {
 #ifdef EPCOMM_HAVE_GPU_ENGINE
-    benchGpuHt(o, rows, roof);  // LL on the GPU engine lands with its issue
+    cudaStream_t s;
+    CUCHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    roof = copyRoofline(s);
+    g_p2p = p2pBandwidth(s);
+    if (o.ht) benchGpuHt(o, rows, s);
+    if (o.ll) benchGpuLl(o, s);
+    if (o.a2a) benchGpuA2a(o, s);
 #endif
   } else {
     roof = memcpyRoofline();
@@ -520,6 +686,24 @@ int main(int argc, char** argv) {
       if (g_p2p > 0) printf("   x_p2p %.3f", r.deepep_gbs * 1e9 / g_p2p);
       printf("\n");
     }
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+    if (!g_ll.empty())
+      printf("LL on the GPU engine, rank 0's view: %d tokens, hidden %d, top-%d, %d experts; eager = one call after "
+             "a host barrier, graph = back-to-back operations in one graph, per operation (median)\n%-22s %10s %10s "
+             "%14s\n", o.ll_tokens, o.hidden, o.topk, o.experts, "LL operation", "eager_us", "graph_us",
+             "GB/s(DeepEP)");
+    for (const LlTimes& t : g_ll)
+      printf("%-22s %10.1f %10.1f %14.2f\n", t.what.c_str(), t.eager_us, t.graph_us, t.bytes / t.graph_us / 1e3);
+    if (!g_a2a.empty())
+      printf("alltoallv on the GPU engine (float32, even splits), rank 0's view; x_copy = useful bytes (read + "
+             "written once, all ranks) per second over the copy roofline\n%-12s %12s %9s %12s %9s\n",
+             "bytes/rank", "host_us", "x_copy", "device_us", "x_copy");
+    for (const A2aTimes& t : g_a2a) {
+      const double useful = 2.0 * t.bytes * nranks;
+      printf("%-12zu %12.1f %9.3f %12.1f %9.3f\n", t.bytes, t.host_us, useful / (t.host_us * 1e-6) / roof, t.dev_us,
+             useful / (t.dev_us * 1e-6) / roof);
+    }
+#endif
   }
   CHECK(epCommDestroy(comm));
   return 0;

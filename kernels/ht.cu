@@ -5,126 +5,14 @@
 
 #include "common/dtype.h"
 #include "engine/routing.h"
+#include "kernels/device_common.cuh"
 #include "kernels/ht.h"
+#include "kernels/queues.cuh"
 
 namespace epcomm {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint64_t ldAcquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void stRelease(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Starts operation `epoch + 1` (one thread of a one-block kernel). The epoch is read and written with strong
-// operations, never through a possibly stale L1 line: a stale epoch would put this rank behind its peers.
-__device__ __forceinline__ uint64_t bumpEpoch(GpuCtrl* c) {
-  const uint64_t e = ldAcquire(&c->epoch) + 1;
-  stRelaxed(&c->epoch, e);
-  __threadfence();
-  return e;
-}
-__device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) { return ldAcquire(&p.ctrl->epoch); }
-
-// First failure wins; later waits see err->code and give up at once.
-__device__ void recordError(const HtParams& p, int code, int peer, int phase, uint64_t epoch) {
-  if (atomicCAS_system(&p.err->code, 0, code) == 0) {
-    p.err->op = p.op;
-    p.err->epoch = epoch;
-    p.err->rank = p.rank;
-    p.err->peer = peer;
-    p.err->phase = phase;
-    __threadfence_system();
-  }
-}
-
-__device__ void recordViolation(const HtParams& p, int code) {
-  atomicCAS_system(&p.err->violation_code, 0, code);
-  atomicAdd_system(reinterpret_cast<unsigned long long*>(&p.err->violations), 1ull);
-}
-
-// Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.
-__device__ bool waitAtLeast(const HtParams& p, const uint64_t* flag, uint64_t want, int peer, int phase,
-                            uint64_t epoch) {
-  if (ldAcquire(flag) >= want) return true;
-  // %globaltimer can step backwards or jump when the driver resynchronizes it (seen in a VM): elapsed time is
-  // the sum of the forward steps between checks, each capped, so a jump never fakes a timeout.
-  constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;
-  uint64_t last = globaltimer(), elapsed = 0;
-  volatile GpuErrorRecord* err = p.err;
-  for (uint32_t it = 1;; ++it) {
-    if (ldAcquire(flag) >= want) return true;
-    if ((it & 127) == 0) {
-      if (err->code != 0 || err->abort != 0) return false;
-      const uint64_t now = globaltimer();
-      const int64_t step = static_cast<int64_t>(now - last);
-      last = now;
-      if (step > 0) elapsed += static_cast<uint64_t>(step) < kMaxStepNs ? static_cast<uint64_t>(step) : kMaxStepNs;
-      if (elapsed > p.timeout_ns) {
-        recordError(p, epTimeout, peer, phase, epoch);
-        return false;
-      }
-    }
-    __nanosleep(64);
-  }
-}
-
-// A warp copies one row of `bytes` (a multiple of 16), four 16-byte loads in flight per lane.
-__device__ __forceinline__ void warpCopy16(void* dst, const void* src, size_t bytes, int lane) {
-  const int4* s = static_cast<const int4*>(src);
-  int4* d = static_cast<int4*>(dst);
-  const int n = static_cast<int>(bytes / 16);
-  for (int i = lane; i < n; i += 128) {
-    int4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (i + u * 32 < n) v[u] = s[i + u * 32];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (i + u * 32 < n) d[i + u * 32] = v[u];
-  }
-}
-
-__device__ __forceinline__ void warpCopy4(void* dst, const void* src, size_t bytes, int lane) {
-  const uint32_t* s = static_cast<const uint32_t*>(src);
-  uint32_t* d = static_cast<uint32_t*>(dst);
-  for (int i = lane; i < static_cast<int>(bytes / 4); i += 32) d[i] = s[i];
-}
-
-// The G warps that serve one peer in a block synchronize among themselves only (named barrier 1 + peer), so
-// peers never wait for each other. With one warp per peer a warp barrier suffices.
-__device__ __forceinline__ void groupSync(int G, int peer) {
-  if (G == 1) {
-    __syncwarp();
-  } else {
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + peer), "r"(G * 32) : "memory");
-  }
-}
-
-__device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoch, int src) {
-  return p.lay.mailbox + ((epoch & 1) * p.nranks + src) * p.lay.mailbox_entry;
-}
-
-__device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int kind, int src, int ch) {
-  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.qctrl + kind * p.lay.qctrl_stride) + src * p.C + ch;
-}
-__device__ __forceinline__ int chanBegin(int T, int C, int c) {
-  return static_cast<int>(static_cast<int64_t>(T) * c / C);
-}
+using namespace dev;
 
 // ---------------------------------------------------------------------------------------------------------
 // Begin: bumps the epoch (one block, so no other block of this launch reads it).
@@ -362,46 +250,6 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     if (threadIdx.x == 0 && p.num_recv_out) *p.num_recv_out = num_recv;
   }
 }
-
-template <int kDtype>
-struct Vec8;  // 16 bytes of a row as floats
-// bf16 and fp16: eight 16-bit values per 16 bytes, converted by the shared rules of common/dtype.h.
-template <float (*kToFloat)(uint16_t), uint16_t (*kFromFloat)(float)>
-struct Vec8Half {
-  static constexpr int kN = 8;
-  __device__ static void add(float* acc, int4 v) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], kToFloat(h[i]));
-  }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    uint16_t* h = reinterpret_cast<uint16_t*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = kFromFloat(acc[i]);
-    return v;
-  }
-};
-template <>
-struct Vec8<epBfloat16> : Vec8Half<bf16ToFloat, floatToBf16> {};
-template <>
-struct Vec8<epFloat16> : Vec8Half<fp16ToFloat, floatToFp16> {};
-template <>
-struct Vec8<epFloat32> {
-  static constexpr int kN = 4;
-  __device__ static void add(float* acc, int4 v) {
-    const float* f = reinterpret_cast<const float*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
-  }
-  __device__ static int4 pack(const float* acc) {
-    int4 v;
-    float* f = reinterpret_cast<float*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = acc[i];
-    return v;
-  }
-};
 
 // ---------------------------------------------------------------------------------------------------------
 // Combine: block 2c returns, for every source s, the rows of s's channel-c tokens (contiguous in this rank's

@@ -2,7 +2,7 @@
 # Runs the GPU suite and the GPU benchmark on a machine with one (or more) GPUs, ranks as processes under a
 # private CUDA MPS daemon (started here, stopped on exit).
 #   scripts/gpu_run.sh [BIN_DIR] [test|bench|all] [ranks, e.g. "2,4,8"]
-# BIN_DIR holds test_gpu_ht, epcomm-bench, epcomm-run and libepcomm.so* (scripts/gpu_stage.sh fills one
+# BIN_DIR holds test_gpu_ht, test_gpu_ll, epcomm-bench, epcomm-run and libepcomm.so* (scripts/gpu_stage.sh fills one
 # from a build); default: build/.
 set -uo pipefail
 BIN=${1:-build}
@@ -23,8 +23,12 @@ fi
 
 rc=0
 if [ "$WHAT" = test ] || [ "$WHAT" = all ]; then
-  EPCOMM_GPU_TEST_RANKS=$RANKS timeout 1200 "$BIN/test_gpu_ht" 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\[ *RUN|^vm|WARN"
-  rc=${PIPESTATUS[0]}
+  for t in ${GPU_TESTS:-test_gpu_ht test_gpu_ll}; do
+    EPCOMM_GPU_TEST_RANKS=$RANKS timeout ${GPU_TEST_TIMEOUT:-1200} "$BIN/$t" ${GTEST_ARGS:-} 2>&1 | tee -a "$OUT/gpu_tests.log" | grep -vE "^\[ *RUN|^vm|WARN"
+    trc=${PIPESTATUS[0]}
+    echo "$t exit code: $trc"
+    [ "$trc" -ne 0 ] && rc=$trc
+  done
   echo "gpu suite exit code: $rc"
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then

@@ -20,14 +20,17 @@
  * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
  *   device memory. The ranks must share one host; their communication buffers (allocated once, at creation)
  *   are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (under MPS).
- *   This release runs layout and HT dispatch/combine on the GPU; LL and alltoallv return epNotSupported.
- *   Argument arrays in device memory (topk_idx) are checked by the kernels: a bad expert id is treated as -1
+ *   Every operation runs on the GPU. Argument arrays in device memory (topk_idx, alltoallv device counts, the
+ *   dispatch outputs passed back to LL combine) are checked by the kernels: a bad expert id is treated as -1
  *   and counted, a worst-token overflow is not written past the capacity; both are reported by
  *   epCommGetAsyncError without breaking the communicator. worst-token and cached dispatch and combine never
  *   synchronize with the host and may be captured in CUDA graphs; epHtDispatchNotify synchronizes. A call
  *   rejected by the host-side checks launches nothing: when every rank rejects it (the usual case, the shapes
  *   being the same everywhere) nothing else happens; when only some do, the others' kernels end at the
- *   deadline and epCommGetAsyncError reports the timeout.
+ *   deadline and epCommGetAsyncError reports the timeout. Both LL halves, LL with both halves, and alltoallv
+ *   with device counts never synchronize with the host and may be captured in CUDA graphs (each half in its own
+ *   graph too). epAlltoallv (host counts) is asynchronous as well; a count one side disagrees with is reported
+ *   as an epInvalidUsage violation and each side moves the smaller count.
  * - EP_ENGINE_AUTO resolves to the GPU engine when the library was built with it and a CUDA device is
  *   visible, otherwise to the host engine. Query the result with epCommEngine.
  *
@@ -135,7 +138,8 @@ typedef struct {
   size_t queue_bytes;          /* bytes of each per-peer, per-channel queue; 0 = EPCOMM_QUEUE_BYTES */
   int ll_max_tokens_per_rank;  /* low-latency capacity: tokens per rank per call; 0 = LL disabled */
   int ll_max_hidden;           /* low-latency: largest hidden size; 0 = 7168 */
-  int ll_num_experts;          /* low-latency: experts the LL buffers are sized for; 0 = any (host engine) */
+  int ll_num_experts;          /* low-latency: experts the LL buffers are sized for; 0 = any on the host engine,
+                                  256 on the GPU engine (whose combine buffers hold one row per expert and token) */
   int ht_max_tokens_per_rank;  /* GPU engine, HT: most tokens a rank dispatches per call (sizes the combine
                                   staging); 0 = 4096 */
   int ht_max_hidden;           /* GPU engine, HT: largest hidden size in bf16 rows (fp32 rows take two); 0 = 7168 */
@@ -340,6 +344,18 @@ EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, 
  * phases: EP_LL_SEND issues this rank's sends and returns without waiting for peers; EP_LL_RECV completes
  * the receive (the "hook"); EP_LL_SEND_RECV does both. Call both halves with the same arguments; at most one
  * dispatch and one combine may be between their halves at a time.
+ * GPU engine: each half is one kernel on the call's stream; the receive half may go on another stream than the
+ * send half, ordered after it by the caller (an event, or stream order): sends of one kind (dispatch or combine)
+ * must run in issue order, and so must receives. A rank's send half of operation n + 2 waits on the device
+ * until every peer has finished receiving operation n (two operations in flight per kind, no host involvement).
+ *
+ * Bit-level contract (both engines, and any reimplementation, produce the same bits):
+ * - fp8 (use_fp8): per 128-column block, amax = max |x| over the block (as fp32), floored at 1e-4 (an all-zero
+ *   block therefore gets scale 1e-4 / 448 and all-zero values); scale = fp32(amax / 448); each value is
+ *   e4m3(fp32(x * fp32(448 / amax))), rounded to nearest even and saturated at +-448 (OCP e4m3fn, no inf).
+ * - Combines accumulate in fp32 starting from +0, in the order stated above; in LL combine each term is
+ *   fp32(w * y) rounded before the sum fp32(acc + term) is rounded (no fused multiply-add), and the result is
+ *   rounded once to the output type (round to nearest even). HT combine adds rows without weights.
  * ------------------------------------------------------------------------------------------------------- */
 typedef enum { EP_LL_EXPERT_MAJOR = 0, EP_LL_RANK_MAJOR = 1 } epLlLayout_t;
 #define EP_LL_SEND 0x1u
@@ -432,8 +448,10 @@ EPCOMM_API epResult_t epLlDispatchSizes(epComm_t comm, const epLlDispatchArgs_t*
  * rank r's send_counts[p] must equal rank p's recv_counts[r] (checked; a mismatch fails on both sides).
  * Device-count variant (graph-safe): send_counts [R] int64 in engine memory, send rows packed by destination
  * in rank order; received data packed by source rank into recvbuf, which holds recv_capacity elements;
- * recv_counts [R] int64 in engine memory is written. Data past the capacity is dropped and counted in
- * *num_dropped (engine memory, may be NULL) and the call returns epCapacityExceeded on the receiver.
+ * recv_counts [R] int64 in engine memory is written with the counts each source sent, including what was
+ * dropped. Data past the capacity is dropped and counted in *num_dropped (engine memory, may be NULL); the host
+ * engine returns epCapacityExceeded on the receiver, the GPU engine (which cannot return a device-side count)
+ * records an epCapacityExceeded violation (epCommGetAsyncError) and returns epSuccess.
  * ------------------------------------------------------------------------------------------------------- */
 EPCOMM_API epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size_t* send_counts,
                                   const size_t* send_displs, void* recvbuf, const size_t* recv_counts,

@@ -501,8 +501,9 @@ epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* 
     EP_REQUIRE(dtypeSize(dtype) > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
     EP_REQUIRE(send_counts != nullptr, epNullPointer, "send_counts is NULL");
     EP_REQUIRE(recv_counts != nullptr, epNullPointer, "recv_counts is NULL");
-    int64_t s = 0;
-    for (int p = 0; p < comm->nranks; ++p) {
+    // Counts in device memory (GPU engine) are checked by the kernels: a negative count is a violation.
+    int64_t s = comm->engine->hostMemory() ? 0 : 1;
+    for (int p = 0; p < comm->nranks && comm->engine->hostMemory(); ++p) {
       EP_REQUIRE(send_counts[p] >= 0, epInvalidArgument, "send_counts[%d] = %lld is negative", p,
                  static_cast<long long>(send_counts[p]));
       s += send_counts[p];

@@ -39,6 +39,34 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
           }
 }
 
+// The LL region: areas in order, 256-byte aligned, without overlap, slots large enough for a row of ll_max_hidden
+// bf16 values, its metadata and its fp8 scales, combine rows 16-byte aligned.
+TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
+  for (int R : {1, 2, 3, 8, 16})
+    for (int M : {1, 2, 128, 1000})
+      for (int H : {128, 7168})
+        for (int E : {R * 2, 256 / R * R, 4096 / R * R}) {
+          const LlLayout l = llLayout(R, M, E, H);
+          const size_t areas[] = {l.tag, l.ack, l.counts, l.slots, l.comb, l.total};
+          for (size_t i = 0; i + 1 < sizeof(areas) / sizeof(areas[0]); ++i) {
+            EXPECT_EQ(areas[i] % 256, 0u);
+            EXPECT_LT(areas[i], areas[i + 1]);
+          }
+          EXPECT_GE(l.tag, sizeof(LlCtrl));
+          EXPECT_LE(l.tag + 4 * static_cast<size_t>(R) * 8, l.ack);
+          EXPECT_LE(l.ack + 2 * static_cast<size_t>(R) * 8, l.counts);
+          EXPECT_GE(l.count_entry, 16 + 4 * static_cast<size_t>(E / R));
+          EXPECT_LE(l.counts + 2 * static_cast<size_t>(R) * l.count_entry, l.slots);
+          EXPECT_GE(l.slot_row, sizeof(LlSlotMeta));
+          EXPECT_GE(l.slot_scales - l.slot_row, static_cast<size_t>(H) * 2);
+          EXPECT_GE(l.slot - l.slot_scales, static_cast<size_t>(H) / 128 * 4);
+          EXPECT_EQ(l.slot % 16, 0u);
+          EXPECT_LE(l.slots + 2 * static_cast<size_t>(R) * M * l.slot, l.comb);
+          EXPECT_EQ(l.comb_row % 16, 0u);
+          EXPECT_LE(l.comb + 2 * static_cast<size_t>(E) * M * l.comb_row, l.total);
+        }
+}
+
 TEST(Routing, ExpertMapLayoutRangeAndRepeats) {
   ExpertMap m{256, 8, 32};
   EXPECT_EQ(m.rankOf(0), 0);

@@ -24,8 +24,6 @@ struct GpuHandle {
   void* mem = nullptr;
 };
 
-cudaStream_t streamOf(epStream_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
 }  // namespace
 
 int gpuDeviceCount() {
@@ -92,6 +90,8 @@ epResult_t GpuEngine::init() {
             ids[comm_->rank].bus, cap > 0 ? cap : 1, blocks_);
     blocks_ = cap > 0 ? cap : 1;
   }
+  // LL kernels are latency-bound: they take more SMs than HT's budget (up to 64), within the same sharing cap.
+  ll_default_blocks_ = std::max(1, std::min(64, sharing > 1 ? cap : sms));
   const int channels = std::max(1, std::min(blocks_ / 2, kGpuMaxChannels));
   const int queue_rows = static_cast<int>(epParamGpuQueueRows());
   // The reducing block consumes one token per warp per round (up to 32 warps): a queue holds at least that.
@@ -104,6 +104,7 @@ epResult_t GpuEngine::init() {
   memset(err_host_, 0, sizeof(GpuErrorRecord));
   e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
+  EPCHECK(initLl());
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
           device_, R, lay_.total, lay_.channels, lay_.queue_rows);
   if (getenv("EPCOMM_GPU_REPORT") && comm_->rank == 0)
@@ -214,6 +215,12 @@ epResult_t GpuEngine::layout(const int64_t* topk_idx, int T, int K, int E, int* 
   return checkLaunch(launchLayout(p, per_rank, per_expert, in_rank, streamOf(stream)), "the layout kernel");
 }
 
+epResult_t checkAligned(const void* p, const char* name) {
+  EP_REQUIRE((reinterpret_cast<uintptr_t>(p) & 15) == 0, epInvalidArgument,
+             "%s = %p must be 16-byte aligned for the GPU engine", name, p);
+  return epSuccess;
+}
+
 // Shape checks only the GPU engine has (its queue slots and combine staging are sized at creation).
 static epResult_t checkGpuShape(const GpuBufferLayout& lay, int max_tokens, int T, int E, int K, size_t xrow) {
   EP_REQUIRE(E <= kGpuMaxExperts, epInvalidNumExperts, "num_experts = %d exceeds the GPU engine's %d", E,
@@ -224,12 +231,6 @@ static epResult_t checkGpuShape(const GpuBufferLayout& lay, int max_tokens, int 
              xrow, lay.x_stride);
   EP_REQUIRE(T <= max_tokens, epCapacityExceeded, "num_tokens = %d exceeds config.ht_max_tokens_per_rank = %d", T,
              max_tokens);
-  return epSuccess;
-}
-
-static epResult_t checkAligned(const void* p, const char* name) {
-  EP_REQUIRE((reinterpret_cast<uintptr_t>(p) & 15) == 0, epInvalidArgument,
-             "%s = %p must be 16-byte aligned for the GPU engine", name, p);
   return epSuccess;
 }
 
@@ -304,28 +305,6 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
   return checkLaunch(launchHtCombine(p, s), "the combine kernel");
-}
-
-epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t*, epResult_t local, epStream_t) {
-  EPCHECK(local);
-  EP_FAIL(epNotSupported, "LL dispatch on the GPU engine is not in this release (use the host engine)");
-}
-
-epResult_t GpuEngine::llCombine(const epLlCombineArgs_t*, epResult_t local, epStream_t) {
-  EPCHECK(local);
-  EP_FAIL(epNotSupported, "LL combine on the GPU engine is not in this release (use the host engine)");
-}
-
-epResult_t GpuEngine::alltoallv(const void*, const size_t*, const size_t*, void*, const size_t*, const size_t*,
-                                size_t, epResult_t local, epStream_t) {
-  EPCHECK(local);
-  EP_FAIL(epNotSupported, "alltoallv on the GPU engine is not in this release (use the host engine)");
-}
-
-epResult_t GpuEngine::alltoallvDevice(const void*, const int64_t*, void*, size_t, int64_t*, int64_t*, size_t,
-                                      epResult_t local, epStream_t) {
-  EPCHECK(local);
-  EP_FAIL(epNotSupported, "alltoallv on the GPU engine is not in this release (use the host engine)");
 }
 
 epResult_t GpuEngine::barrier(epStream_t stream) {

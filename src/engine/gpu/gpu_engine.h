@@ -1,6 +1,7 @@
-// The GPU engine: HT dispatch/combine and layout between the GPUs of one host (kernels/ht.cu), over
-// communication buffers shared with CUDA IPC. Launch planning and host bookkeeping only; per-operation state
-// lives in device memory (gpu_types.h), so nothing here runs between the kernels of captured operations.
+// The GPU engine: every operation between the GPUs of one host, over communication buffers shared with CUDA
+// IPC. Launch planning and host-side checks only; per-operation state lives in device memory (gpu_types.h), so
+// nothing here runs between the kernels of captured operations. One file per operation family:
+// gpu_engine.cc (creation, layout, HT), ll.cc (LL dispatch/combine), alltoallv.cc; kernels in kernels/.
 #pragma once
 #include <memory>
 
@@ -11,7 +12,9 @@
 
 namespace epcomm {
 
-int gpuDeviceCount();  // CUDA devices visible to this process (0 without a driver)
+int gpuDeviceCount();
+epResult_t checkAligned(const void* p, const char* name);  // 16-byte alignment of a row buffer
+inline cudaStream_t streamOf(epStream_t s) { return reinterpret_cast<cudaStream_t>(s); }  // CUDA devices visible to this process (0 without a driver)
 std::unique_ptr<Engine> makeGpuEngine(epComm* comm);
 
 class GpuEngine final : public Engine {
@@ -42,6 +45,9 @@ class GpuEngine final : public Engine {
 
  private:
   HtParams baseParams(int op) const;
+  LlParams llParams(int op) const;
+  epResult_t llCheck(int family, unsigned phases, int num_experts, int hidden, int dtype, int topk) const;
+  epResult_t initLl();
   HtParams dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const;
   epResult_t checkLaunch(cudaError_t e, const char* what);
 
@@ -53,6 +59,12 @@ class GpuEngine final : public Engine {
   GpuErrorRecord* err_host_ = nullptr;  // host-mapped
   GpuErrorRecord* err_dev_ = nullptr;
   uint64_t violations_seen_ = 0;
+  // LL: a second buffer (present when config.ll_max_tokens_per_rank > 0), its fixed grid, and the halves this
+  // rank issued per family (host-side call-order checks only; the kernels never read them).
+  IpcBuffers ll_bufs_;
+  LlLayout ll_lay_{};
+  int ll_blocks_ = 0, ll_default_blocks_ = 1;
+  uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
 };
 
 }  // namespace epcomm

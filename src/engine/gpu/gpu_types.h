@@ -83,6 +83,72 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   return l;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Low-latency (LL) region: a second buffer per rank, allocated at creation when config.ll_max_tokens_per_rank
+// > 0 and mapped by every peer like the HT buffer. Two families (dispatch = 0, combine = 1), each with its own
+// epochs, so a dispatch and a combine may be between their halves at once. Operation n of a family uses
+// parity n & 1 of the slot areas, so the send half of n + 1 never writes where the receive half of n reads.
+//   [LlCtrl]                                   epochs and completion counters, written by this rank only
+//   [tag:  2 fam x 2 par x R] uint64          written by src: "my rows of operation n are in" (= n)
+//   [ack:  2 fam x R] uint64                  written by dst: "I finished reading your operation n" (= n)
+//   [dispatch counts: 2 par x R] LlCountEntry T of src and its (token, expert) pairs per local expert
+//   [dispatch slots:  2 par x R x M] slot     token t of src at [src][t]: LlSlotMeta, row, scales; a token
+//                                              goes once to each rank that hosts one of its experts
+//   [combine slots:   2 par x E x M] row       expert output for (expert x, token t) of this rank's tokens
+// A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
+// its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
+// reads, and its last block acknowledges. Epochs are advanced by the last block of each launch (rule G2).
+// ---------------------------------------------------------------------------------------------------------
+enum LlFamily { kLlDispatch = 0, kLlCombine = 1 };
+
+struct LlCtrl {
+  alignas(128) uint64_t send_epoch[2];  // send halves completed, per family
+  alignas(128) uint64_t recv_epoch[2];  // receive halves completed
+  alignas(128) uint64_t send_done[2];   // cumulative blocks finished, per family (last-block detection)
+  alignas(128) uint64_t recv_done[2];
+};
+
+struct LlSlotMeta {
+  uint64_t epoch;  // operation that wrote the slot: a slot of an older operation is not a token of this one
+  int32_t token;
+  int32_t pad;
+  int32_t expert[2 * kGpuMaxTopk];  // per k: local expert id on the receiver or -1, and the token's index
+                                    // among the sender's tokens of that expert (first occurrence only, else -1)
+};
+
+struct LlLayout {
+  size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, total;
+  int nranks, max_tokens, max_experts, max_hidden;
+};
+
+EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hidden) {
+  auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
+  auto up16 = [](size_t v) { return (v + 15) & ~size_t{15}; };
+  LlLayout l{};
+  l.nranks = nranks;
+  l.max_tokens = max_tokens;
+  l.max_experts = max_experts;
+  l.max_hidden = max_hidden;
+  size_t off = up(sizeof(LlCtrl));
+  l.tag = off;
+  off = up(off + 4 * static_cast<size_t>(nranks) * 8);
+  l.ack = off;
+  off = up(off + 2 * static_cast<size_t>(nranks) * 8);
+  l.counts = off;
+  l.count_entry = up16(16 + 4 * static_cast<size_t>(max_experts / nranks));
+  off = up(off + 2 * static_cast<size_t>(nranks) * l.count_entry);
+  l.slot_row = up16(sizeof(LlSlotMeta));                              // row offset inside a slot
+  l.slot_scales = l.slot_row + up16(static_cast<size_t>(max_hidden) * 2);  // bf16 bytes (fp32 rows: H/2)
+  l.slot = l.slot_scales + up16(static_cast<size_t>(max_hidden) / 128 * 4);
+  l.slots = off;
+  off = up(off + 2 * static_cast<size_t>(nranks) * max_tokens * l.slot);
+  l.comb_row = up16(static_cast<size_t>(max_hidden) * 2);
+  l.comb = off;
+  off = up(off + 2 * static_cast<size_t>(max_experts) * max_tokens * l.comb_row);
+  l.total = off;
+  return l;
+}
+
 // What a failed device wait or a device-side argument violation recorded; host-mapped memory.
 struct GpuErrorRecord {
   int32_t code;            // epResult_t of the first failure (0 = none)
@@ -130,6 +196,47 @@ struct HtParams {
   int* num_recv_out;
   void* combined_x;
   GpuHandleDev h;
+};
+
+// Everything an LL kernel needs, passed by value.
+struct LlParams {
+  int rank, nranks, op, blocks;
+  uint8_t* base[kGpuMaxRanks];  // every rank's LL buffer, mapped here
+  LlLayout lay;
+  GpuErrorRecord* err;
+  uint64_t timeout_ns;
+  int T, M, H, K, E, L, dtype, use_fp8, layout;
+  size_t xrow;  // bytes of a row of x / y / out (H * dtype size)
+  size_t srow;  // bytes of a row's fp8 scales (0 without fp8)
+  size_t drow;  // bytes of a dispatched row (H with fp8, else xrow)
+  const void* x;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  void* recv_x;
+  float* recv_x_scales;
+  int* recv_count;
+  int* recv_src_info;
+  int64_t* recv_layout_range;
+  int64_t* recv_topk_idx;
+  const void* y;
+  void* out;
+};
+
+// alltoallv through the HT dispatch queues (slots used as byte chunks): per peer the bytes and offsets of
+// each side, from the host (host counts) or from device memory (device counts, exchanged by the notify step).
+struct A2aParams {
+  HtParams ht;                       // queues, mailboxes, epoch, error record
+  uint64_t send_bytes[kGpuMaxRanks];  // host counts; device counts: unused
+  uint64_t send_off[kGpuMaxRanks];
+  uint64_t recv_bytes[kGpuMaxRanks];
+  uint64_t recv_off[kGpuMaxRanks];
+  const uint8_t* sendbuf;
+  uint8_t* recvbuf;
+  const int64_t* dev_send_counts;    // device counts (elements), else nullptr
+  int64_t* dev_recv_counts;
+  int64_t* dev_dropped;
+  uint64_t capacity_bytes;
+  uint64_t elem;
 };
 
 }  // namespace epcomm

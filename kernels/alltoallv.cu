@@ -1,0 +1,165 @@
+// alltoallv kernels of the GPU engine: a notify step exchanges the byte counts through the HT mailboxes, then
+// the bytes stream through the HT dispatch queues (kernels/queues.cuh), whose slots serve as byte chunks. The
+// queue counters are cumulative and shared with HT dispatch: each operation drains what it queued, so the
+// counters stay consistent across the two.
+#include <cuda_runtime.h>
+
+#include "kernels/alltoallv.h"
+#include "kernels/queues.cuh"
+
+namespace epcomm {
+namespace {
+
+using namespace dev;
+
+// Mailbox entry of an alltoallv, written by `src` into the owner's buffer: the bytes src sends the owner, and
+// (host counts) the bytes src expects from the owner, -1 with device counts.
+__device__ __forceinline__ int64_t* a2aEntry(const A2aParams& p, int owner, uint64_t e, int src) {
+  return reinterpret_cast<int64_t*>(p.ht.base[owner] + mailboxOffset(p.ht, e, src) + sizeof(MailboxHead));
+}
+
+__device__ __forceinline__ int64_t sendBytesTo(const A2aParams& p, int r) {
+  if (p.dev_send_counts == nullptr) return static_cast<int64_t>(p.send_bytes[r]);
+  const int64_t n = p.dev_send_counts[r];
+  return n > 0 ? n * static_cast<int64_t>(p.elem) : 0;
+}
+
+// One block: bumps the epoch, publishes this rank's counts to every peer, waits for theirs and checks them.
+__global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
+  __shared__ uint64_t s_e;
+  const int R = p.ht.nranks, me = p.ht.rank;
+  if (threadIdx.x == 0) s_e = bumpEpoch(p.ht.ctrl);
+  __syncthreads();
+  const uint64_t e = s_e;
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    if (p.dev_send_counts && p.dev_send_counts[r] < 0) recordViolation(p.ht, epInvalidArgument);
+    int64_t* ent = a2aEntry(p, r, e, me);
+    ent[0] = sendBytesTo(p, r);
+    ent[1] = p.dev_send_counts ? -1 : static_cast<int64_t>(p.recv_bytes[r]);
+    __threadfence_system();
+    stRelease(&reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me))->tag, e);
+  }
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    const MailboxHead* head = reinterpret_cast<const MailboxHead*>(p.ht.base[me] + mailboxOffset(p.ht, e, s));
+    if (!waitAtLeast(p.ht, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
+  }
+  __syncthreads();
+  if (!s_ok || threadIdx.x != 0) return;
+  if (p.dev_send_counts == nullptr) {
+    // Host counts: a count one side disagrees with is a violation on both sides; each moves the smaller.
+    for (int s = 0; s < R; ++s) {
+      const int64_t* ent = a2aEntry(p, me, e, s);
+      if (ent[0] != static_cast<int64_t>(p.recv_bytes[s]) || ent[1] != static_cast<int64_t>(p.send_bytes[s]))
+        recordViolation(p.ht, epInvalidUsage);
+    }
+    return;
+  }
+  // Device counts: packed by source up to the capacity; recv_counts holds what each source sent.
+  uint64_t pos = 0, dropped = 0;
+  for (int s = 0; s < R; ++s) {
+    const uint64_t n = static_cast<uint64_t>(a2aEntry(p, me, e, s)[0]);
+    const uint64_t fit = pos < p.capacity_bytes ? min(n, p.capacity_bytes - pos) : 0;
+    pos += fit;
+    dropped += n - fit;
+    if (p.dev_recv_counts) p.dev_recv_counts[s] = static_cast<int64_t>(n / p.elem);
+  }
+  if (p.dev_dropped) *p.dev_dropped = static_cast<int64_t>(dropped / p.elem);
+  if (dropped > 0) recordViolation(p.ht, epCapacityExceeded);
+}
+
+// Block 2c sends channel c's chunks to every peer (G warps per peer), block 2c + 1 receives channel c's chunks
+// from every source and copies the bytes that fit to their place in recvbuf.
+__global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
+  const HtParams& h = p.ht;
+  const uint64_t e = currentEpoch(h);
+  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int Q = h.Q, C = h.C, G = h.G, me = h.rank;
+  const int peer = warp / G, g = warp % G;
+  const uint64_t CH = h.lay.disp_slot;
+  if ((blockIdx.x & 1) == 0) {
+    const int r = peer;
+    uint64_t bytes, off = 0;
+    if (p.dev_send_counts == nullptr) {
+      const int64_t expected = a2aEntry(p, me, e, r)[1];
+      bytes = min(p.send_bytes[r], static_cast<uint64_t>(expected > 0 ? expected : 0));
+      off = p.send_off[r];
+    } else {
+      bytes = static_cast<uint64_t>(sendBytesTo(p, r));
+      for (int q = 0; q < r; ++q) off += static_cast<uint64_t>(sendBytesTo(p, q));
+    }
+    const int n = static_cast<int>((bytes + CH - 1) / CH);
+    const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
+    uint64_t* tail = qCounter(h, r, kDispTail, me, c);
+    const uint64_t* head = qCounter(h, r, kDispHead, me, c);
+    const uint64_t base = ldAcquire(tail);
+    uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
+    bool alive = true;
+    for (int k = cb; k < ce; k += G) {
+      const int i = k + g;
+      if (alive && i < ce) {
+        const uint64_t idx = base + (i - cb);
+        bool ok = true;
+        if (lane == 0 && idx + 1 > static_cast<uint64_t>(Q)) ok = waitAtLeast(h, head, idx + 1 - Q, r, epPhaseData, e);
+        alive = __shfl_sync(kFull, ok, 0);
+        if (alive) {
+          const uint64_t from = static_cast<uint64_t>(i) * CH;
+          warpCopyAny(q + (idx % Q) * h.lay.disp_slot, p.sendbuf + off + from, min(CH, bytes - from), lane);
+        }
+      }
+      __threadfence_system();
+      groupSync(G, r);
+      if (g == 0 && lane == 0) stRelease(tail, base + min(k + G, ce) - cb);
+    }
+    return;
+  }
+  const int s = peer;
+  uint64_t bytes, off = 0, keep;
+  if (p.dev_send_counts == nullptr) {
+    bytes = min(static_cast<uint64_t>(a2aEntry(p, me, e, s)[0]), p.recv_bytes[s]);
+    off = p.recv_off[s];
+    keep = bytes;
+  } else {
+    bytes = static_cast<uint64_t>(a2aEntry(p, me, e, s)[0]);
+    for (int q = 0; q < s; ++q) {
+      const uint64_t nq = static_cast<uint64_t>(a2aEntry(p, me, e, q)[0]);
+      off += off < p.capacity_bytes ? min(nq, p.capacity_bytes - off) : 0;
+    }
+    keep = off < p.capacity_bytes ? min(bytes, p.capacity_bytes - off) : 0;
+  }
+  const int n = static_cast<int>((bytes + CH - 1) / CH);
+  const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
+  uint64_t* tail = qCounter(h, me, kDispTail, s, c);
+  uint64_t* head = qCounter(h, me, kDispHead, s, c);
+  const uint64_t base = ldAcquire(head);
+  const uint8_t* q = h.base[me] + h.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * h.lay.disp_slot;
+  bool alive = true;
+  for (int k = cb; k < ce; k += G) {
+    const int i = k + g;
+    if (alive && i < ce) {
+      const uint64_t idx = base + (i - cb);
+      bool ok = true;
+      if (lane == 0) ok = waitAtLeast(h, tail, idx + 1, s, epPhaseData, e);
+      alive = __shfl_sync(kFull, ok, 0);
+      const uint64_t from = static_cast<uint64_t>(i) * CH;
+      if (alive && from < keep)
+        warpCopyAny(p.recvbuf + off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, keep - from), lane);
+    }
+    groupSync(G, s);
+    if (g == 0 && lane == 0) stRelease(head, base + min(k + G, ce) - cb);
+  }
+}
+
+}  // namespace
+
+cudaError_t launchAlltoallv(const A2aParams& p, cudaStream_t s) {
+  a2aNotifyKernel<<<1, 1024, 0, s>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  a2aKernel<<<2 * p.ht.C, p.ht.nranks * p.ht.G * 32, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace epcomm

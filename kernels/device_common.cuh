@@ -1,0 +1,196 @@
+// Protocol pieces every kernel family of the GPU engine shares (HT, LL, alltoallv): strong loads and stores of
+// flags, epochs, the deadline-bounded wait, error and violation records, the last-block completion counter and
+// wide copies. Templates over the operation's parameter struct, which carries `err`, `op`, `rank` and
+// `timeout_ns`.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "engine/gpu/gpu_types.h"
+
+namespace epcomm {
+namespace dev {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint64_t ldAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void stRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// First failure wins; later waits see err->code and give up at once.
+template <class P>
+__device__ void recordError(const P& p, int code, int peer, int phase, uint64_t epoch) {
+  if (atomicCAS_system(&p.err->code, 0, code) == 0) {
+    p.err->op = p.op;
+    p.err->epoch = epoch;
+    p.err->rank = p.rank;
+    p.err->peer = peer;
+    p.err->phase = phase;
+    __threadfence_system();
+  }
+}
+
+template <class P>
+__device__ void recordViolation(const P& p, int code) {
+  atomicCAS_system(&p.err->violation_code, 0, code);
+  atomicAdd_system(reinterpret_cast<unsigned long long*>(&p.err->violations), 1ull);
+}
+
+// Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.
+template <class P>
+__device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch) {
+  if (ldAcquire(flag) >= want) return true;
+  // %globaltimer can step backwards or jump when the driver resynchronizes it (seen in a VM): elapsed time is
+  // the sum of the forward steps between checks, each capped, so a jump never fakes a timeout.
+  constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;
+  uint64_t last = globaltimer(), elapsed = 0;
+  volatile GpuErrorRecord* err = p.err;
+  for (uint32_t it = 1;; ++it) {
+    if (ldAcquire(flag) >= want) return true;
+    if ((it & 127) == 0) {
+      if (err->code != 0 || err->abort != 0) return false;
+      const uint64_t now = globaltimer();
+      const int64_t step = static_cast<int64_t>(now - last);
+      last = now;
+      if (step > 0) elapsed += static_cast<uint64_t>(step) < kMaxStepNs ? static_cast<uint64_t>(step) : kMaxStepNs;
+      if (elapsed > p.timeout_ns) {
+        recordError(p, epTimeout, peer, phase, epoch);
+        return false;
+      }
+    }
+    __nanosleep(64);
+  }
+}
+
+// Every thread of the block calls this after its work. The block's writes are made visible system-wide, then
+// counted in a cumulative counter (never reset, so graph replays need no reset); the block that brings it to
+// `target` (= operation number x blocks per launch) returns true. Only that block, after every other block of
+// the launch has finished, may advance the epoch the launch was derived from (rule G2).
+__device__ __forceinline__ bool lastBlockDone(uint64_t* done, uint64_t target) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(done), 1ull);
+    s_last = old + 1 == target;
+    if (s_last) __threadfence_system();
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+// A warp copies one row of `bytes` (a multiple of 16), four 16-byte loads in flight per lane.
+__device__ __forceinline__ void warpCopy16(void* dst, const void* src, size_t bytes, int lane) {
+  const int4* s = static_cast<const int4*>(src);
+  int4* d = static_cast<int4*>(dst);
+  const int n = static_cast<int>(bytes / 16);
+  for (int i = lane; i < n; i += 128) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * 32 < n) v[u] = s[i + u * 32];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * 32 < n) d[i + u * 32] = v[u];
+  }
+}
+
+__device__ __forceinline__ void warpCopy4(void* dst, const void* src, size_t bytes, int lane) {
+  const uint32_t* s = static_cast<const uint32_t*>(src);
+  uint32_t* d = static_cast<uint32_t*>(dst);
+  for (int i = lane; i < static_cast<int>(bytes / 4); i += 32) d[i] = s[i];
+}
+
+// Any alignment: 16-byte words when both ends and the length allow, else 4-byte words, else bytes.
+__device__ __forceinline__ void warpCopyAny(void* dst, const void* src, size_t bytes, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes;
+  if ((a & 15) == 0) {
+    warpCopy16(dst, src, bytes, lane);
+  } else if ((a & 3) == 0) {
+    warpCopy4(dst, src, bytes, lane);
+  } else {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    uint8_t* d = static_cast<uint8_t*>(dst);
+    for (size_t i = lane; i < bytes; i += 32) d[i] = s[i];
+  }
+}
+
+__device__ __forceinline__ int warpSum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ float warpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// 16 bytes of a row as floats, per element type; conversions by the shared rules of common/dtype.h.
+template <int kDtype>
+struct Vec8;  // 16 bytes of a row as floats
+// bf16 and fp16: eight 16-bit values per 16 bytes, converted by the shared rules of common/dtype.h.
+template <float (*kToFloat)(uint16_t), uint16_t (*kFromFloat)(float)>
+struct Vec8Half {
+  static constexpr int kN = 8;
+  __device__ static void add(float* acc, int4 v) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], kToFloat(h[i]));
+  }
+  __device__ static void addWeighted(float* acc, int4 v, float w) {  // product and sum rounded separately
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, kToFloat(h[i])));
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    uint16_t* h = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = kFromFloat(acc[i]);
+    return v;
+  }
+};
+template <>
+struct Vec8<epBfloat16> : Vec8Half<bf16ToFloat, floatToBf16> {};
+template <>
+struct Vec8<epFloat16> : Vec8Half<fp16ToFloat, floatToFp16> {};
+template <>
+struct Vec8<epFloat32> {
+  static constexpr int kN = 4;
+  __device__ static void add(float* acc, int4 v) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
+  }
+  __device__ static void addWeighted(float* acc, int4 v, float w) {
+    const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, f[i]));
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 v;
+    float* f = reinterpret_cast<float*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = acc[i];
+    return v;
+  }
+};
+
+}  // namespace dev
+}  // namespace epcomm

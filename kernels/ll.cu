@@ -1,0 +1,500 @@
+// Low-latency (LL) dispatch and combine kernels of the GPU engine, for the ranks of one host.
+// Buffer layout and protocol: LlLayout in src/engine/gpu/gpu_types.h. Element rules (fp8 quantization,
+// bf16/fp16 rounding): src/common/dtype.h, shared with the host engine so both produce the same bits.
+//
+// Every kernel runs on a fixed grid (LlParams::blocks) and a warp is the unit of work: a token to send, a
+// received slot to place, an expert-output row to return, or 32 16-byte chunks of an output row to reduce.
+// No block waits for another block of its own launch, so any number of blocks may be resident at once.
+#include <cuda_runtime.h>
+
+#include "common/dtype.h"
+#include "engine/routing.h"
+#include "kernels/device_common.cuh"
+#include "kernels/ll.h"
+
+namespace epcomm {
+namespace {
+
+using namespace dev;
+
+constexpr int kLlThreads = 512;
+
+__device__ __forceinline__ LlCtrl* ctrlOf(const LlParams& p) { return reinterpret_cast<LlCtrl*>(p.base[p.rank]); }
+// Tag of family `fam`, parity `par`, written by `src` into `owner`'s buffer.
+__device__ __forceinline__ uint64_t* tagPtr(const LlParams& p, int owner, int fam, int par, int src) {
+  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.tag) + (fam * 2 + par) * p.nranks + src;
+}
+// Acknowledgement of family `fam` that `peer` wrote into `owner`'s buffer.
+__device__ __forceinline__ uint64_t* ackPtr(const LlParams& p, int owner, int fam, int peer) {
+  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.ack) + fam * p.nranks + peer;
+}
+// Dispatch count entry of `src` in `owner`'s buffer: [0] = T of src, [4 + l] = pairs for local expert l.
+__device__ __forceinline__ int32_t* countEntry(const LlParams& p, int owner, int par, int src) {
+  return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.counts + (static_cast<size_t>(par) * p.nranks + src) *
+                                                                       p.lay.count_entry);
+}
+__device__ __forceinline__ uint8_t* slotPtr(const LlParams& p, int owner, int par, int src, int t) {
+  return p.base[owner] + p.lay.slots +
+         ((static_cast<size_t>(par) * p.nranks + src) * p.lay.max_tokens + t) * p.lay.slot;
+}
+__device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int par, int expert, int t) {
+  return p.base[owner] + p.lay.comb +
+         ((static_cast<size_t>(par) * p.lay.max_experts + expert) * p.lay.max_tokens + t) * p.lay.comb_row;
+}
+
+// The operation number of this launch (one more than the family's completed count), read once per block.
+__device__ __forceinline__ uint64_t launchEpoch(const uint64_t* completed) {
+  __shared__ uint64_t s_e;
+  if (threadIdx.x == 0) s_e = ldAcquire(completed) + 1;
+  __syncthreads();
+  return s_e;
+}
+
+// Threads 0..R-1 each wait for one peer's flag to reach `want`; false in every thread if one failed.
+__device__ bool waitPeers(const LlParams& p, uint64_t* (*flag)(const LlParams&, int, int), int arg, uint64_t want,
+                          uint64_t e) {
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  if (threadIdx.x < p.nranks && !waitAtLeast(p, flag(p, threadIdx.x, arg), want, threadIdx.x, epPhaseData, e))
+    s_ok = 0;
+  __syncthreads();
+  return s_ok != 0;
+}
+__device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackPtr(p, p.rank, fam, peer); }
+__device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
+  return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
+}
+
+// An expert id as the kernels use it: a value outside [-1, E) is a violation, counted and treated as -1.
+__device__ __forceinline__ int64_t expertAt(const LlParams& p, int t, int k, bool count) {
+  const int64_t x = p.topk_idx[static_cast<size_t>(t) * p.K + k];
+  if (x < -1 || x >= p.E) {
+    if (count) recordViolation(p, epExpertOutOfRange);
+    return -1;
+  }
+  return x;
+}
+
+// Rows are split into parts so that several warps copy one row: part p of P covers units [n*p/P, n*(p+1)/P)
+// of a row of n units (16-byte chunks, or 128-column blocks with fp8). A part of at least ~2 KiB.
+__device__ __forceinline__ int partsOf(size_t row_bytes) {
+  const int p = static_cast<int>(row_bytes / 2048);
+  return p < 1 ? 1 : p > 8 ? 8 : p;
+}
+__device__ __forceinline__ int partBegin(int n, int P, int p) { return static_cast<int>(static_cast<int64_t>(n) * p / P); }
+
+// A warp copies 16-byte chunks [b, e) of `src` to up to kMaxDst destinations, eight loads in flight per lane.
+constexpr int kMaxDst = kGpuMaxTopk;
+__device__ __forceinline__ void warpCopyChunks(uint8_t* const* dst, int ndst, const uint8_t* src, int b, int e,
+                                               int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  for (int i = b + lane; i < e; i += 32 * 8) {
+    int4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (i + u * 32 < e) v[u] = s[i + u * 32];
+    for (int d = 0; d < ndst; ++d) {
+      int4* o = reinterpret_cast<int4*>(dst[d]);
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (i + u * 32 < e) o[i + u * 32] = v[u];
+    }
+  }
+}
+
+// fp8 quantization of 128-column blocks [b, e) of one row, written to every destination with its scale: a block
+// is 16 bytes x G lanes (bf16/fp16: 8 values per lane, 16 lanes; fp32: 4 values, 32 lanes); amax over the
+// block, scale = fp8BlockScale(amax), values multiplied by fp8BlockScaleInv(amax), as the host engine does.
+template <int kDtype>
+__device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, const uint8_t* xr, int b, int e,
+                               int lane) {
+  constexpr int kPer = kDtype == epFloat32 ? 4 : 8, kG = 128 / kPer, kNb = 32 / kG;
+  for (int b0 = b; b0 < e; b0 += kNb) {
+    const int blk = b0 + lane / kG;
+    const bool live = blk < e;
+    int4 v = make_int4(0, 0, 0, 0);
+    if (live) v = reinterpret_cast<const int4*>(xr)[static_cast<size_t>(blk) * kG + lane % kG];
+    float f[kPer], amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      f[u] = kDtype == epFloat32 ? reinterpret_cast<const float*>(&v)[u]
+                                 : (kDtype == epBfloat16 ? bf16ToFloat(reinterpret_cast<const uint16_t*>(&v)[u])
+                                                         : fp16ToFloat(reinterpret_cast<const uint16_t*>(&v)[u]));
+      amax = fmaxf(amax, fabsf(f[u]));
+    }
+#pragma unroll
+    for (int o = kG / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
+    const float inv = fp8BlockScaleInv(amax), scale = fp8BlockScale(amax);
+    uint32_t q[2] = {0, 0};
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) q[u / 4] |= static_cast<uint32_t>(floatToFp8(__fmul_rn(f[u], inv))) << (8 * (u % 4));
+    if (!live) continue;
+    const size_t off = static_cast<size_t>(blk) * EP_FP8_BLOCK + (lane % kG) * kPer;
+    for (int d = 0; d < nd; ++d) {
+      if (kPer == 8) *reinterpret_cast<uint2*>(dst[d] + off) = make_uint2(q[0], q[1]);
+      else *reinterpret_cast<uint32_t*>(dst[d] + off) = q[0];
+      if (lane % kG == 0) sc[d][blk] = scale;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dispatch, send half. Every block first stages this rank's routing in shared memory and numbers the
+// (token, expert) pairs: the index of token t among this rank's tokens of expert x, in token order (pairs are
+// taken in rounds of one per thread; within a round warps add to the per-expert counters in warp order, lanes by
+// __match_any_sync), which also yields the per-expert counts. Then the counts go to the experts' ranks, and per
+// (token, part of its row) a warp writes the part once to every rank that hosts one of the token's experts, into
+// slot [this rank][t] there, with the token's local expert ids and indices on that rank (part 0).
+// fp8: each 128-column block is quantized once, in registers, and written to every destination.
+// ---------------------------------------------------------------------------------------------------------
+struct SendSmem {
+  int32_t* idx;  // [T, K] expert ids, -1 for none, out of range, or a repeat within the token
+  int32_t* raw;  // [T, K] expert ids as given (-1 for out of range): what the receiver's rank-major rows show
+  int32_t* pos;  // [T, K] index of t among this rank's tokens of idx[t, k]
+  int32_t* cnt;  // [E] pairs per expert
+};
+
+__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem) {
+  SendSmem m{smem, smem + p.T * p.K, smem + 2 * p.T * p.K, smem + 3 * p.T * p.K};
+  const int TK = p.T * p.K;
+  for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+    int64_t x = p.topk_idx[i];
+    if (x < -1 || x >= p.E) {
+      if (blockIdx.x == 0) recordViolation(p, epExpertOutOfRange);
+      x = -1;
+    }
+    m.raw[i] = static_cast<int32_t>(x);
+  }
+  for (int i = threadIdx.x; i < p.E; i += blockDim.x) m.cnt[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+    const int t = i / p.K, k = i % p.K;
+    int32_t x = m.raw[i];
+    for (int j = 0; j < k && x >= 0; ++j)
+      if (m.raw[t * p.K + j] == x) x = -1;
+    m.idx[i] = x;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int base = 0; base < TK; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const int32_t x = i < TK ? m.idx[i] : -1;
+    const unsigned same = __match_any_sync(kFull, x);
+    const int before = __popc(same & ((1u << lane) - 1));
+    for (int w = 0; w < nwarps; ++w) {
+      if (warp == w && x >= 0) {
+        m.pos[i] = m.cnt[x] + before;
+        __syncwarp(same);
+        if (before == 0) m.cnt[x] += __popc(same);
+      }
+      __syncthreads();
+    }
+  }
+  return m;
+}
+
+__global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) {
+  extern __shared__ int32_t s_dyn[];
+  LlCtrl* ctrl = ctrlOf(p);
+  const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlDispatch]);
+  const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K;
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  // Every receiver must have read operation e - 2, which used the same parity.
+  const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlDispatch, e - 2, e);
+  const SendSmem m = stageRouting(p, s_dyn);
+  if (ok) {
+    for (int x = gw; x < p.E; x += NW)
+      if (lane == 0) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
+    if (gw == 0)
+      for (int r = lane; r < R; r += 32) countEntry(p, r, par, p.rank)[0] = p.T;
+    const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
+    const int P = partsOf(p.xrow);
+    for (int item = gw; item < p.T * P; item += NW) {
+      const int t = item / P, part = item % P;
+      const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
+      const int rk = xk >= 0 ? xk / L : -1;
+      const unsigned mask = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
+      if (mask == 0) continue;
+      uint8_t* dst[kGpuMaxRanks];
+      int dr[kGpuMaxRanks], nd = 0;
+      for (unsigned mm = mask; mm; mm &= mm - 1) {
+        dr[nd] = __ffs(mm) - 1;
+        dst[nd] = slotPtr(p, dr[nd], par, p.rank, t);
+        ++nd;
+      }
+      if (part == 0)
+        for (int d = 0; d < nd; ++d) {
+          LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(dst[d]);
+          if (lane < K) {
+            const int32_t raw = m.raw[t * K + lane];
+            meta->expert[2 * lane] = raw >= 0 && raw / L == dr[d] ? raw % L : -1;
+            meta->expert[2 * lane + 1] = rk == dr[d] ? m.pos[t * K + lane] : -1;
+          }
+          if (lane == 0) {
+            meta->token = t;
+            meta->epoch = e;
+          }
+        }
+      for (int d = 0; d < nd; ++d) dst[d] += p.lay.slot_row;
+      const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
+      const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
+      float* sc[kGpuMaxRanks];
+      for (int d = 0; d < nd; ++d) sc[d] = reinterpret_cast<float*>(dst[d] - p.lay.slot_row + p.lay.slot_scales);
+      if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
+      else if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
+      else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
+      else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
+    }
+  }
+  if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x)) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
+    if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dispatch, receive half: once every peer's tag is in, each block derives the expert-major row ranges from the
+// count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
+// [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
+// ---------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
+  extern __shared__ int s_begin[];  // [L][R + 1] first row of each source, then the total (expert-major)
+  __shared__ int s_T[kGpuMaxRanks];
+  LlCtrl* ctrl = ctrlOf(p);
+  const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlDispatch]);
+  const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, M = p.M, K = p.K;
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  const bool em = p.layout == EP_LL_EXPERT_MAJOR;
+  const size_t RM = static_cast<size_t>(R) * M;
+  if (waitPeers(p, tagFlag, kLlDispatch * 2 + par, e, e)) {
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
+      int T = countEntry(p, p.rank, par, s)[0];
+      if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
+        recordViolation(p, epInternalError);
+        T = 0;
+      }
+      s_T[s] = T;
+      if (!em && blockIdx.x == 0) p.recv_count[s] = T;
+    }
+    __syncthreads();
+    if (em)
+      for (int l = threadIdx.x; l < L; l += blockDim.x) {
+        int acc = 0;
+        for (int s = 0; s < R; ++s) {
+          int c = countEntry(p, p.rank, par, s)[4 + l];
+          if (c < 0 || c > s_T[s]) {
+            recordViolation(p, epInternalError);
+            c = 0;
+          }
+          s_begin[l * (R + 1) + s] = acc;
+          if (blockIdx.x == 0) p.recv_layout_range[static_cast<size_t>(l) * R + s] = packLayoutRange(c, acc);
+          acc += c;
+        }
+        s_begin[l * (R + 1) + R] = acc;
+        if (blockIdx.x == 0) p.recv_count[l] = acc;
+      }
+    __syncthreads();
+    const int units = static_cast<int>(p.drow / 16), P = partsOf(p.drow);
+    for (int item = gw; item < R * M * P; item += NW) {
+      const int i = item / P, part = item % P, s = i / M, t = i % M;
+      const uint8_t* slot = slotPtr(p, p.rank, par, s, t);
+      const LlSlotMeta* meta = reinterpret_cast<const LlSlotMeta*>(slot);
+      const bool present = t < s_T[s] && meta->epoch == e;
+      const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
+      if (!em) {
+        const size_t row = static_cast<size_t>(s) * M + t;
+        if (part == 0 && lane < K) p.recv_topk_idx[row * K + lane] = present ? meta->expert[2 * lane] : -1;
+        if (!present) continue;
+        uint8_t* d = static_cast<uint8_t*>(p.recv_x) + row * p.drow;
+        warpCopyChunks(&d, 1, slot + p.lay.slot_row, ub, ue, lane);
+        if (p.srow && part == 0)
+          warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.slot_scales, p.srow, lane);
+        continue;
+      }
+      if (!present) continue;
+      int64_t dst = -1;
+      if (lane < K) {
+        const int l = meta->expert[2 * lane], idx = meta->expert[2 * lane + 1];
+        if (idx >= 0) {  // bounds-check the peer's metadata against its own counts
+          if (l < 0 || l >= L || idx >= s_begin[l * (R + 1) + s + 1] - s_begin[l * (R + 1) + s])
+            recordViolation(p, epInternalError);
+          else
+            dst = static_cast<int64_t>(l) * RM + s_begin[l * (R + 1) + s] + idx;
+        }
+      }
+      uint8_t* dsts[kMaxDst];
+      int nd = 0;
+      for (unsigned m = __ballot_sync(kFull, dst >= 0); m; m &= m - 1) {
+        const int64_t row = __shfl_sync(kFull, dst, __ffs(m) - 1);
+        dsts[nd++] = static_cast<uint8_t*>(p.recv_x) + row * p.drow;
+        if (part != 0) continue;
+        if (lane == 0) p.recv_src_info[row] = t;
+        if (p.srow) warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.slot_scales,
+                              p.srow, lane);
+      }
+      warpCopyChunks(dsts, nd, slot + p.lay.slot_row, ub, ue, lane);
+    }
+  }
+  if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x)) {
+    for (int s = threadIdx.x; s < R; s += blockDim.x) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e);
+    if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Combine, send half: every expert-output row goes back to its token's rank, into slot [expert][t] there
+// (the source reduces from its own routing). Expert-major rows are found from recv_count / recv_layout_range /
+// recv_src_info, rank-major rows from recv_count / recv_topk_idx.
+// ---------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
+  extern __shared__ int s_pre[];  // [L + 1] prefix of recv_count (expert-major)
+  LlCtrl* ctrl = ctrlOf(p);
+  const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlCombine]);
+  const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, M = p.M, K = p.K;
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  const size_t RM = static_cast<size_t>(R) * M;
+  const uint8_t* y = static_cast<const uint8_t*>(p.y);
+  const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlCombine, e - 2, e);
+  const int units = static_cast<int>(p.xrow / 16), P = partsOf(p.xrow);
+  if (ok && p.layout == EP_LL_EXPERT_MAJOR) {
+    if (threadIdx.x == 0) {
+      int acc = 0;
+      for (int l = 0; l < L; ++l) {
+        s_pre[l] = acc;
+        const int c = p.recv_count[l];
+        acc += c >= 0 && c <= static_cast<int>(RM) ? c : 0;
+      }
+      s_pre[L] = acc;
+    }
+    __syncthreads();
+    for (int item = gw; item < s_pre[L] * P; item += NW) {
+      const int i = item / P, part = item % P;
+      int lo = 0, hi = L - 1;  // the expert whose rows hold i: last l with s_pre[l] <= i
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_pre[mid] <= i) lo = mid;
+        else hi = mid - 1;
+      }
+      const int l = lo, j = i - s_pre[l];
+      int src = -1;
+      if (lane < R) {
+        const int64_t lr = p.recv_layout_range[static_cast<size_t>(l) * R + lane];
+        const int b = layoutRangeBegin(lr), c = layoutRangeCount(lr);
+        if (j >= b && j < b + c) src = lane;
+      }
+      const unsigned hit = __ballot_sync(kFull, src >= 0);
+      const int s = hit ? __ffs(hit) - 1 : -1;
+      const int t = p.recv_src_info[static_cast<size_t>(l) * RM + j];
+      if (s < 0 || t < 0 || t >= M) {
+        if (lane == 0) recordViolation(p, epInvalidUsage);
+        continue;
+      }
+      uint8_t* d = combPtr(p, s, par, p.rank * L + l, t);
+      warpCopyChunks(&d, 1, y + (static_cast<size_t>(l) * RM + j) * p.xrow, partBegin(units, P, part),
+                     partBegin(units, P, part + 1), lane);
+    }
+  } else if (ok) {
+    for (int item = gw; item < R * M * P; item += NW) {
+      const int i = item / P, part = item % P, s = i / M, t = i % M;
+      const int n = p.recv_count[s];
+      if (t >= n) continue;
+      const int64_t* ti = p.recv_topk_idx + (static_cast<size_t>(s) * M + t) * K;
+      int64_t l = lane < K ? ti[lane] : -1;
+      if (l >= L || l < -1) {
+        recordViolation(p, epInvalidUsage);
+        l = -1;
+      }
+      for (int j = 0; j < K; ++j)  // a local expert named twice is returned once
+        if (__shfl_sync(kFull, l, j) == l && j < lane) l = -1;
+      for (unsigned m = __ballot_sync(kFull, l >= 0); m; m &= m - 1) {
+        const int64_t lj = __shfl_sync(kFull, l, __ffs(m) - 1);
+        uint8_t* d = combPtr(p, s, par, p.rank * L + static_cast<int>(lj), t);
+        warpCopyChunks(&d, 1, y + (static_cast<size_t>(lj) * RM + static_cast<size_t>(s) * M + t) * p.xrow,
+                       partBegin(units, P, part), partBegin(units, P, part + 1), lane);
+      }
+    }
+  }
+  if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x)) {
+    for (int s = threadIdx.x; s < R; s += blockDim.x) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
+    if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Combine, receive half: out[t] = sum over k (in order) of topk_weights[t, k] * row(expert k, t), in fp32, the
+// product and the sum rounded separately, rounded once to the output type. A warp handles 32 16-byte chunks of
+// one token's row.
+// ---------------------------------------------------------------------------------------------------------
+template <int kDtype>
+__global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
+  using V = Vec8<kDtype>;
+  LlCtrl* ctrl = ctrlOf(p);
+  const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlCombine]);
+  const int par = static_cast<int>(e & 1), R = p.nranks, K = p.K;
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
+    const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
+    for (int i = gw; i < p.T * groups; i += NW) {
+      const int t = i / groups, ch = (i % groups) * 32 + lane;
+      float acc[V::kN];
+#pragma unroll
+      for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
+      const int64_t xl = lane < K ? expertAt(p, t, lane, false) : -1;
+      const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
+      for (int k = 0; k < K; ++k) {
+        const int64_t x = __shfl_sync(kFull, xl, k);
+        const float w = __shfl_sync(kFull, wl, k);
+        if (x < 0 || ch >= chunks) continue;
+        V::addWeighted(acc, reinterpret_cast<const int4*>(combPtr(p, p.rank, par, static_cast<int>(x), t))[ch], w);
+      }
+      if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = V::pack(acc);
+    }
+  }
+  if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x)) {
+    for (int s = threadIdx.x; s < R; s += blockDim.x) stRelease(ackPtr(p, s, kLlCombine, p.rank), e);
+    if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlCombine], e);
+  }
+}
+
+}  // namespace
+
+size_t llSendSmemBytes(int T, int K, int E) { return sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E); }
+
+cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
+  const size_t smem = llSendSmemBytes(p.T, p.K, p.E);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(llDispatchSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kLlMaxSmem));
+    if (e != cudaSuccess) return e;
+  }
+  llDispatchSendKernel<<<p.blocks, kLlThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s) {
+  const size_t smem = p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
+  llDispatchRecvKernel<<<p.blocks, kLlThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s) {
+  const size_t smem = p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1) : 0;
+  llCombineSendKernel<<<p.blocks, kLlThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
+  switch (p.dtype) {
+    case epBfloat16: llCombineRecvKernel<epBfloat16><<<p.blocks, kLlThreads, 0, s>>>(p); break;
+    case epFloat16: llCombineRecvKernel<epFloat16><<<p.blocks, kLlThreads, 0, s>>>(p); break;
+    default: llCombineRecvKernel<epFloat32><<<p.blocks, kLlThreads, 0, s>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace epcomm

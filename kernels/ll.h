@@ -1,0 +1,19 @@
+// Host launchers of the LL kernels (kernels/ll.cu): the send and receive halves of dispatch and combine, each
+// one kernel on a fixed grid of LlParams::blocks blocks, enqueued on a stream.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "engine/gpu/gpu_types.h"
+
+namespace epcomm {
+
+// Shared memory the dispatch send kernel stages its routing in; the engine rejects calls above kLlMaxSmem.
+constexpr size_t kLlMaxSmem = 200 * 1024;
+size_t llSendSmemBytes(int T, int K, int E);
+
+cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s);
+cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s);
+cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s);
+cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s);
+
+}  // namespace epcomm

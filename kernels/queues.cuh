@@ -1,0 +1,41 @@
+// The HT buffer's shared protocol pieces, used by the HT kernels (ht.cu) and alltoallv (alltoallv.cu): the
+// operation epoch, the notify mailboxes, and the bounded per-(source, channel) queues with cumulative counters.
+#pragma once
+#include "kernels/device_common.cuh"
+
+namespace epcomm {
+namespace dev {
+
+// Starts operation `epoch + 1` (one thread of a one-block kernel). The epoch is read and written with strong
+// operations, never through a possibly stale L1 line: a stale epoch would put this rank behind its peers.
+__device__ __forceinline__ uint64_t bumpEpoch(GpuCtrl* c) {
+  const uint64_t e = ldAcquire(&c->epoch) + 1;
+  stRelaxed(&c->epoch, e);
+  __threadfence();
+  return e;
+}
+__device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) { return ldAcquire(&p.ctrl->epoch); }
+
+// The G warps that serve one peer in a block synchronize among themselves only (named barrier 1 + peer), so
+// peers never wait for each other. With one warp per peer a warp barrier suffices.
+__device__ __forceinline__ void groupSync(int G, int peer) {
+  if (G == 1) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + peer), "r"(G * 32) : "memory");
+  }
+}
+
+__device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoch, int src) {
+  return p.lay.mailbox + ((epoch & 1) * p.nranks + src) * p.lay.mailbox_entry;
+}
+
+__device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int kind, int src, int ch) {
+  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.qctrl + kind * p.lay.qctrl_stride) + src * p.C + ch;
+}
+__device__ __forceinline__ int chanBegin(int T, int C, int c) {
+  return static_cast<int>(static_cast<int64_t>(T) * c / C);
+}
+
+}  // namespace dev
+}  // namespace epcomm

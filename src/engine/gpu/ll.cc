@@ -1,0 +1,157 @@
+// GPU engine, low-latency (LL) dispatch and combine: host-side checks and launches of kernels/ll.cu. The
+// buffer layout and the protocol (tags, acknowledgements, parities, epochs) are described at LlLayout in
+// gpu_types.h; nothing here is read by the kernels between operations, so every half is capturable.
+#include <algorithm>
+
+#include "common/checks.h"
+#include "common/dtype.h"
+#include "common/log.h"
+#include "common/param.h"
+#include "engine/gpu/gpu_engine.h"
+#include "kernels/ll.h"
+
+namespace epcomm {
+
+// Blocks of every LL kernel: a fixed grid per communicator (the kernels count finished blocks cumulatively).
+// Tests set it far above what can be resident at once to show that no block waits for another of its launch.
+EP_PARAM(GpuLlBlocks, "GPU_LL_BLOCKS", 0);
+
+epResult_t GpuEngine::initLl() {
+  const CommConfig& c = comm_->config;
+  if (c.ll_max_tokens_per_rank <= 0) return epSuccess;
+  const int R = comm_->nranks;
+  // The combine slots are indexed by (expert, token), so their size follows the experts the buffers serve.
+  const int experts = c.ll_num_experts > 0 ? c.ll_num_experts : 256;
+  EP_REQUIRE(experts % R == 0 && experts <= kGpuMaxExperts, epInvalidNumExperts,
+             "config.ll_num_experts = %d (0 means 256 on the GPU engine) must be a multiple of nranks = %d and at "
+             "most %d",
+             experts, R, kGpuMaxExperts);
+  EP_REQUIRE(c.ll_max_hidden % 128 == 0, epInvalidHidden,
+             "config.ll_max_hidden = %d must be a multiple of 128 on the GPU engine", c.ll_max_hidden);
+  ll_lay_ = llLayout(R, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden);
+  EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.timeout_ms));
+  const int64_t want = epParamGpuLlBlocks();
+  ll_blocks_ = want > 0 ? static_cast<int>(std::min<int64_t>(want, 1 << 16)) : ll_default_blocks_;
+  EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks",
+          ll_lay_.total, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, ll_blocks_);
+  return epSuccess;
+}
+
+LlParams GpuEngine::llParams(int op) const {
+  LlParams p{};
+  p.rank = comm_->rank;
+  p.nranks = comm_->nranks;
+  p.op = op;
+  p.blocks = ll_blocks_;
+  for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(ll_bufs_.peer(r));
+  p.lay = ll_lay_;
+  p.err = err_dev_;
+  p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
+  return p;
+}
+
+// What the GPU engine adds to the API layer's checks: the limits its buffers were sized for, and the order of
+// halves (at most one operation of each family between its halves; a receive half needs its send half).
+epResult_t GpuEngine::llCheck(int family, unsigned phases, int num_experts, int hidden, int dtype, int topk) const {
+  const char* what = family == kLlDispatch ? "LL dispatch" : "LL combine";
+  EP_REQUIRE(ll_lay_.total > 0, epInvalidUsage,
+             "the communicator was created without low-latency capacity (config.ll_max_tokens_per_rank = 0)");
+  EP_REQUIRE(num_experts <= ll_lay_.max_experts, epInvalidNumExperts,
+             "num_experts = %d exceeds the %d experts the GPU engine's LL buffers were sized for "
+             "(config.ll_num_experts; 0 means 256)",
+             num_experts, ll_lay_.max_experts);
+  EP_REQUIRE(topk <= kGpuMaxTopk, epInvalidTopk, "topk = %d exceeds the GPU engine's %d", topk, kGpuMaxTopk);
+  const size_t row = static_cast<size_t>(hidden) * dtypeSize(dtype);
+  EP_REQUIRE(row <= ll_lay_.comb_row, epInvalidHidden,
+             "rows of %zu bytes (hidden %d, %s) exceed the %zu bytes the LL buffers hold per row (config.ll_max_hidden "
+             "in bf16 elements)",
+             row, hidden, dtypeName(dtype), ll_lay_.comb_row);
+  const bool outstanding = ll_sent_[family] != ll_recvd_[family];
+  EP_REQUIRE(!((phases & EP_LL_SEND) && outstanding), epInvalidUsage,
+             "%s send half issued while the previous one's receive half (EP_LL_RECV) is still outstanding", what);
+  EP_REQUIRE(!(phases == EP_LL_RECV && !outstanding), epInvalidUsage,
+             "%s receive half (EP_LL_RECV) called with no matching send half outstanding", what);
+  return epSuccess;
+}
+
+epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, epStream_t stream) {
+  EPCHECK(local);
+  EPCHECK(llCheck(kLlDispatch, a->phases, a->num_experts, a->hidden, a->dtype, a->topk));
+  EP_REQUIRE(llSendSmemBytes(a->num_tokens, a->topk, a->num_experts) <= kLlMaxSmem, epCapacityExceeded,
+             "num_tokens x topk = %d x %d is more routing than the GPU engine's LL dispatch stages (%zu bytes of "
+             "shared memory)",
+             a->num_tokens, a->topk, kLlMaxSmem);
+  EPCHECK(checkAligned(a->x, "x"));
+  EPCHECK(checkAligned(a->recv_x, "recv_x"));
+  LlParams p = llParams(epOpLlDispatch);
+  p.T = a->num_tokens;
+  p.M = a->max_tokens_per_rank;
+  p.H = a->hidden;
+  p.K = a->topk;
+  p.E = a->num_experts;
+  p.L = a->num_experts / comm_->nranks;
+  p.dtype = a->dtype;
+  p.use_fp8 = a->use_fp8 != 0;
+  p.layout = a->layout;
+  p.xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  p.srow = p.use_fp8 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
+  p.drow = p.use_fp8 ? static_cast<size_t>(a->hidden) : p.xrow;
+  p.x = a->x;
+  p.topk_idx = a->topk_idx;
+  p.recv_x = a->recv_x;
+  p.recv_x_scales = a->recv_x_scales;
+  p.recv_count = a->recv_count;
+  p.recv_src_info = a->recv_src_info;
+  p.recv_layout_range = a->recv_layout_range;
+  p.recv_topk_idx = a->recv_topk_idx;
+  cudaStream_t s = streamOf(stream);
+  if (a->phases & EP_LL_SEND) {
+    EPCHECK(checkLaunch(launchLlDispatchSend(p, s), "the LL dispatch send kernel"));
+    ++ll_sent_[kLlDispatch];
+  }
+  if (a->phases & EP_LL_RECV) {
+    EPCHECK(checkLaunch(launchLlDispatchRecv(p, s), "the LL dispatch receive kernel"));
+    ++ll_recvd_[kLlDispatch];
+  }
+  return epSuccess;
+}
+
+epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, epStream_t stream) {
+  EPCHECK(local);
+  EPCHECK(llCheck(kLlCombine, a->phases, a->num_experts, a->hidden, a->dtype, a->topk));
+  if ((a->phases & EP_LL_SEND) && a->layout == EP_LL_EXPERT_MAJOR)
+    EP_REQUIRE(a->recv_src_info != nullptr, epNullPointer,
+               "recv_src_info is NULL: the GPU engine's expert-major combine needs it (pass dispatch's output)");
+  EPCHECK(checkAligned(a->y, "y"));
+  EPCHECK(checkAligned(a->out, "out"));
+  LlParams p = llParams(epOpLlCombine);
+  p.T = a->num_tokens;
+  p.M = a->max_tokens_per_rank;
+  p.H = a->hidden;
+  p.K = a->topk;
+  p.E = a->num_experts;
+  p.L = a->num_experts / comm_->nranks;
+  p.dtype = a->dtype;
+  p.layout = a->layout;
+  p.xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  p.y = a->y;
+  p.recv_count = const_cast<int*>(a->recv_count);
+  p.recv_src_info = const_cast<int*>(a->recv_src_info);
+  p.recv_layout_range = const_cast<int64_t*>(a->recv_layout_range);
+  p.recv_topk_idx = const_cast<int64_t*>(a->recv_topk_idx);
+  p.topk_idx = a->topk_idx;
+  p.topk_weights = a->topk_weights;
+  p.out = a->out;
+  cudaStream_t s = streamOf(stream);
+  if (a->phases & EP_LL_SEND) {
+    EPCHECK(checkLaunch(launchLlCombineSend(p, s), "the LL combine send kernel"));
+    ++ll_sent_[kLlCombine];
+  }
+  if (a->phases & EP_LL_RECV) {
+    EPCHECK(checkLaunch(launchLlCombineRecv(p, s), "the LL combine receive kernel"));
+    ++ll_recvd_[kLlCombine];
+  }
+  return epSuccess;
+}
+
+}  // namespace epcomm

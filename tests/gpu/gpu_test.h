@@ -1,0 +1,161 @@
+// Helpers the GPU test programs share: per-rank checks, all ranks' inputs generated identically on every rank,
+// poisoned device buffers, the stand-in expert, device selection and the GPU engine's test config.
+#pragma once
+#include <cuda_runtime.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../unit/multiproc.h"
+#include "common/dtype.h"
+#include "epcomm/epcomm.h"
+
+namespace {
+
+#define CK(...) EP_RANK_CHECK(g_rank, __VA_ARGS__)
+#define CKE(call, comm)                                                                                  \
+  do {                                                                                                   \
+    epResult_t r_ = (call);                                                                              \
+    CK(r_ == epSuccess, "%s -> %s: %s", #call, epGetErrorString(r_), epGetLastError(comm));              \
+  } while (0)
+#define CKC(call)                                                  \
+  do {                                                             \
+    cudaError_t c_ = (call);                                       \
+    CK(c_ == cudaSuccess, "%s -> %s", #call, cudaGetErrorString(c_)); \
+  } while (0)
+
+int g_rank = -1;  // this process's rank, for the check messages
+uint64_t g_seed = 0;
+
+std::vector<int> rankCounts() {
+  const char* s = getenv("EPCOMM_GPU_TEST_RANKS");
+  std::string v = s ? s : "2,4,8";
+  std::vector<int> out;
+  for (size_t i = 0; i < v.size();) {
+    size_t j = v.find(',', i);
+    out.push_back(atoi(v.substr(i, j - i).c_str()));
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
+  return out;
+}
+
+// All ranks' inputs, generated identically on every rank from (seed, rank).
+struct Inputs {
+  int T;
+  std::vector<uint8_t> x;       // [T, H] dtype
+  std::vector<float> scales;    // fp8
+  std::vector<int64_t> idx;     // [T, K]
+  std::vector<float> w;         // [T, K]
+};
+
+Inputs makeInputs(uint64_t seed, int rank, int T, int H, int K, int E, int dtype, bool structured) {
+  std::mt19937_64 rng(seed * 1000003 + rank);
+  Inputs in;
+  in.T = T;
+  in.x.resize(static_cast<size_t>(T) * H * epDataTypeSize(static_cast<epDataType_t>(dtype)));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < H; ++j) {
+      float v = nd(rng);
+      if (structured && j < 3) v = j == 0 ? static_cast<float>(rank) : j == 1 ? static_cast<float>(t % 256) : static_cast<float>(t / 256);
+      epcomm::storeFromFloat(in.x.data(), static_cast<size_t>(t) * H + j, dtype, v);
+    }
+  if (dtype == epFloat8E4M3) {
+    in.scales.resize(static_cast<size_t>(T) * (H / 128));
+    for (auto& s : in.scales) s = 0.5f + static_cast<float>(rng() % 1000) / 1000.0f;
+  }
+  rng.seed(seed * 7777777 + rank);  // routing from its own stream, independent of H and dtype
+  in.idx.resize(static_cast<size_t>(T) * K);
+  in.w.resize(static_cast<size_t>(T) * K);
+  for (int t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      int64_t e = static_cast<int64_t>(k) * (E / K) + static_cast<int64_t>(rng() % (E / K));
+      if (rng() % 11 == 0) e = -1;
+      if (k > 0 && rng() % 29 == 0) e = in.idx[static_cast<size_t>(t) * K];  // an occasional repeat
+      in.idx[static_cast<size_t>(t) * K + k] = e;
+      in.w[static_cast<size_t>(t) * K + k] = static_cast<float>(rng() % 10000) / 10000.0f;
+    }
+  return in;
+}
+
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t count, int poison = 0xA5) : n(count) {
+    cudaMalloc(&p, bytes() ? bytes() : 16);
+    cudaMemset(p, poison, bytes() ? bytes() : 16);
+    cudaDeviceSynchronize();  // the tests' streams do not synchronize with the legacy default stream
+  }
+  ~DevBuf() { cudaFree(p); }
+  size_t bytes() const { return n * sizeof(T); }
+  std::vector<T> host() const {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), p, bytes(), cudaMemcpyDeviceToHost);
+    return v;
+  }
+  // A pageable cudaMemcpy may return before its DMA completes: synchronize before other streams read.
+  void upload(const std::vector<T>& v) {
+    cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();
+  }
+};
+
+// Stand-in expert: y = x * (rank + 1), in fp32, rounded to the row type.
+template <int kDtype>
+__global__ void expertKernel(const void* x, void* y, size_t n, float scale) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    epcomm::storeFromFloat(y, i, kDtype, __fmul_rn(epcomm::loadAsFloat(x, i, kDtype), scale));
+}
+void expert(const void* x, void* y, size_t n, float scale, int dtype, cudaStream_t s) {
+  if (dtype == epBfloat16) expertKernel<epBfloat16><<<132, 256, 0, s>>>(x, y, n, scale);
+  else if (dtype == epFloat16) expertKernel<epFloat16><<<132, 256, 0, s>>>(x, y, n, scale);
+  else expertKernel<epFloat32><<<132, 256, 0, s>>>(x, y, n, scale);
+}
+std::vector<uint8_t> expertHost(const std::vector<uint8_t>& x, size_t n, float scale, int dtype) {
+  std::vector<uint8_t> y(x.size());
+  for (size_t i = 0; i < n; ++i) epcomm::storeFromFloat(y.data(), i, dtype, epcomm::loadAsFloat(x.data(), i, dtype) * scale);
+  return y;
+}
+
+// One GPU per rank when there are enough, otherwise ranks share (under MPS).
+cudaError_t selectDevice(int rank) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  return e != cudaSuccess ? e : cudaSetDevice(rank % n);
+}
+
+epConfig_t gpuConfig() {
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_GPU;
+  cfg.timeout_ms = 20000;
+  cfg.cuda_device = -1;  // the device the rank selected (rank % devices)
+  cfg.ht_max_tokens_per_rank = 512;
+  cfg.ht_max_hidden = 7168;
+  return cfg;
+}
+
+// A crashing rank prints its stack (resolve the addresses with addr2line -e <test binary>) before it dies.
+void crashHandler(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  char head[64];
+  const int len = snprintf(head, sizeof(head), "rank %d: signal %d, stack:\n", g_rank, sig);
+  if (write(2, head, len) < 0) {}
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+inline void installCrashHandler() {
+  signal(SIGSEGV, crashHandler);
+  signal(SIGBUS, crashHandler);
+  signal(SIGABRT, crashHandler);
+}
+
+}  // namespace

@@ -1,0 +1,646 @@
+// GPU engine, LL dispatch/combine and alltoallv, on the ranks of one host (several ranks may share one GPU
+// under CUDA MPS). Exits 77 (skipped) without a GPU. Ranks: EPCOMM_GPU_TEST_RANKS (default "2,4,8").
+//  - LL bit-exact against the host engine on fresh random structured inputs, outputs poisoned first: both
+//    layouts, capacity 1, 2 and 128, bf16/fp16/fp32 and fp8, hidden 7168 and two other sizes, send and
+//    receive halves issued separately (the receive on another stream), uneven and zero token counts;
+//  - alltoallv with host counts and with device counts (capacity overflow dropped and counted), bit-exact
+//    against the host engine;
+//  - CUDA graphs: a 3-layer LL step (dispatch -> stand-in -> combine per layer) captured once and replayed
+//    with fresh device-generated inputs, every replay bit-identical to eager calls interleaved with it; two
+//    graphs on one communicator replayed alternately; the halves captured in separate graphs with work
+//    between; alltoallv with device counts captured and replayed;
+//  - late blocks: LL kernels on grids far larger than can be resident (EPCOMM_GPU_LL_BLOCKS), 10,000
+//    operations with eager and captured launches mixed, results checked.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test.h"
+#include "engine/routing.h"
+
+namespace {
+
+epConfig_t llConfig(int M, int E) {
+  epConfig_t cfg = gpuConfig();
+  cfg.ll_max_tokens_per_rank = M;
+  cfg.ll_num_experts = E;
+  cfg.ll_max_hidden = 7168;
+  return cfg;
+}
+
+struct LlCase {
+  int M, H, K, E, dtype, fp8, layout, split;  // split: 1 = halves in separate calls (receive on another stream)
+};
+
+// Tokens of `rank`: uneven, at most M, zero on rank 1 when R > 2.
+int tokensOf(int rank, int R, int M) { return (rank == 1 && R > 2) ? 0 : M - (rank % 3 == 2 ? M / 2 : 0); }
+
+struct LlBufs {  // dispatch outputs of one engine (host vectors or device buffers of the same sizes)
+  size_t x, sc, cnt, src, lr, ti;
+};
+
+int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t seed, cudaStream_t s,
+              cudaStream_t s2) {
+  const int T = tokensOf(rank, R, c.M);
+  Inputs in = makeInputs(seed, rank, T, c.H, c.K, c.E, c.dtype, true);
+  epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.max_tokens_per_rank = c.M;
+  a.hidden = c.H;
+  a.topk = c.K;
+  a.num_experts = c.E;
+  a.dtype = c.dtype;
+  a.use_fp8 = c.fp8;
+  a.layout = c.layout;
+  epBufferSizes_t sz = EP_BUFFER_SIZES_INIT;
+  CKE(epLlDispatchSizes(h, &a, &sz), h);
+  // ---- host engine ----
+  std::vector<uint8_t> hx(sz.recv_x, 0xA5);
+  std::vector<float> hsc(sz.recv_x_scales / 4 + 1);
+  memset(hsc.data(), 0xA5, hsc.size() * 4);
+  std::vector<int> hcnt(sz.recv_count / 4, -7), hsrc(sz.recv_src_info / 4 + 1, -7);
+  std::vector<int64_t> hlr(sz.recv_layout_range / 8 + 1, -7), hti(sz.recv_topk_idx / 8 + 1, -7);
+  a.x = in.x.data();
+  a.topk_idx = in.idx.data();
+  a.recv_x = hx.data();
+  a.recv_x_bytes = hx.size();
+  a.recv_x_scales = c.fp8 ? hsc.data() : nullptr;
+  a.recv_x_scales_bytes = c.fp8 ? hsc.size() * 4 : 0;
+  a.recv_count = hcnt.data();
+  a.recv_count_bytes = hcnt.size() * 4;
+  const bool em = c.layout == EP_LL_EXPERT_MAJOR;
+  a.recv_src_info = em ? hsrc.data() : nullptr;
+  a.recv_src_info_bytes = em ? hsrc.size() * 4 : 0;
+  a.recv_layout_range = em ? hlr.data() : nullptr;
+  a.recv_layout_range_bytes = em ? hlr.size() * 8 : 0;
+  a.recv_topk_idx = em ? nullptr : hti.data();
+  a.recv_topk_idx_bytes = em ? 0 : hti.size() * 8;
+  CKE(epLlDispatch(h, &a, nullptr), h);
+  // ---- GPU engine ----
+  DevBuf<uint8_t> dx(in.x.size() + 16), gx(hx.size());
+  DevBuf<int64_t> didx(in.idx.size() + 1), gti(hti.size()), glr(hlr.size());
+  DevBuf<float> gsc(hsc.size()), dw(in.w.size() + 1);
+  DevBuf<int> gcnt(hcnt.size()), gsrc(hsrc.size());
+  dx.upload(in.x);
+  didx.upload(in.idx);
+  dw.upload(in.w);
+  gcnt.upload(std::vector<int>(hcnt.size(), -7));
+  gsrc.upload(std::vector<int>(hsrc.size(), -7));
+  glr.upload(std::vector<int64_t>(hlr.size(), -7));
+  gti.upload(std::vector<int64_t>(hti.size(), -7));
+  epLlDispatchArgs_t b = a;
+  b.x = dx.p;
+  b.topk_idx = didx.p;
+  b.recv_x = gx.p;
+  b.recv_x_scales = c.fp8 ? gsc.p : nullptr;
+  b.recv_count = gcnt.p;
+  b.recv_src_info = em ? gsrc.p : nullptr;
+  b.recv_layout_range = em ? glr.p : nullptr;
+  b.recv_topk_idx = em ? nullptr : gti.p;
+  if (c.split) {
+    b.phases = EP_LL_SEND;
+    CKE(epLlDispatch(g, &b, s), g);
+    CKC(cudaStreamSynchronize(s));  // the receive half on another stream, ordered after the send half
+    b.phases = EP_LL_RECV;
+    CKE(epLlDispatch(g, &b, s2), g);
+    CKC(cudaStreamSynchronize(s2));
+  } else {
+    CKE(epLlDispatch(g, &b, s), g);
+    CKC(cudaStreamSynchronize(s));
+  }
+  epResult_t ae;
+  epErrorInfo_t info = EP_ERROR_INFO_INIT;
+  CKE(epCommGetAsyncError(g, &ae, &info), g);
+  CK(ae == epSuccess && info.num_violations == 0, "LL dispatch: async error %s, %llu violations", epGetErrorString(ae),
+     static_cast<unsigned long long>(info.num_violations));
+  const std::string what = "M " + std::to_string(c.M) + " H " + std::to_string(c.H) + " K " + std::to_string(c.K) +
+                           " E " + std::to_string(c.E) + " dtype " + std::to_string(c.dtype) + " fp8 " +
+                           std::to_string(c.fp8) + " layout " + std::to_string(c.layout) + " split " +
+                           std::to_string(c.split) + " T " + std::to_string(T);
+  CK(gcnt.host() == hcnt, "recv_count differs (%s)", what.c_str());
+  auto ghx = gx.host();
+  const size_t drow = c.fp8 ? c.H : c.H * epDataTypeSize(static_cast<epDataType_t>(c.dtype));
+  for (size_t r = 0; r < hx.size() / drow; ++r)
+    CK(memcmp(ghx.data() + r * drow, hx.data() + r * drow, drow) == 0, "recv_x row %zu differs (%s)", r, what.c_str());
+  if (c.fp8) CK(memcmp(gsc.host().data(), hsc.data(), hsc.size() * 4) == 0, "recv_x_scales differ (%s)", what.c_str());
+  if (em) {
+    CK(gsrc.host() == hsrc, "recv_src_info differs (%s)", what.c_str());
+    CK(glr.host() == hlr, "recv_layout_range differs (%s)", what.c_str());
+  } else {
+    CK(gti.host() == hti, "recv_topk_idx differs (%s)", what.c_str());
+  }
+  // ---- combine: y = stand-in over every row of the expert buffers (unwritten rows are poison on both) ----
+  const int cdt = c.fp8 ? epBfloat16 : c.dtype;
+  const size_t ces = epDataTypeSize(static_cast<epDataType_t>(cdt)), L = c.E / R;
+  const size_t yrows = L * R * c.M, yn = yrows * c.H;
+  // Expert input [L, R*M, H]: expert-major, the received rows; rank-major, row [l][s*M + t] = received row [s][t].
+  std::vector<uint8_t> yin(yn * ces);
+  for (size_t r = 0; r < yrows; ++r) {
+    const size_t xr = em ? r : r % (static_cast<size_t>(R) * c.M);
+    for (int j = 0; j < c.H; ++j) {
+      const size_t i = r * c.H + j, xi = xr * c.H + j;
+      const float v = c.fp8 ? epcomm::fp8ToFloat(hx[xi]) * hsc[xr * (c.H / 128) + j / 128]
+                            : epcomm::loadAsFloat(hx.data(), xi, c.dtype);
+      epcomm::storeFromFloat(yin.data(), i, cdt, v);
+    }
+  }
+  std::vector<uint8_t> hy = expertHost(yin, yn, static_cast<float>(rank + 1), cdt);
+  std::vector<uint8_t> hout(static_cast<size_t>(T) * c.H * ces, 0x5A);
+  epLlCombineArgs_t ca = EP_LL_COMBINE_ARGS_INIT;
+  ca.num_tokens = T;
+  ca.max_tokens_per_rank = c.M;
+  ca.hidden = c.H;
+  ca.topk = c.K;
+  ca.num_experts = c.E;
+  ca.dtype = cdt;
+  ca.layout = c.layout;
+  ca.y = hy.data();
+  ca.y_bytes = hy.size();
+  ca.recv_count = hcnt.data();
+  ca.recv_src_info = em ? hsrc.data() : nullptr;
+  ca.recv_layout_range = em ? hlr.data() : nullptr;
+  ca.recv_topk_idx = em ? nullptr : hti.data();
+  ca.topk_idx = in.idx.data();
+  ca.topk_weights = in.w.data();
+  ca.out = hout.data();
+  ca.out_bytes = hout.size();
+  CKE(epLlCombine(h, &ca, nullptr), h);
+  DevBuf<uint8_t> dyin(yin.size()), dy(yin.size()), dout(hout.size() + 16);
+  dyin.upload(yin);
+  expert(dyin.p, dy.p, yn, static_cast<float>(rank + 1), cdt, s);
+  epLlCombineArgs_t cg = ca;
+  cg.y = dy.p;
+  cg.recv_count = gcnt.p;
+  cg.recv_src_info = em ? gsrc.p : nullptr;
+  cg.recv_layout_range = em ? glr.p : nullptr;
+  cg.recv_topk_idx = em ? nullptr : gti.p;
+  cg.topk_idx = didx.p;
+  cg.topk_weights = dw.p;
+  cg.out = dout.p;
+  if (c.split) {
+    cg.phases = EP_LL_SEND;
+    CKE(epLlCombine(g, &cg, s), g);
+    CKC(cudaStreamSynchronize(s));
+    cg.phases = EP_LL_RECV;
+    CKE(epLlCombine(g, &cg, s2), g);
+    CKC(cudaStreamSynchronize(s2));
+  } else {
+    CKE(epLlCombine(g, &cg, s), g);
+    CKC(cudaStreamSynchronize(s));
+  }
+  CKE(epCommGetAsyncError(g, &ae, &info), g);
+  CK(ae == epSuccess && info.num_violations == 0, "LL combine: async error %s, %llu violations", epGetErrorString(ae),
+     static_cast<unsigned long long>(info.num_violations));
+  CK(memcmp(dy.host().data(), hy.data(), hy.size()) == 0, "stand-in expert differs (%s)", what.c_str());
+  auto gout = dout.host();
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < c.H; ++j) {
+      const size_t i = static_cast<size_t>(t) * c.H + j;
+      if (memcmp(gout.data() + i * ces, hout.data() + i * ces, ces) == 0) continue;
+      CK(false, "out[%d, %d] = %g on the GPU, %g on the host (%s)", t, j, epcomm::loadAsFloat(gout.data(), i, cdt),
+         epcomm::loadAsFloat(hout.data(), i, cdt), what.c_str());
+    }
+  return 0;
+}
+
+int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int M, int E, epComm_t* g, epComm_t* h) {
+  epConfig_t cfg = llConfig(M, E);
+  CKE(epCommInitRank(g, R, &gid, rank, &cfg), nullptr);
+  epConfig_t hc = EP_CONFIG_INIT;
+  hc.engine = EP_ENGINE_HOST;
+  hc.queue_bytes = 16 << 20;
+  hc.ll_max_tokens_per_rank = M;
+  CKE(epCommInitRank(h, R, &hid, rank, &hc), nullptr);
+  return 0;
+}
+
+class GpuLl : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuLl, BitExactAgainstHostEngine) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 32 * R;  // a multiple of top-8 blocks and of R
+    epComm_t g, h;
+    if (initPair(rank, R, gid, hid, 128, E, &g, &h)) return 1;
+    cudaStream_t s, s2;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+    const LlCase cases[] = {
+        {1, 7168, 8, E, epBfloat16, 0, EM, 0},    {2, 7168, 8, E, epBfloat16, 1, EM, 1},
+        {128, 7168, 8, E, epBfloat16, 0, EM, 0},  {128, 7168, 8, E, epBfloat16, 1, EM, 1},
+        {128, 7168, 8, E, epBfloat16, 0, RM, 1},  {128, 2048, 8, E, epBfloat16, 1, RM, 0},
+        {1, 256, 4, E, epBfloat16, 1, RM, 0},     {2, 2048, 6, E, epFloat16, 0, EM, 1},
+        {64, 256, 9, 9 * R, epFloat32, 0, EM, 0}, {64, 256, 9, 9 * R, epFloat32, 0, RM, 1},
+        {96, 2048, 8, E, epFloat16, 1, EM, 0},
+    };
+    uint64_t seed_i = seed;
+    for (const LlCase& c : cases) {
+      if (rank == 0 && getenv("EPCOMM_GPU_TEST_VERBOSE"))
+        fprintf(stderr, "LL case M %d H %d K %d E %d dtype %d fp8 %d layout %d split %d\n", c.M, c.H, c.K, c.E,
+                c.dtype, c.fp8, c.layout, c.split);
+      if (runLlCase(g, h, rank, R, c, ++seed_i, s, s2)) return 1;
+    }
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 600000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// alltoallv
+// ---------------------------------------------------------------------------------------------------------
+TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    epComm_t g, h;
+    if (initPair(rank, R, gid, hid, 8, 8 * R, &g, &h)) return 1;
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int round = 0; round < 6; ++round) {
+      // counts[src][dst] from one seed on every rank; sizes from 0 to about 3 MB per pair, odd element sizes
+      const epDataType_t dt = round % 3 == 0 ? epFloat32 : round % 3 == 1 ? epBfloat16 : epUint8;
+      const size_t es = epDataTypeSize(dt);
+      std::mt19937_64 rng(seed * 31 + round);
+      std::vector<size_t> cnt(static_cast<size_t>(R) * R);
+      for (auto& v : cnt) v = rng() % 5 == 0 ? 0 : rng() % (round < 3 ? 1000 : 1500000 / es);
+      std::vector<size_t> sc(R), sd(R), rc(R), rd(R);
+      size_t st = 0, rt = 0;
+      for (int p = 0; p < R; ++p) {
+        sc[p] = cnt[static_cast<size_t>(rank) * R + p];
+        sd[p] = st + 3;  // gaps between the pieces
+        st += sc[p] + 3;
+        rc[p] = cnt[static_cast<size_t>(p) * R + rank];
+        rd[p] = rt + 1;
+        rt += rc[p] + 1;
+      }
+      std::vector<uint8_t> send(st * es), hrecv(rt * es, 0xA5);
+      for (auto& v : send) v = static_cast<uint8_t>(rng());
+      CKE(epAlltoallv(h, send.data(), sc.data(), sd.data(), hrecv.data(), rc.data(), rd.data(), dt, nullptr), h);
+      DevBuf<uint8_t> dsend(send.size() + 1), drecv(hrecv.size() + 1);
+      dsend.upload(send);
+      CKE(epAlltoallv(g, dsend.p, sc.data(), sd.data(), drecv.p, rc.data(), rd.data(), dt, s), g);
+      CKC(cudaStreamSynchronize(s));
+      auto grecv = drecv.host();
+      CK(memcmp(grecv.data(), hrecv.data(), hrecv.size()) == 0, "alltoallv (host counts) round %d differs", round);
+      // Device counts, packed, with a capacity that drops part of the tail on odd rounds.
+      std::vector<int64_t> dsc(R);
+      size_t total_in = 0;
+      for (int p = 0; p < R; ++p) {
+        dsc[p] = static_cast<int64_t>(sc[p]);
+        total_in += rc[p];
+      }
+      std::vector<uint8_t> packed;
+      for (int p = 0; p < R; ++p)
+        packed.insert(packed.end(), send.begin() + sd[p] * es, send.begin() + (sd[p] + sc[p]) * es);
+      const size_t cap = round & 1 ? total_in * 2 / 3 : total_in + 5;
+      std::vector<uint8_t> hrecv2((cap + 1) * es, 0xA5);
+      std::vector<int64_t> hrc(R, -1);
+      int64_t hdrop = -1;
+      epResult_t hr = epAlltoallvDevice(h, packed.data(), dsc.data(), hrecv2.data(), cap, hrc.data(), &hdrop, dt, nullptr);
+      CK(hr == epSuccess || (hr == epCapacityExceeded && hdrop > 0), "host alltoallvDevice -> %s", epGetErrorString(hr));
+      DevBuf<uint8_t> dpacked(packed.size() + 1), drecv2(hrecv2.size());
+      DevBuf<int64_t> dcounts(R), drc(R), ddrop(1);
+      dpacked.upload(packed);
+      dcounts.upload(dsc);
+      CKE(epAlltoallvDevice(g, dpacked.p, dcounts.p, drecv2.p, cap, drc.p, ddrop.p, dt, s), g);
+      CKC(cudaStreamSynchronize(s));
+      CK(memcmp(drecv2.host().data(), hrecv2.data(), hrecv2.size()) == 0, "alltoallv (device counts) round %d differs",
+         round);
+      CK(drc.host() == hrc, "recv_counts differ (round %d)", round);
+      CK(ddrop.host()[0] == hdrop, "num_dropped %lld vs %lld", static_cast<long long>(ddrop.host()[0]),
+         static_cast<long long>(hdrop));
+    }
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(g, &ae, &info), g);
+    // Odd rounds overflow on purpose: capacity violations only.
+    CK(ae == epSuccess && (info.num_violations == 0 || info.violation == epCapacityExceeded), "async error %d, violation %d",
+       ae, info.violation);
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Graphs and late blocks
+// ---------------------------------------------------------------------------------------------------------
+__global__ void genLl(uint16_t* x, int64_t* idx, float* w, int T, int H, int K, int E, uint64_t seed) {
+  auto hash = [](uint64_t v) {
+    v ^= v >> 33;
+    v *= 0xff51afd7ed558ccdull;
+    v ^= v >> 33;
+    v *= 0xc4ceb9fe1a85ec53ull;
+    return v ^ (v >> 33);
+  };
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * H; i += gridDim.x * blockDim.x)
+    x[i] = epcomm::floatToBf16(static_cast<float>(static_cast<int>(hash(seed * 7919 + i) % 2001) - 1000) / 256.0f);
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * K; i += gridDim.x * blockDim.x) {
+    uint64_t hv = hash(seed * 104729 + i + 1);
+    idx[i] = (hv % 13 == 0) ? -1 : static_cast<int64_t>((hv >> 8) % E);
+    w[i] = static_cast<float>(hv % 1000) / 1000.0f;
+  }
+}
+
+struct LlLayer {  // dispatch -> stand-in -> combine on device buffers
+  int T, M, H, K, E, R, rank, layout;
+  epComm_t comm;
+  DevBuf<uint16_t> x, recv_x, y, out;
+  DevBuf<float> scales, w;
+  DevBuf<int64_t> idx, lr, ti;
+  DevBuf<int> cnt, src;
+  LlLayer(epComm_t c, int R_, int rank_, int T_, int M_, int H_, int K_, int E_, int layout_)
+      : T(T_), M(M_), H(H_), K(K_), E(E_), R(R_), rank(rank_), layout(layout_), comm(c),
+        x(static_cast<size_t>(T_) * H_), recv_x(static_cast<size_t>(E_) * M_ * H_), y(static_cast<size_t>(E_) * M_ * H_),
+        out(static_cast<size_t>(T_) * H_), scales(1), w(static_cast<size_t>(T_) * K_), idx(static_cast<size_t>(T_) * K_),
+        lr(E_), ti(static_cast<size_t>(R_) * M_ * K_), cnt(E_), src(static_cast<size_t>(E_) * M_) {}
+  epLlDispatchArgs_t dargs(unsigned phases) {
+    epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+    a.num_tokens = T;
+    a.max_tokens_per_rank = M;
+    a.hidden = H;
+    a.topk = K;
+    a.num_experts = E;
+    a.layout = layout;
+    a.phases = phases;
+    a.x = x.p;
+    a.topk_idx = idx.p;
+    a.recv_x = recv_x.p;
+    a.recv_x_bytes = recv_x.bytes();
+    a.recv_count = cnt.p;
+    a.recv_count_bytes = cnt.bytes();
+    a.recv_src_info = src.p;
+    a.recv_src_info_bytes = src.bytes();
+    a.recv_layout_range = lr.p;
+    a.recv_layout_range_bytes = lr.bytes();
+    a.recv_topk_idx = ti.p;
+    a.recv_topk_idx_bytes = ti.bytes();
+    return a;
+  }
+  epLlCombineArgs_t cargs(unsigned phases, uint16_t* dst) {
+    epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.max_tokens_per_rank = M;
+    c.hidden = H;
+    c.topk = K;
+    c.num_experts = E;
+    c.layout = layout;
+    c.phases = phases;
+    c.y = y.p;
+    c.y_bytes = y.bytes();
+    c.recv_count = cnt.p;
+    c.recv_src_info = src.p;
+    c.recv_layout_range = lr.p;
+    c.recv_topk_idx = ti.p;
+    c.topk_idx = idx.p;
+    c.topk_weights = w.p;
+    c.out = dst;
+    c.out_bytes = out.bytes();
+    return c;
+  }
+  // One layer; the next layer's input is this layer's output (so three layers chain).
+  epResult_t run(cudaStream_t s, uint16_t* dst) {
+    epLlDispatchArgs_t a = dargs(EP_LL_SEND_RECV);
+    epResult_t r = epLlDispatch(comm, &a, s);
+    if (r != epSuccess) return r;
+    expert(recv_x.p, y.p, static_cast<size_t>(E / R) * R * M * H, static_cast<float>(rank + 1), epBfloat16, s);
+    epLlCombineArgs_t c = cargs(EP_LL_SEND_RECV, dst);
+    return epLlCombine(comm, &c, s);
+  }
+};
+
+// Three layers share routing buffers but each has its own x; layer i + 1 takes layer i's output as its input.
+struct LlStep {
+  LlLayer l0, l1, l2;
+  DevBuf<uint16_t> final_graph, final_eager;
+  LlStep(epComm_t c, int R, int rank, int T, int H, int K, int E, int layout)
+      : l0(c, R, rank, T, T, H, K, E, layout), l1(c, R, rank, T, T, H, K, E, layout),
+        l2(c, R, rank, T, T, H, K, E, layout), final_graph(static_cast<size_t>(T) * H),
+        final_eager(static_cast<size_t>(T) * H) {}
+  epResult_t run(cudaStream_t s, uint16_t* dst) {
+    epResult_t r;
+    if ((r = l0.run(s, l1.x.p)) != epSuccess) return r;
+    if ((r = l1.run(s, l2.x.p)) != epSuccess) return r;
+    return l2.run(s, dst);
+  }
+  void gen(cudaStream_t s, uint64_t seed) {
+    for (LlLayer* l : {&l0, &l1, &l2})
+      genLl<<<64, 256, 0, s>>>(l->x.p, l->idx.p, l->w.p, l->T, l->H, l->K, l->E, seed + 17 * (l - &l0));
+  }
+};
+
+TEST_P(GpuLl, GraphReplayMatchesEager) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const int replays = getenv("EPCOMM_GPU_TEST_REPLAYS") ? atoi(getenv("EPCOMM_GPU_TEST_REPLAYS")) : 1000;
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 8 * R;
+    epConfig_t cfg = llConfig(64, E);
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LlStep A(comm, R, rank, 64, 512, 8, E, EP_LL_EXPERT_MAJOR), B(comm, R, rank, 32, 1024, 4, E, EP_LL_RANK_MAJOR);
+    cudaGraph_t ga, gb;
+    cudaGraphExec_t ea, eb;
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CKE(A.run(s, A.final_graph.p), comm);
+    CKC(cudaStreamEndCapture(s, &ga));
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CKE(B.run(s, B.final_graph.p), comm);
+    CKC(cudaStreamEndCapture(s, &gb));
+    CKC(cudaGraphInstantiate(&ea, ga, 0));
+    CKC(cudaGraphInstantiate(&eb, gb, 0));
+    // The halves captured separately, with other work between them.
+    LlLayer H1(comm, R, rank, 48, 48, 256, 6, E, EP_LL_EXPERT_MAJOR);
+    DevBuf<uint16_t> h1_graph(static_cast<size_t>(48) * 256), h1_eager(static_cast<size_t>(48) * 256);
+    cudaGraph_t gs, gr;
+    cudaGraphExec_t es_, er_;
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    {
+      epLlDispatchArgs_t a = H1.dargs(EP_LL_SEND);
+      CKE(epLlDispatch(comm, &a, s), comm);
+    }
+    CKC(cudaStreamEndCapture(s, &gs));
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    {
+      epLlDispatchArgs_t a = H1.dargs(EP_LL_RECV);
+      CKE(epLlDispatch(comm, &a, s), comm);
+      expert(H1.recv_x.p, H1.y.p, static_cast<size_t>(E / R) * R * 48 * 256, static_cast<float>(rank + 1), epBfloat16, s);
+      epLlCombineArgs_t c = H1.cargs(EP_LL_SEND, h1_graph.p);
+      CKE(epLlCombine(comm, &c, s), comm);
+      c = H1.cargs(EP_LL_RECV, h1_graph.p);
+      CKE(epLlCombine(comm, &c, s), comm);
+    }
+    CKC(cudaStreamEndCapture(s, &gr));
+    CKC(cudaGraphInstantiate(&es_, gs, 0));
+    CKC(cudaGraphInstantiate(&er_, gr, 0));
+    DevBuf<uint16_t> scratch(1 << 20);
+    for (int it = 0; it < replays; ++it) {
+      if (it % 3 == 2) {
+        genLl<<<64, 256, 0, s>>>(H1.x.p, H1.idx.p, H1.w.p, H1.T, H1.H, H1.K, H1.E, seed * 100003 + it * 64 + rank);
+        CKC(cudaGraphLaunch(es_, s));
+        CKC(cudaMemsetAsync(scratch.p, it & 0xff, scratch.bytes(), s));  // work between the halves
+        CKC(cudaGraphLaunch(er_, s));
+        CKE(H1.run(s, h1_eager.p), comm);
+        CKC(cudaStreamSynchronize(s));
+        CK(h1_graph.host() == h1_eager.host(), "split-half replay %d differs from eager", it);
+        continue;
+      }
+      LlStep& P = (it & 1) ? B : A;
+      P.gen(s, seed * 100000 + it * 64 + rank);
+      CKC(cudaGraphLaunch((it & 1) ? eb : ea, s));
+      // Eager, interleaved on the same communicator with the same inputs (layer inputs 1 and 2 are recomputed).
+      CKE(P.run(s, P.final_eager.p), comm);
+      CKC(cudaStreamSynchronize(s));
+      CK(P.final_graph.host() == P.final_eager.host(), "replay %d differs from eager", it);
+    }
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
+    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
+       static_cast<unsigned long long>(info.num_violations));
+    // alltoallv with device counts, captured and replayed with fresh counts.
+    {
+      const size_t cap = 4096;
+      DevBuf<float> sb(static_cast<size_t>(R) * 512), rb(cap), rb_e(cap);
+      DevBuf<int64_t> sc(R), rc(R), rc_e(R), drop(1), drop_e(1);
+      cudaGraph_t gv;
+      cudaGraphExec_t ev;
+      CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      CKE(epAlltoallvDevice(comm, sb.p, sc.p, rb.p, cap, rc.p, drop.p, epFloat32, s), comm);
+      CKC(cudaStreamEndCapture(s, &gv));
+      CKC(cudaGraphInstantiate(&ev, gv, 0));
+      for (int it = 0; it < replays / 4; ++it) {
+        std::vector<int64_t> counts(R);
+        std::mt19937 rng(static_cast<unsigned>(seed + it * 7 + rank));
+        for (auto& v : counts) v = rng() % 513;
+        std::vector<float> data(static_cast<size_t>(R) * 512);
+        for (auto& v : data) v = static_cast<float>(rng() % 100000);
+        sc.upload(counts);
+        sb.upload(data);
+        CKC(cudaGraphLaunch(ev, s));
+        CKE(epAlltoallvDevice(comm, sb.p, sc.p, rb_e.p, cap, rc_e.p, drop_e.p, epFloat32, s), comm);
+        CKC(cudaStreamSynchronize(s));
+        CK(rc.host() == rc_e.host() && drop.host() == drop_e.host(), "alltoallv replay %d: counts differ", it);
+        int64_t n = 0;
+        for (int64_t v : rc.host()) n += v;
+        auto g = rb.host(), e = rb_e.host();
+        CK(memcmp(g.data(), e.data(), static_cast<size_t>(std::min<int64_t>(n, cap)) * 4) == 0,
+           "alltoallv replay %d differs from eager", it);
+      }
+      cudaGraphExecDestroy(ev);
+    }
+    cudaGraphExecDestroy(ea);
+    cudaGraphExecDestroy(eb);
+    cudaGraphExecDestroy(es_);
+    cudaGraphExecDestroy(er_);
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 900000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+TEST_P(GpuLl, LateBlocksManyOperations) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const int ops = getenv("EPCOMM_GPU_TEST_LATE_OPS") ? atoi(getenv("EPCOMM_GPU_TEST_LATE_OPS")) : 10000;
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    setenv("EPCOMM_GPU_LL_BLOCKS", "2048", 1);  // far more blocks than can be resident (132 SMs)
+    // Ranks sharing one GPU under MPS: each client gets its share of the SMs, so that one rank's waiting blocks
+    // cannot occupy the SMs a peer's send half needs (a scheduling limit of one shared GPU, not of the protocol).
+    setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(100 / (R + 1)).c_str(), 1);
+    CKC(selectDevice(rank));
+    const int E = 4 * R;
+    epConfig_t cfg = llConfig(16, E);
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
+    DevBuf<uint16_t> first(static_cast<size_t>(16) * 128), again(static_cast<size_t>(16) * 128);
+    genLl<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank);
+    CKE(P.run(s, first.p), comm);
+    cudaGraph_t gph;
+    cudaGraphExec_t ex;
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CKE(P.run(s, again.p), comm);
+    CKC(cudaStreamEndCapture(s, &gph));
+    CKC(cudaGraphInstantiate(&ex, gph, 0));
+    CKC(cudaStreamSynchronize(s));
+    const auto want = first.host();
+    for (int i = 0; i < ops; i += 2) {  // each step is a dispatch and a combine: ops counts both
+      if ((i / 2) % 3 == 1) CKC(cudaGraphLaunch(ex, s));
+      else CKE(P.run(s, again.p), comm);
+      if ((i / 2) % 500 == 0 || i + 2 >= ops) {
+        CKC(cudaStreamSynchronize(s));
+        CK(again.host() == want, "operation %d: result differs from the first run", i);
+      }
+    }
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
+    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
+       static_cast<unsigned long long>(info.num_violations));
+    cudaGraphExecDestroy(ex);
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 900000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GpuLl, ::testing::ValuesIn(rankCounts()),
+                         [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
+
+bool haveGpu() {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    _exit(cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!haveGpu()) {
+    printf("no CUDA device: the gpu suite is skipped\n");
+    return 77;
+  }
+  g_seed = getenv("EPCOMM_TEST_SEED") ? strtoull(getenv("EPCOMM_TEST_SEED"), nullptr, 0) : std::random_device{}();
+  printf("seed %llu (EPCOMM_TEST_SEED reproduces)\n", static_cast<unsigned long long>(g_seed));
+  installCrashHandler();
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
