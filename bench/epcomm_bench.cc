@@ -534,6 +534,31 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
     cudaGraphDestroy(graph);
     g_ll.push_back({what, median(te) * 1e6, median(tg) * 1e6, bytes});
   };
+  // The halves' own times, eager: events around the send kernel and around the receive kernel.
+  auto halves = [&](const std::string& what, const std::function<void()>& send, const std::function<void()>& recv) {
+    cudaEvent_t ev[3];
+    for (auto& e : ev) cudaEventCreate(&e);
+    std::vector<double> ts, tr;
+    for (int i = 0; i < o.warmup + samples; ++i) {
+      CHECK(epCommBarrier(comm, s));
+      cudaEventRecord(ev[0], s);
+      send();
+      cudaEventRecord(ev[1], s);
+      recv();
+      cudaEventRecord(ev[2], s);
+      CUCHECK(cudaEventSynchronize(ev[2]));
+      float a = 0, b = 0;
+      cudaEventElapsedTime(&a, ev[0], ev[1]);
+      cudaEventElapsedTime(&b, ev[1], ev[2]);
+      if (i >= o.warmup) {
+        ts.push_back(a * 1e3);
+        tr.push_back(b * 1e3);
+      }
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    g_ll.push_back({what + " send half", median(ts), 0, 0});
+    g_ll.push_back({what + " recv half", median(tr), 0, 0});
+  };
   const double row = 2.0 * H, row8 = H + H / 128 * 4.0;
   for (int fp8 = 0; fp8 < 2; ++fp8) {
     epLlDispatchArgs_t d = dargs(fp8, EP_LL_SEND_RECV), ds = dargs(fp8, EP_LL_SEND), dr = dargs(fp8, EP_LL_RECV);
@@ -554,6 +579,12 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
     CHECK(epLlCombine(comm, &cs, s));
     CHECK(epLlCombine(comm, &cr, s));
   });
+  {
+    epLlDispatchArgs_t ds = dargs(false, EP_LL_SEND), dr = dargs(false, EP_LL_RECV);
+    halves("dispatch", [&] { CHECK(epLlDispatch(comm, &ds, s)); }, [&] { CHECK(epLlDispatch(comm, &dr, s)); });
+    CUCHECK(cudaMemcpyAsync(y, recv_x, rows * H * 2, cudaMemcpyDeviceToDevice, s));
+    halves("combine", [&] { CHECK(epLlCombine(comm, &cs, s)); }, [&] { CHECK(epLlCombine(comm, &cr, s)); });
+  }
   measure("round trip", 2 * pairs * row, [&] {
     CHECK(epLlDispatch(comm, &d, s));
     CHECK(epLlCombine(comm, &c, s));
@@ -693,7 +724,8 @@ int main(int argc, char** argv) {
              "%14s\n", o.ll_tokens, o.hidden, o.topk, o.experts, "LL operation", "eager_us", "graph_us",
              "GB/s(DeepEP)");
     for (const LlTimes& t : g_ll)
-      printf("%-22s %10.1f %10.1f %14.2f\n", t.what.c_str(), t.eager_us, t.graph_us, t.bytes / t.graph_us / 1e3);
+      if (t.bytes > 0) printf("%-22s %10.1f %10.1f %14.2f\n", t.what.c_str(), t.eager_us, t.graph_us, t.bytes / t.graph_us / 1e3);
+      else printf("%-22s %10.1f %10s %14s\n", t.what.c_str(), t.eager_us, "-", "-");
     if (!g_a2a.empty())
       printf("alltoallv on the GPU engine (float32, even splits), rank 0's view; x_copy = useful bytes (read + "
              "written once, all ranks) per second over the copy roofline\n%-12s %12s %9s %12s %9s\n",

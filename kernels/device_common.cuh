@@ -81,14 +81,18 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
 // counted in a cumulative counter (never reset, so graph replays need no reset); the block that brings it to
 // `target` (= operation number x blocks per launch) returns true. Only that block, after every other block of
 // the launch has finished, may advance the epoch the launch was derived from (rule G2).
+// The fences are acquire-release, not sequentially consistent (__threadfence_system): they order this block's
+// writes (peer memory included) before the count, and the other blocks' before what the last block writes next,
+// at a fraction of the cost, which LL latency feels.
+__device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ bool lastBlockDone(uint64_t* done, uint64_t target) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    fenceAcqRelSys();
     const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(done), 1ull);
     s_last = old + 1 == target;
-    if (s_last) __threadfence_system();
+    if (s_last) fenceAcqRelSys();
   }
   __syncthreads();
   return s_last != 0;

@@ -18,6 +18,7 @@ namespace {
 using namespace dev;
 
 constexpr int kLlThreads = 512;
+constexpr int kLlMaxRanks = 16;  // the GPU engine's rank limit (GpuEngine::init): sizes per-warp arrays
 
 __device__ __forceinline__ LlCtrl* ctrlOf(const LlParams& p) { return reinterpret_cast<LlCtrl*>(p.base[p.rank]); }
 // Tag of family `fam`, parity `par`, written by `src` into `owner`'s buffer.
@@ -42,10 +43,12 @@ __device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int pa
          ((static_cast<size_t>(par) * p.lay.max_experts + expert) * p.lay.max_tokens + t) * p.lay.comb_row;
 }
 
-// The operation number of this launch (one more than the family's completed count), read once per block.
+// The operation number of this launch (one more than the family's completed count), read once per block. Only
+// this rank's earlier launches of the same kind wrote it, and they are complete (stream order), so a relaxed
+// load suffices.
 __device__ __forceinline__ uint64_t launchEpoch(const uint64_t* completed) {
   __shared__ uint64_t s_e;
-  if (threadIdx.x == 0) s_e = ldAcquire(completed) + 1;
+  if (threadIdx.x == 0) s_e = *reinterpret_cast<const volatile uint64_t*>(completed) + 1;
   __syncthreads();
   return s_e;
 }
@@ -217,8 +220,8 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) {
       const int rk = xk >= 0 ? xk / L : -1;
       const unsigned mask = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
       if (mask == 0) continue;
-      uint8_t* dst[kGpuMaxRanks];
-      int dr[kGpuMaxRanks], nd = 0;
+      uint8_t* dst[kLlMaxRanks];
+      int dr[kLlMaxRanks], nd = 0;
       for (unsigned mm = mask; mm; mm &= mm - 1) {
         dr[nd] = __ffs(mm) - 1;
         dst[nd] = slotPtr(p, dr[nd], par, p.rank, t);
@@ -240,7 +243,7 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) {
       for (int d = 0; d < nd; ++d) dst[d] += p.lay.slot_row;
       const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
-      float* sc[kGpuMaxRanks];
+      float* sc[kLlMaxRanks];
       for (int d = 0; d < nd; ++d) sc[d] = reinterpret_cast<float*>(dst[d] - p.lay.slot_row + p.lay.slot_scales);
       if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
       else if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
