@@ -617,6 +617,28 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
+// For compute-sanitizer runs: rank EPCOMM_GPU_TEST_OOB_RANK writes one element past a buffer, so a run can prove
+// that the tool instruments every rank process (they are forked, not exec'd). Skipped unless the variable is set.
+__global__ void writePastEnd(int* p, int n) { p[n] = 1; }
+
+TEST_P(GpuLl, SanitizerSeesEveryRank) {
+  const char* oob = getenv("EPCOMM_GPU_TEST_OOB_RANK");
+  if (oob == nullptr) GTEST_SKIP() << "EPCOMM_GPU_TEST_OOB_RANK is not set";
+  const int R = GetParam(), victim = atoi(oob);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    int* p = nullptr;
+    CKC(cudaMalloc(&p, 256 * sizeof(int)));
+    writePastEnd<<<1, 1>>>(p, rank == victim ? 1 << 20 : 0);  // 4 MiB past the end of a 1 KiB allocation
+    cudaDeviceSynchronize();
+    fprintf(stderr, "rank %d (pid %d): %s\n", rank, static_cast<int>(getpid()),
+            rank == victim ? "wrote past the end of its buffer" : "wrote in bounds");
+    return 0;
+  }, 60000);
+  (void)codes;  // the verdict is the sanitizer's report, not the exit codes
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuLl, ::testing::ValuesIn(rankCounts()),
                          [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
 
