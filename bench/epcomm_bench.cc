@@ -585,6 +585,16 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
     CUCHECK(cudaMemcpyAsync(y, recv_x, rows * H * 2, cudaMemcpyDeviceToDevice, s));
     halves("combine", [&] { CHECK(epLlCombine(comm, &cs, s)); }, [&] { CHECK(epLlCombine(comm, &cr, s)); });
   }
+  {
+    void* region = nullptr;
+    size_t region_bytes = 0;
+    CHECK(epLlCombineBuffer(comm, &region, &region_bytes));
+    CUCHECK(cudaMemcpyAsync(region, y, rows * H * 2, cudaMemcpyDeviceToDevice, s));
+    epLlCombineArgs_t cz = cargs(EP_LL_SEND_RECV);
+    cz.y = region;
+    cz.y_bytes = region_bytes;
+    measure("combine zero-copy", pairs * row, [&] { CHECK(epLlCombine(comm, &cz, s)); });
+  }
   measure("round trip", 2 * pairs * row, [&] {
     CHECK(epLlDispatch(comm, &d, s));
     CHECK(epLlCombine(comm, &c, s));

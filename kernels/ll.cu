@@ -43,6 +43,10 @@ __device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int pa
          ((static_cast<size_t>(par) * p.lay.max_experts + expert) * p.lay.max_tokens + t) * p.lay.comb_row;
 }
 
+__device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
+  return reinterpret_cast<LlZcHeader*>(p.base[owner] + p.lay.zc + par * p.lay.zc_entry);
+}
+
 // The operation number of this launch (one more than the family's completed count), read once per block. Only
 // this rank's earlier launches of the same kind wrote it, and they are complete (stream order), so a relaxed
 // load suffices.
@@ -272,7 +276,11 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   const size_t RM = static_cast<size_t>(R) * M;
-  if (waitPeers(p, tagFlag, kLlDispatch * 2 + par, e, e)) {
+  // Zero-copy combines: the expert outputs of the next combine are written after this receive half, into a
+  // region peers may still be reading from; every combine this rank sent must have been read by every peer.
+  const bool guard = !p.zc_guard ||
+                     waitPeers(p, ackFlag, kLlCombine, *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]), e);
+  if (guard && waitPeers(p, tagFlag, kLlDispatch * 2 + par, e, e)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
       int T = countEntry(p, p.rank, par, s)[0];
       if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
@@ -363,7 +371,16 @@ __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
   const uint8_t* y = static_cast<const uint8_t*>(p.y);
   const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlCombine, e - 2, e);
   const int units = static_cast<int>(p.xrow / 16), P = partsOf(p.xrow);
-  if (ok && p.layout == EP_LL_EXPERT_MAJOR) {
+  if (ok && p.zero_copy) {
+    // Nothing moves: publish where the rows are and the layout they follow; the peers read them.
+    if (blockIdx.x == 0) {
+      LlZcHeader* h = zcHeader(p, p.rank, par);
+      int64_t* lr = reinterpret_cast<int64_t*>(h + 1);
+      if (p.layout == EP_LL_EXPERT_MAJOR)
+        for (int i = threadIdx.x; i < L * R; i += blockDim.x) lr[i] = p.recv_layout_range[i];
+      if (threadIdx.x == 0) h->y_off = p.y_off;
+    }
+  } else if (ok && p.layout == EP_LL_EXPERT_MAJOR) {
     if (threadIdx.x == 0) {
       int acc = 0;
       for (int l = 0; l < L; ++l) {
@@ -435,12 +452,50 @@ __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
 template <int kDtype>
 __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
   using V = Vec8<kDtype>;
+  extern __shared__ int32_t s_dyn[];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlCombine]);
-  const int par = static_cast<int>(e & 1), R = p.nranks, K = p.K;
+  const int par = static_cast<int>(e & 1), R = p.nranks, K = p.K, L = p.L, M = p.M;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
-  if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
+  if (p.zero_copy) {
+    // Read each expert output straight from the expert rank's region: row begin(l, this rank) + the token's
+    // index among this rank's tokens of that expert (expert-major), or l * R * M + rank * M + t (rank-major).
+    const SendSmem m = stageRouting(p, s_dyn);
+    if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
+      const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
+      const size_t RM = static_cast<size_t>(R) * M;
+      for (int i = gw; i < p.T * groups; i += NW) {
+        const int t = i / groups, ch = (i % groups) * 32 + lane;
+        const int32_t xl = lane < K ? m.raw[t * K + lane] : -1;
+        // Repeats of an expert in a token read the row of its first occurrence (its index is that one's).
+        int32_t pl = lane < K ? m.pos[t * K + lane] : -1;
+        for (int j = 0; j < K; ++j) {
+          const int32_t xj = __shfl_sync(kFull, xl, j), pj = __shfl_sync(kFull, pl, j);
+          if (lane < K && j < lane && xj == xl && m.idx[t * K + lane] < 0) pl = pj;
+        }
+        const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
+        float acc[V::kN];
+#pragma unroll
+        for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
+        for (int k = 0; k < K; ++k) {
+          const int32_t x = __shfl_sync(kFull, xl, k);
+          const int32_t pos = __shfl_sync(kFull, pl, k);
+          const float w = __shfl_sync(kFull, wl, k);
+          if (x < 0 || ch >= chunks) continue;
+          const int A = x / L, l = x % L;
+          const LlZcHeader* h = zcHeader(p, A, par);
+          size_t row;
+          if (p.layout == EP_LL_EXPERT_MAJOR)
+            row = static_cast<size_t>(l) * RM + layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank]) + pos;
+          else
+            row = static_cast<size_t>(l) * RM + static_cast<size_t>(p.rank) * M + t;
+          V::addWeighted(acc, reinterpret_cast<const int4*>(p.base[A] + h->y_off + row * p.xrow)[ch], w);
+        }
+        if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = V::pack(acc);
+      }
+    }
+  } else if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
     const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
     for (int i = gw; i < p.T * groups; i += NW) {
       const int t = i / groups, ch = (i % groups) * 32 + lane;
@@ -491,13 +546,24 @@ cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+template <int kDtype>
+cudaError_t launchCombineRecv(const LlParams& p, cudaStream_t s) {
+  const size_t smem = p.zero_copy ? llSendSmemBytes(p.T, p.K, p.E) : 0;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(llCombineRecvKernel<kDtype>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kLlMaxSmem));
+    if (e != cudaSuccess) return e;
+  }
+  llCombineRecvKernel<kDtype><<<p.blocks, kLlThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
 cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
   switch (p.dtype) {
-    case epBfloat16: llCombineRecvKernel<epBfloat16><<<p.blocks, kLlThreads, 0, s>>>(p); break;
-    case epFloat16: llCombineRecvKernel<epFloat16><<<p.blocks, kLlThreads, 0, s>>>(p); break;
-    default: llCombineRecvKernel<epFloat32><<<p.blocks, kLlThreads, 0, s>>>(p); break;
+    case epBfloat16: return launchCombineRecv<epBfloat16>(p, s);
+    case epFloat16: return launchCombineRecv<epFloat16>(p, s);
+    default: return launchCombineRecv<epFloat32>(p, s);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace epcomm

@@ -425,6 +425,20 @@ typedef struct {
 
 EPCOMM_API epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t stream);
 
+/* Zero-copy LL combine input (GPU engine). Returns a region of this rank's registered memory, *y_bytes long, to
+ * which the expert computation writes its outputs ([L, R*M, H] of the combine's dtype, at the rows dispatch
+ * gave, exactly the y epLlCombine takes); pass it (or any y inside it) as args->y. Such a combine moves nothing
+ * in its send half: each token owner reads the rows straight from the expert ranks' regions in its receive half
+ * (one read per contribution instead of a copy and a read). Every rank of a combine uses a region, or none does
+ * (it is part of the operation, like the layout). Two regions alternate, one per combine; the one returned is
+ * the next combine's. Lifetime: a region may be written from the return of the dispatch receive half that
+ * precedes its combine until that combine's send half is issued, and must not be written after that until it is
+ * returned again: from then on peers may read it, and a later dispatch receive half returns only once every peer
+ * has finished reading every earlier zero-copy combine's rows (a device-side wait, so captured graphs keep the
+ * rule; complete a zero-copy combine's receive half before the next dispatch's receive half, or that wait
+ * ends at the deadline). The host engine returns epNotSupported: its combine already reads y in place. */
+EPCOMM_API epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes);
+
 /* ---------------------------------------------------------------------------------------------------------
  * Size helpers: bytes each output buffer needs. recv_rows is the HT row count (num_recv_tokens in exact
  * mode, num_worst_tokens in worst-token mode); the LL helper uses the args' shape fields only.

@@ -435,6 +435,21 @@ epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t 
   return finish(comm, comm->engine->llCombine(args, local, stream));
 }
 
+epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes) {
+  clearThreadError();
+  EPCHECK(checkComm(comm));
+  CallGuard guard(comm);
+  auto run = [&]() -> epResult_t {
+    EP_REQUIRE(y != nullptr && y_bytes != nullptr, epNullPointer, "%s is NULL", y == nullptr ? "y" : "y_bytes");
+    epResult_t r = comm->engine->llCombineBuffer(y, y_bytes);
+    if (r == epNotSupported)
+      EP_FAIL(epNotSupported, "zero-copy LL combine buffers are a GPU engine feature (the host engine's combine "
+                              "already reads y in place)");
+    return r;
+  };
+  return finish(comm, run());
+}
+
 epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows, epBufferSizes_t* sizes) {
   clearThreadError();
   EPCHECK(checkComm(comm));

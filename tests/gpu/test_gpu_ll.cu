@@ -198,15 +198,42 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
   CK(ae == epSuccess && info.num_violations == 0, "LL combine: async error %s, %llu violations", epGetErrorString(ae),
      static_cast<unsigned long long>(info.num_violations));
   CK(memcmp(dy.host().data(), hy.data(), hy.size()) == 0, "stand-in expert differs (%s)", what.c_str());
-  auto gout = dout.host();
-  for (int t = 0; t < T; ++t)
-    for (int j = 0; j < c.H; ++j) {
-      const size_t i = static_cast<size_t>(t) * c.H + j;
-      if (memcmp(gout.data() + i * ces, hout.data() + i * ces, ces) == 0) continue;
-      CK(false, "out[%d, %d] = %g on the GPU, %g on the host (%s)", t, j, epcomm::loadAsFloat(gout.data(), i, cdt),
-         epcomm::loadAsFloat(hout.data(), i, cdt), what.c_str());
-    }
-  return 0;
+  auto check = [&](const char* mode) -> int {
+    auto gout = dout.host();
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < c.H; ++j) {
+        const size_t i = static_cast<size_t>(t) * c.H + j;
+        if (memcmp(gout.data() + i * ces, hout.data() + i * ces, ces) == 0) continue;
+        CK(false, "%s combine: out[%d, %d] = %g on the GPU, %g on the host (%s)", mode, t, j,
+           epcomm::loadAsFloat(gout.data(), i, cdt), epcomm::loadAsFloat(hout.data(), i, cdt), what.c_str());
+      }
+    return 0;
+  };
+  if (check("plain")) return 1;
+  // Zero-copy: the expert outputs written into the communicator's region; peers read them from there.
+  void* region = nullptr;
+  size_t region_bytes = 0;
+  CKE(epLlCombineBuffer(g, &region, &region_bytes), g);
+  CK(region_bytes >= dy.bytes(), "zero-copy region of %zu bytes for %zu bytes of y", region_bytes, dy.bytes());
+  CKC(cudaMemcpyAsync(region, dy.p, dy.bytes(), cudaMemcpyDeviceToDevice, s));
+  CKC(cudaMemsetAsync(dout.p, 0x5A, dout.bytes(), s));
+  cg.y = region;
+  if (c.split) {
+    cg.phases = EP_LL_SEND;
+    CKE(epLlCombine(g, &cg, s), g);
+    CKC(cudaStreamSynchronize(s));
+    cg.phases = EP_LL_RECV;
+    CKE(epLlCombine(g, &cg, s2), g);
+    CKC(cudaStreamSynchronize(s2));
+  } else {
+    cg.phases = EP_LL_SEND_RECV;
+    CKE(epLlCombine(g, &cg, s), g);
+    CKC(cudaStreamSynchronize(s));
+  }
+  CKE(epCommGetAsyncError(g, &ae, &info), g);
+  CK(ae == epSuccess && info.num_violations == 0, "zero-copy LL combine: async error %s, %llu violations",
+     epGetErrorString(ae), static_cast<unsigned long long>(info.num_violations));
+  return check("zero-copy");
 }
 
 int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int M, int E, epComm_t* g, epComm_t* h) {
@@ -420,12 +447,18 @@ struct LlLayer {  // dispatch -> stand-in -> combine on device buffers
     return c;
   }
   // One layer; the next layer's input is this layer's output (so three layers chain).
+  bool zero_copy = false;  // the stand-in writes into the communicator's region (epLlCombineBuffer)
   epResult_t run(cudaStream_t s, uint16_t* dst) {
     epLlDispatchArgs_t a = dargs(EP_LL_SEND_RECV);
     epResult_t r = epLlDispatch(comm, &a, s);
     if (r != epSuccess) return r;
-    expert(recv_x.p, y.p, static_cast<size_t>(E / R) * R * M * H, static_cast<float>(rank + 1), epBfloat16, s);
     epLlCombineArgs_t c = cargs(EP_LL_SEND_RECV, dst);
+    void* yz = y.p;
+    size_t yz_bytes = y.bytes();
+    if (zero_copy && (r = epLlCombineBuffer(comm, &yz, &yz_bytes)) != epSuccess) return r;
+    expert(recv_x.p, yz, static_cast<size_t>(E / R) * R * M * H, static_cast<float>(rank + 1), epBfloat16, s);
+    c.y = yz;
+    c.y_bytes = yz_bytes;
     return epLlCombine(comm, &c, s);
   }
 };
@@ -466,6 +499,9 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlStep A(comm, R, rank, 64, 512, 8, E, EP_LL_EXPERT_MAJOR), B(comm, R, rank, 32, 1024, 4, E, EP_LL_RANK_MAJOR);
+    // Graph A's middle layer and graph B's last layer combine zero-copy (the region is captured as a fixed y).
+    A.l1.zero_copy = true;
+    B.l2.zero_copy = true;
     cudaGraph_t ga, gb;
     cudaGraphExec_t ea, eb;
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));

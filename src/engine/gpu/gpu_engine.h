@@ -39,6 +39,7 @@ class GpuEngine final : public Engine {
                        epResult_t local, epStream_t) override;
   epResult_t alltoallvDevice(const void*, const int64_t*, void*, size_t, int64_t*, int64_t*, size_t,
                              epResult_t local, epStream_t) override;
+  epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
   void abort() override;
   void pollAsyncError() override;
@@ -65,6 +66,8 @@ class GpuEngine final : public Engine {
   LlLayout ll_lay_{};
   int ll_blocks_ = 0, ll_default_blocks_ = 1;
   uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
+  bool ll_zero_copy_ = false;
+  int ll_recv_zero_copy_ = 0;  // the mode of the combine whose receive half is outstanding  // a zero-copy region was handed out: dispatch receives guard its reuse
 };
 
 }  // namespace epcomm

@@ -94,7 +94,11 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //   [dispatch counts: 2 par x R] LlCountEntry T of src and its (token, expert) pairs per local expert
 //   [dispatch slots:  2 par x R x M] slot     token t of src at [src][t]: LlSlotMeta, row, scales; a token
 //                                              goes once to each rank that hosts one of its experts
-//   [combine slots:   2 par x E x M] row       expert output for (expert x, token t) of this rank's tokens
+//   [combine slots:   2 par x E x M] row       expert output for (expert x, token t) of this rank's tokens;
+//                                              with zero-copy combines, the regions the expert outputs are
+//                                              written to (epLlCombineBuffer) and the peers read from
+//   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
+//                                              row layout (recv_layout_range) they follow
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
 // its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
 // reads, and its last block acknowledges. Epochs are advanced by the last block of each launch (rule G2).
@@ -116,8 +120,14 @@ struct LlSlotMeta {
                                     // among the sender's tokens of that expert (first occurrence only, else -1)
 };
 
+struct LlZcHeader {
+  uint64_t y_off;  // offset of the expert outputs in the owner's LL buffer
+  uint64_t pad;
+  // int64_t layout_range[E] follows (expert-major: recv_layout_range of the owner's dispatch)
+};
+
 struct LlLayout {
-  size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, total;
+  size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, zc, zc_entry, total;
   int nranks, max_tokens, max_experts, max_hidden;
 };
 
@@ -145,6 +155,9 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   l.comb_row = up16(static_cast<size_t>(max_hidden) * 2);
   l.comb = off;
   off = up(off + 2 * static_cast<size_t>(max_experts) * max_tokens * l.comb_row);
+  l.zc = off;
+  l.zc_entry = up(sizeof(LlZcHeader) + 8 * static_cast<size_t>(max_experts));
+  off = up(off + 2 * l.zc_entry);
   l.total = off;
   return l;
 }
@@ -220,6 +233,9 @@ struct LlParams {
   int64_t* recv_topk_idx;
   const void* y;
   void* out;
+  int zero_copy;     // combine: y is a region of this rank's LL buffer at y_off; peers read the rows from it
+  int zc_guard;      // dispatch receive: wait until peers have read every earlier zero-copy combine's rows
+  uint64_t y_off;
 };
 
 // alltoallv through the HT dispatch queues (slots used as byte chunks): per peer the bytes and offsets of

@@ -104,6 +104,7 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
   p.recv_src_info = a->recv_src_info;
   p.recv_layout_range = a->recv_layout_range;
   p.recv_topk_idx = a->recv_topk_idx;
+  p.zc_guard = ll_zero_copy_;
   cudaStream_t s = streamOf(stream);
   if (a->phases & EP_LL_SEND) {
     EPCHECK(checkLaunch(launchLlDispatchSend(p, s), "the LL dispatch send kernel"));
@@ -113,6 +114,22 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
     EPCHECK(checkLaunch(launchLlDispatchRecv(p, s), "the LL dispatch receive kernel"));
     ++ll_recvd_[kLlDispatch];
   }
+  return epSuccess;
+}
+
+// The zero-copy regions are the two halves (parities) of this rank's combine slot area, which peers write only
+// in combines that are not zero-copy (all ranks use one mode per combine: it is part of the operation).
+static size_t zcRegionBytes(const LlLayout& l) {
+  return static_cast<size_t>(l.max_experts) * l.max_tokens * l.comb_row;
+}
+
+epResult_t GpuEngine::llCombineBuffer(void** y, size_t* bytes) {
+  EP_REQUIRE(ll_lay_.total > 0, epInvalidUsage,
+             "the communicator was created without low-latency capacity (config.ll_max_tokens_per_rank = 0)");
+  const uint64_t next = ll_sent_[kLlCombine] + 1;
+  *y = static_cast<uint8_t*>(ll_bufs_.local()) + ll_lay_.comb + (next & 1) * zcRegionBytes(ll_lay_);
+  *bytes = zcRegionBytes(ll_lay_);
+  ll_zero_copy_ = true;
   return epSuccess;
 }
 
@@ -142,6 +159,26 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
   p.topk_idx = a->topk_idx;
   p.topk_weights = a->topk_weights;
   p.out = a->out;
+  // y inside one of this rank's zero-copy regions: a zero-copy combine.
+  const uint8_t* region = static_cast<const uint8_t*>(ll_bufs_.local()) + ll_lay_.comb;
+  const uint8_t* y = static_cast<const uint8_t*>(a->y);
+  if (y >= region && y < region + 2 * zcRegionBytes(ll_lay_)) {
+    const size_t need = static_cast<size_t>(p.L) * comm_->nranks * p.M * p.xrow;
+    const size_t in_region = static_cast<size_t>(y - region) % zcRegionBytes(ll_lay_);
+    EP_REQUIRE(in_region + need <= zcRegionBytes(ll_lay_), epBufferTooSmall,
+               "y lies in a zero-copy region (epLlCombineBuffer) but its %zu bytes run past the region's end", need);
+    p.zero_copy = 1;
+    p.y_off = static_cast<uint64_t>(y - static_cast<const uint8_t*>(ll_bufs_.local()));
+  }
+  if ((a->phases & EP_LL_RECV) && ll_zero_copy_)
+    EP_REQUIRE(llSendSmemBytes(a->num_tokens, a->topk, a->num_experts) <= kLlMaxSmem, epCapacityExceeded,
+               "num_tokens x topk = %d x %d is more routing than a zero-copy LL combine stages", a->num_tokens, a->topk);
+  // The receive half must know the mode too: it is the send half's (one combine per kind between halves).
+  if (a->phases == EP_LL_RECV) {
+    p.zero_copy = ll_recv_zero_copy_;
+    p.y_off = 0;
+  }
+  if (a->phases & EP_LL_SEND) ll_recv_zero_copy_ = p.zero_copy;
   cudaStream_t s = streamOf(stream);
   if (a->phases & EP_LL_SEND) {
     EPCHECK(checkLaunch(launchLlCombineSend(p, s), "the LL combine send kernel"));
