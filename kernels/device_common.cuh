@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
-#include "engine/gpu/gpu_types.h"
+#include "common/gpu_layout.h"
 
 namespace epcomm {
 namespace dev {

@@ -1,5 +1,5 @@
 // High-throughput (HT) dispatch and combine kernels of the GPU engine, for the ranks of one host.
-// Buffer layout and protocol: src/engine/gpu/gpu_types.h. Element rules: src/common/dtype.h (shared with the
+// Buffer layout and protocol: src/common/gpu_layout.h. Element rules: src/common/dtype.h (shared with the
 // host engine, so both produce the same bits).
 #include <cuda_runtime.h>
 

@@ -2,7 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include "engine/gpu/gpu_types.h"
+#include "common/gpu_layout.h"
 
 namespace epcomm {
 

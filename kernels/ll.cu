@@ -1,5 +1,5 @@
 // Low-latency (LL) dispatch and combine kernels of the GPU engine, for the ranks of one host.
-// Buffer layout and protocol: LlLayout in src/engine/gpu/gpu_types.h. Element rules (fp8 quantization,
+// Buffer layout and protocol: LlLayout in src/common/gpu_layout.h. Element rules (fp8 quantization,
 // bf16/fp16 rounding): src/common/dtype.h, shared with the host engine so both produce the same bits.
 //
 // Every kernel runs on a fixed grid (LlParams::blocks) and a warp is the unit of work: a token to send, a

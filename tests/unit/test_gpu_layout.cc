@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "engine/gpu/gpu_types.h"
+#include "common/gpu_layout.h"
 #include "engine/routing.h"
 
 namespace epcomm {

@@ -1,5 +1,5 @@
 // The GPU engine: every operation between the GPUs of one host, over communication buffers shared with CUDA
-// IPC. Launch planning and host-side checks only; per-operation state lives in device memory (gpu_types.h), so
+// IPC. Launch planning and host-side checks only; per-operation state lives in device memory (common/gpu_layout.h), so
 // nothing here runs between the kernels of captured operations. One file per operation family:
 // gpu_engine.cc (creation, layout, HT), ll.cc (LL dispatch/combine), alltoallv.cc; kernels in kernels/.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include "engine/comm.h"
 #include "engine/engine.h"
-#include "engine/gpu/gpu_types.h"
+#include "common/gpu_layout.h"
 #include "transport/ipc/ipc.h"
 
 namespace epcomm {

@@ -1,6 +1,6 @@
 // GPU engine, low-latency (LL) dispatch and combine: host-side checks and launches of kernels/ll.cu. The
 // buffer layout and the protocol (tags, acknowledgements, parities, epochs) are described at LlLayout in
-// gpu_types.h; nothing here is read by the kernels between operations, so every half is capturable.
+// common/gpu_layout.h; nothing here is read by the kernels between operations, so every half is capturable.
 #include <algorithm>
 
 #include "common/checks.h"

@@ -1,4 +1,5 @@
-// Device-visible state of the GPU engine, shared by the kernels and the host code that sets them up.
+// Device-visible state of the GPU engine, shared by the kernels (kernels/) and the host code that sets them up
+// (src/engine/gpu/); it lives below both (DESIGN.md: dependencies point down).
 //
 // Each rank owns one communication buffer in GPU memory, allocated once at communicator creation and mapped
 // by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
