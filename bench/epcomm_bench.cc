@@ -1,14 +1,19 @@
-// epcomm-bench: HT and LL dispatch + combine at DESIGN.md's standard shapes, run under epcomm-run.
+// epcomm-bench: HT and LL dispatch + combine (and alltoallv) at DESIGN.md's standard shapes, under epcomm-run.
 //
 //   epcomm-run -n 4 -- epcomm-bench [--ht-tokens 4096] [--ll-tokens 128] [--hidden 7168] [--topk 8]
-//                                   [--experts 256] [--iters 5] [--warmup 2] [--ops ht,ll]
+//                                   [--experts 256] [--iters 5] [--warmup 2] [--ops ht,ll,a2a] [--sms 24]
+//                                   [--csv FILE]
 //
-// Prints one table on rank 0: operation, ranks, tokens, hidden, top-k, experts, median time, GB/s by
-// DeepEP's accounting (bytes of token rows a rank receives (HT) or sends (LL) per second, per rank), and
-// the fraction of the machine's copy roofline: the operation's floor of bytes read + written, summed over
-// ranks, per second, over memcpy's aggregate read + write bandwidth measured by all ranks at once in this
-// same run.
+// Prints one table on rank 0: operation, ranks, tokens, hidden, top-k, experts, SM budget, median time (the
+// slowest rank's), GB/s per rank by DeepEP's accounting (bytes of token rows a rank receives (HT) or sends (LL)
+// per second), and the headline ratio x_copy: useful bytes per second over the copy roofline measured by all
+// ranks at once in this same run. Useful bytes count each row once per rank that receives it, read once and
+// written once (host engine: each token row read once plus each received row written once), summed over
+// ranks: a ratio that extra passes cannot raise. GPU rows also show moved_GB/s, the bytes the kernels actually
+// move (a diagnostic: it grows with extra passes). --csv appends every row to FILE (scripts/plot_bench.py draws
+// it; scripts/bench_sweep.sh sweeps SMs and tokens).
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +34,7 @@ namespace {
 struct Options {
   int ht_tokens = 4096, ll_tokens = 128, hidden = 7168, topk = 8, experts = 256, iters = 5, warmup = 2, sms = 24;
   bool ht = true, ll = true, a2a = false;
+  std::string csv;
 };
 
 #define CHECK(call)                                                                                   \
@@ -116,37 +122,57 @@ epHtDispatchArgs_t htArgs(const Options& o, const void* x, const int64_t* idx, c
 struct Row {
   std::string op;
   int tokens;
-  double median_s;
-  double deepep_gbs;
-  double floor_bytes;  // summed over ranks
+  double median_s;      // slowest rank's median
+  double deepep_gbs;    // mean over ranks
+  double useful_bytes;  // summed over ranks
+  double moved_bytes;   // summed over ranks; 0 where not measured
 };
 
-Row reportRow(const std::string& op, int tokens, const std::vector<double>& times, double my_deepep_bytes,
-              double my_floor_bytes) {
-  double t = median(times);
-  // Per-rank figures gathered to rank 0: DeepEP's GB/s is the mean over ranks, the floor is summed.
+bool g_gpu = false;  // the communicator runs the GPU engine: gathers stage through device memory
+
+// Every rank's n values, gathered to rank 0 over the communicator (zeros elsewhere).
+std::vector<double> gatherToRank0(const double* mine, int n) {
   std::vector<size_t> sc(nranks, 0), sd(nranks, 0), rc(nranks, 0), rd(nranks, 0);
-  sc[0] = 3;
-  double mine[3] = {t, my_deepep_bytes, my_floor_bytes};
-  std::vector<double> all(3 * nranks, 0.0);
+  sc[0] = n;
   if (rank == 0)
     for (int r = 0; r < nranks; ++r) {
-      rc[r] = 3;
-      rd[r] = 3 * r;
+      rc[r] = n;
+      rd[r] = static_cast<size_t>(n) * r;
     }
-  CHECK(epAlltoallv(comm, mine, sc.data(), sd.data(), all.data(), rc.data(), rd.data(), epInt64, nullptr));
-  Row row{op, tokens, 0, 0, 0};
-  if (rank == 0) {
-    double tmax = 0, gbs = 0, floor = 0;
-    for (int r = 0; r < nranks; ++r) {
-      tmax = std::max(tmax, all[3 * r]);
-      gbs += all[3 * r + 1] / all[3 * r] / 1e9;
-      floor += all[3 * r + 2];
-    }
-    row.median_s = tmax;
-    row.deepep_gbs = gbs / nranks;
-    row.floor_bytes = floor;
+  std::vector<double> all(static_cast<size_t>(n) * nranks, 0.0);
+  if (!g_gpu) {
+    CHECK(epAlltoallv(comm, mine, sc.data(), sd.data(), all.data(), rc.data(), rd.data(), epInt64, nullptr));
+    return all;
   }
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+  void *ds = nullptr, *dr = nullptr;
+  cudaMalloc(&ds, sizeof(double) * n);
+  cudaMalloc(&dr, sizeof(double) * all.size());
+  cudaMemcpy(ds, mine, sizeof(double) * n, cudaMemcpyHostToDevice);
+  cudaDeviceSynchronize();
+  CHECK(epAlltoallv(comm, ds, sc.data(), sd.data(), dr, rc.data(), rd.data(), epInt64, nullptr));
+  cudaDeviceSynchronize();
+  cudaMemcpy(all.data(), dr, sizeof(double) * all.size(), cudaMemcpyDeviceToHost);
+  cudaFree(ds);
+  cudaFree(dr);
+#endif
+  return all;
+}
+
+Row reportRow(const std::string& op, int tokens, const std::vector<double>& times, double my_deepep_bytes,
+              double my_useful_bytes, double my_moved_bytes = 0) {
+  const double t = median(times);
+  const double mine[4] = {t, my_deepep_bytes, my_useful_bytes, my_moved_bytes};
+  const std::vector<double> all = gatherToRank0(mine, 4);
+  Row row{op, tokens, 0, 0, 0, 0};
+  if (rank == 0)
+    for (int r = 0; r < nranks; ++r) {
+      const double* v = &all[4 * static_cast<size_t>(r)];
+      row.median_s = std::max(row.median_s, v[0]);
+      row.deepep_gbs += v[1] / v[0] / 1e9 / nranks;
+      row.useful_bytes += v[2];
+      row.moved_bytes += v[3];
+    }
   return row;
 }
 
@@ -201,7 +227,7 @@ void benchHt(const Options& o, std::vector<Row>& rows) {
   const double row = 2.0 * H;
   const double recv_bytes = num_recv * row;
   rows.push_back(reportRow("HT dispatch", T, td, recv_bytes, T * row + recv_bytes));
-  rows.push_back(reportRow("HT combine", T, tc, recv_bytes, recv_bytes + T * row));
+  rows.push_back(reportRow("HT combine", T, tc, recv_bytes, recv_bytes + T * row));  // useful: read once, written once
   epHtHandleDestroy(h);
 }
 
@@ -333,10 +359,9 @@ double copyRoofline(cudaStream_t s) {
     t.push_back(timeOnStream(s, [&] { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s); }));
   cudaFree(a);
   cudaFree(b);
-  double mine = median(std::vector<double>(t.begin() + 1, t.end()));
-  // Per-rank times to rank 0 through the host barrier's bootstrap is not exposed: the GPU engine has no
-  // alltoallv, so every rank reports its own; they ran concurrently, so the aggregate uses this rank's time.
-  return 2.0 * bytes * nranks / mine;
+  const double mine = median(std::vector<double>(t.begin() + 1, t.end()));
+  const std::vector<double> all = gatherToRank0(&mine, 1);  // the ranks copied at once: the slowest one's time
+  return rank == 0 ? 2.0 * bytes * nranks / *std::max_element(all.begin(), all.end()) : 0.0;
 }
 
 // Peer-to-peer copy bandwidth from this rank's GPU to the next one (NVLink between GPUs), bytes moved per
@@ -418,14 +443,40 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     if (i >= o.warmup) tg.push_back(g);
   }
   const double row = 2.0 * H, recv = num_recv * row;
-  // Bytes the kernels move through HBM (read + written): dispatch reads each sent row, writes it into the
-  // receiver's queue, which the receiving block reads and writes into recv_x (4 per row); combine reads each
-  // expert-output row, writes it into the source's queue, the receiving block moves it into the combine
+  // Bytes the kernels move through HBM (read + written), a diagnostic: dispatch reads each sent row, writes it
+  // into the receiver's queue, which the receiving block reads and writes into recv_x (4 per row); combine reads
+  // each expert-output row, writes it into the source's queue, the receiving block moves it into the combine
   // staging (read + write), and the reduction reads it and writes one output row per token (5 per row + 1).
+  // Useful bytes: each received row read once and written once.
   const double disp_bytes = 4 * recv, comb_bytes = 5 * recv + T * row;
-  rows.push_back({"HT dispatch", T, median(td), recv / median(td) / 1e9, disp_bytes * R});
-  rows.push_back({"HT combine", T, median(tc), recv / median(tc) / 1e9, comb_bytes * R});
-  rows.push_back({"HT graph d+c", T, median(tg), 2 * recv / median(tg) / 1e9, (disp_bytes + comb_bytes) * R});
+  rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes));
+  rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes));
+  rows.push_back(reportRow("HT graph d+c", T, tg, 2 * recv, 4 * recv, disp_bytes + comb_bytes));
+  {
+    // fp8 dispatch: the same routing, rows of H bytes plus H/128 fp32 scales.
+    std::vector<uint8_t> x8(static_cast<size_t>(T) * H);
+    for (size_t i = 0; i < x8.size(); ++i) x8[i] = epcomm::floatToFp8(epcomm::bf16ToFloat(x[i]));
+    std::vector<float> sc(static_cast<size_t>(T) * (H / 128), 1.0f);
+    uint8_t* d_x8 = devUpload(x8);
+    float* d_sc = devUpload(sc);
+    epHtDispatchArgs_t a8 = a;
+    a8.dtype = epFloat8E4M3;
+    a8.x = d_x8;
+    a8.x_scales = d_sc;
+    a8.recv_x_bytes = rows_cap * H;
+    a8.recv_x_scales = static_cast<float*>(devAlloc(rows_cap * (H / 128) * 4));
+    a8.recv_x_scales_bytes = rows_cap * (H / 128) * 4;
+    std::vector<double> t8;
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      double d = timeOnStream(s, [&] { CHECK(epHtDispatch(comm, &a8, h, s)); });
+      if (i >= o.warmup) t8.push_back(d);
+    }
+    const double row8 = H + H / 128 * 4.0, recv8 = num_recv * row8;
+    rows.push_back(reportRow("HT dispatch fp8", T, t8, recv8, 2 * recv8, 4 * recv8));
+    cudaFree(d_x8);
+    cudaFree(d_sc);
+    cudaFree(a8.recv_x_scales);
+  }
   epResult_t ae;
   epErrorInfo_t info = EP_ERROR_INFO_INIT;
   CHECK(epCommGetAsyncError(comm, &ae, &info));
@@ -607,13 +658,7 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
 
 // alltoallv (device counts) on the GPU engine: `bytes` per rank split evenly over the ranks. Useful work is each
 // byte read once and written once: 2 * bytes * R per operation over the copy roofline of the same run.
-struct A2aTimes {
-  size_t bytes;
-  double host_us, dev_us;
-};
-std::vector<A2aTimes> g_a2a;
-
-void benchGpuA2a(const Options& o, cudaStream_t s) {
+void benchGpuA2a(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   const int R = nranks;
   for (size_t bytes = size_t{1} << 20; bytes <= (size_t{256} << 20); bytes <<= 2) {
     const size_t per = bytes / R / 4 * 4;  // float32 elements to each peer, as bytes
@@ -637,18 +682,39 @@ void benchGpuA2a(const Options& o, cudaStream_t s) {
         td.push_back(b);
       }
     }
-    g_a2a.push_back({per * R, median(th) * 1e6, median(td) * 1e6});
+    const double b = static_cast<double>(per) * R;  // bytes each rank sends (and receives)
+    const std::string mib = std::to_string((per * R) >> 20) + "MiB";
+    rows.push_back(reportRow("a2a " + mib + " host", 0, th, b, 2 * b));
+    rows.push_back(reportRow("a2a " + mib + " device", 0, td, b, 2 * b));
     for (void* p : {sb, rb, static_cast<void*>(dc), static_cast<void*>(rc)}) cudaFree(p);
   }
 }
 #endif
 
-int usage(const char* argv0) {
+int usage(const char* argv0, const std::string& why) {
+  // Every rank prints: under epcomm-run the first rank to exit stops the others, so rank 0 may never get to it.
   fprintf(stderr,
+          "epcomm-bench (rank %s): %s\n"
           "usage: epcomm-run -n R -- %s [--ht-tokens N] [--ll-tokens N] [--hidden H] [--topk K] [--experts E]\n"
-          "                                [--iters N] [--warmup N] [--ops ht,ll,a2a] [--sms N]\n",
-          argv0);
+          "                                [--iters N] [--warmup N] [--ops ht,ll,a2a] [--sms N] [--csv FILE]\n",
+          getenv("EPCOMM_RANK") ? getenv("EPCOMM_RANK") : "?", why.c_str(), argv0);
   return 2;
+}
+
+// One CSV line per row (header when the file is new), for scripts/plot_bench.py.
+void appendCsv(const Options& o, const char* engine, const std::vector<Row>& rows, double roof) {
+  FILE* f = fopen(o.csv.c_str(), "a");
+  if (f == nullptr) {
+    fprintf(stderr, "epcomm-bench: cannot open --csv %s: %s\n", o.csv.c_str(), strerror(errno));
+    return;
+  }
+  if (ftell(f) == 0)
+    fprintf(f, "op,engine,ranks,tokens,hidden,topk,experts,sms,median_us,deepep_gbs,useful_gbs,x_copy,moved_gbs\n");
+  for (const Row& r : rows)
+    fprintf(f, "%s,%s,%d,%d,%d,%d,%d,%d,%.3f,%.3f,%.3f,%.4f,%.3f\n", r.op.c_str(), engine, nranks, r.tokens,
+            o.hidden, o.topk, o.experts, o.sms, r.median_s * 1e6, r.deepep_gbs, r.useful_bytes / r.median_s / 1e9,
+            r.useful_bytes / r.median_s / roof, r.moved_bytes / r.median_s / 1e9);
+  fclose(f);
 }
 
 }  // namespace
@@ -658,8 +724,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&](int& v) {
-      if (i + 1 >= argc) exit(usage(argv[0]));
-      v = atoi(argv[++i]);
+      if (i + 1 >= argc) exit(usage(argv[0], a + " needs a value"));
+      char* end = nullptr;
+      v = static_cast<int>(strtol(argv[++i], &end, 10));
+      if (end == argv[i] || *end != '\0') exit(usage(argv[0], a + " takes a whole number, not '" + argv[i] + "'"));
     };
     if (a == "--ht-tokens") next(o.ht_tokens);
     else if (a == "--ll-tokens") next(o.ll_tokens);
@@ -674,8 +742,17 @@ int main(int argc, char** argv) {
       o.ht = ops.find("ht") != std::string::npos;
       o.ll = ops.find("ll") != std::string::npos;
       o.a2a = ops.find("a2a") != std::string::npos;
-    } else return usage(argv[0]);
+    } else if (a == "--csv" && i + 1 < argc) {
+      o.csv = argv[++i];
+    } else {
+      return usage(argv[0], "unknown argument '" + a + "'");
+    }
   }
+  if (o.ht_tokens < 1 || o.ll_tokens < 1 || o.hidden < 8 || o.topk < 1 || o.experts < 1 || o.iters < 1 ||
+      o.warmup < 0 || o.sms < 0)
+    return usage(argv[0], "--ht-tokens, --ll-tokens, --topk, --experts and --iters must be at least 1, --hidden "
+                          "at least 8, --warmup and --sms not negative");
+  if (o.topk > o.experts) return usage(argv[0], "--topk is larger than --experts");
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.ll_max_tokens_per_rank = o.ll_tokens;
   cfg.ll_max_hidden = o.hidden;
@@ -688,10 +765,10 @@ int main(int argc, char** argv) {
   CHECK(epCommSize(comm, &nranks));
   epEngine_t engine;
   CHECK(epCommEngine(comm, &engine));
-  if (o.experts % nranks != 0) {
-    if (rank == 0) fprintf(stderr, "epcomm-bench: --experts %d is not a multiple of %d ranks\n", o.experts, nranks);
-    return 2;
-  }
+  if (o.experts % nranks != 0)
+    return usage(argv[0], "--experts " + std::to_string(o.experts) + " is not a multiple of the " +
+                              std::to_string(nranks) + " ranks");
+  g_gpu = engine == EP_ENGINE_GPU;
   double roof = 0;
   std::vector<Row> rows;
   if (engine == EP_ENGINE_GPU) {
@@ -702,7 +779,7 @@ int main(int argc, char** argv) {
     g_p2p = p2pBandwidth(s);
     if (o.ht) benchGpuHt(o, rows, s);
     if (o.ll) benchGpuLl(o, s);
-    if (o.a2a) benchGpuA2a(o, s);
+    if (o.a2a) benchGpuA2a(o, rows, s);
 #endif
   } else {
     roof = memcpyRoofline();
@@ -710,20 +787,21 @@ int main(int argc, char** argv) {
     if (o.ll) benchLl(o, rows);
   }
   if (rank == 0) {
-    printf("epcomm-bench: %s engine, %d ranks, median of %d iterations; %s roofline %.2f GB/s "
-           "(aggregate read+write, all ranks copying at once)%s\n",
-           engine == EP_ENGINE_GPU ? "GPU" : "host", nranks, o.iters,
-           engine == EP_ENGINE_GPU ? "device-to-device copy" : "memcpy", roof / 1e9,
-           engine == EP_ENGINE_GPU ? "; floor_GB/s counts the bytes the kernels move" : "");
-    printf("%-12s %5s %6s %6s %5s %7s %12s %14s %12s %9s\n", "operation", "ranks", "tokens", "hidden", "topk",
-           "experts", "median_ms", "GB/s(DeepEP)", "floor_GB/s", "x_memcpy");
+    const bool gpu = engine == EP_ENGINE_GPU;
+    printf("epcomm-bench: %s engine, %d ranks, SM budget %d, median of %d iterations; %s roofline %.2f GB/s "
+           "(aggregate read+write, all ranks copying at once); x_copy = useful bytes per second over it\n",
+           gpu ? "GPU" : "host", nranks, o.sms, o.iters, gpu ? "device-to-device copy" : "memcpy", roof / 1e9);
+    printf("%-18s %5s %6s %6s %5s %7s %11s %14s %12s %8s", "operation", "ranks", "tokens", "hidden", "topk", "experts",
+           "median_ms", "GB/s(DeepEP)", "useful_GB/s", "x_copy");
+    printf(gpu ? " %12s\n" : "\n", "moved_GB/s");
     if (g_p2p > 0)
       printf("NVLink peer copy: %.2f GB/s per rank (all ranks copying to the next GPU at once); x_p2p below is "
              "GB/s(DeepEP) over it\n", g_p2p / 1e9);
     for (const Row& r : rows) {
-      double floor_gbs = r.floor_bytes / r.median_s / 1e9;
-      printf("%-12s %5d %6d %6d %5d %7d %12.3f %14.2f %12.2f %9.3f", r.op.c_str(), nranks, r.tokens, o.hidden,
-             o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, floor_gbs, floor_gbs * 1e9 / roof);
+      const double useful = r.useful_bytes / r.median_s;
+      printf("%-18s %5d %6d %6d %5d %7d %11.3f %14.2f %12.2f %8.3f", r.op.c_str(), nranks, r.tokens, o.hidden,
+             o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, useful / 1e9, useful / roof);
+      if (gpu) printf(" %12.2f", r.moved_bytes / r.median_s / 1e9);
       if (g_p2p > 0) printf("   x_p2p %.3f", r.deepep_gbs * 1e9 / g_p2p);
       printf("\n");
     }
@@ -733,19 +811,17 @@ int main(int argc, char** argv) {
              "a host barrier, graph = back-to-back operations in one graph, per operation (median)\n%-22s %10s %10s "
              "%14s\n", o.ll_tokens, o.hidden, o.topk, o.experts, "LL operation", "eager_us", "graph_us",
              "GB/s(DeepEP)");
-    for (const LlTimes& t : g_ll)
+    std::vector<Row> ll_rows;
+    for (const LlTimes& t : g_ll) {
       if (t.bytes > 0) printf("%-22s %10.1f %10.1f %14.2f\n", t.what.c_str(), t.eager_us, t.graph_us, t.bytes / t.graph_us / 1e3);
       else printf("%-22s %10.1f %10s %14s\n", t.what.c_str(), t.eager_us, "-", "-");
-    if (!g_a2a.empty())
-      printf("alltoallv on the GPU engine (float32, even splits), rank 0's view; x_copy = useful bytes (read + "
-             "written once, all ranks) per second over the copy roofline\n%-12s %12s %9s %12s %9s\n",
-             "bytes/rank", "host_us", "x_copy", "device_us", "x_copy");
-    for (const A2aTimes& t : g_a2a) {
-      const double useful = 2.0 * t.bytes * nranks;
-      printf("%-12zu %12.1f %9.3f %12.1f %9.3f\n", t.bytes, t.host_us, useful / (t.host_us * 1e-6) / roof, t.dev_us,
-             useful / (t.dev_us * 1e-6) / roof);
+      ll_rows.push_back({"LL " + t.what + " eager", o.ll_tokens, t.eager_us * 1e-6, 0, 0, 0});
+      if (t.bytes > 0)
+        ll_rows.push_back({"LL " + t.what + " graph", o.ll_tokens, t.graph_us * 1e-6, t.bytes / t.graph_us / 1e3, 0, 0});
     }
+    if (!o.csv.empty()) appendCsv(o, "gpu", ll_rows, roof);
 #endif
+    if (!o.csv.empty()) appendCsv(o, gpu ? "gpu" : "host", rows, roof);
   }
   CHECK(epCommDestroy(comm));
   return 0;
