@@ -201,8 +201,13 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem) {
   return m;
 }
 
+// Lets the receive half launched after this kernel start now (programmatic dependent launch): it waits on device
+// flags, not on this kernel's completion, and every block of this kernel is already resident.
+__device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) {
   extern __shared__ int32_t s_dyn[];
+  launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlDispatch]);
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K;
@@ -362,6 +367,7 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
   extern __shared__ int s_pre[];  // [L + 1] prefix of recv_count (expert-major)
+  launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlCombine]);
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, M = p.M, K = p.K;
@@ -521,6 +527,23 @@ __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
 
 }  // namespace
 
+// Receive kernels may launch while the send kernel before them runs (LlParams::pdl): programmatic dependent
+// launch, which the send kernels allow at their start.
+template <typename... Args>
+cudaError_t launchRecv(const LlParams& p, void (*kernel)(Args...), size_t smem, cudaStream_t s) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.blocks);
+  cfg.blockDim = dim3(kLlThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 size_t llSendSmemBytes(int T, int K, int E) { return sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E); }
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
@@ -536,8 +559,7 @@ cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
 
 cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s) {
   const size_t smem = p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
-  llDispatchRecvKernel<<<p.blocks, kLlThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launchRecv(p, llDispatchRecvKernel, smem, s);
 }
 
 cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s) {
@@ -554,8 +576,7 @@ cudaError_t launchCombineRecv(const LlParams& p, cudaStream_t s) {
                                          static_cast<int>(kLlMaxSmem));
     if (e != cudaSuccess) return e;
   }
-  llCombineRecvKernel<kDtype><<<p.blocks, kLlThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launchRecv(p, llCombineRecvKernel<kDtype>, smem, s);
 }
 
 cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {

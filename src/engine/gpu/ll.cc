@@ -15,6 +15,9 @@ namespace epcomm {
 // Blocks of every LL kernel: a fixed grid per communicator (the kernels count finished blocks cumulatively).
 // Tests set it far above what can be resident at once to show that no block waits for another of its launch.
 EP_PARAM(GpuLlBlocks, "GPU_LL_BLOCKS", 0);
+// Receive halves launched as programmatic dependents of the send half (they start while it runs). Only with one
+// rank per GPU: ranks sharing a GPU would then hold two kernels' blocks each, more than the SMs they share.
+EP_PARAM(GpuLlPdl, "GPU_LL_PDL", 1);
 
 epResult_t GpuEngine::initLl() {
   const CommConfig& c = comm_->config;
@@ -32,6 +35,7 @@ epResult_t GpuEngine::initLl() {
   EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.timeout_ms));
   const int64_t want = epParamGpuLlBlocks();
   ll_blocks_ = want > 0 ? static_cast<int>(std::min<int64_t>(want, 1 << 16)) : ll_default_blocks_;
+  ll_pdl_ = gpu_sharing_ == 1 && epParamGpuLlPdl() != 0;
   EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks",
           ll_lay_.total, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, ll_blocks_);
   return epSuccess;
@@ -47,6 +51,7 @@ LlParams GpuEngine::llParams(int op) const {
   p.lay = ll_lay_;
   p.err = err_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
+  p.pdl = ll_pdl_;
   return p;
 }
 
