@@ -7,6 +7,8 @@
 // No block waits for another block of its own launch, so any number of blocks may be resident at once.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "common/dtype.h"
 #include "engine/routing.h"
 #include "kernels/device_common.cuh"
@@ -205,7 +207,7 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem) {
 // flags, not on this kernel's completion, and every block of this kernel is already resident.
 __device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-__global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) {
+__device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   extern __shared__ int32_t s_dyn[];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -271,7 +273,7 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) {
 // count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
 // ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
+__device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   extern __shared__ int s_begin[];  // [L][R + 1] first row of each source, then the total (expert-major)
   __shared__ int s_T[kGpuMaxRanks];
   LlCtrl* ctrl = ctrlOf(p);
@@ -318,11 +320,16 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const uint8_t* slot = slotPtr(p, p.rank, par, s, t);
       const LlSlotMeta* meta = reinterpret_cast<const LlSlotMeta*>(slot);
-      const bool present = t < s_T[s] && meta->epoch == e;
+      // The slot's tag and its expert list are loaded together (one memory latency, not two).
+      const bool in_range = t < s_T[s];
+      const uint64_t tag = in_range ? meta->epoch : 0;
+      const int32_t l_in = in_range && lane < K ? meta->expert[2 * lane] : -1;
+      const int32_t idx_in = in_range && lane < K ? meta->expert[2 * lane + 1] : -1;
+      const bool present = tag == e;
       const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
       if (!em) {
         const size_t row = static_cast<size_t>(s) * M + t;
-        if (part == 0 && lane < K) p.recv_topk_idx[row * K + lane] = present ? meta->expert[2 * lane] : -1;
+        if (part == 0 && lane < K) p.recv_topk_idx[row * K + lane] = present ? l_in : -1;
         if (!present) continue;
         uint8_t* d = static_cast<uint8_t*>(p.recv_x) + row * p.drow;
         warpCopyChunks(&d, 1, slot + p.lay.slot_row, ub, ue, lane);
@@ -333,7 +340,7 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
       if (!present) continue;
       int64_t dst = -1;
       if (lane < K) {
-        const int l = meta->expert[2 * lane], idx = meta->expert[2 * lane + 1];
+        const int l = l_in, idx = idx_in;
         if (idx >= 0) {  // bounds-check the peer's metadata against its own counts
           if (l < 0 || l >= L || idx >= s_begin[l * (R + 1) + s + 1] - s_begin[l * (R + 1) + s])
             recordViolation(p, epInternalError);
@@ -365,7 +372,7 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
 // (the source reduces from its own routing). Expert-major rows are found from recv_count / recv_layout_range /
 // recv_src_info, rank-major rows from recv_count / recv_topk_idx.
 // ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
+__device__ __forceinline__ void combineSendBody(const LlParams& p) {
   extern __shared__ int s_pre[];  // [L + 1] prefix of recv_count (expert-major)
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -456,7 +463,7 @@ __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
 // one token's row.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
-__global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
+__device__ __forceinline__ void combineRecvBody(const LlParams& p) {
   using V = Vec8<kDtype>;
   extern __shared__ int32_t s_dyn[];
   LlCtrl* ctrl = ctrlOf(p);
@@ -525,6 +532,28 @@ __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Kernels: each half alone, or both halves in one cooperative launch (every block resident at once, so a block
+// may wait for the tags that the other blocks' send halves publish). The halves' epochs and completion counters
+// are separate, so a fused launch advances them exactly as two launches do.
+// ---------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) { dispatchSendBody(p); }
+__global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) { dispatchRecvBody(p); }
+__global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
+  dispatchSendBody(p);
+  __syncthreads();  // the dynamic shared memory changes hands
+  dispatchRecvBody(p);
+}
+__global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) { combineSendBody(p); }
+template <int kDtype>
+__global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) { combineRecvBody<kDtype>(p); }
+template <int kDtype>
+__global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
+  combineSendBody(p);
+  __syncthreads();
+  combineRecvBody<kDtype>(p);
+}
+
 }  // namespace
 
 // Receive kernels may launch while the send kernel before them runs (LlParams::pdl): programmatic dependent
@@ -546,6 +575,47 @@ cudaError_t launchRecv(const LlParams& p, void (*kernel)(Args...), size_t smem, 
 
 size_t llSendSmemBytes(int T, int K, int E) { return sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E); }
 
+// Both halves in one cooperative launch (LlParams::blocks must not exceed the SMs: one block per SM fits).
+template <typename... Args>
+cudaError_t launchFused(const LlParams& p, void (*kernel)(Args...), size_t smem, cudaStream_t s) {
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLlMaxSmem));
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.blocks);
+  cfg.blockDim = dim3(kLlThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+size_t dispatchRecvSmem(const LlParams& p) {
+  return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
+}
+size_t combineSendSmem(const LlParams& p) {
+  return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1) : 0;
+}
+size_t combineRecvSmem(const LlParams& p) { return p.zero_copy ? llSendSmemBytes(p.T, p.K, p.E) : 0; }
+
+cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
+  return launchFused(p, llDispatchKernel, std::max(llSendSmemBytes(p.T, p.K, p.E), dispatchRecvSmem(p)), s);
+}
+
+cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s) {
+  const size_t smem = std::max(combineSendSmem(p), combineRecvSmem(p));
+  switch (p.dtype) {
+    case epBfloat16: return launchFused(p, llCombineKernel<epBfloat16>, smem, s);
+    case epFloat16: return launchFused(p, llCombineKernel<epFloat16>, smem, s);
+    default: return launchFused(p, llCombineKernel<epFloat32>, smem, s);
+  }
+}
+
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
   const size_t smem = llSendSmemBytes(p.T, p.K, p.E);
   if (smem > 48 * 1024) {
@@ -558,19 +628,17 @@ cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
 }
 
 cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s) {
-  const size_t smem = p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
-  return launchRecv(p, llDispatchRecvKernel, smem, s);
+  return launchRecv(p, llDispatchRecvKernel, dispatchRecvSmem(p), s);
 }
 
 cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s) {
-  const size_t smem = p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1) : 0;
-  llCombineSendKernel<<<p.blocks, kLlThreads, smem, s>>>(p);
+  llCombineSendKernel<<<p.blocks, kLlThreads, combineSendSmem(p), s>>>(p);
   return cudaGetLastError();
 }
 
 template <int kDtype>
 cudaError_t launchCombineRecv(const LlParams& p, cudaStream_t s) {
-  const size_t smem = p.zero_copy ? llSendSmemBytes(p.T, p.K, p.E) : 0;
+  const size_t smem = combineRecvSmem(p);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(llCombineRecvKernel<kDtype>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kLlMaxSmem));

@@ -1,5 +1,5 @@
-// Host launchers of the LL kernels (kernels/ll.cu): the send and receive halves of dispatch and combine, each
-// one kernel on a fixed grid of LlParams::blocks blocks, enqueued on a stream.
+// Host launchers of the LL kernels (kernels/ll.cu): the send and receive halves of dispatch and combine, each one
+// kernel on a fixed grid of LlParams::blocks blocks, or both halves in one kernel, enqueued on a stream.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -12,6 +12,9 @@ constexpr size_t kLlMaxSmem = 200 * 1024;
 size_t llSendSmemBytes(int T, int K, int E);
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s);
+// Both halves in one cooperative launch: p.blocks must not exceed the device's SMs.
+cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s);
+cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s);
 cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s);
 cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s);
 cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s);

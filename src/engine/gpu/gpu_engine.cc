@@ -93,6 +93,7 @@ epResult_t GpuEngine::init() {
   // LL kernels are latency-bound: they take more SMs than HT's budget (up to 64), within the same sharing cap.
   ll_default_blocks_ = std::max(1, std::min(64, sharing > 1 ? cap : sms));
   gpu_sharing_ = sharing;
+  gpu_sms_ = sms > 0 ? sms : 1;
   const int channels = std::max(1, std::min(blocks_ / 2, kGpuMaxChannels));
   const int queue_rows = static_cast<int>(epParamGpuQueueRows());
   // The reducing block consumes one token per warp per round (up to 32 warps): a queue holds at least that.

@@ -66,7 +66,8 @@ class GpuEngine final : public Engine {
   LlLayout ll_lay_{};
   int ll_blocks_ = 0, ll_default_blocks_ = 1;
   int gpu_sharing_ = 1;  // ranks of this communicator on this rank's GPU
-  bool ll_pdl_ = false;
+  bool ll_pdl_ = false, ll_fused_ = false;
+  int gpu_sms_ = 1;
   uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
   bool ll_zero_copy_ = false;
   int ll_recv_zero_copy_ = 0;  // the mode of the combine whose receive half is outstanding  // a zero-copy region was handed out: dispatch receives guard its reuse

@@ -18,6 +18,9 @@ EP_PARAM(GpuLlBlocks, "GPU_LL_BLOCKS", 0);
 // Receive halves launched as programmatic dependents of the send half (they start while it runs). Only with one
 // rank per GPU: ranks sharing a GPU would then hold two kernels' blocks each, more than the SMs they share.
 EP_PARAM(GpuLlPdl, "GPU_LL_PDL", 1);
+// Calls with both halves run them in one cooperative launch (when the grid fits on the device at once, one
+// block per SM): one launch and one prologue fewer on the latency path. 0 = always two kernels.
+EP_PARAM(GpuLlFused, "GPU_LL_FUSED", 1);
 
 epResult_t GpuEngine::initLl() {
   const CommConfig& c = comm_->config;
@@ -36,8 +39,12 @@ epResult_t GpuEngine::initLl() {
   const int64_t want = epParamGpuLlBlocks();
   ll_blocks_ = want > 0 ? static_cast<int>(std::min<int64_t>(want, 1 << 16)) : ll_default_blocks_;
   ll_pdl_ = gpu_sharing_ == 1 && epParamGpuLlPdl() != 0;
-  EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks",
-          ll_lay_.total, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, ll_blocks_);
+  int coop = 0;
+  cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device_);
+  ll_fused_ = coop != 0 && ll_blocks_ <= gpu_sms_ && epParamGpuLlFused() != 0;
+  EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks%s%s",
+          ll_lay_.total, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, ll_blocks_,
+          ll_fused_ ? ", halves fused" : "", ll_pdl_ ? ", receive halves as dependent launches" : "");
   return epSuccess;
 }
 
@@ -111,6 +118,12 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
   p.recv_topk_idx = a->recv_topk_idx;
   p.zc_guard = ll_zero_copy_;
   cudaStream_t s = streamOf(stream);
+  if (a->phases == EP_LL_SEND_RECV && ll_fused_) {
+    EPCHECK(checkLaunch(launchLlDispatch(p, s), "the LL dispatch kernel"));
+    ++ll_sent_[kLlDispatch];
+    ++ll_recvd_[kLlDispatch];
+    return epSuccess;
+  }
   if (a->phases & EP_LL_SEND) {
     EPCHECK(checkLaunch(launchLlDispatchSend(p, s), "the LL dispatch send kernel"));
     ++ll_sent_[kLlDispatch];
@@ -185,6 +198,12 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
   }
   if (a->phases & EP_LL_SEND) ll_recv_zero_copy_ = p.zero_copy;
   cudaStream_t s = streamOf(stream);
+  if (a->phases == EP_LL_SEND_RECV && ll_fused_) {
+    EPCHECK(checkLaunch(launchLlCombine(p, s), "the LL combine kernel"));
+    ++ll_sent_[kLlCombine];
+    ++ll_recvd_[kLlCombine];
+    return epSuccess;
+  }
   if (a->phases & EP_LL_SEND) {
     EPCHECK(checkLaunch(launchLlCombineSend(p, s), "the LL combine send kernel"));
     ++ll_sent_[kLlCombine];
