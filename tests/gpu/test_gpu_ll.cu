@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -650,6 +651,92 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 900000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+// The GPU engine's host-side checks (the C API's contract): bad arguments on every rank are rejected before
+// anything is launched, with their own code and a message, and the next valid call works (its result checked
+// against the first run of the same step). Rejections that only the GPU engine makes are covered too: limits
+// its buffers were sized for, the order of halves, alignment, zero-copy regions.
+TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 8 * R;
+    epConfig_t cfg = llConfig(32, E);
+    cfg.ll_max_hidden = 1024;
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LlLayer P(comm, R, rank, 32, 32, 512, 4, E, EP_LL_EXPERT_MAJOR);
+    DevBuf<uint16_t> first(static_cast<size_t>(32) * 512), again(static_cast<size_t>(32) * 512);
+    genLl<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank);
+    CKE(P.run(s, first.p), comm);
+    CKC(cudaStreamSynchronize(s));
+    const auto want = first.host();
+    struct Bad {
+      const char* what;
+      epResult_t code;
+      std::function<epResult_t()> call;
+    };
+    DevBuf<uint8_t> raw(1 << 20);
+    const std::vector<Bad> bad = {
+        {"hidden over config.ll_max_hidden", epInvalidHidden,
+         [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV); a.hidden = 2048; return epLlDispatch(comm, &a, s); }},
+        {"num_experts over config.ll_num_experts", epInvalidNumExperts,
+         [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV); a.num_experts = 2 * E; return epLlDispatch(comm, &a, s); }},
+        {"max_tokens_per_rank over the capacity", epCapacityExceeded,
+         [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV); a.max_tokens_per_rank = 64; return epLlDispatch(comm, &a, s); }},
+        {"recv_x NULL", epNullPointer,
+         [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV); a.recv_x = nullptr; return epLlDispatch(comm, &a, s); }},
+        {"receive half without a send half", epInvalidUsage,
+         [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_RECV); return epLlDispatch(comm, &a, s); }},
+        {"x not 16-byte aligned", epInvalidArgument,
+         [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV); a.x = raw.p + 2; return epLlDispatch(comm, &a, s); }},
+        {"combine y too small", epBufferTooSmall,
+         [&] { epLlCombineArgs_t c = P.cargs(EP_LL_SEND_RECV, again.p); c.y_bytes = 16; return epLlCombine(comm, &c, s); }},
+        {"combine receive half without a send half", epInvalidUsage,
+         [&] { epLlCombineArgs_t c = P.cargs(EP_LL_RECV, again.p); return epLlCombine(comm, &c, s); }},
+        {"alltoallv with a NULL count array", epNullPointer,
+         [&] { return epAlltoallvDevice(comm, raw.p, nullptr, raw.p, 16, nullptr, nullptr, epFloat32, s); }},
+        {"zero-copy buffer with NULL out pointers", epNullPointer, [&] { return epLlCombineBuffer(comm, nullptr, nullptr); }},
+    };
+    for (const Bad& b : bad) {
+      const epResult_t r = b.call();
+      CK(r == b.code, "%s: got %s, want %s (%s)", b.what, epGetErrorString(r), epGetErrorString(b.code),
+         epGetLastError(comm));
+      CK(strlen(epGetLastError(comm)) > 0, "%s: no message", b.what);
+      CKE(P.run(s, again.p), comm);  // the next valid step works and gives the same result
+      CKC(cudaStreamSynchronize(s));
+      CK(again.host() == want, "after '%s' the next step's result differs", b.what);
+    }
+    // A send half outstanding: a second send half is refused, the receive half then completes normally.
+    {
+      epLlDispatchArgs_t a = P.dargs(EP_LL_SEND);
+      CKE(epLlDispatch(comm, &a, s), comm);
+      const epResult_t r = epLlDispatch(comm, &a, s);
+      CK(r == epInvalidUsage, "a second send half while one is outstanding: %s", epGetErrorString(r));
+      a.phases = EP_LL_RECV;
+      CKE(epLlDispatch(comm, &a, s), comm);
+      epLlCombineArgs_t c = P.cargs(EP_LL_SEND_RECV, again.p);
+      expert(P.recv_x.p, P.y.p, static_cast<size_t>(E / R) * R * 32 * 512, static_cast<float>(rank + 1), epBfloat16, s);
+      CKE(epLlCombine(comm, &c, s), comm);
+      CKC(cudaStreamSynchronize(s));
+      CK(again.host() == want, "split halves after a refused second send half: result differs");
+    }
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
+    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
+       static_cast<unsigned long long>(info.num_violations));
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 300000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
