@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <thread>
 #include <vector>
@@ -196,6 +197,30 @@ bool sendFrameBounded(int fd, const std::vector<uint8_t>& frame, int timeout_ms)
   return sock::sendAll(fd, frame.data(), frame.size(), Deadline::afterMs(timeout_ms), -1, &err) == Io::kOk;
 }
 
+// The secrets of this process's unique ids whose rendezvous has served its creation or closed: such an id is
+// stale, and this process knows it without connecting (other processes only see a refused connection).
+class StaleIds {
+ public:
+  void add(const uint8_t* secret) {
+    std::lock_guard<std::mutex> l(m_);
+    ids_.emplace_back(secret, secret + kSecretBytes);
+  }
+  bool has(const uint8_t* secret) {
+    std::lock_guard<std::mutex> l(m_);
+    for (const auto& s : ids_)
+      if (memcmp(s.data(), secret, kSecretBytes) == 0) return true;
+    return false;
+  }
+
+ private:
+  std::mutex m_;
+  std::vector<std::vector<uint8_t>> ids_;
+};
+StaleIds& staleIds() {
+  static StaleIds* s = new StaleIds;  // never destroyed: a root thread may outlive static destruction
+  return *s;
+}
+
 // ------------------------------------------------------------------------------------------------------
 // The rendezvous root: a detached thread serving one communicator creation.
 // ------------------------------------------------------------------------------------------------------
@@ -207,6 +232,7 @@ class Root {
     memcpy(secret_, secret, kSecretBytes);
   }
   ~Root() {
+    staleIds().add(secret_);  // before the listener closes: no connection can see it closed while the id looks fresh
     sock::closeFd(&lfd_);
     for (Pending& p : pending_) sock::closeFd(&p.fd);
     for (Member& m : members_) sock::closeFd(&m.fd);
@@ -450,6 +476,7 @@ class Root {
   }
 
   void finishOk() {
+    staleIds().add(secret_);  // before any rank returns: a creation that completed makes the id stale at once
     const Member* root = nullptr;
     for (const Member& m : members_)
       if (m.rank == 0) root = &m;
@@ -1095,6 +1122,9 @@ epResult_t initSocket(const epUniqueId* id, int rank, int nranks, int timeout_ms
   EP_REQUIRE(timeout_ms > 0, epInvalidArgument, "bootstrapInitSocket: timeout_ms=%d must be positive", timeout_ms);
   bsproto::IdInfo info;
   EPCHECK(bsproto::decodeUniqueId(id, &info));
+  EP_REQUIRE(!staleIds().has(info.secret), epInvalidUniqueId,
+             "rank %d: this unique id is stale: its rendezvous already served a communicator creation (or closed); "
+             "call epGetUniqueId for every creation", rank);
   const Deadline dl = Deadline::afterMs(timeout_ms);
 
   FdGuard guard;  // [0] root connection, [1] rank 0's listener, [2] eventfd, [3 + r] star connections
