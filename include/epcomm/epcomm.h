@@ -59,6 +59,7 @@ extern "C" {
 /* Limits that arguments are checked against. */
 #define EP_MAX_TOPK 32          /* top-k per token */
 #define EP_MAX_RANKS 1024       /* ranks per communicator */
+#define EP_MAX_EXPERTS 65536    /* experts (num_experts) per operation */
 #define EP_FP8_BLOCK 128        /* columns that share one fp32 scale in fp8 data */
 #define EP_HIDDEN_ALIGN 8       /* hidden sizes are multiples of this many elements (fp8: EP_FP8_BLOCK) */
 
@@ -72,7 +73,7 @@ typedef enum {
   epUnsupportedDtype = 3,    /* a data type the operation does not take */
   epInvalidHidden = 4,       /* hidden size not a positive multiple of 8 elements (fp8: 128) */
   epInvalidTopk = 5,         /* top-k outside [1, EP_MAX_TOPK] */
-  epInvalidNumExperts = 6,   /* number of experts not a positive multiple of the rank count */
+  epInvalidNumExperts = 6,   /* number of experts not a positive multiple of the rank count, or over EP_MAX_EXPERTS */
   epExpertOutOfRange = 7,    /* an expert id in topk_idx outside [-1, num_experts) */
   epCapacityExceeded = 8,    /* more tokens than a capacity allows */
   epBufferTooSmall = 9,      /* a caller buffer smaller than the size helper says */

@@ -25,8 +25,9 @@ epResult_t checkShape(int num_tokens, int hidden, int topk, int num_experts, int
              "hidden = %d gives %zu-byte rows, over the %zu bytes the queues take (raise EPCOMM_QUEUE_BYTES)",
              hidden, row_bytes, max_row_bytes);
   EP_REQUIRE(topk >= 1 && topk <= EP_MAX_TOPK, epInvalidTopk, "topk = %d is outside [1, %d]", topk, EP_MAX_TOPK);
-  EP_REQUIRE(num_experts > 0 && num_experts % nranks == 0, epInvalidNumExperts,
-             "num_experts = %d must be a positive multiple of the rank count %d", num_experts, nranks);
+  EP_REQUIRE(num_experts > 0 && num_experts % nranks == 0 && num_experts <= EP_MAX_EXPERTS, epInvalidNumExperts,
+             "num_experts = %d must be a positive multiple of the rank count %d, at most EP_MAX_EXPERTS = %d",
+             num_experts, nranks, EP_MAX_EXPERTS);
   return epSuccess;
 }
 

@@ -142,10 +142,10 @@ struct World {
       for (int k = 0; k < K; ++k) v.push_back(weight(s, t, k));
     return v;
   }
-  // Row t of rank s as dtype bytes, scaled by f (exact).
+  // Row t of rank s as dtype bytes, scaled by f (exact; + 0 because the operations' sums start from +0).
   bool rowEquals(const uint8_t* got, int s, int t, float f) const {
     std::vector<uint8_t> want(row());
-    for (int j = 0; j < H; ++j) store(want.data() + j * es(), xval(s, t, j) * f);
+    for (int j = 0; j < H; ++j) store(want.data() + j * es(), xval(s, t, j) * f + 0.0f);
     return memcmp(got, want.data(), row()) == 0;
   }
   // HT receive side of rank me: (source, token) of each received row, in order.

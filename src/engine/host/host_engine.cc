@@ -709,8 +709,9 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   const bool fp8 = ok && a->dtype == epFloat8E4M3;
   const size_t xrow = ok ? H * dtypeSize(a->dtype) : 0;
   const size_t srow = fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
-  const bool send_idx = ok && a->topk_idx != nullptr;
-  const bool send_w = ok && a->topk_idx != nullptr && a->topk_weights != nullptr;
+  // A rank without tokens may pass NULL arrays (the zero-size NULL rule): it still sends its (empty) routing.
+  const bool send_idx = ok && (a->topk_idx != nullptr || T == 0);
+  const bool send_w = send_idx && (a->topk_weights != nullptr || T == 0);
   const uint64_t sig = ok ? shapeSig({E, H, K, a->dtype}) : 0;
   ExpertMap m{E, R, L > 0 ? L : 1};
 
