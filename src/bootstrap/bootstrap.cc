@@ -221,6 +221,21 @@ StaleIds& staleIds() {
   return *s;
 }
 
+// A process may fork while a rendezvous thread runs (launchers and tests fork their ranks right after
+// epGetUniqueId). The child must not inherit an allocator lock that thread held: allocators without fork
+// handlers (AddressSanitizer's among them) would deadlock the child's first allocation. Root threads hold this
+// mutex except while blocked in poll, and fork takes it first.
+std::mutex& forkMutex() {
+  static std::mutex* m = new std::mutex;
+  return *m;
+}
+void installForkGuard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork([] { forkMutex().lock(); }, [] { forkMutex().unlock(); }, [] { forkMutex().unlock(); });
+  });
+}
+
 // ------------------------------------------------------------------------------------------------------
 // The rendezvous root: a detached thread serving one communicator creation.
 // ------------------------------------------------------------------------------------------------------
@@ -238,7 +253,8 @@ class Root {
     for (Member& m : members_) sock::closeFd(&m.fd);
   }
 
-  void run() {
+  // `fork_lock` holds forkMutex(); it is let go only while blocked in poll.
+  void run(std::unique_lock<std::mutex>& fork_lock) {
     std::vector<pollfd> pfds;
     while (!done_) {
       const int64_t now = nowNs();
@@ -270,10 +286,13 @@ class Root {
       for (const Pending& p : pending_) pfds.push_back({p.fd, POLLIN, 0});
       for (const Member& m : members_) pfds.push_back({m.fd, POLLIN, 0});
       int ms = static_cast<int>(std::clamp<int64_t>((wake - now + 999999) / 1000000, 0, 1000));
+      fork_lock.unlock();
       int pr = poll(pfds.data(), pfds.size(), ms);
+      const int poll_errno = errno;
+      fork_lock.lock();
       if (pr < 0) {
-        if (errno == EINTR) continue;
-        int e = errno;
+        if (poll_errno == EINTR) continue;
+        int e = poll_errno;
         EP_WARN("bootstrap root at %s: poll failed: %s; closing the rendezvous", addr_str_, ErrStr(e).str);
         if (!failed_ && !members_.empty()) fail(epSystemError, "bootstrap root at %s: poll failed", addr_str_);
         break;
@@ -1443,11 +1462,13 @@ epResult_t bootstrapGetUniqueId(epUniqueId* id) {
     auto root = std::make_unique<Root>(lfd, bound, secret, root_timeout);
     Root* raw = root.get();
     try {
+      installForkGuard();
       std::thread t([raw]() {
+        std::unique_lock<std::mutex> fork_lock(forkMutex());
         std::unique_ptr<Root> own(raw);
         pthread_setname_np(pthread_self(), "epcomm-bsroot");
         try {
-          own->run();
+          own->run(fork_lock);
         } catch (const std::exception& e) {
           EP_WARN("bootstrap root: stopped by an exception: %s", e.what());
         } catch (...) {
