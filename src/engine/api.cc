@@ -296,8 +296,16 @@ epResult_t epUniqueIdFromString(const char* str, epUniqueId* id) {
   return uniqueIdFromString(str, id);
 }
 
-epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int rank, const epConfig_t* config) {
+// *comm is NULL after any failure of the creation calls.
+static epResult_t clearOut(epComm_t* comm) {
   clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm (the output pointer) is NULL");
+  *comm = nullptr;
+  return epSuccess;
+}
+
+epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int rank, const epConfig_t* config) {
+  EPCHECK(clearOut(comm));
   EP_REQUIRE(id != nullptr, epNullPointer, "id is NULL");
   EPCHECK(bootstrapCheckUniqueId(id));
   return initComm(comm, nranks, rank, config, [&](int timeout_ms, std::unique_ptr<Bootstrap>* bs) {
@@ -307,7 +315,7 @@ epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int 
 
 epResult_t epCommInitRankWithAllgather(epComm_t* comm, int nranks, int rank, epAllgatherFn_t fn, void* ctx,
                                        const epConfig_t* config) {
-  clearThreadError();
+  EPCHECK(clearOut(comm));
   EP_REQUIRE(fn != nullptr, epNullPointer, "fn (the allgather callback) is NULL");
   return initComm(comm, nranks, rank, config, [&](int, std::unique_ptr<Bootstrap>* bs) {
     return bootstrapInitCallback(fn, ctx, rank, nranks, bs);
@@ -315,7 +323,7 @@ epResult_t epCommInitRankWithAllgather(epComm_t* comm, int nranks, int rank, epA
 }
 
 epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config) {
-  clearThreadError();
+  EPCHECK(clearOut(comm));
   const char* r = paramString("EPCOMM_RANK");
   const char* n = paramString("EPCOMM_WORLD_SIZE");
   const char* s = paramString("EPCOMM_UNIQUE_ID");

@@ -194,7 +194,7 @@ class Fuzzer {
       : R_(R), rank_(rank), seed_(seed), rounds_(rounds), stats_(stats), g_(hashOf({seed, static_cast<uint64_t>(R)})) {}
 
   int run() {
-    epUniqueId solo_id;
+    epUniqueId& solo_id = solo_id_;
     if (epGetUniqueId(&solo_id) != epSuccess) return problem("epGetUniqueId for the solo communicator failed");
     epConfig_t solo_cfg = EP_CONFIG_INIT;
     solo_cfg.engine = EP_ENGINE_HOST;
@@ -846,6 +846,30 @@ class Fuzzer {
       FZ_CHECK("epUniqueIdFromString", epUniqueIdFromString(nullptr, &id), epNullPointer, true, nullptr);
       FZ_CHECK("epUniqueIdToString", epUniqueIdToString(&id, text, 10), epBufferTooSmall, true, nullptr);
       FZ_CHECK("epGetVersion", epGetVersion(nullptr), epNullPointer, true, nullptr);
+    } else {
+      // Creation and teardown with bad arguments: refused before any rendezvous, or (a stale id) at once.
+      mut_ = "communicator creation and teardown";
+      epComm_t c = fake_comm_;
+      epConfig_t cfg = EP_CONFIG_INIT;
+      FZ_CHECK("epCommInitRank", epCommInitRank(nullptr, 1, &solo_id_, 0, &cfg), epNullPointer, true, nullptr);
+      FZ_CHECK("epCommInitRank", epCommInitRank(&c, 1, nullptr, 0, &cfg), epNullPointer, true, nullptr);
+      FZ_CHECK("epCommInitRank", epCommInitRank(&c, 0, &solo_id_, 0, &cfg), epRankMismatch, true, nullptr);
+      FZ_CHECK("epCommInitRank", epCommInitRank(&c, 2, &solo_id_, 2, &cfg), epRankMismatch, true, nullptr);
+      FZ_CHECK("epCommInitRank", epCommInitRank(&c, 1, &solo_id_, 0, &cfg), epInvalidUniqueId, true, nullptr);
+      if (c != nullptr) return problem("a failed epCommInitRank did not set *comm to NULL");
+      cfg.magic = 0;
+      FZ_CHECK("epCommInitRankWithAllgather", epCommInitRankWithAllgather(&c, 1, 0, nullptr, nullptr, &cfg),
+               epNullPointer, true, nullptr);
+      cfg = EP_CONFIG_INIT;
+      cfg.engine = 7;
+      FZ_CHECK("epCommInitRankWithAllgather",
+               epCommInitRankWithAllgather(&c, 1, 0, [](void*, const void*, void*, size_t) { return 0; }, nullptr, &cfg),
+               epInvalidArgument, true, nullptr);
+      FZ_CHECK("epCommDestroy", epCommDestroy(nullptr), epNullPointer, true, nullptr);
+      FZ_CHECK("epCommDestroy", epCommDestroy(fake_comm_), epInvalidArgument, true, nullptr);
+      FZ_CHECK("epCommAbort", epCommAbort(fake_comm_), epInvalidArgument, true, nullptr);
+      if (epDataTypeSize(static_cast<epDataType_t>(99)) != 0 || epGetErrorString(static_cast<epResult_t>(-4)) == nullptr)
+        return problem("epDataTypeSize / epGetErrorString of an unknown value");
     }
     FZ_CHECK("epCommRank", epCommRank(comm_, &v), epSuccess, false, comm_);
     FZ_CHECK("epCommSize", epCommSize(comm_, &v), epSuccess, false, comm_);
@@ -868,6 +892,7 @@ class Fuzzer {
   const char* mut_ = "";
   const char* scope_ = "";
   epComm_t solo_ = nullptr;
+  epUniqueId solo_id_;  // stale once solo_ was created from it
   epHtHandle_t h_ = nullptr, foreign_h_ = nullptr, dead_h_ = nullptr;
   epComm_t fake_comm_ = nullptr;
   uint64_t fake_storage_[64] = {};
