@@ -956,14 +956,14 @@ int fuzzSeeds(int R, uint64_t first, uint64_t last, int rounds) {
 
 TEST(ApiFuzz, SeededRounds) {
   // The CI set: fixed seeds, about a minute at R = 2 and 3 on a small machine. EPCOMM_FUZZ_* for long runs.
-  uint64_t first = 1, last = 6;
+  uint64_t first = 1, last = 150;
   if (const char* s = getenv("EPCOMM_FUZZ_SEEDS")) {
     unsigned long long a = 0, b = 0;
     int n = sscanf(s, "%llu-%llu", &a, &b);
     ASSERT_GE(n, 1) << "EPCOMM_FUZZ_SEEDS=first-last";
     first = a, last = n == 2 ? b : a;
   }
-  const int rounds = envList("EPCOMM_FUZZ_ROUNDS", {150})[0];
+  const int rounds = envList("EPCOMM_FUZZ_ROUNDS", {2000})[0];
   for (int R : envList("EPCOMM_FUZZ_RANKS", {2, 3})) EXPECT_EQ(fuzzSeeds(R, first, last, rounds), 0) << "R = " << R;
 }
 
