@@ -222,18 +222,52 @@ StaleIds& staleIds() {
 }
 
 // A process may fork while a rendezvous thread runs (launchers and tests fork their ranks right after
-// epGetUniqueId). The child must not inherit an allocator lock that thread held: allocators without fork
-// handlers (AddressSanitizer's among them) would deadlock the child's first allocation. Root threads hold this
-// mutex except while blocked in poll, and fork takes it first.
-std::mutex& forkMutex() {
-  static std::mutex* m = new std::mutex;
-  return *m;
-}
-void installForkGuard() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    pthread_atfork([] { forkMutex().lock(); }, [] { forkMutex().unlock(); }, [] { forkMutex().unlock(); });
-  });
+// epGetUniqueId). The child must not inherit an allocator lock such a thread held: allocators without fork
+// handlers (AddressSanitizer's among them) would deadlock the child's first allocation. So fork waits until
+// every root thread is quiet: started (thread start-up allocates), blocked in poll (a root thread holds
+// forkMutex except there), or gone (one whose work is done is joined, so that its exit is over too).
+struct RootThread {
+  std::thread t;
+  std::atomic<bool> started{false}, done{false};
+};
+struct RootThreads {
+  std::mutex fork;  // held by root threads except while blocked in poll
+  std::mutex list_mutex;
+  std::vector<std::unique_ptr<RootThread>> list;
+
+  void joinDone() {  // list_mutex held
+    for (size_t i = list.size(); i-- > 0;)
+      if (list[i]->done.load()) {
+        list[i]->t.join();
+        list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+  }
+  void prepareFork() {
+    list_mutex.lock();
+    joinDone();
+    for (auto& r : list)
+      while (!r->started.load()) std::this_thread::yield();
+    fork.lock();
+  }
+  void afterForkParent() {
+    fork.unlock();
+    list_mutex.unlock();
+  }
+  void afterForkChild() {  // the threads are the parent's: forget them without joining (nor terminate)
+    new std::vector<std::unique_ptr<RootThread>>(std::move(list));
+    list.clear();
+    fork.unlock();
+    list_mutex.unlock();
+  }
+};
+RootThreads& rootThreads() {
+  static RootThreads* r = [] {
+    auto* p = new RootThreads;  // never destroyed: root threads may outlive static destruction
+    pthread_atfork([] { rootThreads().prepareFork(); }, [] { rootThreads().afterForkParent(); },
+                   [] { rootThreads().afterForkChild(); });
+    return p;
+  }();
+  return *r;
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -253,7 +287,7 @@ class Root {
     for (Member& m : members_) sock::closeFd(&m.fd);
   }
 
-  // `fork_lock` holds forkMutex(); it is let go only while blocked in poll.
+  // `fork_lock` holds rootThreads().fork; it is let go only while blocked in poll.
   void run(std::unique_lock<std::mutex>& fork_lock) {
     std::vector<pollfd> pfds;
     while (!done_) {
@@ -1462,21 +1496,32 @@ epResult_t bootstrapGetUniqueId(epUniqueId* id) {
     auto root = std::make_unique<Root>(lfd, bound, secret, root_timeout);
     Root* raw = root.get();
     try {
-      installForkGuard();
-      std::thread t([raw]() {
-        std::unique_lock<std::mutex> fork_lock(forkMutex());
-        std::unique_ptr<Root> own(raw);
-        pthread_setname_np(pthread_self(), "epcomm-bsroot");
-        try {
-          own->run(fork_lock);
-        } catch (const std::exception& e) {
-          EP_WARN("bootstrap root: stopped by an exception: %s", e.what());
-        } catch (...) {
-          EP_WARN("bootstrap root: stopped by an exception");
-        }
-      });
-      root.release();
-      t.detach();
+      RootThreads& rt = rootThreads();
+      auto entry = std::make_unique<RootThread>();
+      RootThread* self = entry.get();
+      {
+        std::lock_guard<std::mutex> l(rt.list_mutex);
+        rt.joinDone();
+        self->t = std::thread([raw, self, &rt]() {
+          {
+            std::unique_lock<std::mutex> fork_lock(rt.fork);
+            self->started.store(true);
+            std::unique_ptr<Root> own(raw);
+            pthread_setname_np(pthread_self(), "epcomm-bsroot");
+            try {
+              own->run(fork_lock);
+            } catch (const std::exception& e) {
+              EP_WARN("bootstrap root: stopped by an exception: %s", e.what());
+            } catch (...) {
+              EP_WARN("bootstrap root: stopped by an exception");
+            }
+          }
+          self->done.store(true);
+        });
+        root.release();
+        rt.list.push_back(std::move(entry));
+      }
+      while (!self->started.load()) std::this_thread::yield();  // start-up is over before anyone can fork
     } catch (const std::exception& e) {
       EP_FAIL(epSystemError, "epGetUniqueId: could not start the bootstrap root thread: %s", e.what());
     }
