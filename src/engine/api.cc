@@ -51,9 +51,13 @@ class Live {
     std::lock_guard<std::mutex> l(m_);
     objs_[p] = k;
   }
-  void remove(const void* p) {
+  // Unlists p if it is a live object of kind k; false if it is not (so that of two racing destroys one fails).
+  bool remove(const void* p, Kind k) {
     std::lock_guard<std::mutex> l(m_);
-    objs_.erase(p);
+    auto it = objs_.find(p);
+    if (it == objs_.end() || it->second != k) return false;
+    objs_.erase(it);
+    return true;
   }
   bool has(const void* p, Kind k) {
     std::lock_guard<std::mutex> l(m_);
@@ -123,8 +127,8 @@ epResult_t onComm(epComm* comm, Need need, Fn&& fn) {
 epResult_t release(epComm* comm, bool abort) {
   clearThreadError();
   EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
-  EP_REQUIRE(live().has(comm, Live::kComm), epInvalidArgument, "comm is not a live communicator (destroyed twice?)");
-  live().remove(comm);
+  EP_REQUIRE(live().remove(comm, Live::kComm), epInvalidArgument,
+             "comm is not a live communicator (destroyed twice?)");
   if (abort) {
     comm->aborted.store(true);
     if (comm->bootstrap) comm->bootstrap->abort();
@@ -427,8 +431,8 @@ epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle_t* handle)
 epResult_t epHtHandleDestroy(epHtHandle_t handle) {
   clearThreadError();
   EP_REQUIRE(handle != nullptr, epNullPointer, "handle is NULL");
-  EP_REQUIRE(isLiveHandle(handle), epInvalidArgument, "handle is not a live HT handle (destroyed twice?)");
-  live().remove(handle);
+  EP_REQUIRE(live().remove(handle, Live::kHandle), epInvalidArgument,
+             "handle is not a live HT handle (destroyed twice?)");
   handle->magic = 0;
   epComm* comm = handle->comm;
   if (live().enter(comm)) {  // its communicator may be gone already
