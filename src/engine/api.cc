@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <exception>
 #include <new>
 #include <unordered_map>
 
@@ -116,7 +117,13 @@ epResult_t onComm(epComm* comm, Need need, Fn&& fn) {
   EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
   EP_REQUIRE(live().enter(comm), epInvalidArgument, "comm is not a live communicator (destroyed?)");
   epResult_t r = need == Need::kUsable ? checkUsable(comm) : epSuccess;
-  if (r == epSuccess) r = fn();
+  try {  // no C++ exception crosses the C ABI
+    if (r == epSuccess) r = fn();
+  } catch (const std::bad_alloc&) {
+    r = EP_ERROR(epSystemError, "out of host memory");
+  } catch (const std::exception& e) {
+    r = EP_ERROR(epInternalError, "unexpected exception: %s", e.what());
+  }
   finish(comm, r);
   comm->active_calls.fetch_sub(1);
   return r;
