@@ -10,10 +10,16 @@ everything else (FAIL, TIMEOUT, ERROR, UNEXPECTEDPASS, INTERRUPT, anything unkno
 With --junit, an informational line before it also counts the individual test cases of the gtest programs
 (from meson's testlog.junit.xml; a program that is not gtest counts as one case there).
 
+Several logs (the stages of one CI run, e.g. the normal build and the AddressSanitizer build) are summed into
+the one closing line; with more than one log, a missing log counts as one failed program (its stage did not
+run to the end).
+
 Exit status: 0 when at least one program passed and none failed; 1 otherwise (a failure, no test run at all,
 or a missing log).
 
   summarize_tests.py build/meson-logs/testlog.json [--junit build/meson-logs/testlog.junit.xml]
+  summarize_tests.py build/meson-logs/testlog.json build-asan/meson-logs/testlog.json \
+      [--junit build/meson-logs/testlog.junit.xml --junit build-asan/meson-logs/testlog.junit.xml]
   summarize_tests.py --clean-gtest-xml build    # before `meson test`: removes gtest XML of earlier runs
 """
 import argparse
@@ -102,8 +108,8 @@ def clean_gtest_xml(build_dir):
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("testlog", nargs="?", help="meson's testlog.json")
-    ap.add_argument("--junit", help="meson's testlog.junit.xml, for per-case counts")
+    ap.add_argument("testlog", nargs="*", help="meson's testlog.json, one per stage")
+    ap.add_argument("--junit", action="append", default=[], help="meson's testlog.junit.xml, for per-case counts")
     ap.add_argument("--clean-gtest-xml", metavar="BUILD_DIR", help="remove stale gtest XML files and exit")
     args = ap.parse_args(argv)
 
@@ -112,13 +118,20 @@ def main(argv):
     if not args.testlog:
         ap.error("the path of testlog.json is required")
 
-    if not os.path.isfile(args.testlog):
-        print(f"summarize_tests: {args.testlog} does not exist: no test ran", file=sys.stderr)
-        sys.stderr.flush()
-        print(closing_line(0, 0, 0))
-        return 1
-
-    passed, failed, skipped, failed_names, problems = count_programs(args.testlog)
+    passed = failed = skipped = 0
+    failed_names, problems = [], []
+    for log in args.testlog:
+        if not os.path.isfile(log):
+            problems.append(f"{log} does not exist: no test ran")
+            if len(args.testlog) > 1:  # a stage that did not run to the end
+                failed += 1
+                failed_names.append(f"{log} (MISSING)")
+            continue
+        p, f, s, names, probs = count_programs(log)
+        passed, failed, skipped = passed + p, failed + f, skipped + s
+        stage = os.path.dirname(os.path.dirname(log)) or "."
+        failed_names += [f"{stage}: {n}" for n in names] if len(args.testlog) > 1 else names
+        problems += probs
     for p in problems:
         print(f"summarize_tests: {p}", file=sys.stderr)
     sys.stderr.flush()
@@ -126,10 +139,10 @@ def main(argv):
         print("failed:")
         for n in failed_names:
             print(f"  {n}")
-    if args.junit:
-        cases = count_cases(args.junit)
-        if cases is not None:
-            print("test cases (each gtest case; other programs as one): passed=%d failed=%d skipped=%d" % cases)
+    cases = [c for c in (count_cases(j) for j in args.junit) if c is not None]
+    if cases:
+        print("test cases (each gtest case; other programs as one): passed=%d failed=%d skipped=%d"
+              % tuple(sum(c[i] for c in cases) for i in range(3)))
     if passed + failed == 0:
         print("no test ran" + (f" ({skipped} skipped)" if skipped else ""))
     print(closing_line(passed, failed, skipped))

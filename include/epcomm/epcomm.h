@@ -6,9 +6,22 @@
  *
  * Conventions
  * - Every function returns an epResult_t. On failure the communicator keeps a message that names the
- *   argument and the limit it broke (epGetLastError); a rejected call leaves the communicator usable.
+ *   argument and the limit it broke (epGetLastError): every failed call that names a live communicator
+ *   records it, queries and calls refused because the communicator is broken or aborted included; a rejected
+ *   call leaves the communicator usable.
+ * - Pointers: a required pointer that is NULL is epNullPointer everywhere (comm and handles included); a
+ *   communicator or handle that is not live (destroyed, or never created) is epInvalidArgument and is not read;
+ *   a live handle of another communicator is epInvalidUsage.
+ * - Zero-size NULL rule: every pointer whose buffer needs 0 bytes may be NULL (torch hands out NULL data
+ *   pointers for empty tensors): x, x_scales, topk_idx, topk_weights, combined_x and out of a rank with
+ *   num_tokens == 0, HT recv buffers of 0 rows, an alltoallv side that carries nothing.
+ * - A failed call writes none of its outputs (its own checks or a peer's rejected it, or it failed before data
+ *   moved), with the exceptions stated where they apply: epCommInitRank* set *comm to NULL, epAlltoallvDevice's
+ *   epCapacityExceeded reports what fit, and a wait that breaks the communicator may leave outputs partly
+ *   written. A failed epHtDispatchNotify or uncached epHtDispatch may leave the handle without a layout.
  * - Structs that cross the ABI start with {size, magic}; always build them from their *_INIT macro and then
- *   set fields, so that a program compiled against an older header keeps working.
+ *   set fields, so that a program compiled against an older header keeps working. A struct not built so (a
+ *   wrong magic; for config and args structs also a size smaller than this header's) is epInvalidArgument.
  * - The stream is the last argument. It is a cudaStream_t (struct CUstream_st*), declared here without CUDA
  *   headers so that host-only programs can include this file.
  *
@@ -59,9 +72,18 @@ extern "C" {
 #define EPCOMM_VERSION_PATCH 0
 #define EPCOMM_VERSION_CODE (EPCOMM_VERSION_MAJOR * 10000 + EPCOMM_VERSION_MINOR * 100 + EPCOMM_VERSION_PATCH)
 
-/* Limits that arguments are checked against. */
+/* Limits that arguments are checked against, and the codes for breaking them:
+ * - hidden not a positive multiple of EP_HIDDEN_ALIGN (fp8: EP_FP8_BLOCK), over config.ll_max_hidden (LL), or
+ *   giving rows larger than the queues take (host engine: half of EPCOMM_QUEUE_BYTES): epInvalidHidden;
+ * - num_experts not a positive multiple of the rank count or over EP_MAX_EXPERTS: epInvalidNumExperts;
+ * - LL max_tokens_per_rank < 1: epInvalidArgument; over config.ll_max_tokens_per_rank, or num_tokens over
+ *   max_tokens_per_rank (LL) or over the handle's max_tokens (HT): epCapacityExceeded; an LL call on a
+ *   communicator created with ll_max_tokens_per_rank = 0: epInvalidUsage;
+ * - nranks outside [1, EP_MAX_RANKS] or rank outside [0, nranks): epRankMismatch;
+ * - a negative count, or an alltoallv count or displacement over 2^56 bytes: epInvalidArgument. */
 #define EP_MAX_TOPK 32          /* top-k per token */
 #define EP_MAX_RANKS 1024       /* ranks per communicator */
+#define EP_MAX_EXPERTS 65536    /* experts per operation */
 #define EP_FP8_BLOCK 128        /* columns that share one fp32 scale in fp8 data */
 #define EP_HIDDEN_ALIGN 8       /* hidden sizes are multiples of this many elements (fp8: EP_FP8_BLOCK) */
 
@@ -75,7 +97,7 @@ typedef enum {
   epUnsupportedDtype = 3,    /* a data type the operation does not take */
   epInvalidHidden = 4,       /* hidden size not a positive multiple of 8 elements (fp8: 128) */
   epInvalidTopk = 5,         /* top-k outside [1, EP_MAX_TOPK] */
-  epInvalidNumExperts = 6,   /* number of experts not a positive multiple of the rank count */
+  epInvalidNumExperts = 6,   /* number of experts not a positive multiple of the rank count, or over EP_MAX_EXPERTS */
   epExpertOutOfRange = 7,    /* an expert id in topk_idx outside [-1, num_experts) */
   epCapacityExceeded = 8,    /* more tokens than a capacity allows */
   epBufferTooSmall = 9,      /* a caller buffer smaller than the size helper says */
@@ -185,7 +207,9 @@ typedef struct { char internal[EP_UNIQUE_ID_BYTES]; } epUniqueId;
 /* Creates a rendezvous for one communicator and describes it in *id: the address of a listener started in
  * this process (EPCOMM_SOCKET_IFNAME / EPCOMM_BOOTSTRAP_ADDR choose it) and a random secret that every
  * connection must present. Call once, on one process (usually rank 0), and share the id with all ranks.
- * The listener serves one communicator creation and then closes. */
+ * The listener serves one communicator creation and then closes: the id is then stale. In the process that
+ * made it, creating with a stale id returns epInvalidUniqueId at once; other processes cannot tell a closed
+ * rendezvous from an unreachable one and get epTimeout (or epRemoteError) at their deadline. */
 EPCOMM_API epResult_t epGetUniqueId(epUniqueId* id);
 
 /* Creates this rank's member of an nranks communicator. Collective over all ranks; waits at most
@@ -215,7 +239,7 @@ EPCOMM_API epResult_t epCommDestroy(epComm_t comm);
 /* Local, prompt teardown even when peers are dead; in-flight waits on this communicator return epAborted. */
 EPCOMM_API epResult_t epCommAbort(epComm_t comm);
 /* The first asynchronous error (timeout, dead peer, abort) this communicator saw, or epSuccess.
- * info may be NULL; otherwise start it from EP_ERROR_INFO_INIT. */
+ * info may be NULL; otherwise start it from EP_ERROR_INFO_INIT (else epInvalidArgument, nothing written). */
 EPCOMM_API epResult_t epCommGetAsyncError(epComm_t comm, epResult_t* async_error, epErrorInfo_t* info);
 EPCOMM_API epResult_t epCommRank(epComm_t comm, int* rank);
 EPCOMM_API epResult_t epCommSize(epComm_t comm, int* size);
@@ -344,6 +368,20 @@ EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, 
  * phases: EP_LL_SEND issues this rank's sends and returns without waiting for peers; EP_LL_RECV completes
  * the receive (the "hook"); EP_LL_SEND_RECV does both. Call both halves with the same arguments; at most one
  * dispatch and one combine may be between their halves at a time.
+ *
+ * Call order, decided from local state (the same on every rank, so a refused call posts nothing): a send
+ * half needs no send half of its operation outstanding; a receive half needs its operation's send half to be
+ * the oldest one outstanding; a call with both halves needs none outstanding; otherwise epInvalidUsage.
+ * Host engine: between a send half and its receive only LL calls may run: epCommBarrier, HT calls and
+ * alltoallv return epInvalidUsage and post nothing (the GPU engine keeps separate buffers and allows them).
+ * Rejected halves: a rejected EP_LL_RECV posts nothing and stays outstanding: the peers' receives complete as
+ * usual and a valid retry of the receive completes this rank's. A rejected EP_LL_SEND returns at once and
+ * posts an error header: every peer's receive of that operation returns epRemoteError naming this rank, and
+ * this rank's own receive returns the send half's code without output; call both, to stay aligned. A rejected
+ * EP_LL_SEND_RECV does both (peers: epRemoteError). A rejected call whose args cannot be read (NULL, not from
+ * *_INIT, phases not in 1..3) stands for its operation's receive half when its send half is outstanding, else
+ * for a send half when the other operation's receive is outstanding, else for both halves.
+ *
  * GPU engine: each half is one kernel on the call's stream; the receive half may go on another stream than the
  * send half, ordered after it by the caller (an event, or stream order): sends of one kind (dispatch or combine)
  * must run in issue order, and so must receives. A rank's send half of operation n + 2 waits on the device
@@ -441,7 +479,9 @@ EPCOMM_API epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes
 
 /* ---------------------------------------------------------------------------------------------------------
  * Size helpers: bytes each output buffer needs. recv_rows is the HT row count (num_recv_tokens in exact
- * mode, num_worst_tokens in worst-token mode); the LL helper uses the args' shape fields only.
+ * mode, num_worst_tokens in worst-token mode); the LL helper uses the args' shape fields only. The shape fields
+ * (num_tokens, hidden, topk, num_experts, dtype; LL: max_tokens_per_rank, use_fp8, layout) are checked with the
+ * codes the operations use, and *sizes is written only on success.
  * ------------------------------------------------------------------------------------------------------- */
 typedef struct {
   unsigned int size;
@@ -459,7 +499,9 @@ EPCOMM_API epResult_t epLlDispatchSizes(epComm_t comm, const epLlDispatchArgs_t*
 /* ---------------------------------------------------------------------------------------------------------
  * alltoallv
  * Host-count variant (torch's all_to_all_single): counts and displacements in elements of dtype, on the host;
- * rank r's send_counts[p] must equal rank p's recv_counts[r] (checked; a mismatch fails on both sides).
+ * rank r's send_counts[p] must equal rank p's recv_counts[r]. Every rank checks every pair before any data
+ * moves: the two ranks of a disagreeing pair return epInvalidUsage, every other rank epRemoteError, and no
+ * buffer is read or written.
  * Device-count variant (graph-safe): send_counts [R] int64 in engine memory, send rows packed by destination
  * in rank order; received data packed by source rank into recvbuf, which holds recv_capacity elements;
  * recv_counts [R] int64 in engine memory is written with the counts each source sent, including what was

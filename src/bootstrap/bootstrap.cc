@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <thread>
 #include <vector>
@@ -196,6 +197,79 @@ bool sendFrameBounded(int fd, const std::vector<uint8_t>& frame, int timeout_ms)
   return sock::sendAll(fd, frame.data(), frame.size(), Deadline::afterMs(timeout_ms), -1, &err) == Io::kOk;
 }
 
+// The secrets of this process's unique ids whose rendezvous has served its creation or closed: such an id is
+// stale, and this process knows it without connecting (other processes only see a refused connection).
+class StaleIds {
+ public:
+  void add(const uint8_t* secret) {
+    std::lock_guard<std::mutex> l(m_);
+    ids_.emplace_back(secret, secret + kSecretBytes);
+  }
+  bool has(const uint8_t* secret) {
+    std::lock_guard<std::mutex> l(m_);
+    for (const auto& s : ids_)
+      if (memcmp(s.data(), secret, kSecretBytes) == 0) return true;
+    return false;
+  }
+
+ private:
+  std::mutex m_;
+  std::vector<std::vector<uint8_t>> ids_;
+};
+StaleIds& staleIds() {
+  static StaleIds* s = new StaleIds;  // never destroyed: a root thread may outlive static destruction
+  return *s;
+}
+
+// A process may fork while a rendezvous thread runs (launchers and tests fork their ranks right after
+// epGetUniqueId). The child must not inherit an allocator lock such a thread held: allocators without fork
+// handlers (AddressSanitizer's among them) would deadlock the child's first allocation. So fork waits until
+// every root thread is quiet: started (thread start-up allocates), blocked in poll (a root thread holds
+// forkMutex except there), or gone (one whose work is done is joined, so that its exit is over too).
+struct RootThread {
+  std::thread t;
+  std::atomic<bool> started{false}, done{false};
+};
+struct RootThreads {
+  std::mutex fork;  // held by root threads except while blocked in poll
+  std::mutex list_mutex;
+  std::vector<std::unique_ptr<RootThread>> list;
+
+  void joinDone() {  // list_mutex held
+    for (size_t i = list.size(); i-- > 0;)
+      if (list[i]->done.load()) {
+        list[i]->t.join();
+        list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+  }
+  void prepareFork() {
+    list_mutex.lock();
+    joinDone();
+    for (auto& r : list)
+      while (!r->started.load()) std::this_thread::yield();
+    fork.lock();
+  }
+  void afterForkParent() {
+    fork.unlock();
+    list_mutex.unlock();
+  }
+  void afterForkChild() {  // the threads are the parent's: forget them without joining (nor terminate)
+    new std::vector<std::unique_ptr<RootThread>>(std::move(list));
+    list.clear();
+    fork.unlock();
+    list_mutex.unlock();
+  }
+};
+RootThreads& rootThreads() {
+  static RootThreads* r = [] {
+    auto* p = new RootThreads;  // never destroyed: root threads may outlive static destruction
+    pthread_atfork([] { rootThreads().prepareFork(); }, [] { rootThreads().afterForkParent(); },
+                   [] { rootThreads().afterForkChild(); });
+    return p;
+  }();
+  return *r;
+}
+
 // ------------------------------------------------------------------------------------------------------
 // The rendezvous root: a detached thread serving one communicator creation.
 // ------------------------------------------------------------------------------------------------------
@@ -207,12 +281,14 @@ class Root {
     memcpy(secret_, secret, kSecretBytes);
   }
   ~Root() {
+    staleIds().add(secret_);  // before the listener closes: no connection can see it closed while the id looks fresh
     sock::closeFd(&lfd_);
     for (Pending& p : pending_) sock::closeFd(&p.fd);
     for (Member& m : members_) sock::closeFd(&m.fd);
   }
 
-  void run() {
+  // `fork_lock` holds rootThreads().fork; it is let go only while blocked in poll.
+  void run(std::unique_lock<std::mutex>& fork_lock) {
     std::vector<pollfd> pfds;
     while (!done_) {
       const int64_t now = nowNs();
@@ -244,10 +320,13 @@ class Root {
       for (const Pending& p : pending_) pfds.push_back({p.fd, POLLIN, 0});
       for (const Member& m : members_) pfds.push_back({m.fd, POLLIN, 0});
       int ms = static_cast<int>(std::clamp<int64_t>((wake - now + 999999) / 1000000, 0, 1000));
+      fork_lock.unlock();
       int pr = poll(pfds.data(), pfds.size(), ms);
+      const int poll_errno = errno;
+      fork_lock.lock();
       if (pr < 0) {
-        if (errno == EINTR) continue;
-        int e = errno;
+        if (poll_errno == EINTR) continue;
+        int e = poll_errno;
         EP_WARN("bootstrap root at %s: poll failed: %s; closing the rendezvous", addr_str_, ErrStr(e).str);
         if (!failed_ && !members_.empty()) fail(epSystemError, "bootstrap root at %s: poll failed", addr_str_);
         break;
@@ -450,6 +529,7 @@ class Root {
   }
 
   void finishOk() {
+    staleIds().add(secret_);  // before any rank returns: a creation that completed makes the id stale at once
     const Member* root = nullptr;
     for (const Member& m : members_)
       if (m.rank == 0) root = &m;
@@ -1095,6 +1175,9 @@ epResult_t initSocket(const epUniqueId* id, int rank, int nranks, int timeout_ms
   EP_REQUIRE(timeout_ms > 0, epInvalidArgument, "bootstrapInitSocket: timeout_ms=%d must be positive", timeout_ms);
   bsproto::IdInfo info;
   EPCHECK(bsproto::decodeUniqueId(id, &info));
+  EP_REQUIRE(!staleIds().has(info.secret), epInvalidUniqueId,
+             "rank %d: this unique id is stale: its rendezvous already served a communicator creation (or closed); "
+             "call epGetUniqueId for every creation", rank);
   const Deadline dl = Deadline::afterMs(timeout_ms);
 
   FdGuard guard;  // [0] root connection, [1] rank 0's listener, [2] eventfd, [3 + r] star connections
@@ -1413,19 +1496,32 @@ epResult_t bootstrapGetUniqueId(epUniqueId* id) {
     auto root = std::make_unique<Root>(lfd, bound, secret, root_timeout);
     Root* raw = root.get();
     try {
-      std::thread t([raw]() {
-        std::unique_ptr<Root> own(raw);
-        pthread_setname_np(pthread_self(), "epcomm-bsroot");
-        try {
-          own->run();
-        } catch (const std::exception& e) {
-          EP_WARN("bootstrap root: stopped by an exception: %s", e.what());
-        } catch (...) {
-          EP_WARN("bootstrap root: stopped by an exception");
-        }
-      });
-      root.release();
-      t.detach();
+      RootThreads& rt = rootThreads();
+      auto entry = std::make_unique<RootThread>();
+      RootThread* self = entry.get();
+      {
+        std::lock_guard<std::mutex> l(rt.list_mutex);
+        rt.joinDone();
+        self->t = std::thread([raw, self, &rt]() {
+          {
+            std::unique_lock<std::mutex> fork_lock(rt.fork);
+            self->started.store(true);
+            std::unique_ptr<Root> own(raw);
+            pthread_setname_np(pthread_self(), "epcomm-bsroot");
+            try {
+              own->run(fork_lock);
+            } catch (const std::exception& e) {
+              EP_WARN("bootstrap root: stopped by an exception: %s", e.what());
+            } catch (...) {
+              EP_WARN("bootstrap root: stopped by an exception");
+            }
+          }
+          self->done.store(true);
+        });
+        root.release();
+        rt.list.push_back(std::move(entry));
+      }
+      while (!self->started.load()) std::this_thread::yield();  // start-up is over before anyone can fork
     } catch (const std::exception& e) {
       EP_FAIL(epSystemError, "epGetUniqueId: could not start the bootstrap root thread: %s", e.what());
     }

@@ -1,9 +1,12 @@
-// The C API: argument checks, communicator bookkeeping, and dispatch to the engine. Every entry point
-// clears the thread's error, and on failure copies the message into the communicator (epGetLastError).
+// The C API: argument checks, communicator bookkeeping, and dispatch to the engine. Every entry point that
+// takes a communicator runs through onComm: it clears the thread's error, looks the communicator up, and on
+// failure copies the message into the communicator (epGetLastError), whatever the failure was.
 #include <unistd.h>
 
 #include <cstring>
+#include <exception>
 #include <new>
+#include <unordered_map>
 
 #include "bootstrap/bootstrap.h"
 #include "common/checks.h"
@@ -38,18 +41,58 @@ namespace {
 
 thread_local char tEmpty[1] = {0};
 
+// The communicators and handles alive in this process. A pointer from the caller is looked up here before it is
+// read, so a destroyed or made-up one is refused (not read: freed memory, under AddressSanitizer an error).
+// Entering a communicator counts the call under the same lock that destroy and abort take to unlist it, so that
+// they can wait for the calls inside before they free it.
+class Live {
+ public:
+  enum Kind { kComm, kHandle };
+  void add(const void* p, Kind k) {
+    std::lock_guard<std::mutex> l(m_);
+    objs_[p] = k;
+  }
+  // Unlists p if it is a live object of kind k; false if it is not (so that of two racing destroys one fails).
+  bool remove(const void* p, Kind k) {
+    std::lock_guard<std::mutex> l(m_);
+    auto it = objs_.find(p);
+    if (it == objs_.end() || it->second != k) return false;
+    objs_.erase(it);
+    return true;
+  }
+  bool has(const void* p, Kind k) {
+    std::lock_guard<std::mutex> l(m_);
+    auto it = objs_.find(p);
+    return it != objs_.end() && it->second == k;
+  }
+  bool enter(epComm* c) {
+    std::lock_guard<std::mutex> l(m_);
+    auto it = objs_.find(c);
+    if (it == objs_.end() || it->second != kComm) return false;
+    c->active_calls.fetch_add(1);
+    return true;
+  }
+
+ private:
+  std::mutex m_;
+  std::unordered_map<const void*, Kind> objs_;
+};
+Live& live() {
+  static Live* l = new Live;  // never destroyed: calls may come from static destructors
+  return *l;
+}
+
+// Records a failure's message as the communicator's; comm must be entered (or otherwise known live).
 epResult_t finish(epComm* comm, epResult_t r) {
-  if (r != epSuccess && comm != nullptr && comm->magic == kCommMagic) {
+  if (r != epSuccess) {
     std::lock_guard<std::mutex> lock(comm->error_mutex);
     comm->last_error = threadLastError();
   }
   return r;
 }
 
-// A usable communicator: valid, not aborted, not broken by an earlier asynchronous error.
-epResult_t checkComm(epComm* comm) {
-  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
-  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator (destroyed?)");
+// Not aborted and not broken by an earlier asynchronous error.
+epResult_t checkUsable(epComm* comm) {
   EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
   comm->engine->pollAsyncError();
   int ae = comm->async_error.load();
@@ -62,18 +105,53 @@ epResult_t checkComm(epComm* comm) {
   return epSuccess;
 }
 
-// Counts the calls inside a communicator so that epCommAbort from another thread can wait for them to leave
-// (they notice the abort flag within one backoff step) before it frees the communicator.
-struct CallGuard {
-  explicit CallGuard(epComm* c) : comm(c) { comm->active_calls.fetch_add(1); }
-  ~CallGuard() { comm->active_calls.fetch_sub(1); }
-  epComm* comm;
-};
+enum class Need { kLive, kUsable };
+
+// The one path of every entry point that takes a communicator (except destroy and abort, which free it):
+// NULL is epNullPointer, a pointer that is not a live communicator epInvalidArgument, kUsable adds the aborted
+// and broken checks; then fn runs while the call is counted in comm->active_calls, and a failure's message
+// becomes the communicator's.
+template <typename Fn>
+epResult_t onComm(epComm* comm, Need need, Fn&& fn) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
+  EP_REQUIRE(live().enter(comm), epInvalidArgument, "comm is not a live communicator (destroyed?)");
+  epResult_t r = need == Need::kUsable ? checkUsable(comm) : epSuccess;
+  try {  // no C++ exception crosses the C ABI
+    if (r == epSuccess) r = fn();
+  } catch (const std::bad_alloc&) {
+    r = EP_ERROR(epSystemError, "out of host memory");
+  } catch (const std::exception& e) {
+    r = EP_ERROR(epInternalError, "unexpected exception: %s", e.what());
+  }
+  finish(comm, r);
+  comm->active_calls.fetch_sub(1);
+  return r;
+}
+
+// Takes comm out of the live set, then waits for the calls inside it to leave (with an abort they notice the
+// flag within one backoff step) before it is freed.
+epResult_t release(epComm* comm, bool abort) {
+  clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
+  EP_REQUIRE(live().remove(comm, Live::kComm), epInvalidArgument,
+             "comm is not a live communicator (destroyed twice?)");
+  if (abort) {
+    comm->aborted.store(true);
+    if (comm->bootstrap) comm->bootstrap->abort();
+    if (comm->engine) comm->engine->abort();
+  }
+  while (comm->active_calls.load() != 0) usleep(100);
+  comm->magic = 0;
+  delete comm;
+  return epSuccess;
+}
 
 ValidateCtx ctxOf(epComm* comm) { return ValidateCtx{comm, comm->engine->hostMemory(), comm->engine->maxRowBytes()}; }
 
 // Operations other than LL halves may not start while an LL receive half is outstanding: their messages
-// would queue behind it. Every rank makes this decision identically, so no exchange is needed.
+// would queue behind it. Every rank makes this decision identically, so no exchange is needed; the call posts
+// nothing.
 epResult_t checkNoPending(epComm* comm, const char* what) {
   EP_REQUIRE(!comm->engine->anyPending(), epInvalidUsage,
              "%s called while an LL operation's receive half (EP_LL_RECV) is outstanding; complete it first", what);
@@ -152,11 +230,14 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   EPCHECK(comm->engine->init());
   EP_INFO(kSubsysInit, "communicator ready: rank %d of %d, host engine, timeout %d ms", rank, nranks,
           cfg.timeout_ms);
+  live().add(comm.get(), Live::kComm);
   *out = comm.release();
   return epSuccess;
 }
 
 }  // namespace
+
+bool epcomm::isLiveHandle(const epHtHandle* h) { return live().has(h, Live::kHandle); }
 
 extern "C" {
 
@@ -188,7 +269,7 @@ const char* epGetErrorString(epResult_t r) {
 }
 
 const char* epGetLastError(epComm_t comm) {
-  if (comm == nullptr || comm->magic != kCommMagic) {
+  if (comm == nullptr || !live().has(comm, Live::kComm)) {
     const char* m = threadLastError();
     return m ? m : tEmpty;
   }
@@ -226,8 +307,16 @@ epResult_t epUniqueIdFromString(const char* str, epUniqueId* id) {
   return uniqueIdFromString(str, id);
 }
 
-epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int rank, const epConfig_t* config) {
+// *comm is NULL after any failure of the creation calls.
+static epResult_t clearOut(epComm_t* comm) {
   clearThreadError();
+  EP_REQUIRE(comm != nullptr, epNullPointer, "comm (the output pointer) is NULL");
+  *comm = nullptr;
+  return epSuccess;
+}
+
+epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int rank, const epConfig_t* config) {
+  EPCHECK(clearOut(comm));
   EP_REQUIRE(id != nullptr, epNullPointer, "id is NULL");
   EPCHECK(bootstrapCheckUniqueId(id));
   return initComm(comm, nranks, rank, config, [&](int timeout_ms, std::unique_ptr<Bootstrap>* bs) {
@@ -237,7 +326,7 @@ epResult_t epCommInitRank(epComm_t* comm, int nranks, const epUniqueId* id, int 
 
 epResult_t epCommInitRankWithAllgather(epComm_t* comm, int nranks, int rank, epAllgatherFn_t fn, void* ctx,
                                        const epConfig_t* config) {
-  clearThreadError();
+  EPCHECK(clearOut(comm));
   EP_REQUIRE(fn != nullptr, epNullPointer, "fn (the allgather callback) is NULL");
   return initComm(comm, nranks, rank, config, [&](int, std::unique_ptr<Bootstrap>* bs) {
     return bootstrapInitCallback(fn, ctx, rank, nranks, bs);
@@ -245,7 +334,7 @@ epResult_t epCommInitRankWithAllgather(epComm_t* comm, int nranks, int rank, epA
 }
 
 epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config) {
-  clearThreadError();
+  EPCHECK(clearOut(comm));
   const char* r = paramString("EPCOMM_RANK");
   const char* n = paramString("EPCOMM_WORLD_SIZE");
   const char* s = paramString("EPCOMM_UNIQUE_ID");
@@ -256,101 +345,76 @@ epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config) {
   return epCommInitRank(comm, atoi(n), &id, atoi(r), config);
 }
 
-epResult_t epCommDestroy(epComm_t comm) {
-  clearThreadError();
-  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
-  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator (destroyed twice?)");
-  comm->magic = 0;
-  delete comm;
-  return epSuccess;
-}
+epResult_t epCommDestroy(epComm_t comm) { return release(comm, false); }
 
-epResult_t epCommAbort(epComm_t comm) {
-  clearThreadError();
-  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
-  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
-  comm->aborted.store(true);
-  if (comm->bootstrap) comm->bootstrap->abort();
-  if (comm->engine) comm->engine->abort();
-  while (comm->active_calls.load() != 0) usleep(100);  // waits see the flag within one backoff step
-  comm->magic = 0;
-  delete comm;
-  return epSuccess;
-}
+epResult_t epCommAbort(epComm_t comm) { return release(comm, true); }
 
 epResult_t epCommGetAsyncError(epComm_t comm, epResult_t* async_error, epErrorInfo_t* info) {
-  clearThreadError();
-  EP_REQUIRE(comm != nullptr, epNullPointer, "comm is NULL");
-  EP_REQUIRE(comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
-  EP_REQUIRE(async_error != nullptr, epNullPointer, "async_error is NULL");
-  comm->engine->pollAsyncError();
-  std::lock_guard<std::mutex> lock(comm->error_mutex);
-  *async_error = static_cast<epResult_t>(comm->async_error.load());
-  if (info != nullptr) {
-    EP_REQUIRE(info->magic == EP_STRUCT_MAGIC, epInvalidArgument, "info was not initialised from EP_ERROR_INFO_INIT");
-    epErrorInfo_t i = comm->async_error.load() == epSuccess ? epErrorInfo_t(EP_ERROR_INFO_INIT) : comm->async_info;
-    i.violation = comm->violation;
-    i.num_violations = comm->num_violations;
-    i.size = info->size;
-    memcpy(info, &i, std::min<size_t>(info->size, sizeof(i)));
-  }
-  return epSuccess;
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(async_error != nullptr, epNullPointer, "async_error is NULL");
+    // Checked before anything is written: a failed call writes none of its outputs.
+    EP_REQUIRE(info == nullptr || info->magic == EP_STRUCT_MAGIC, epInvalidArgument,
+               "info was not initialised from EP_ERROR_INFO_INIT (magic 0x%x)", info ? info->magic : 0u);
+    comm->engine->pollAsyncError();
+    std::lock_guard<std::mutex> lock(comm->error_mutex);
+    *async_error = static_cast<epResult_t>(comm->async_error.load());
+    if (info != nullptr) {
+      epErrorInfo_t i = comm->async_error.load() == epSuccess ? epErrorInfo_t(EP_ERROR_INFO_INIT) : comm->async_info;
+      i.violation = comm->violation;
+      i.num_violations = comm->num_violations;
+      i.size = info->size;
+      memcpy(info, &i, std::min<size_t>(info->size, sizeof(i)));
+    }
+    return epSuccess;
+  });
 }
 
 epResult_t epCommRank(epComm_t comm, int* rank) {
-  clearThreadError();
-  EP_REQUIRE(comm != nullptr && comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
-  EP_REQUIRE(rank != nullptr, epNullPointer, "rank is NULL");
-  *rank = comm->rank;
-  return epSuccess;
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(rank != nullptr, epNullPointer, "rank is NULL");
+    *rank = comm->rank;
+    return epSuccess;
+  });
 }
 
 epResult_t epCommSize(epComm_t comm, int* size) {
-  clearThreadError();
-  EP_REQUIRE(comm != nullptr && comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
-  EP_REQUIRE(size != nullptr, epNullPointer, "size is NULL");
-  *size = comm->nranks;
-  return epSuccess;
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(size != nullptr, epNullPointer, "size is NULL");
+    *size = comm->nranks;
+    return epSuccess;
+  });
 }
 
 epResult_t epCommEngine(epComm_t comm, epEngine_t* engine) {
-  clearThreadError();
-  EP_REQUIRE(comm != nullptr && comm->magic == kCommMagic, epInvalidArgument, "comm is not a live communicator");
-  EP_REQUIRE(engine != nullptr, epNullPointer, "engine is NULL");
-  *engine = comm->config.engine;
-  return epSuccess;
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(engine != nullptr, epNullPointer, "engine is NULL");
+    *engine = comm->config.engine;
+    return epSuccess;
+  });
 }
 
 epResult_t epCommBarrier(epComm_t comm, epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  epResult_t r = checkNoPending(comm, "epCommBarrier");
-  if (r == epSuccess) r = comm->engine->barrier(stream);
-  return finish(comm, r);
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EPCHECK(checkNoPending(comm, "epCommBarrier"));
+    return comm->engine->barrier(stream);
+  });
 }
 
 epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx, int num_tokens, int topk, int num_experts,
                                int* num_tokens_per_rank, int* num_tokens_per_expert, uint8_t* is_token_in_rank,
                                epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  auto run = [&]() -> epResult_t {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
     EPCHECK(validateRouting(num_tokens, topk, num_experts, comm->nranks));
     EP_REQUIRE(topk_idx != nullptr || num_tokens == 0, epNullPointer, "topk_idx is NULL");
     if (num_tokens > 0 && comm->engine->hostMemory())
       EPCHECK(validateTopkIdx(topk_idx, num_tokens, topk, num_experts, "topk_idx"));
     return comm->engine->layout(topk_idx, num_tokens, topk, num_experts, num_tokens_per_rank, num_tokens_per_expert,
                                 is_token_in_rank, stream);
-  };
-  return finish(comm, run());
+  });
 }
 
 epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle_t* handle) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  auto run = [&]() -> epResult_t {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
     EP_REQUIRE(handle != nullptr, epNullPointer, "handle (the output pointer) is NULL");
     EP_REQUIRE(max_tokens >= 0, epInvalidArgument, "max_tokens = %d is negative", max_tokens);
     epHtHandle* h = new (std::nothrow) epHtHandle();
@@ -364,25 +428,32 @@ epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle_t* handle)
       delete h;
       return r;
     }
+    live().add(h, Live::kHandle);
     *handle = h;
     return epSuccess;
-  };
-  return finish(comm, run());
+  });
 }
 
+// Handles are not tied to a call on their communicator, so their failures are the thread's message only.
 epResult_t epHtHandleDestroy(epHtHandle_t handle) {
   clearThreadError();
   EP_REQUIRE(handle != nullptr, epNullPointer, "handle is NULL");
-  EP_REQUIRE(handle->magic == kHandleMagic, epInvalidArgument, "handle is not a live HT handle");
+  EP_REQUIRE(live().remove(handle, Live::kHandle), epInvalidArgument,
+             "handle is not a live HT handle (destroyed twice?)");
   handle->magic = 0;
-  if (handle->comm != nullptr && handle->comm->magic == kCommMagic) handle->comm->engine->handleFree(handle);
+  epComm* comm = handle->comm;
+  if (live().enter(comm)) {  // its communicator may be gone already
+    comm->engine->handleFree(handle);
+    comm->active_calls.fetch_sub(1);
+  }
   delete handle;
   return epSuccess;
 }
 
 epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_recv_tokens) {
   clearThreadError();
-  EP_REQUIRE(handle != nullptr && handle->magic == kHandleMagic, epInvalidArgument, "handle is not a live HT handle");
+  EP_REQUIRE(handle != nullptr, epNullPointer, "handle is NULL");
+  EP_REQUIRE(isLiveHandle(handle), epInvalidArgument, "handle is not a live HT handle");
   EP_REQUIRE(handle->valid, epInvalidUsage, "the handle holds no layout yet");
   if (num_tokens) *num_tokens = handle->num_tokens;
   if (num_recv_tokens) *num_recv_tokens = handle->num_recv;
@@ -391,145 +462,87 @@ epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_re
 
 epResult_t epHtDispatchNotify(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle,
                               int* num_recv_tokens_host, int* recv_tokens_per_expert_host, epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  EPCHECK(finish(comm, checkNoPending(comm, "epHtDispatchNotify")));
-  epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, true);
-  if (local == epSuccess && num_recv_tokens_host == nullptr)
-    local = EP_ERROR(epNullPointer, "num_recv_tokens_host is NULL");
-  return finish(comm, comm->engine->htNotify(args, handle, local, num_recv_tokens_host, recv_tokens_per_expert_host, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EPCHECK(checkNoPending(comm, "epHtDispatchNotify"));
+    epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, true);
+    if (local == epSuccess && num_recv_tokens_host == nullptr)
+      local = EP_ERROR(epNullPointer, "num_recv_tokens_host is NULL");
+    return comm->engine->htNotify(args, handle, local, num_recv_tokens_host, recv_tokens_per_expert_host, stream);
+  });
 }
 
 epResult_t epHtDispatch(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle, epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  EPCHECK(finish(comm, checkNoPending(comm, "epHtDispatch")));
-  epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, false);
-  return finish(comm, comm->engine->htDispatch(args, handle, local, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EPCHECK(checkNoPending(comm, "epHtDispatch"));
+    epResult_t local = validateHtDispatch(ctxOf(comm), args, handle, false);
+    return comm->engine->htDispatch(args, handle, local, stream);
+  });
 }
 
 epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, epHtHandle_t handle, epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  EPCHECK(finish(comm, checkNoPending(comm, "epHtCombine")));
-  epResult_t local = validateHtCombine(ctxOf(comm), args, handle);
-  return finish(comm, comm->engine->htCombine(args, handle, local, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EPCHECK(checkNoPending(comm, "epHtCombine"));
+    epResult_t local = validateHtCombine(ctxOf(comm), args, handle);
+    return comm->engine->htCombine(args, handle, local, stream);
+  });
 }
 
 epResult_t epLlDispatch(epComm_t comm, const epLlDispatchArgs_t* args, epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  epResult_t local = validateLlDispatch(ctxOf(comm), args);
-  return finish(comm, comm->engine->llDispatch(args, local, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    epResult_t local = validateLlDispatch(ctxOf(comm), args);
+    return comm->engine->llDispatch(args, local, stream);
+  });
 }
 
 epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  epResult_t local = validateLlCombine(ctxOf(comm), args);
-  return finish(comm, comm->engine->llCombine(args, local, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    epResult_t local = validateLlCombine(ctxOf(comm), args);
+    return comm->engine->llCombine(args, local, stream);
+  });
 }
 
 epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  auto run = [&]() -> epResult_t {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
     EP_REQUIRE(y != nullptr && y_bytes != nullptr, epNullPointer, "%s is NULL", y == nullptr ? "y" : "y_bytes");
     epResult_t r = comm->engine->llCombineBuffer(y, y_bytes);
     if (r == epNotSupported)
       EP_FAIL(epNotSupported, "zero-copy LL combine buffers are a GPU engine feature (the host engine's combine "
                               "already reads y in place)");
     return r;
-  };
-  return finish(comm, run());
+  });
 }
 
 epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows, epBufferSizes_t* sizes) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  auto run = [&]() -> epResult_t {
-    EP_REQUIRE(args != nullptr && args->magic == EP_STRUCT_MAGIC, epInvalidArgument,
-               "args is NULL or not initialised from EP_HT_DISPATCH_ARGS_INIT");
-    EP_REQUIRE(sizes != nullptr && sizes->magic == EP_STRUCT_MAGIC, epInvalidArgument,
-               "sizes is NULL or not initialised from EP_BUFFER_SIZES_INIT");
-    EP_REQUIRE(recv_rows >= 0, epInvalidArgument, "recv_rows = %d is negative", recv_rows);
-    htBufferSizes(args, comm->nranks, recv_rows, sizes);
-    return epSuccess;
-  };
-  return finish(comm, run());
+  return onComm(comm, Need::kUsable,
+                [&]() -> epResult_t { return htDispatchSizes(ctxOf(comm), args, recv_rows, sizes); });
 }
 
 epResult_t epLlDispatchSizes(epComm_t comm, const epLlDispatchArgs_t* args, epBufferSizes_t* sizes) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  auto run = [&]() -> epResult_t {
-    EP_REQUIRE(args != nullptr && args->magic == EP_STRUCT_MAGIC, epInvalidArgument,
-               "args is NULL or not initialised from EP_LL_DISPATCH_ARGS_INIT");
-    EP_REQUIRE(sizes != nullptr && sizes->magic == EP_STRUCT_MAGIC, epInvalidArgument,
-               "sizes is NULL or not initialised from EP_BUFFER_SIZES_INIT");
-    llBufferSizes(args, comm->nranks, sizes);
-    return epSuccess;
-  };
-  return finish(comm, run());
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t { return llDispatchSizes(ctxOf(comm), args, sizes); });
 }
 
 epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
                        void* recvbuf, const size_t* recv_counts, const size_t* recv_displs, epDataType_t dtype,
                        epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  EPCHECK(finish(comm, checkNoPending(comm, "epAlltoallv")));
-  auto check = [&]() -> epResult_t {
-    EP_REQUIRE(dtypeSize(dtype) > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
-    EP_REQUIRE(send_counts && send_displs && recv_counts && recv_displs, epNullPointer,
-               "%s is NULL", !send_counts ? "send_counts" : !send_displs ? "send_displs"
-                             : !recv_counts ? "recv_counts" : "recv_displs");
-    size_t s = 0, r = 0;
-    for (int p = 0; p < comm->nranks; ++p) {
-      s += send_counts[p];
-      r += recv_counts[p];
-    }
-    EP_REQUIRE(sendbuf != nullptr || s == 0, epNullPointer, "sendbuf is NULL");
-    EP_REQUIRE(recvbuf != nullptr || r == 0, epNullPointer, "recvbuf is NULL");
-    return epSuccess;
-  };
-  epResult_t local = check();
-  return finish(comm, comm->engine->alltoallv(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs,
-                                              dtypeSize(dtype), local, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EPCHECK(checkNoPending(comm, "epAlltoallv"));
+    epResult_t local = validateAlltoallv(ctxOf(comm), sendbuf, send_counts, send_displs, recvbuf, recv_counts,
+                                         recv_displs, dtype);
+    return comm->engine->alltoallv(sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs,
+                                   dtypeSize(dtype), local, stream);
+  });
 }
 
 epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* send_counts, void* recvbuf,
                              size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped, epDataType_t dtype,
                              epStream_t stream) {
-  clearThreadError();
-  EPCHECK(checkComm(comm));
-  CallGuard guard(comm);
-  EPCHECK(finish(comm, checkNoPending(comm, "epAlltoallvDevice")));
-  auto check = [&]() -> epResult_t {
-    EP_REQUIRE(dtypeSize(dtype) > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
-    EP_REQUIRE(send_counts != nullptr, epNullPointer, "send_counts is NULL");
-    EP_REQUIRE(recv_counts != nullptr, epNullPointer, "recv_counts is NULL");
-    // Counts in device memory (GPU engine) are checked by the kernels: a negative count is a violation.
-    int64_t s = comm->engine->hostMemory() ? 0 : 1;
-    for (int p = 0; p < comm->nranks && comm->engine->hostMemory(); ++p) {
-      EP_REQUIRE(send_counts[p] >= 0, epInvalidArgument, "send_counts[%d] = %lld is negative", p,
-                 static_cast<long long>(send_counts[p]));
-      s += send_counts[p];
-    }
-    EP_REQUIRE(sendbuf != nullptr || s == 0, epNullPointer, "sendbuf is NULL");
-    EP_REQUIRE(recvbuf != nullptr || recv_capacity == 0, epNullPointer, "recvbuf is NULL");
-    return epSuccess;
-  };
-  epResult_t local = check();
-  return finish(comm, comm->engine->alltoallvDevice(sendbuf, send_counts, recvbuf, recv_capacity, recv_counts,
-                                                  num_dropped, dtypeSize(dtype), local, stream));
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EPCHECK(checkNoPending(comm, "epAlltoallvDevice"));
+    epResult_t local = validateAlltoallvDevice(ctxOf(comm), sendbuf, send_counts, recvbuf, recv_capacity,
+                                               recv_counts, dtype);
+    return comm->engine->alltoallvDevice(sendbuf, send_counts, recvbuf, recv_capacity, recv_counts, num_dropped,
+                                         dtypeSize(dtype), local, stream);
+  });
 }
 
 }  // extern "C"

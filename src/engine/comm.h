@@ -74,4 +74,8 @@ struct epHtHandle {
 namespace epcomm {
 constexpr uint32_t kCommMagic = 0x436f6d6du;    // "Comm"
 constexpr uint32_t kHandleMagic = 0x48616e64u;  // "Hand"
+
+// Whether h is a handle that epHtHandleCreate made and epHtHandleDestroy has not freed. Pointers are looked up
+// before they are read, so a destroyed or made-up handle is refused instead of dereferenced (api.cc).
+bool isLiveHandle(const epHtHandle* h);
 }  // namespace epcomm

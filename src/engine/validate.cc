@@ -25,8 +25,9 @@ epResult_t checkShape(int num_tokens, int hidden, int topk, int num_experts, int
              "hidden = %d gives %zu-byte rows, over the %zu bytes the queues take (raise EPCOMM_QUEUE_BYTES)",
              hidden, row_bytes, max_row_bytes);
   EP_REQUIRE(topk >= 1 && topk <= EP_MAX_TOPK, epInvalidTopk, "topk = %d is outside [1, %d]", topk, EP_MAX_TOPK);
-  EP_REQUIRE(num_experts > 0 && num_experts % nranks == 0, epInvalidNumExperts,
-             "num_experts = %d must be a positive multiple of the rank count %d", num_experts, nranks);
+  EP_REQUIRE(num_experts > 0 && num_experts % nranks == 0 && num_experts <= EP_MAX_EXPERTS, epInvalidNumExperts,
+             "num_experts = %d must be a positive multiple of the rank count %d, at most EP_MAX_EXPERTS = %d",
+             num_experts, nranks, EP_MAX_EXPERTS);
   return epSuccess;
 }
 
@@ -44,6 +45,50 @@ epResult_t checkBytes(const void* p, size_t have, size_t need, const char* name)
 
 bool isFloatType(int dt) { return dt == epBfloat16 || dt == epFloat16 || dt == epFloat32; }
 
+// NULL is epNullPointer, a pointer that is not a live handle epInvalidArgument (it is not read), a live handle
+// of another communicator epInvalidUsage.
+epResult_t checkHandle(const epHtHandle* h, const epComm* comm) {
+  EP_REQUIRE(h != nullptr, epNullPointer, "handle is NULL");
+  EP_REQUIRE(isLiveHandle(h), epInvalidArgument, "handle is not a live HT handle (destroyed?)");
+  EP_REQUIRE(h->comm == comm, epInvalidUsage, "handle was created by epHtHandleCreate on another communicator");
+  return epSuccess;
+}
+
+// The shape fields of HT dispatch (also checked by its size helper).
+epResult_t checkHtShape(const ValidateCtx& v, const epHtDispatchArgs_t* a) {
+  EP_REQUIRE(a->dtype == epBfloat16 || a->dtype == epFloat16 || a->dtype == epFloat32 || a->dtype == epFloat8E4M3,
+             epUnsupportedDtype, "dtype = %d (%s) is not one of bf16, fp16, fp32, fp8_e4m3 for HT dispatch",
+             a->dtype, dtypeName(a->dtype));
+  return checkShape(a->num_tokens, a->hidden, a->topk, a->num_experts, v.comm->nranks, a->dtype == epFloat8E4M3,
+                    static_cast<size_t>(a->hidden) * dtypeSize(a->dtype), v.max_row_bytes);
+}
+
+// The shape fields of LL dispatch and combine (also checked by the LL size helper).
+epResult_t checkLlShape(const ValidateCtx& v, int num_tokens, int M, int hidden, int topk, int num_experts, int dtype,
+                        bool fp8, int layout) {
+  const CommConfig& c = v.comm->config;
+  EP_REQUIRE(c.ll_max_tokens_per_rank > 0, epInvalidUsage,
+             "the communicator was created without low-latency capacity (config.ll_max_tokens_per_rank = 0)");
+  EP_REQUIRE(M >= 1, epInvalidArgument, "max_tokens_per_rank = %d must be at least 1", M);
+  EP_REQUIRE(M <= c.ll_max_tokens_per_rank, epCapacityExceeded,
+             "max_tokens_per_rank = %d exceeds config.ll_max_tokens_per_rank = %d", M, c.ll_max_tokens_per_rank);
+  EP_REQUIRE(num_tokens <= M, epCapacityExceeded, "num_tokens = %d exceeds max_tokens_per_rank = %d", num_tokens, M);
+  EP_REQUIRE(isFloatType(dtype), epUnsupportedDtype, "dtype = %d (%s) is not one of bf16, fp16, fp32 for LL",
+             dtype, dtypeName(dtype));
+  EP_REQUIRE(hidden <= c.ll_max_hidden, epInvalidHidden, "hidden = %d exceeds config.ll_max_hidden = %d", hidden,
+             c.ll_max_hidden);
+  EPCHECK(checkShape(num_tokens, hidden, topk, num_experts, v.comm->nranks, fp8,
+                     static_cast<size_t>(hidden) * dtypeSize(dtype), v.max_row_bytes));
+  EP_REQUIRE(c.ll_num_experts == 0 || num_experts <= c.ll_num_experts, epInvalidNumExperts,
+             "num_experts = %d exceeds config.ll_num_experts = %d", num_experts, c.ll_num_experts);
+  EP_REQUIRE(layout == EP_LL_EXPERT_MAJOR || layout == EP_LL_RANK_MAJOR, epInvalidArgument,
+             "layout = %d is neither EP_LL_EXPERT_MAJOR nor EP_LL_RANK_MAJOR", layout);
+  return epSuccess;
+}
+
+// Element counts and displacements stay below this, so that no byte offset or sum of them overflows.
+constexpr size_t kMaxElemBytes = size_t{1} << 56;
+
 }  // namespace
 
 epResult_t validateRouting(int num_tokens, int topk, int num_experts, int nranks) {
@@ -60,7 +105,7 @@ epResult_t validateTopkIdx(const int64_t* topk_idx, int num_tokens, int topk, in
   return epSuccess;
 }
 
-void htBufferSizes(const epHtDispatchArgs_t* a, int nranks, int recv_rows, epBufferSizes_t* s) {
+static void htBufferSizes(const epHtDispatchArgs_t* a, int nranks, int recv_rows, epBufferSizes_t* s) {
   const size_t rows = recv_rows > 0 ? static_cast<size_t>(recv_rows) : 0;
   s->recv_x = rows * a->hidden * dtypeSize(a->dtype);
   s->recv_x_scales = a->dtype == epFloat8E4M3 ? rows * (a->hidden / EP_FP8_BLOCK) * sizeof(float) : 0;
@@ -74,7 +119,7 @@ void htBufferSizes(const epHtDispatchArgs_t* a, int nranks, int recv_rows, epBuf
                   (a->dtype == epFloat8E4M3 ? 2 : dtypeSize(a->dtype));
 }
 
-void llBufferSizes(const epLlDispatchArgs_t* a, int R, epBufferSizes_t* s) {
+static void llBufferSizes(const epLlDispatchArgs_t* a, int R, epBufferSizes_t* s) {
   const size_t L = R > 0 ? a->num_experts / R : 0, M = a->max_tokens_per_rank > 0 ? a->max_tokens_per_rank : 0;
   const size_t H = a->hidden > 0 ? a->hidden : 0;
   const size_t row = a->use_fp8 ? H : H * dtypeSize(a->dtype);
@@ -91,18 +136,34 @@ void llBufferSizes(const epLlDispatchArgs_t* a, int R, epBufferSizes_t* s) {
   s->combined_x = static_cast<size_t>(a->num_tokens > 0 ? a->num_tokens : 0) * H * dtypeSize(a->dtype);
 }
 
+epResult_t htDispatchSizes(const ValidateCtx& v, const epHtDispatchArgs_t* a, int recv_rows, epBufferSizes_t* sizes) {
+  EPCHECK(checkHeader(a, "args", "EP_HT_DISPATCH_ARGS_INIT"));
+  EPCHECK(checkHeader(sizes, "sizes", "EP_BUFFER_SIZES_INIT"));
+  EPCHECK(checkHtShape(v, a));
+  EP_REQUIRE(recv_rows >= 0, epInvalidArgument, "recv_rows = %d is negative", recv_rows);
+  epBufferSizes_t s = *sizes;
+  htBufferSizes(a, v.comm->nranks, recv_rows, &s);
+  *sizes = s;
+  return epSuccess;
+}
+
+epResult_t llDispatchSizes(const ValidateCtx& v, const epLlDispatchArgs_t* a, epBufferSizes_t* sizes) {
+  EPCHECK(checkHeader(a, "args", "EP_LL_DISPATCH_ARGS_INIT"));
+  EPCHECK(checkHeader(sizes, "sizes", "EP_BUFFER_SIZES_INIT"));
+  EPCHECK(checkLlShape(v, a->num_tokens, a->max_tokens_per_rank, a->hidden, a->topk, a->num_experts, a->dtype,
+                       a->use_fp8 != 0, a->layout));
+  epBufferSizes_t s = *sizes;
+  llBufferSizes(a, v.comm->nranks, &s);
+  *sizes = s;
+  return epSuccess;
+}
+
 epResult_t validateHtDispatch(const ValidateCtx& v, const epHtDispatchArgs_t* a, const epHtHandle* h,
                               bool notify) {
   EPCHECK(checkHeader(a, "args", "EP_HT_DISPATCH_ARGS_INIT"));
-  EP_REQUIRE(h != nullptr, epNullPointer, "handle is NULL");
-  EP_REQUIRE(h->magic == kHandleMagic && h->comm == v.comm, epInvalidUsage,
-             "handle was not created by epHtHandleCreate on this communicator");
-  EP_REQUIRE(a->dtype == epBfloat16 || a->dtype == epFloat16 || a->dtype == epFloat32 || a->dtype == epFloat8E4M3,
-             epUnsupportedDtype, "dtype = %d (%s) is not one of bf16, fp16, fp32, fp8_e4m3 for HT dispatch",
-             a->dtype, dtypeName(a->dtype));
+  EPCHECK(checkHandle(h, v.comm));
+  EPCHECK(checkHtShape(v, a));
   const bool fp8 = a->dtype == epFloat8E4M3;
-  EPCHECK(checkShape(a->num_tokens, a->hidden, a->topk, a->num_experts, v.comm->nranks, fp8,
-                     static_cast<size_t>(a->hidden) * dtypeSize(a->dtype), v.max_row_bytes));
   EP_REQUIRE(a->num_tokens <= h->max_tokens, epCapacityExceeded,
              "num_tokens = %d exceeds the handle's max_tokens = %d", a->num_tokens, h->max_tokens);
   EP_REQUIRE(a->num_worst_tokens >= 0, epInvalidArgument, "num_worst_tokens = %d is negative", a->num_worst_tokens);
@@ -113,8 +174,6 @@ epResult_t validateHtDispatch(const ValidateCtx& v, const epHtDispatchArgs_t* a,
   if (!notify) {
     EPCHECK(checkPtr(a->x, T, "x"));
     EPCHECK(checkPtr(a->x_scales, fp8 && T, "x_scales"));
-    EPCHECK(checkPtr(a->recv_x, true, "recv_x"));
-    EPCHECK(checkPtr(a->recv_x_scales, fp8, "recv_x_scales"));
   }
   if (use_handle) {
     EP_REQUIRE(h->valid, epInvalidUsage,
@@ -126,7 +185,10 @@ epResult_t validateHtDispatch(const ValidateCtx& v, const epHtDispatchArgs_t* a,
   }
   if (a->topk_idx && v.host_memory) EPCHECK(validateTopkIdx(a->topk_idx, a->num_tokens, a->topk, a->num_experts, "topk_idx"));
   if (notify) return epSuccess;
+  // Buffers of 0 bytes may be NULL (a rank that receives no rows).
   const int rows = a->num_worst_tokens > 0 ? a->num_worst_tokens : h->num_recv;
+  EPCHECK(checkPtr(a->recv_x, rows > 0, "recv_x"));
+  EPCHECK(checkPtr(a->recv_x_scales, fp8 && rows > 0, "recv_x_scales"));
   epBufferSizes_t s = EP_BUFFER_SIZES_INIT;
   htBufferSizes(a, v.comm->nranks, rows, &s);
   EPCHECK(checkBytes(a->recv_x, a->recv_x_bytes, s.recv_x, "recv_x"));
@@ -138,9 +200,7 @@ epResult_t validateHtDispatch(const ValidateCtx& v, const epHtDispatchArgs_t* a,
 
 epResult_t validateHtCombine(const ValidateCtx& v, const epHtCombineArgs_t* a, const epHtHandle* h) {
   EPCHECK(checkHeader(a, "args", "EP_HT_COMBINE_ARGS_INIT"));
-  EP_REQUIRE(h != nullptr, epNullPointer, "handle is NULL");
-  EP_REQUIRE(h->magic == kHandleMagic && h->comm == v.comm, epInvalidUsage,
-             "handle was not created by epHtHandleCreate on this communicator");
+  EPCHECK(checkHandle(h, v.comm));
   EP_REQUIRE(isFloatType(a->dtype), epUnsupportedDtype,
              "dtype = %d (%s) is not one of bf16, fp16, fp32 for HT combine", a->dtype, dtypeName(a->dtype));
   EP_REQUIRE(h->valid, epInvalidUsage, "the handle holds no dispatch layout: dispatch before combine");
@@ -157,23 +217,7 @@ epResult_t validateHtCombine(const ValidateCtx& v, const epHtCombineArgs_t* a, c
 
 static epResult_t checkLlCommon(const ValidateCtx& v, int num_tokens, int M, int hidden, int topk, int num_experts,
                                 int dtype, bool fp8, int layout, unsigned phases) {
-  const CommConfig& c = v.comm->config;
-  EP_REQUIRE(c.ll_max_tokens_per_rank > 0, epInvalidUsage,
-             "the communicator was created without low-latency capacity (config.ll_max_tokens_per_rank = 0)");
-  EP_REQUIRE(M >= 1 && M <= c.ll_max_tokens_per_rank, epCapacityExceeded,
-             "max_tokens_per_rank = %d is outside [1, config.ll_max_tokens_per_rank = %d]", M,
-             c.ll_max_tokens_per_rank);
-  EP_REQUIRE(num_tokens <= M, epCapacityExceeded, "num_tokens = %d exceeds max_tokens_per_rank = %d", num_tokens, M);
-  EP_REQUIRE(isFloatType(dtype), epUnsupportedDtype, "dtype = %d (%s) is not one of bf16, fp16, fp32 for LL",
-             dtype, dtypeName(dtype));
-  EP_REQUIRE(hidden <= c.ll_max_hidden, epInvalidHidden, "hidden = %d exceeds config.ll_max_hidden = %d", hidden,
-             c.ll_max_hidden);
-  EPCHECK(checkShape(num_tokens, hidden, topk, num_experts, v.comm->nranks, fp8,
-                     static_cast<size_t>(hidden) * dtypeSize(dtype), v.max_row_bytes));
-  EP_REQUIRE(c.ll_num_experts == 0 || num_experts <= c.ll_num_experts, epInvalidNumExperts,
-             "num_experts = %d exceeds config.ll_num_experts = %d", num_experts, c.ll_num_experts);
-  EP_REQUIRE(layout == EP_LL_EXPERT_MAJOR || layout == EP_LL_RANK_MAJOR, epInvalidArgument,
-             "layout = %d is neither EP_LL_EXPERT_MAJOR nor EP_LL_RANK_MAJOR", layout);
+  EPCHECK(checkLlShape(v, num_tokens, M, hidden, topk, num_experts, dtype, fp8, layout));
   EP_REQUIRE(phases >= 1 && phases <= 3, epInvalidArgument, "phases = 0x%x is not a non-empty set of EP_LL_SEND | EP_LL_RECV",
              phases);
   return epSuccess;
@@ -254,6 +298,54 @@ epResult_t validateLlCombine(const ValidateCtx& v, const epLlCombineArgs_t* a) {
     if (a->topk_idx && v.host_memory)
       EPCHECK(validateTopkIdx(a->topk_idx, a->num_tokens, a->topk, a->num_experts, "topk_idx"));
   }
+  return epSuccess;
+}
+
+epResult_t validateAlltoallv(const ValidateCtx& v, const void* sendbuf, const size_t* send_counts,
+                             const size_t* send_displs, const void* recvbuf, const size_t* recv_counts,
+                             const size_t* recv_displs, int dtype) {
+  const size_t es = dtypeSize(dtype);
+  EP_REQUIRE(es > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
+  EPCHECK(checkPtr(send_counts, true, "send_counts"));
+  EPCHECK(checkPtr(send_displs, true, "send_displs"));
+  EPCHECK(checkPtr(recv_counts, true, "recv_counts"));
+  EPCHECK(checkPtr(recv_displs, true, "recv_displs"));
+  const size_t limit = kMaxElemBytes / es;
+  size_t s = 0, r = 0;
+  for (int p = 0; p < v.comm->nranks; ++p) {
+    EP_REQUIRE(send_counts[p] <= limit && send_displs[p] <= limit, epInvalidArgument,
+               "send_counts[%d] = %zu / send_displs[%d] = %zu is over %zu elements of %zu bytes", p, send_counts[p], p,
+               send_displs[p], limit, es);
+    EP_REQUIRE(recv_counts[p] <= limit && recv_displs[p] <= limit, epInvalidArgument,
+               "recv_counts[%d] = %zu / recv_displs[%d] = %zu is over %zu elements of %zu bytes", p, recv_counts[p], p,
+               recv_displs[p], limit, es);
+    s += send_counts[p];
+    r += recv_counts[p];
+  }
+  // Sides that carry nothing may be NULL.
+  EPCHECK(checkPtr(sendbuf, s > 0, "sendbuf"));
+  EPCHECK(checkPtr(recvbuf, r > 0, "recvbuf"));
+  return epSuccess;
+}
+
+epResult_t validateAlltoallvDevice(const ValidateCtx& v, const void* sendbuf, const int64_t* send_counts,
+                                   const void* recvbuf, size_t recv_capacity, const int64_t* recv_counts, int dtype) {
+  const size_t es = dtypeSize(dtype);
+  EP_REQUIRE(es > 0, epUnsupportedDtype, "dtype = %d is not an epDataType_t", dtype);
+  EPCHECK(checkPtr(send_counts, true, "send_counts"));
+  EPCHECK(checkPtr(recv_counts, true, "recv_counts"));
+  EP_REQUIRE(recv_capacity <= kMaxElemBytes / es, epInvalidArgument, "recv_capacity = %zu is over %zu elements",
+             recv_capacity, kMaxElemBytes / es);
+  int64_t s = 0;
+  if (v.host_memory)
+    for (int p = 0; p < v.comm->nranks; ++p) {
+      EP_REQUIRE(send_counts[p] >= 0 && static_cast<size_t>(send_counts[p]) <= kMaxElemBytes / es, epInvalidArgument,
+                 "send_counts[%d] = %lld is negative or over %zu elements", p, static_cast<long long>(send_counts[p]),
+                 kMaxElemBytes / es);
+      s += send_counts[p];
+    }
+  EPCHECK(checkPtr(sendbuf, s > 0 || !v.host_memory, "sendbuf"));
+  EPCHECK(checkPtr(recvbuf, recv_capacity > 0, "recvbuf"));
   return epSuccess;
 }
 

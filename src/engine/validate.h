@@ -20,8 +20,23 @@ epResult_t validateLlCombine(const ValidateCtx& v, const epLlCombineArgs_t* a);
 epResult_t validateRouting(int num_tokens, int topk, int num_experts, int nranks);
 epResult_t validateTopkIdx(const int64_t* topk_idx, int num_tokens, int topk, int num_experts, const char* name);
 
-// Bytes of each HT / LL output for the given shape (the size helpers of the API).
-void htBufferSizes(const epHtDispatchArgs_t* a, int nranks, int recv_rows, epBufferSizes_t* s);
-void llBufferSizes(const epLlDispatchArgs_t* a, int nranks, epBufferSizes_t* s);
+epResult_t validateAlltoallv(const ValidateCtx& v, const void* sendbuf, const size_t* send_counts,
+                             const size_t* send_displs, const void* recvbuf, const size_t* recv_counts,
+                             const size_t* recv_displs, int dtype);
+epResult_t validateAlltoallvDevice(const ValidateCtx& v, const void* sendbuf, const int64_t* send_counts,
+                                   const void* recvbuf, size_t recv_capacity, const int64_t* recv_counts, int dtype);
+
+// The size helpers of the API: the shape fields are checked as the operations check them, and *sizes is
+// written only on success.
+epResult_t htDispatchSizes(const ValidateCtx& v, const epHtDispatchArgs_t* a, int recv_rows, epBufferSizes_t* sizes);
+epResult_t llDispatchSizes(const ValidateCtx& v, const epLlDispatchArgs_t* a, epBufferSizes_t* sizes);
+
+// The phases of an LL call when its args can be read and name a valid set, else 0 (a rejected call whose
+// halves the engine derives from its own state).
+template <typename Args>
+unsigned llCallPhases(const Args* a) {
+  if (a == nullptr || a->magic != EP_STRUCT_MAGIC || a->size < sizeof(Args)) return 0;
+  return a->phases >= 1 && a->phases <= 3 ? a->phases : 0;
+}
 
 }  // namespace epcomm

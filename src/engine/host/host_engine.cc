@@ -18,6 +18,7 @@
 #include "common/param.h"
 #include "common/time.h"
 #include "engine/routing.h"
+#include "engine/validate.h"
 
 namespace epcomm {
 
@@ -598,8 +599,14 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
     rows[s] = in[s].h.v[0];
     msgs[s] = reinterpret_cast<const int*>(in[s].extra.data());
   }
-  if (!readCounts(rows, msgs, R, L, C, true, h))
+  epHtHandle fresh;  // the handle changes only once the counts are whole
+  if (!readCounts(rows, msgs, R, L, C, true, &fresh))
     return fail(epInternalError, -1, epPhaseHeader, "notify counts are inconsistent");
+  h->recv_count = std::move(fresh.recv_count);
+  h->recv_prefix = std::move(fresh.recv_prefix);
+  h->recv_chan_count = std::move(fresh.recv_chan_count);
+  h->recv_per_expert = std::move(fresh.recv_per_expert);
+  h->num_recv = fresh.num_recv;
   h->num_tokens = a->num_tokens;
   h->num_experts = E;
   h->in_rank = std::move(in_rank);
@@ -702,8 +709,9 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   const bool fp8 = ok && a->dtype == epFloat8E4M3;
   const size_t xrow = ok ? H * dtypeSize(a->dtype) : 0;
   const size_t srow = fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
-  const bool send_idx = ok && a->topk_idx != nullptr;
-  const bool send_w = ok && a->topk_idx != nullptr && a->topk_weights != nullptr;
+  // A rank without tokens may pass NULL arrays (the zero-size NULL rule): it still sends its (empty) routing.
+  const bool send_idx = ok && (a->topk_idx != nullptr || T == 0);
+  const bool send_w = send_idx && (a->topk_weights != nullptr || T == 0);
   const uint64_t sig = ok ? shapeSig({E, H, K, a->dtype}) : 0;
   ExpertMap m{E, R, L > 0 ? L : 1};
 
@@ -1108,7 +1116,7 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
     }
     return epSuccess;
   };
-  return llOp(epOpLlDispatch, ok ? a->phases : EP_LL_SEND_RECV, local, sig, send,
+  return llOp(epOpLlDispatch, llCallPhases(a), local, sig, send,
               [&](const Pending& p) { return llDispatchRecv(a, p); });
 }
 
@@ -1279,19 +1287,39 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
     }
     return epSuccess;
   };
-  return llOp(epOpLlCombine, ok ? a->phases : EP_LL_SEND_RECV, local, sig, send,
+  return llOp(epOpLlCombine, llCallPhases(a), local, sig, send,
               [&](const Pending& p) { return llCombineRecv(a, p); });
 }
 
-// The two halves of an LL operation. A rejected call still sends (a header carrying its error) for the
-// halves it asked for, and its receive half only drains, so that peers see the rejection and stay aligned.
+// The two halves of an LL operation. `phases` are the call's, or 0 for a rejected call whose phases cannot be
+// read: it then stands for what the engine's state allows: the receive half when this operation's send half is
+// outstanding, else a send half when the other operation's receive is outstanding, else both halves.
+// Call order (decided from local state, the same on every rank, so nothing is exchanged): a send half needs no
+// send half of this operation outstanding, a receive half needs this operation's to be the oldest outstanding
+// one, and a call with both halves needs none outstanding. A call out of order posts nothing.
+// A rejected send half posts a header carrying its code (the peers' receive returns epRemoteError) and returns
+// at once; a rejected receive half posts nothing and stays outstanding, so that a valid retry completes it; a
+// rejected call with both halves does both, its receive half only draining the peers' messages.
 epResult_t HostEngine::llOp(int op, unsigned phases, epResult_t local, uint64_t sig,
                             const std::function<epResult_t()>& send,
                             const std::function<epResult_t(const Pending&)>& recv) {
+  const bool ok = local == epSuccess;
+  if (phases == 0) phases = llPending(op) ? EP_LL_RECV : pending_.empty() ? EP_LL_SEND_RECV : EP_LL_SEND;
+  const char* order = nullptr;
+  if ((phases & EP_LL_SEND) && llPending(op))
+    order = "send half called while the receive half (EP_LL_RECV) of its previous send half is outstanding";
+  else if (phases == EP_LL_SEND_RECV && !pending_.empty())
+    order = "call with both halves made while an LL receive half (EP_LL_RECV) is outstanding; complete it first";
+  else if (phases == EP_LL_RECV && !llPending(op))
+    order = "receive half (EP_LL_RECV) called with no matching send half outstanding";
+  else if (phases == EP_LL_RECV && pending_.front().op != op)
+    order = "receive half (EP_LL_RECV) called before the older outstanding receive half; complete that first";
+  if (order != nullptr) return ok ? EP_ERROR(epInvalidUsage, "%s %s", opName(op), order) : local;
+  if (!ok && phases == EP_LL_RECV) return local;
   if (phases & EP_LL_SEND) {
     cur_op_ = op;
     cur_epoch_ = ++send_epoch_;
-    if (local == epSuccess) {
+    if (ok) {
       EPCHECK(send());
     } else {
       for (int p = 0; p < nranks_; ++p) post(p, makeHeader(op, local, sig), nullptr, 0, {});
@@ -1300,17 +1328,20 @@ epResult_t HostEngine::llOp(int op, unsigned phases, epResult_t local, uint64_t 
     pending_.push_back({op, cur_epoch_, sig, local});
   }
   if (!(phases & EP_LL_RECV)) return local;
-  if (pending_.empty() || pending_.front().op != op)
-    return EP_ERROR(epInvalidUsage, "%s receive half (EP_LL_RECV) called with no matching send half outstanding%s",
-                    opName(op), pending_.empty() ? "" : "; complete the older pending receive first");
   Pending p = pending_.front();
   pending_.pop_front();
   cur_op_ = p.op;
   cur_epoch_ = p.epoch;
-  if (local == epSuccess && p.status == epSuccess) return recv(p);
+  if (ok && p.status == epSuccess) return recv(p);
+  // The receive of a rejected send half, or a rejected call with both halves: consume the peers' messages.
+  epResult_t st = local;
+  if (ok)
+    st = EP_ERROR(p.status,
+                  "the send half of this %s (epoch %llu) was rejected (%s); its receive half completes without output",
+                  opName(op), static_cast<unsigned long long>(p.epoch), epGetErrorString(p.status));
   std::vector<Incoming> in;
   EPCHECK(recvHeaders(in));
-  epResult_t st = statusFromPeers(in, local != epSuccess ? local : p.status, p.sig);
+  st = statusFromPeers(in, st, p.sig);
   EPCHECK(drainPayloads(in));
   return st;
 }
@@ -1407,6 +1438,9 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
 // alltoallv and barrier
 // ------------------------------------------------------------------------------------------------------
 
+// Two rounds, so that counts are compared before any data moves: first every rank sends every peer its whole
+// count table (send_counts and recv_counts), so that every rank checks every pair and all decide alike (the
+// two ranks of a disagreeing pair return epInvalidUsage, the others epRemoteError); then the data.
 epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts, const size_t* send_displs,
                                  void* recvbuf, const size_t* recv_counts, const size_t* recv_displs, size_t es,
                                  epResult_t local, epStream_t) {
@@ -1415,36 +1449,49 @@ epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts,
   const int R = nranks_;
   const bool ok = local == epSuccess;
   const uint64_t sig = shapeSig({static_cast<int64_t>(es)});
-  for (int p = 0; p < R; ++p) {
-    MsgHeader hdr = makeHeader(cur_op_, local, sig);
-    if (!ok) {
-      post(p, hdr, nullptr, 0, {});
-      continue;
-    }
-    hdr.v[0] = static_cast<int64_t>(send_counts[p]);
-    hdr.v[1] = static_cast<int64_t>(recv_counts[p]);
-    post(p, hdr, nullptr, 0, {{static_cast<const uint8_t*>(sendbuf) + send_displs[p] * es, send_counts[p] * es}});
-  }
+  std::vector<int64_t> table;  // [send_counts (R), recv_counts (R)]
+  if (ok)
+    for (const size_t* c : {send_counts, recv_counts})
+      for (int p = 0; p < R; ++p) table.push_back(static_cast<int64_t>(c[p]));
+  for (int p = 0; p < R; ++p)
+    post(p, makeHeader(cur_op_, local, sig), table.data(), sizeof(int64_t) * table.size(), {});
   pushSends();
   std::vector<Incoming> in;
   EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
-  for (int s = 0; s < R && st == epSuccess; ++s) {
-    const MsgHeader& h = in[s].h;
-    if (static_cast<uint64_t>(h.v[0]) != recv_counts[s] || h.data_bytes != recv_counts[s] * es)
-      st = EP_ERROR(epInvalidUsage, "alltoallv: rank %d sends %lld elements but recv_counts[%d] = %zu", s,
-                    static_cast<long long>(h.v[0]), s, recv_counts[s]);
-    else if (static_cast<uint64_t>(h.v[1]) != send_counts[s])
-      st = EP_ERROR(epInvalidUsage, "alltoallv: send_counts[%d] = %zu but rank %d expects %lld elements", s,
-                    send_counts[s], s, static_cast<long long>(h.v[1]));
+  for (int s = 0; s < R && st == epSuccess; ++s)
+    if (in[s].extra.size() != sizeof(int64_t) * 2 * R)
+      st = fail(epInternalError, s, epPhaseHeader, "alltoallv count table does not match its header");
+  if (st == epSuccess) {
+    auto sends = [&](int a, int b) { return reinterpret_cast<const int64_t*>(in[a].extra.data())[b]; };
+    auto expects = [&](int b, int a) { return reinterpret_cast<const int64_t*>(in[b].extra.data())[R + a]; };
+    int bad_a = -1, bad_b = -1;  // the first disagreeing pair, preferring one this rank is in
+    bool mine = false;
+    for (int a = 0; a < R; ++a)
+      for (int b = 0; b < R; ++b) {
+        const bool m = a == rank_ || b == rank_;
+        if (sends(a, b) != expects(b, a) && (bad_a < 0 || (m && !mine))) bad_a = a, bad_b = b, mine = m;
+      }
+    if (bad_a >= 0)
+      st = EP_ERROR(mine ? epInvalidUsage : epRemoteError,
+                    "alltoallv: rank %d sends %lld elements to rank %d (send_counts[%d]) but rank %d expects %lld "
+                    "(recv_counts[%d]); no data moved",
+                    bad_a, static_cast<long long>(sends(bad_a, bad_b)), bad_b, bad_b, bad_b,
+                    static_cast<long long>(expects(bad_b, bad_a)), bad_a);
   }
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
-    EPCHECK(flushSends(epPhaseData));
+    EPCHECK(flushSends(epPhaseHeader));
     return st;
   }
-  for (int s = 0; s < R; ++s)
+  for (int p = 0; p < R; ++p)
+    post(p, makeHeader(cur_op_, local, sig), nullptr, 0,
+         {{static_cast<const uint8_t*>(sendbuf) + send_displs[p] * es, send_counts[p] * es}});
+  pushSends();
+  for (int s = 0; s < R; ++s) {
+    EPCHECK(recvChannelHeader(s, 0, recv_counts[s] * es));
     EPCHECK(recvInto(s, static_cast<uint8_t*>(recvbuf) + recv_displs[s] * es, recv_counts[s] * es, epPhaseData));
+  }
   return flushSends(epPhaseData);
 }
 
