@@ -164,5 +164,6 @@ class HostEngine final : public Engine {
 };
 
 uint64_t shapeSig(std::initializer_list<int64_t> values);
+const char* hostOpName(int op);  // an epOp_t as the engine's messages name it
 
 }  // namespace epcomm
