@@ -7,6 +7,9 @@ as the last line of its output. The counts are of test *programs*, read from mes
 object per line, with a "result" field): OK and EXPECTEDFAIL pass; SKIP (the program exited 77) is skipped;
 everything else (FAIL, TIMEOUT, ERROR, UNEXPECTEDPASS, INTERRUPT, anything unknown) fails.
 
+With --pytest-junit, the test cases of the Python suite (pytest's JUnit XML) are added to the counts, one per
+case; a missing or unreadable file counts as one failure (the suite did not run to its end).
+
 With --junit, an informational line before it also counts the individual test cases of the gtest programs
 (from meson's testlog.junit.xml; a program that is not gtest counts as one case there).
 
@@ -14,6 +17,7 @@ Exit status: 0 when at least one program passed and none failed; 1 otherwise (a 
 or a missing log).
 
   summarize_tests.py build/meson-logs/testlog.json [--junit build/meson-logs/testlog.junit.xml]
+                     [--pytest-junit build/pytest.junit.xml]
   summarize_tests.py --clean-gtest-xml build    # before `meson test`: removes gtest XML of earlier runs
 """
 import argparse
@@ -104,6 +108,7 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("testlog", nargs="?", help="meson's testlog.json")
     ap.add_argument("--junit", help="meson's testlog.junit.xml, for per-case counts")
+    ap.add_argument("--pytest-junit", help="pytest's --junitxml file: its cases are added to the counts")
     ap.add_argument("--clean-gtest-xml", metavar="BUILD_DIR", help="remove stale gtest XML files and exit")
     args = ap.parse_args(argv)
 
@@ -119,6 +124,16 @@ def main(argv):
         return 1
 
     passed, failed, skipped, failed_names, problems = count_programs(args.testlog)
+    if args.pytest_junit:
+        cases = count_cases(args.pytest_junit)
+        if cases is None:
+            print(f"summarize_tests: {args.pytest_junit} is missing or unreadable: the Python suite did not finish",
+                  file=sys.stderr)
+            failed += 1
+            failed_names.append(f"python suite ({args.pytest_junit} missing)")
+        else:
+            print("python suite (pytest cases): passed=%d failed=%d skipped=%d" % cases)
+            passed, failed, skipped = passed + cases[0], failed + cases[1], skipped + cases[2]
     for p in problems:
         print(f"summarize_tests: {p}", file=sys.stderr)
     sys.stderr.flush()

@@ -259,9 +259,9 @@ class Buffer:
         mine = torch.cat([per_rank.to(torch.int32), per_expert.to(torch.int32)])
         if isinstance(self.group, dist.ProcessGroup):
             device = self._gather_device()
-            out = torch.empty((self.group_size, mine.numel()), dtype=torch.int32, device=device)
+            out = torch.empty(self.group_size * mine.numel(), dtype=torch.int32, device=device)
             dist.all_gather_into_tensor(out, mine.to(device), group=self.group)
-            return out.to(self._device)
+            return out.view(self.group_size, -1).to(self._device)
         rows = self.group.allgather(mine.cpu().tolist())
         return torch.tensor(rows, dtype=torch.int32, device=self._device)
 
