@@ -5,7 +5,8 @@
 # for scripts/summarize_tests.py. Needs .venv from scripts/setup.sh.
 #
 # Environment: EPCOMM_TORCH_VERSION (default 2.11.0) pins torch; EPCOMM_MESON_ARGS go to the package's meson
-# setup too; EPCOMM_JOBS limits the build's parallelism.
+# setup too (after -Dcuda=disabled, which is added when no GPU is visible); EPCOMM_JOBS limits the build's
+# parallelism.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,6 +37,8 @@ fi
 # --- 2. Build and install the package (incremental in build-python/) ------------------------------------------
 # --no-build-isolation: the backend must be compiled against the torch installed above, not a fresh one.
 SETUP_ARGS=()
+# Without a GPU the suite runs the host engine only: skip compiling the GPU engine a second time.
+if ! nvidia-smi -L >/dev/null 2>&1; then SETUP_ARGS+=("-Csetup-args=-Dcuda=disabled"); fi
 # shellcheck disable=SC2206  # a list of meson options, split on spaces on purpose
 for a in ${EPCOMM_MESON_ARGS:-}; do SETUP_ARGS+=("-Csetup-args=$a"); done
 log "building and installing epcomm (pip install .)"
