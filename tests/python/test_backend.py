@@ -45,6 +45,10 @@ def collectives(rank, world, init_method):
     dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
     assert torch.equal(out, _expected_a2a(world, rank, splits_of, lambda r, p: float(10 * r + p)))
 
+    # nothing at all to exchange (empty tensors have NULL data pointers)
+    empty = torch.empty((0, 3))
+    dist.all_to_all_single(empty, torch.empty((0, 3)), [0] * world, [0] * world)
+
     # async_op=True: a Work whose wait() and future give the result
     inp = torch.full((world, 5), float(rank))
     out = torch.empty_like(inp)

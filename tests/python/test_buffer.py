@@ -71,7 +71,7 @@ def ht(rank, world, init_method, seed):
     num_experts, topk, hidden = 4 * world, 3, 256
     num_local = num_experts // world
     buffer = epcomm.Buffer(dist.group.WORLD, int(1e8))
-    for num_tokens in (37, 0 if rank == world - 1 else 21):   # second round: a rank with no tokens
+    for num_tokens in (37, 0 if rank == world - 1 else 21, 0):   # then a rank with no tokens, then none at all
         x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
         topk_idx, topk_weights = _routing(gen, num_tokens, num_experts, topk)
         ref_x, ref_idx, ref_w, recv_counts, send = _reference_dispatch(world, rank, x, topk_idx, topk_weights, num_local)
@@ -164,7 +164,7 @@ def ll(rank, world, init_method, seed):
     num_local = num_experts // world
     buffer = epcomm.Buffer(dist.group.WORLD, 0, epcomm.Buffer.get_low_latency_rdma_size_hint(
         max_tokens, hidden, world, num_experts), low_latency_mode=True, num_qps_per_rank=num_local)
-    for num_tokens in (max_tokens, 0 if rank == 0 else 9):
+    for num_tokens in (max_tokens, 0 if rank == 0 else 9, 0):
         x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
         topk_idx, topk_weights = _routing(gen, num_tokens, num_experts, topk)
         everyone = [None] * world

@@ -88,3 +88,18 @@ def killed_rank(rank, world, init_method):
 
 def test_killed_rank():
     ranks.run(4, killed_rank, env={"EPCOMM_TIMEOUT_MS": "3000"}, expect_exit={3}, timeout=120)
+
+
+def aborted(rank, world, init_method):
+    _init(rank, world, init_method)
+    out = torch.empty(world)
+    dist.all_to_all_single(out, torch.full((world,), float(rank)))
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    assert type(backend).__name__ == "EpcommBackend"
+    backend.abort()  # local and prompt; later operations on it raise
+    with pytest.raises(RuntimeError, match="shut down or aborted"):
+        dist.all_to_all_single(out, torch.full((world,), float(rank)))
+
+
+def test_abort():
+    ranks.run(2, aborted)
