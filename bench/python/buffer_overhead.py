@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 bench/python/buffer_overhead.py [--device cuda] [--iters 200]
 
 For each operation: the median time of the Buffer call and of the bare C API call (through epcomm._capi with
-its arguments and outputs prepared once), and the difference. On the host engine (CPU) every call is
+its arguments and outputs prepared once), alternating, and the difference. On the host engine (CPU) every call is
 synchronous; on CUDA both are timed to completion (synchronize after each call).
 """
 import argparse
@@ -19,15 +19,17 @@ from epcomm import _capi
 from epcomm._pointers import ep_dtype, nbytes, ptr
 
 
-def timed(fn, iters, sync):
-    samples = []
+def timed_pair(buffer_call, c_call, iters, sync):
+    """Median microseconds of each, the two calls alternating so that both see the same machine load."""
+    samples = ([], [])
     for _ in range(iters):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+        for fn, out in ((buffer_call, samples[0]), (c_call, samples[1])):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]) * 1e6, statistics.median(samples[1]) * 1e6
 
 
 def main():
@@ -72,15 +74,16 @@ def main():
         buffer.runtime.ht_dispatch_notify(a, h, E // world, stream)
         buffer.runtime.ht_dispatch(a, h, stream)
 
-    rows.append(("HT dispatch (exact)", timed(lambda: buffer.dispatch(
+    rows.append(("HT dispatch (exact)", *timed_pair(lambda: buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=topk_w), args.iters, sync), timed(c_dispatch, args.iters, sync)))
+        topk_idx=topk_idx, topk_weights=topk_w), c_dispatch, args.iters, sync)))
     c = _capi.HtCombineArgs()
     combined = torch.empty((T, H), dtype=x.dtype, device=dev)
     c.num_tokens, c.hidden, c.dtype = T, H, ep_dtype(x.dtype)
     c.x, c.x_bytes, c.combined_x, c.combined_x_bytes = ptr(recv_x), nbytes(recv_x), ptr(combined), nbytes(combined)
-    rows.append(("HT combine", timed(lambda: buffer.combine(recv_x, handle), args.iters, sync),
-                 timed(lambda: buffer.runtime.ht_combine(c, handle.state.c_handle, stream), args.iters, sync)))
+    rows.append(("HT combine", *timed_pair(lambda: buffer.combine(recv_x, handle),
+                                           lambda: buffer.runtime.ht_combine(c, handle.state.c_handle, stream),
+                                           args.iters, sync)))
 
     # LL: dispatch and combine
     M = T
@@ -103,16 +106,16 @@ def main():
         ld.recv_src_info, ld.recv_src_info_bytes = ptr(bufs[2]), nbytes(bufs[2])
         ld.recv_layout_range, ld.recv_layout_range_bytes = ptr(bufs[3]), nbytes(bufs[3])
         ll = buffer._ll_comm
-        rows.append(("LL dispatch", timed(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
-                                          args.iters, sync), timed(lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
+        rows.append(("LL dispatch", *timed_pair(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
+                                                lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
         lc = _capi.LlCombineArgs()
         lc.num_tokens, lc.max_tokens_per_rank, lc.hidden, lc.topk, lc.num_experts = T, M, H, K, E
         lc.dtype, lc.layout, lc.phases = ep_dtype(x.dtype), _capi.LL_EXPERT_MAJOR, _capi.LL_SEND_RECV
         lc.y, lc.y_bytes = ptr(bufs[0]), nbytes(bufs[0])
         lc.recv_count, lc.recv_src_info, lc.recv_layout_range = ptr(bufs[1]), ptr(bufs[2]), ptr(bufs[3])
         lc.topk_idx, lc.topk_weights, lc.out, lc.out_bytes = ptr(topk_idx), ptr(topk_w), ptr(combined), nbytes(combined)
-        rows.append(("LL combine", timed(lambda: buffer.low_latency_combine(recv, topk_idx, topk_w, ll_handle),
-                                         args.iters, sync), timed(lambda: ll.ll_combine(lc, stream), args.iters, sync)))
+        rows.append(("LL combine", *timed_pair(lambda: buffer.low_latency_combine(recv, topk_idx, topk_w, ll_handle),
+                                               lambda: ll.ll_combine(lc, stream), args.iters, sync)))
     if rank == 0:
         print(f"ranks={world} device={args.device} tokens={T} hidden={H} experts={E} top-{K}, median of {args.iters}")
         print(f"{'operation':22s} {'Buffer us':>10s} {'C API us':>10s} {'overhead us':>12s}")

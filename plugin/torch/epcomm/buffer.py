@@ -140,9 +140,12 @@ class Buffer:
         self._device = _comm.engine_device(self.runtime)
         self._comm_stream = torch.cuda.Stream() if self._device.type == "cuda" else None
         self._free_ht_handles: List = []
+        self._alltoallv_unsupported = False
         self._ll_comm = None
         self._ll_shape = (0, 0, 0)
         self._ll_combine_buffers: List[torch.Tensor] = []
+        self._ll_recv_slots: List = [None, None]
+        self._ll_slot_idx = 0
         self._ll_buffer_idx = 0
         self._local_buffers = {}
 
@@ -254,14 +257,28 @@ class Buffer:
         self._free_ht_handles.append(h)
 
     def _exchange_counts(self, per_rank: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        """[R, R + E] int32: every rank's tokens per destination rank and per expert (one all-gather on the
-        group); the C API keeps these inside its layout."""
+        """[R, R + E] int32: every rank's tokens per destination rank and per expert. The C API keeps these
+        inside its layout, so they take one all-gather: on the Buffer's own communicator (an alltoallv of
+        R copies) where its engine has alltoallv, else on the group."""
         mine = torch.cat([per_rank.to(torch.int32), per_expert.to(torch.int32)])
+        n, world = mine.numel(), self.group_size
+        if not self._alltoallv_unsupported:
+            send = mine.repeat(world)
+            out = torch.empty(world * n, dtype=torch.int32, device=self._device)
+            counts, displs = [n] * world, [i * n for i in range(world)]
+            stream = stream_handle(torch.cuda.current_stream()) if self._device.type == "cuda" else 0
+            try:
+                self.runtime.alltoallv(ptr(send), counts, displs, ptr(out), counts, displs, _capi.INT32, stream)
+                return out.view(world, n)
+            except _capi.Error as e:
+                if e.code != _capi.NOT_SUPPORTED:
+                    raise
+                self._alltoallv_unsupported = True  # the same answer on every rank: all take the group's path
         if isinstance(self.group, dist.ProcessGroup):
             device = self._gather_device()
-            out = torch.empty(self.group_size * mine.numel(), dtype=torch.int32, device=device)
+            out = torch.empty(world * n, dtype=torch.int32, device=device)
             dist.all_gather_into_tensor(out, mine.to(device), group=self.group)
-            return out.view(self.group_size, -1).to(self._device)
+            return out.view(world, n).to(self._device)
         rows = self.group.allgather(mine.cpu().tolist())
         return torch.tensor(rows, dtype=torch.int32, device=self._device)
 
@@ -453,6 +470,30 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """epcomm's LL needs no zeroed buffer between modes: nothing to clean."""
 
+    def _ll_recv_slot(self, num_local: int, slots: int, hidden: int, dtype: torch.dtype, use_fp8: bool):
+        """LL dispatch outputs, from two sets that alternate, as DeepEP's two buffers do (so at most two LL
+        dispatches' results can be held at once): no allocation per call, and fixed addresses for CUDA graphs.
+        (recv_x, recv_scales row-major for the C API, the same scales column-major for the caller as DeepEP
+        hands them out, recv_count, src_info, layout_range)."""
+        key = (num_local, slots, hidden, dtype, use_fp8)
+        idx = self._ll_slot_idx
+        self._ll_slot_idx ^= 1
+        slot = self._ll_recv_slots[idx]
+        if slot is None or slot[0] != key:
+            dev = self._device
+            tensors = (
+                torch.empty((num_local, slots, hidden), dtype=dtype, device=dev),
+                torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) if use_fp8 else None,
+                torch.empty((num_local, hidden // 128, slots), dtype=torch.float32, device=dev).transpose(1, 2)
+                if use_fp8 else None,
+                torch.empty(num_local, dtype=torch.int32, device=dev),
+                torch.empty((num_local, slots), dtype=torch.int32, device=dev),
+                torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
+            )
+            slot = (key, tensors)
+            self._ll_recv_slots[idx] = slot
+        return slot[1]
+
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -460,7 +501,8 @@ class Buffer:
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False) -> \
             Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, Tuple, EventOverlap, Callable]:
-        """Sends each (token, expert) pair to the expert's rank into fixed slots (expert-major)."""
+        """Sends each (token, expert) pair to the expert's rank into fixed slots (expert-major). As with DeepEP,
+        the outputs live in one of two alternating sets: at most two dispatches' results can be held at once."""
         if round_scale or use_ue8m0:
             raise NotImplementedError("epcomm.Buffer.low_latency_dispatch: round_scale / use_ue8m0 (power-of-2 and "
                                       "UE8M0 scales) are not supported; epcomm's fp8 scales are amax / 448 in fp32")
@@ -473,13 +515,9 @@ class Buffer:
         num_ranks = self.group_size
         num_local = num_experts // num_ranks
         slots = num_ranks * max_tokens
-        dev = self._device
         with _Launch(self, None, async_finish) as launch:
-            recv_x = torch.empty((num_local, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else x.dtype, device=dev)
-            recv_scales = torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) if use_fp8 else None
-            recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
-            src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
-            layout_range = torch.empty((num_local, num_ranks), dtype=torch.int64, device=dev)
+            recv_x, recv_scales, scales_out, recv_count, src_info, layout_range = self._ll_recv_slot(
+                num_local, slots, hidden, torch.float8_e4m3fn if use_fp8 else x.dtype, use_fp8)
             args = _capi.LlDispatchArgs()
             args.num_tokens, args.max_tokens_per_rank, args.hidden = num_tokens, max_tokens, hidden
             args.topk, args.num_experts, args.dtype = topk_idx.size(1), num_experts, ep_dtype(x.dtype)
@@ -490,9 +528,6 @@ class Buffer:
             args.recv_count, args.recv_count_bytes = ptr(recv_count), nbytes(recv_count)
             args.recv_src_info, args.recv_src_info_bytes = ptr(src_info), nbytes(src_info)
             args.recv_layout_range, args.recv_layout_range_bytes = ptr(layout_range), nbytes(layout_range)
-            # DeepEP hands out fp8 scales column-major in the last two dims (for TMA); so does this.
-            scales_out = torch.empty((num_local, hidden // 128, slots), dtype=torch.float32,
-                                     device=dev).transpose(1, 2) if use_fp8 else None
 
             def received() -> None:
                 if scales_out is not None:
