@@ -171,3 +171,19 @@ def functional(rank, world, init_method):
 
 def test_functional_and_compile():
     ranks.run(2, functional)
+
+
+def without_import(rank, world, init_method):
+    import sys
+
+    # torch's plugin entry point registered "epcomm" at `import torch`; epcomm itself loads with the group
+    assert "epcomm" not in sys.modules
+    dist.init_process_group("epcomm", init_method=init_method, rank=rank, world_size=world)
+    out = torch.empty(world)
+    dist.all_to_all_single(out, torch.full((world,), float(rank)))
+    assert torch.equal(out, torch.arange(world, dtype=torch.float32))
+    dist.destroy_process_group()
+
+
+def test_entry_point_registers_without_import():
+    ranks.run(2, without_import)
