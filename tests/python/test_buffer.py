@@ -63,89 +63,104 @@ def _reference_combine(world, y, recv_counts, send, num_tokens, dest_mask):
     return acc.to(y.dtype)
 
 
-def ht(rank, world, init_method, seed):
+def _set_device(rank, device):
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def ht(rank, world, init_method, seed, device="cpu"):
+    """References are computed on CPU tensors over gloo; the Buffer gets the same data on `device`."""
     import epcomm
 
     _init(rank, world, init_method)
+    dev = _set_device(rank, device)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     num_experts, topk, hidden = 4 * world, 3, 256
     num_local = num_experts // world
     buffer = epcomm.Buffer(dist.group.WORLD, int(1e8))
+
+    def on(*ts):
+        return [t.to(dev) if isinstance(t, torch.Tensor) else t for t in ts]
+
+    def back(t):
+        return t.cpu() if isinstance(t, torch.Tensor) else t
+
     for num_tokens in (37, 0 if rank == world - 1 else 21, 0):   # then a rank with no tokens, then none at all
         x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
         topk_idx, topk_weights = _routing(gen, num_tokens, num_experts, topk)
         ref_x, ref_idx, ref_w, recv_counts, send = _reference_dispatch(world, rank, x, topk_idx, topk_weights, num_local)
+        x_d, topk_idx_d, topk_weights_d = on(x, topk_idx, topk_weights)
 
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_d, num_experts)
         dest = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
         dest_mask = torch.stack([(dest == d).any(dim=1) for d in range(world)], dim=1)
-        assert torch.equal(in_rank, dest_mask)
+        assert torch.equal(back(in_rank), dest_mask)
         assert per_rank.tolist() == send
         assert per_expert.tolist() == [int((topk_idx == e).sum()) for e in range(num_experts)]
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
 
         for async_finish in (False, True):
             recv_x, recv_idx, recv_w, per_expert_list, handle, event = buffer.dispatch(
-                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=topk_idx, topk_weights=topk_weights, async_finish=async_finish,
-                previous_event=buffer.capture())
+                x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d, async_finish=async_finish,
+                previous_event=buffer.capture(), **layout)
             if async_finish:
                 event.current_stream_wait()
-            assert torch.equal(recv_x, ref_x) and torch.equal(recv_idx, ref_idx) and torch.equal(recv_w, ref_w)
+            assert torch.equal(back(recv_x), ref_x) and torch.equal(back(recv_idx), ref_idx)
+            assert torch.equal(back(recv_w), ref_w)
             assert per_expert_list == [int((ref_idx == e).sum()) for e in range(num_local)]
             rank_prefix = handle[0]
             assert rank_prefix[:, rank].tolist() == torch.tensor(recv_counts).cumsum(0).tolist()
 
         # expert_alignment rounds the per-expert counts up
-        _, _, _, aligned, _, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                                topk_weights=topk_weights, expert_alignment=4)
+        _, _, _, aligned, _, _ = buffer.dispatch(x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d,
+                                                expert_alignment=4, **layout)
         assert aligned == [(c + 3) // 4 * 4 for c in per_expert_list]
 
         # worst-token mode: static shapes, the tail padded with -1 / 0
         worst = 37 * world
         w_x, w_idx, w_w, empty_list, w_handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst)
+            x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d, num_worst_tokens=worst, **layout)
+        w_x, w_idx, w_w = back(w_x), back(w_idx), back(w_w)
         n = recv_x.size(0)
         assert empty_list == [] and w_x.size(0) == worst
-        assert torch.equal(w_x[:n], recv_x) and torch.equal(w_idx[:n], recv_idx) and torch.equal(w_w[:n], recv_w)
+        assert torch.equal(w_x[:n], ref_x) and torch.equal(w_idx[:n], ref_idx) and torch.equal(w_w[:n], ref_w)
         assert bool((w_idx[n:] == -1).all()) and bool((w_w[n:] == 0).all())
 
         # cached dispatch reuses the handle's layout (no top-k)
         x2 = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
         ref2 = _reference_dispatch(world, rank, x2, topk_idx, topk_weights, num_local)[0]
-        c_x, c_idx, c_w, c_list, c_handle, _ = buffer.dispatch(x2, handle=handle)
-        assert torch.equal(c_x, ref2) and c_idx is None and c_w is None and c_list is None and c_handle is None
+        c_x, c_idx, c_w, c_list, c_handle, _ = buffer.dispatch(on(x2)[0], handle=handle)
+        assert torch.equal(back(c_x), ref2) and c_idx is None and c_w is None and c_list is None and c_handle is None
 
         # routing by is_token_in_rank alone: no top-k back, per-expert counts from num_tokens_per_expert
-        n_x, n_idx, n_w, n_list, _, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                        num_tokens_per_expert=per_expert)
-        assert torch.equal(n_x, ref_x) and n_idx is None and n_w is None and n_list == per_expert_list
+        n_x, n_idx, n_w, n_list, _, _ = buffer.dispatch(x_d, **layout)
+        assert torch.equal(back(n_x), ref_x) and n_idx is None and n_w is None and n_list == per_expert_list
 
         # combine: each rank scales its rows; the owner sums them in rank order in fp32
-        y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
+        y = (ref_x.float() * (rank + 1)).to(torch.bfloat16)
         ref = _reference_combine(world, y, recv_counts, send, num_tokens, dest_mask)
-        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
-        assert torch.equal(combined, ref)
-        ref_w_sum = _reference_combine(world, recv_w, recv_counts, send, num_tokens, dest_mask)
-        assert torch.equal(combined_w, ref_w_sum)
+        combined, combined_w, _ = buffer.combine(on(y)[0], handle, topk_weights=recv_w)
+        assert torch.equal(back(combined), ref)
+        ref_w_sum = _reference_combine(world, ref_w, recv_counts, send, num_tokens, dest_mask)
+        assert torch.equal(back(combined_w), ref_w_sum)
         bias = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
-        combined_b, _, _ = buffer.combine(y, handle, bias=(bias, bias))
-        assert torch.equal(combined_b, (ref.float() + bias.float() + bias.float()).to(torch.bfloat16))
+        combined_b, _, _ = buffer.combine(on(y)[0], handle, bias=tuple(on(bias, bias)))
+        assert torch.equal(back(combined_b), (ref.float() + bias.float() + bias.float()).to(torch.bfloat16))
         # worst-token handle: combine of the padded rows
         y_w = torch.zeros((worst, hidden), dtype=torch.bfloat16)
         y_w[:n] = y
-        assert torch.equal(buffer.combine(y_w, w_handle)[0], ref)
+        assert torch.equal(back(buffer.combine(on(y_w)[0], w_handle)[0]), ref)
 
         # fp8 input (e4m3 with per-128-column scales), scales handed in column-major as DeepEP's tests do
         scales = (x.float().view(num_tokens, hidden // 128, 128).abs().amax(dim=-1) / 448).clamp(min=1e-4)
         x_fp8 = (x.float().view(num_tokens, hidden // 128, 128) / scales.unsqueeze(-1)).view(num_tokens, hidden).to(torch.float8_e4m3fn)
-        (f_x, f_s), _, _, _, _, _ = buffer.dispatch((x_fp8, scales.T.contiguous().T), num_tokens_per_rank=per_rank,
-                                                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                                                    topk_idx=topk_idx, topk_weights=topk_weights)
+        fp8_in = tuple(on(x_fp8, scales.T.contiguous().T))
+        (f_x, f_s), _, _, _, _, _ = buffer.dispatch(fp8_in, topk_idx=topk_idx_d, topk_weights=topk_weights_d, **layout)
         ref_f = _reference_dispatch(world, rank, x_fp8.view(torch.uint8), topk_idx, topk_weights, num_local)[0]
         ref_s = _reference_dispatch(world, rank, scales, topk_idx, topk_weights, num_local)[0]
-        assert torch.equal(f_x.view(torch.uint8), ref_f) and torch.equal(f_s, ref_s)
+        assert torch.equal(back(f_x).view(torch.uint8), ref_f) and torch.equal(back(f_s), ref_s)
     dist.barrier()
     dist.destroy_process_group()
 
