@@ -8,6 +8,7 @@
 #include <epcomm/epcomm.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -92,6 +93,7 @@ class Comm {
   }
   ~Comm() {
     if (comm_ != nullptr) epCommDestroy(comm_);
+    *alive_ = false;
   }
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -110,6 +112,7 @@ class Comm {
     if (comm_ == nullptr) return;
     epComm_t c = comm_;
     comm_ = nullptr;
+    *alive_ = false;
     epResult_t rc;
     {
       py::gil_scoped_release nogil;
@@ -124,9 +127,12 @@ class Comm {
   int size() const { int s = 0; check(epCommSize(get(), &s)); return s; }
   int engine() const { epEngine_t e; check(epCommEngine(get(), &e)); return e; }
   uintptr_t handle() const { return reinterpret_cast<uintptr_t>(get()); }
+  // Shared with the HT handles made on this communicator: a handle must not be freed through a dead one.
+  std::shared_ptr<bool> alive() const { return alive_; }
 
  private:
   epComm_t comm_ = nullptr;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 
 // Runs a C call without the GIL and raises epcomm's message on failure.
@@ -142,11 +148,13 @@ void run(const Comm& c, F&& f) {
 
 class HtHandle {
  public:
-  HtHandle(const Comm& comm, int max_tokens) : max_tokens_(max_tokens) {
+  HtHandle(const Comm& comm, int max_tokens) : max_tokens_(max_tokens), comm_alive_(comm.alive()) {
     comm.check(epHtHandleCreate(comm.get(), max_tokens, &h_));
   }
   ~HtHandle() {
-    if (h_ != nullptr) epHtHandleDestroy(h_);
+    // epHtHandleDestroy reads the handle's communicator: after that was destroyed (Buffer.destroy() while the
+    // caller still holds a dispatch handle) the handle is left to process exit rather than touch freed memory.
+    if (h_ != nullptr && *comm_alive_) epHtHandleDestroy(h_);
   }
   HtHandle(const HtHandle&) = delete;
   HtHandle& operator=(const HtHandle&) = delete;
@@ -162,6 +170,7 @@ class HtHandle {
  private:
   epHtHandle_t h_ = nullptr;
   int max_tokens_;
+  std::shared_ptr<bool> comm_alive_;
 };
 
 // Pointer fields are exposed as integers.

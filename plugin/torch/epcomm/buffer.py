@@ -140,6 +140,7 @@ class Buffer:
         self._device = _comm.engine_device(self.runtime)
         self._comm_stream = torch.cuda.Stream() if self._device.type == "cuda" else None
         self._free_ht_handles: List = []
+        self._graph_ht_handles: List = []  # held by captured CUDA graphs for the Buffer's lifetime
         self._alltoallv_unsupported = False
         self._ll_comm = None
         self._ll_shape = (0, 0, 0)
@@ -154,6 +155,7 @@ class Buffer:
     def destroy(self) -> None:
         assert self.explicitly_destroy, '`explicitly_destroy` flag must be set'
         self._free_ht_handles.clear()
+        self._graph_ht_handles.clear()
         for c in (self._ll_comm, self.runtime):
             if c is not None:
                 c.destroy()
@@ -371,7 +373,11 @@ class Buffer:
                                    for c in per_expert_list]
 
         state = _HtState(c_handle, num_tokens, topk, num_experts, num_recv, num_worst_tokens)
-        weakref.finalize(state, self._give_back_ht_handle, c_handle)
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A captured graph writes and reads this layout at every replay: never lend it to another dispatch.
+            self._graph_ht_handles.append(c_handle)
+        else:
+            weakref.finalize(state, self._give_back_ht_handle, c_handle)
         new_handle = HtHandle((rank_prefix_matrix, None, None, None, is_token_in_rank, None), state)
         event = launch.finish((x, x_scales, topk_idx, topk_weights, *recv))
         out_x = (recv_x, recv_x_scales) if x_scales is not None else recv_x
