@@ -200,6 +200,12 @@ def ll(rank, world, init_method, seed):
                     g = rank * num_local + e
                     ref = torch.cat([sx[(si == g).any(dim=1)] for sx, si in everyone])
                     assert int(recv_count[e]) == ref.size(0) == int(stats[e])
+                    # DeepEP's layout range: (begin << 32) | count of the rows from each source rank
+                    begins, counts = (handle[1][e] >> 32).tolist(), (handle[1][e] & 0xFFFFFFFF).tolist()
+                    assert counts == [int((si == g).any(dim=1).sum()) for _, si in everyone]
+                    assert begins == [sum(counts[:j]) for j in range(world)]
+                    assert handle[0][e, :ref.size(0)].tolist() == torch.cat(
+                        [(si == g).any(dim=1).nonzero().view(-1) for _, si in everyone]).tolist()
                     got = recv_x[e, :ref.size(0)]
                     if use_fp8:
                         assert torch.allclose(got, ref.float(), rtol=0.07, atol=1e-2)

@@ -48,11 +48,13 @@ class HtHandle(tuple):
 
 class LowLatencyHandle(tuple):
     """DeepEP's LL handle: (recv_src_info, recv_layout_range, num_max_dispatch_tokens_per_rank, hidden,
-    num_experts), plus .recv_count, which epcomm's combine needs too."""
+    num_experts), recv_layout_range encoded as DeepEP's ((begin << 32) | count per source rank); plus what
+    epcomm's combine needs: .recv_count and .c_layout_range (the C API's (count << 32) | begin)."""
 
-    def __new__(cls, items, recv_count: torch.Tensor):
+    def __new__(cls, items, recv_count: torch.Tensor, c_layout_range: torch.Tensor):
         self = super().__new__(cls, items)
         self.recv_count = recv_count
+        self.c_layout_range = c_layout_range
         return self
 
 
@@ -480,7 +482,8 @@ class Buffer:
         """LL dispatch outputs, from two sets that alternate, as DeepEP's two buffers do (so at most two LL
         dispatches' results can be held at once): no allocation per call, and fixed addresses for CUDA graphs.
         (recv_x, recv_scales row-major for the C API, the same scales column-major for the caller as DeepEP
-        hands them out, recv_count, src_info, layout_range)."""
+        hands them out, recv_count, src_info, layout_range as the C API writes it ((count << 32) | begin), and as
+        DeepEP hands it out ((begin << 32) | count))."""
         key = (num_local, slots, hidden, dtype, use_fp8)
         idx = self._ll_slot_idx
         self._ll_slot_idx ^= 1
@@ -494,6 +497,7 @@ class Buffer:
                 if use_fp8 else None,
                 torch.empty(num_local, dtype=torch.int32, device=dev),
                 torch.empty((num_local, slots), dtype=torch.int32, device=dev),
+                torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
                 torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
             )
             slot = (key, tensors)
@@ -522,7 +526,7 @@ class Buffer:
         num_local = num_experts // num_ranks
         slots = num_ranks * max_tokens
         with _Launch(self, None, async_finish) as launch:
-            recv_x, recv_scales, scales_out, recv_count, src_info, layout_range = self._ll_recv_slot(
+            recv_x, recv_scales, scales_out, recv_count, src_info, layout_range, deepep_range = self._ll_recv_slot(
                 num_local, slots, hidden, torch.float8_e4m3fn if use_fp8 else x.dtype, use_fp8)
             args = _capi.LlDispatchArgs()
             args.num_tokens, args.max_tokens_per_rank, args.hidden = num_tokens, max_tokens, hidden
@@ -536,6 +540,7 @@ class Buffer:
             args.recv_layout_range, args.recv_layout_range_bytes = ptr(layout_range), nbytes(layout_range)
 
             def received() -> None:
+                torch.bitwise_or(layout_range.bitwise_and(0xFFFFFFFF) << 32, layout_range >> 32, out=deepep_range)
                 if scales_out is not None:
                     scales_out.copy_(recv_scales)
                 if cumulative_local_expert_recv_stats is not None:
@@ -545,7 +550,7 @@ class Buffer:
             runtime.ll_dispatch(args, launch.stream)
             if not return_recv_hook:
                 received()
-        keep = (x, topk_idx, recv_x, recv_scales, scales_out, recv_count, src_info, layout_range,
+        keep = (x, topk_idx, recv_x, recv_scales, scales_out, recv_count, src_info, layout_range, deepep_range,
                 cumulative_local_expert_recv_stats)
 
         def hook() -> None:
@@ -555,7 +560,7 @@ class Buffer:
                 received()
             recv_launch.finish(keep)
 
-        handle = LowLatencyHandle((src_info, layout_range, max_tokens, hidden, num_experts), recv_count)
+        handle = LowLatencyHandle((src_info, deepep_range, max_tokens, hidden, num_experts), recv_count, layout_range)
         event = launch.finish(keep)
         out_x = (recv_x, scales_out) if use_fp8 else recv_x
         return out_x, recv_count, handle, event, (hook if return_recv_hook else None)
@@ -569,8 +574,8 @@ class Buffer:
         if use_logfmt:
             raise NotImplementedError("epcomm.Buffer.low_latency_combine: use_logfmt (LogFMT-compressed combine) is "
                                       "not supported")
-        src_info, layout_range, max_tokens, hidden, num_experts = handle
-        recv_count = handle.recv_count
+        src_info, _, max_tokens, hidden, num_experts = handle
+        recv_count, layout_range = handle.recv_count, handle.c_layout_range
         runtime = self._ll_runtime(max_tokens, hidden, num_experts)
         if zero_copy:
             y = self._ll_combine_buffer(handle, advance=True)
