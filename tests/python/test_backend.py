@@ -158,6 +158,11 @@ def functional(rank, world, init_method):
     expect = torch.cat(parts)
     assert torch.equal(out[:expect.size(0)], expect)
 
+    out.zero_()
+    work = epcomm.all_to_all_v(out, inp, send_counts, recv_counts, async_op=True)
+    work.wait()
+    assert torch.equal(recv_counts, expect_counts) and torch.equal(out[:expect.size(0)], expect)
+
     def v_step(inp, send_counts):
         out = torch.zeros((capacity, 4))
         rc = torch.empty(world, dtype=torch.int64)
