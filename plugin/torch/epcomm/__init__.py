@@ -12,6 +12,8 @@
 from ._version import __version__
 from . import _capi
 
+HAVE_BACKEND = False  # whether the torch.distributed backend module loaded
+
 try:
     import torch as _torch
 except ImportError:  # the C API binding works without torch
@@ -20,18 +22,18 @@ except ImportError:  # the C API binding works without torch
 if _torch is not None:
     from . import _registration
 
-    try:
-        from . import _backend  # noqa: F401
-        HAVE_BACKEND = True
-    except ImportError as _e:
-        HAVE_BACKEND = False
-        _BACKEND_ERROR = str(_e)
-        import warnings as _warnings
+    import warnings as _warnings
 
-        _warnings.warn("epcomm: the torch.distributed backend is not available in this build "
-                       f"({_BACKEND_ERROR}); reinstall with `pip install --no-build-isolation .` so that it is "
-                       "compiled against the installed torch")
+    try:
+        from . import _backend
+        HAVE_BACKEND = True
+    except ImportError as _e:  # built without torch, or against another torch whose symbols differ
+        _warnings.warn(f"epcomm: the torch.distributed backend is not available in this build ({_e}); reinstall "
+                       "with `pip install --no-build-isolation .` so that it is compiled against the installed torch")
     if HAVE_BACKEND:
+        if _backend.torch_version != _torch.__version__.split("+")[0]:
+            _warnings.warn(f"epcomm: the backend was built against torch {_backend.torch_version} but torch "
+                           f"{_torch.__version__} is running; rebuild it if it misbehaves")
         _registration.register()
 
     from .config import Config

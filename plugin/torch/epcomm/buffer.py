@@ -7,7 +7,6 @@ second communicator, created at the first LL call with that call's capacity (num
 hidden, num_experts): DeepEP sizes LL from num_rdma_bytes, which does not determine those. Every difference
 from DeepEP is listed in the README ("Differences from DeepEP").
 """
-import os
 import weakref
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -16,94 +15,18 @@ import torch.distributed as dist
 
 from . import _capi, comm as _comm
 from ._pointers import ep_dtype, nbytes, ptr, stream_handle
+from ._launch import Launch as _Launch
 from .config import Config
 from .event import EventHandle, EventOverlap
+from .handles import HtHandle, LowLatencyHandle, HtState
 
 topk_idx_t = torch.int64
-
-
-class _HtState:
-    """What an HT handle carries besides DeepEP's tensors: the C handle with the layout, and the shapes."""
-
-    def __init__(self, c_handle, num_tokens: int, topk: int, num_experts: int, num_recv: int, num_worst: int):
-        self.c_handle = c_handle
-        self.num_tokens = num_tokens
-        self.topk = topk
-        self.num_experts = num_experts
-        self.num_recv = num_recv      # exact mode: received rows; worst-token mode: -1 (device-side count only)
-        self.num_worst = num_worst
-
-
-class HtHandle(tuple):
-    """DeepEP's intranode handle: (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-    recv_src_idx, is_token_in_rank, send_head). rank_prefix_matrix and is_token_in_rank are filled (the former
-    in exact mode); the channel matrices and send_head do not exist in epcomm and are None; .state holds the
-    C layout that combine and cached dispatch use."""
-
-    def __new__(cls, items, state: _HtState):
-        self = super().__new__(cls, items)
-        self.state = state
-        return self
-
-
-class LowLatencyHandle(tuple):
-    """DeepEP's LL handle: (recv_src_info, recv_layout_range, num_max_dispatch_tokens_per_rank, hidden,
-    num_experts), recv_layout_range encoded as DeepEP's ((begin << 32) | count per source rank); plus what
-    epcomm's combine needs: .recv_count and .c_layout_range (the C API's (count << 32) | begin)."""
-
-    def __new__(cls, items, recv_count: torch.Tensor, c_layout_range: torch.Tensor):
-        self = super().__new__(cls, items)
-        self.recv_count = recv_count
-        self.c_layout_range = c_layout_range
-        return self
 
 
 def _not_in_c_api(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"epcomm.Buffer: {what} needs the communicator's active-ranks mask (elastic EP), which epcomm's C API "
         "does not have yet")
-
-
-class _Launch:
-    """Stream discipline of one Buffer call, as DeepEP's: on CUDA the work runs on the Buffer's communication
-    stream after the current stream (or previous_event); with async_finish the caller gets an event and the
-    current stream does not wait, otherwise it waits. The host engine finishes within the call."""
-
-    def __init__(self, buffer: "Buffer", previous_event: Optional[EventOverlap], async_finish: bool):
-        self.cuda = buffer._device.type == "cuda"
-        self.async_finish = async_finish
-        self.stream = 0
-        self._ctx = None
-        if self.cuda:
-            self.compute = torch.cuda.current_stream()
-            self.comm_stream = buffer._comm_stream
-            if previous_event is not None and previous_event.event is not None and previous_event.event._event:
-                self.comm_stream.wait_event(previous_event.event._event)
-            else:
-                self.comm_stream.wait_stream(self.compute)
-            self.stream = stream_handle(self.comm_stream)
-
-    def __enter__(self) -> "_Launch":
-        if self.cuda:
-            self._ctx = torch.cuda.stream(self.comm_stream)
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-
-    def finish(self, tensors) -> EventOverlap:
-        tensors = tuple(t for t in tensors if isinstance(t, torch.Tensor))
-        if not self.cuda:
-            return EventOverlap(EventHandle() if self.async_finish else None)
-        event = EventHandle(self.comm_stream)
-        if self.async_finish:
-            return EventOverlap(event, tensors)
-        event.current_stream_wait()
-        for t in tensors:  # allocated or last used on the comm stream; now also used on the compute stream
-            t.record_stream(self.compute)
-        return EventOverlap(None)
 
 
 class Buffer:
@@ -374,7 +297,7 @@ class Buffer:
                 per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
                                    for c in per_expert_list]
 
-        state = _HtState(c_handle, num_tokens, topk, num_experts, num_recv, num_worst_tokens)
+        state = HtState(c_handle, num_tokens, topk, num_experts, num_recv, num_worst_tokens)
         if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A captured graph writes and reads this layout at every replay: never lend it to another dispatch.
             self._graph_ht_handles.append(c_handle)
@@ -402,7 +325,7 @@ class Buffer:
         return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights
 
     def _cached_dispatch(self, x, x_scales, handle, num_worst_tokens, previous_event, async_finish):
-        state: _HtState = handle.state
+        state: HtState = handle.state
         if x.size(0) != state.num_tokens:
             raise ValueError(f"epcomm.Buffer.dispatch: cached dispatch of {x.size(0)} tokens with a handle of "
                              f"{state.num_tokens}")
@@ -430,7 +353,7 @@ class Buffer:
         in fp32; topk_weights, when given, are summed the same way."""
         self._check("x", x)
         self._check("topk_weights", topk_weights)
-        state: _HtState = handle.state
+        state: HtState = handle.state
         x = x.contiguous()
         hidden = x.size(1)
         bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
@@ -452,7 +375,7 @@ class Buffer:
         event = launch.finish((x, topk_weights, combined_x, combined_topk_weights))
         return combined_x, combined_topk_weights, event
 
-    def _ht_combine(self, state: _HtState, x: torch.Tensor, hidden: int, stream: int) -> torch.Tensor:
+    def _ht_combine(self, state: HtState, x: torch.Tensor, hidden: int, stream: int) -> torch.Tensor:
         out = torch.empty((state.num_tokens, hidden), dtype=x.dtype, device=self._device)
         args = _capi.HtCombineArgs()
         args.num_tokens, args.hidden, args.dtype = state.num_tokens, hidden, ep_dtype(x.dtype)
