@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import ranks
 import test_buffer
+import test_deepep_pattern
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 WORLD = int(os.environ.get("EPCOMM_GPU_TEST_RANKS", "2"))
@@ -135,3 +136,16 @@ def backend_cuda(rank, world, init_method):
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="NCCL (the inner backend) needs a GPU per rank")
 def test_backend_cuda():
     ranks.run(WORLD, backend_cuda)
+
+
+def test_deepep_intranode_pattern_cuda():
+    ranks.run(WORLD, test_deepep_pattern.intranode, "cuda")
+
+
+def test_deepep_low_latency_pattern_cuda():
+    try:
+        ranks.run(WORLD, test_deepep_pattern.low_latency, "cuda")
+    except AssertionError as e:
+        if "_capi.Error: not supported" in str(e):
+            pytest.skip("the GPU engine of this build has no LL (epNotSupported)")
+        raise
