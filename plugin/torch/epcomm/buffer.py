@@ -210,12 +210,12 @@ class Buffer:
         return torch.tensor(rows, dtype=torch.int32, device=self._device)
 
     def _gather_device(self) -> torch.device:
-        # The group's own device kind: CUDA where its backend has one (NCCL), else CPU (gloo, epcomm on CPU).
+        # CPU tensors where the group takes them (gloo, epcomm, cpu:gloo,...); CUDA for a CUDA-only group (NCCL).
         try:
-            self.group._get_backend(torch.device("cuda"))
-            return torch.device("cuda", torch.cuda.current_device())
-        except Exception:  # noqa: BLE001 - no CUDA backend in this group
+            self.group._get_backend(torch.device("cpu"))
             return torch.device("cpu")
+        except RuntimeError:
+            return torch.device("cuda", torch.cuda.current_device())
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
