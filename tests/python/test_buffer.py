@@ -267,6 +267,15 @@ def api_surface(rank, world, init_method):
         buffer.get_dispatch_layout(torch.zeros((2, 2), dtype=torch.int64, device="meta"), 4 * world)
     with pytest.raises(NotImplementedError, match="enable_shrink"):
         epcomm.Buffer(dist.group.WORLD, enable_shrink=True)
+    # the count exchange's fallback (engines without alltoallv) goes through the group
+    buffer._alltoallv_unsupported = True
+    topk_idx = torch.tensor([[0, 2 * world - 1]] * (rank + 1), dtype=torch.int64)
+    n_rank, _, n_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 2 * world)
+    _, _, _, _, handle, _ = buffer.dispatch(torch.ones((rank + 1, 16), dtype=torch.bfloat16), topk_idx=topk_idx,
+                                            num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=n_expert)
+    sent = torch.tensor([[r + 1 if d in (0, world - 1) else 0 for d in range(world)] for r in range(world)])
+    assert torch.equal(handle[0], sent.cumsum(dim=0).to(torch.int32))
     buffer.destroy()
     dist.destroy_process_group()
 
