@@ -32,8 +32,9 @@ epStream_t stream(uintptr_t s) { return reinterpret_cast<epStream_t>(s); }
 
 // Lets C call the Python all-gather (e.g. torch.distributed.all_gather_object) during creation.
 struct PyAllgather {
-  py::object fn;
-  std::string error;
+  py::object fn;      // bytes -> every rank's bytes concatenated in rank order
+  size_t nranks;
+  std::string error;  // what went wrong, for the exception
 };
 
 int callPyAllgather(void* ctx, const void* sendbuf, void* recvbuf, size_t bytes_per_rank) {
@@ -42,15 +43,12 @@ int callPyAllgather(void* ctx, const void* sendbuf, void* recvbuf, size_t bytes_
   try {
     py::bytes mine(static_cast<const char*>(sendbuf), bytes_per_rank);
     std::string all = py::cast<std::string>(self->fn(mine));
-    size_t want = 0;
-    // The callable returns every rank's bytes concatenated in rank order.
-    if (all.size() % bytes_per_rank != 0 && bytes_per_rank != 0) {
-      self->error = "all-gather returned " + std::to_string(all.size()) + " bytes, not a multiple of " +
-                    std::to_string(bytes_per_rank);
+    if (all.size() != self->nranks * bytes_per_rank) {
+      self->error = "the all-gather returned " + std::to_string(all.size()) + " bytes, expected " +
+                    std::to_string(self->nranks * bytes_per_rank);
       return 1;
     }
-    want = all.size();
-    std::memcpy(recvbuf, all.data(), want);
+    std::memcpy(recvbuf, all.data(), all.size());
     return 0;
   } catch (py::error_already_set& e) {
     self->error = e.what();
@@ -74,7 +72,7 @@ class Comm {
     cfg.ll_num_experts = ll_num_experts;
     cfg.ht_max_tokens_per_rank = ht_max_tokens_per_rank;
     cfg.ht_max_hidden = ht_max_hidden;
-    PyAllgather ctx{std::move(allgather), {}};
+    PyAllgather ctx{std::move(allgather), static_cast<size_t>(nranks), {}};
     epResult_t rc;
     {
       py::gil_scoped_release nogil;
