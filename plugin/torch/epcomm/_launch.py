@@ -27,7 +27,7 @@ class Launch:
                 self.comm_stream.wait_stream(self.compute)
             self.stream = stream_handle(self.comm_stream)
 
-    def __enter__(self) -> "_Launch":
+    def __enter__(self) -> "Launch":
         if self.cuda:
             self._ctx = torch.cuda.stream(self.comm_stream)
             self._ctx.__enter__()

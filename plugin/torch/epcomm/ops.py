@@ -7,14 +7,11 @@ torch.compile traces through them):
 - dispatch / combine: worst-token (fixed-capacity) HT dispatch and its combine on the group's communicator,
   for callers that do not want a Buffer object.
 """
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from . import _capi
-from ._pointers import ep_dtype, nbytes, ptr
 
 
 def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
