@@ -10,6 +10,9 @@ everything else (FAIL, TIMEOUT, ERROR, UNEXPECTEDPASS, INTERRUPT, anything unkno
 With --junit, an informational line before it also counts the individual test cases of the gtest programs
 (from meson's testlog.junit.xml; a program that is not gtest counts as one case there).
 
+With --pytest-junit, the test cases of the Python suite (pytest's JUnit XML) are added to the counts, one per
+case; a missing or unreadable file counts as one failure (the suite did not run to its end).
+
 Several logs (the stages of one CI run, e.g. the normal build and the AddressSanitizer build) are summed into
 the one closing line; with more than one log, a missing log counts as one failed program (its stage did not
 run to the end).
@@ -19,7 +22,8 @@ or a missing log).
 
   summarize_tests.py build/meson-logs/testlog.json [--junit build/meson-logs/testlog.junit.xml]
   summarize_tests.py build/meson-logs/testlog.json build-asan/meson-logs/testlog.json \
-      [--junit build/meson-logs/testlog.junit.xml --junit build-asan/meson-logs/testlog.junit.xml]
+      [--junit build/meson-logs/testlog.junit.xml --junit build-asan/meson-logs/testlog.junit.xml] \
+      [--pytest-junit build/pytest.junit.xml]
   summarize_tests.py --clean-gtest-xml build    # before `meson test`: removes gtest XML of earlier runs
 """
 import argparse
@@ -110,6 +114,7 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("testlog", nargs="*", help="meson's testlog.json, one per stage")
     ap.add_argument("--junit", action="append", default=[], help="meson's testlog.junit.xml, for per-case counts")
+    ap.add_argument("--pytest-junit", help="pytest's --junitxml file: its cases are added to the counts")
     ap.add_argument("--clean-gtest-xml", metavar="BUILD_DIR", help="remove stale gtest XML files and exit")
     args = ap.parse_args(argv)
 
@@ -132,6 +137,15 @@ def main(argv):
         stage = os.path.dirname(os.path.dirname(log)) or "."
         failed_names += [f"{stage}: {n}" for n in names] if len(args.testlog) > 1 else names
         problems += probs
+    if args.pytest_junit:
+        cases = count_cases(args.pytest_junit)
+        if cases is None:
+            problems.append(f"{args.pytest_junit} is missing or unreadable: the Python suite did not finish")
+            failed += 1
+            failed_names.append(f"python suite ({args.pytest_junit} missing)")
+        else:
+            print("python suite (pytest cases): passed=%d failed=%d skipped=%d" % cases)
+            passed, failed, skipped = passed + cases[0], failed + cases[1], skipped + cases[2]
     for p in problems:
         print(f"summarize_tests: {p}", file=sys.stderr)
     sys.stderr.flush()

@@ -1,0 +1,128 @@
+"""Per-call overhead of epcomm.Buffer over the C API alone, same run, same communicator and shapes.
+
+    torchrun --standalone --nproc-per-node 2 bench/python/buffer_overhead.py [--device cuda] [--iters 200]
+
+For each operation: the median time of the Buffer call and of the bare C API call (through epcomm._capi with
+its arguments and outputs prepared once), alternating, and the difference. On the host engine (CPU) every call is
+synchronous; on CUDA both are timed to completion (synchronize after each call).
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm import _capi
+from epcomm._pointers import ep_dtype, nbytes, ptr
+
+
+def timed_pair(buffer_call, c_call, iters, sync):
+    """Median microseconds of each, the two calls alternating so that both see the same machine load."""
+    samples = ([], [])
+    for _ in range(iters):
+        for fn, out in ((buffer_call, samples[0]), (c_call, samples[1])):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]) * 1e6, statistics.median(samples[1]) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=200)
+    args = ap.parse_args()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        os.environ.setdefault("EPCOMM_ENGINE", "host")
+    dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn((T, H), generator=gen).to(dev, torch.bfloat16)
+    topk_idx = torch.rand((T, E), generator=gen).topk(K, dim=-1).indices.to(dev)
+    topk_w = torch.rand((T, K), generator=gen).to(dev)
+    rows = []
+
+    # HT: exact dispatch (Buffer) vs notify + dispatch (C), then combine
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w)
+    n = recv_x.size(0)
+    a = _capi.HtDispatchArgs()
+    a.num_tokens, a.hidden, a.topk, a.num_experts, a.dtype = T, H, K, E, ep_dtype(x.dtype)
+    a.x, a.topk_idx, a.topk_weights = ptr(x), ptr(topk_idx), ptr(topk_w)
+    out_x = torch.empty((n, H), dtype=x.dtype, device=dev)
+    a.recv_x, a.recv_x_bytes = ptr(out_x), nbytes(out_x)
+    h = _capi.HtHandle(buffer.runtime, T)
+    stream = torch.cuda.current_stream().cuda_stream if args.device == "cuda" else 0
+
+    def c_dispatch():
+        buffer.runtime.ht_dispatch_notify(a, h, E // world, stream)
+        buffer.runtime.ht_dispatch(a, h, stream)
+
+    rows.append(("HT dispatch (exact)", *timed_pair(lambda: buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_w), c_dispatch, args.iters, sync)))
+    c = _capi.HtCombineArgs()
+    combined = torch.empty((T, H), dtype=x.dtype, device=dev)
+    c.num_tokens, c.hidden, c.dtype = T, H, ep_dtype(x.dtype)
+    c.x, c.x_bytes, c.combined_x, c.combined_x_bytes = ptr(recv_x), nbytes(recv_x), ptr(combined), nbytes(combined)
+    rows.append(("HT combine", *timed_pair(lambda: buffer.combine(recv_x, handle),
+                                           lambda: buffer.runtime.ht_combine(c, handle.state.c_handle, stream),
+                                           args.iters, sync)))
+
+    # LL: dispatch and combine
+    M = T
+    try:
+        recv, count, ll_handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False)
+    except _capi.Error as e:
+        if rank == 0:
+            print(f"LL skipped: {e}")
+        recv = None
+    if recv is not None:
+        L, RM = E // world, world * M
+        ld = _capi.LlDispatchArgs()
+        ld.num_tokens, ld.max_tokens_per_rank, ld.hidden, ld.topk, ld.num_experts = T, M, H, K, E
+        ld.dtype, ld.layout, ld.phases = ep_dtype(x.dtype), _capi.LL_EXPERT_MAJOR, _capi.LL_SEND_RECV
+        bufs = [torch.empty((L, RM, H), dtype=x.dtype, device=dev), torch.empty(L, dtype=torch.int32, device=dev),
+                torch.empty((L, RM), dtype=torch.int32, device=dev), torch.empty((L, world), dtype=torch.int64, device=dev)]
+        ld.x, ld.topk_idx = ptr(x), ptr(topk_idx)
+        ld.recv_x, ld.recv_x_bytes = ptr(bufs[0]), nbytes(bufs[0])
+        ld.recv_count, ld.recv_count_bytes = ptr(bufs[1]), nbytes(bufs[1])
+        ld.recv_src_info, ld.recv_src_info_bytes = ptr(bufs[2]), nbytes(bufs[2])
+        ld.recv_layout_range, ld.recv_layout_range_bytes = ptr(bufs[3]), nbytes(bufs[3])
+        ll = buffer._ll_comm
+        rows.append(("LL dispatch", *timed_pair(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
+                                                lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
+        lc = _capi.LlCombineArgs()
+        lc.num_tokens, lc.max_tokens_per_rank, lc.hidden, lc.topk, lc.num_experts = T, M, H, K, E
+        lc.dtype, lc.layout, lc.phases = ep_dtype(x.dtype), _capi.LL_EXPERT_MAJOR, _capi.LL_SEND_RECV
+        lc.y, lc.y_bytes = ptr(bufs[0]), nbytes(bufs[0])
+        lc.recv_count, lc.recv_src_info, lc.recv_layout_range = ptr(bufs[1]), ptr(bufs[2]), ptr(bufs[3])
+        lc.topk_idx, lc.topk_weights, lc.out, lc.out_bytes = ptr(topk_idx), ptr(topk_w), ptr(combined), nbytes(combined)
+        rows.append(("LL combine", *timed_pair(lambda: buffer.low_latency_combine(recv, topk_idx, topk_w, ll_handle),
+                                               lambda: ll.ll_combine(lc, stream), args.iters, sync)))
+    if rank == 0:
+        print(f"ranks={world} device={args.device} tokens={T} hidden={H} experts={E} top-{K}, median of {args.iters}")
+        print(f"{'operation':22s} {'Buffer us':>10s} {'C API us':>10s} {'overhead us':>12s}")
+        for name, b, capi in rows:
+            print(f"{name:22s} {b:10.1f} {capi:10.1f} {b - capi:12.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

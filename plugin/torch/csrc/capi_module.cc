@@ -1,0 +1,387 @@
+// epcomm._capi: the public C API for Python, without torch. Buffers cross as integers (data pointers, from
+// tensor.data_ptr()) plus sizes, dtype codes and a stream handle (an integer cudaStream_t; ignored by the host
+// engine). Every failing call raises epcomm._capi.Error whose message is epcomm's (code name: last error) and
+// whose .code is the epResult_t. Calls that may wait for peers release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <epcomm/epcomm.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+py::object g_error_type;  // epcomm._capi.Error
+
+[[noreturn]] void raise(epResult_t rc, epComm_t comm) {
+  std::string msg = std::string(epGetErrorString(rc)) + ": " + epGetLastError(comm);
+  py::object err = g_error_type(msg);
+  err.attr("code") = static_cast<int>(rc);
+  PyErr_SetObject(g_error_type.ptr(), err.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+epStream_t stream(uintptr_t s) { return reinterpret_cast<epStream_t>(s); }
+
+// Lets C call the Python all-gather (e.g. torch.distributed.all_gather_object) during creation.
+struct PyAllgather {
+  py::object fn;      // bytes -> every rank's bytes concatenated in rank order
+  size_t nranks;
+  std::string error;  // what went wrong, for the exception
+};
+
+int callPyAllgather(void* ctx, const void* sendbuf, void* recvbuf, size_t bytes_per_rank) {
+  auto* self = static_cast<PyAllgather*>(ctx);
+  py::gil_scoped_acquire gil;
+  try {
+    py::bytes mine(static_cast<const char*>(sendbuf), bytes_per_rank);
+    std::string all = py::cast<std::string>(self->fn(mine));
+    if (all.size() != self->nranks * bytes_per_rank) {
+      self->error = "the all-gather returned " + std::to_string(all.size()) + " bytes, expected " +
+                    std::to_string(self->nranks * bytes_per_rank);
+      return 1;
+    }
+    std::memcpy(recvbuf, all.data(), all.size());
+    return 0;
+  } catch (py::error_already_set& e) {
+    self->error = e.what();
+    return 1;
+  }
+}
+
+class Comm {
+ public:
+  Comm(int nranks, int rank, py::object allgather, int engine, int cuda_device, int timeout_ms, int num_channels,
+       int num_sms, int ll_max_tokens_per_rank, int ll_max_hidden, int ll_num_experts, int ht_max_tokens_per_rank,
+       int ht_max_hidden) {
+    epConfig_t cfg = EP_CONFIG_INIT;
+    cfg.engine = engine;
+    cfg.cuda_device = cuda_device;
+    cfg.timeout_ms = timeout_ms;
+    cfg.num_channels = num_channels;
+    cfg.num_sms = num_sms;
+    cfg.ll_max_tokens_per_rank = ll_max_tokens_per_rank;
+    cfg.ll_max_hidden = ll_max_hidden;
+    cfg.ll_num_experts = ll_num_experts;
+    cfg.ht_max_tokens_per_rank = ht_max_tokens_per_rank;
+    cfg.ht_max_hidden = ht_max_hidden;
+    PyAllgather ctx{std::move(allgather), static_cast<size_t>(nranks), {}};
+    epResult_t rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = epCommInitRankWithAllgather(&comm_, nranks, rank, callPyAllgather, &ctx, &cfg);
+    }
+    if (rc != epSuccess) {
+      if (!ctx.error.empty()) {
+        py::object err = g_error_type(std::string(epGetErrorString(rc)) + ": " + epGetLastError(nullptr) +
+                                      " (all-gather: " + ctx.error + ")");
+        err.attr("code") = static_cast<int>(rc);
+        PyErr_SetObject(g_error_type.ptr(), err.ptr());
+        throw py::error_already_set();
+      }
+      raise(rc, nullptr);
+    }
+  }
+  ~Comm() {
+    if (comm_ != nullptr) epCommDestroy(comm_);
+    *alive_ = false;
+  }
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  epComm_t get() const {
+    if (comm_ == nullptr) {
+      PyErr_SetString(g_error_type.ptr(), "epInvalidUsage: the communicator was destroyed");
+      throw py::error_already_set();
+    }
+    return comm_;
+  }
+  void check(epResult_t rc) const {
+    if (rc != epSuccess) raise(rc, comm_);
+  }
+  void destroy() {
+    if (comm_ == nullptr) return;
+    epComm_t c = comm_;
+    comm_ = nullptr;
+    *alive_ = false;
+    epResult_t rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = epCommDestroy(c);
+    }
+    if (rc != epSuccess) raise(rc, nullptr);
+  }
+  void abort() {
+    if (comm_ != nullptr) check(epCommAbort(comm_));
+  }
+  int rank() const { int r = 0; check(epCommRank(get(), &r)); return r; }
+  int size() const { int s = 0; check(epCommSize(get(), &s)); return s; }
+  int engine() const { epEngine_t e; check(epCommEngine(get(), &e)); return e; }
+  uintptr_t handle() const { return reinterpret_cast<uintptr_t>(get()); }
+  // Shared with the HT handles made on this communicator: a handle must not be freed through a dead one.
+  std::shared_ptr<bool> alive() const { return alive_; }
+
+ private:
+  epComm_t comm_ = nullptr;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+};
+
+// Runs a C call without the GIL and raises epcomm's message on failure.
+template <typename F>
+void run(const Comm& c, F&& f) {
+  epResult_t rc;
+  {
+    py::gil_scoped_release nogil;
+    rc = f(c.get());
+  }
+  c.check(rc);
+}
+
+class HtHandle {
+ public:
+  HtHandle(const Comm& comm, int max_tokens) : max_tokens_(max_tokens), comm_alive_(comm.alive()) {
+    comm.check(epHtHandleCreate(comm.get(), max_tokens, &h_));
+  }
+  ~HtHandle() {
+    // epHtHandleDestroy reads the handle's communicator: after that was destroyed (Buffer.destroy() while the
+    // caller still holds a dispatch handle) the handle is left to process exit rather than touch freed memory.
+    if (h_ != nullptr && *comm_alive_) epHtHandleDestroy(h_);
+  }
+  HtHandle(const HtHandle&) = delete;
+  HtHandle& operator=(const HtHandle&) = delete;
+  epHtHandle_t get() const { return h_; }
+  int max_tokens() const { return max_tokens_; }
+  py::tuple counts() const {
+    int t = 0, r = 0;
+    epResult_t rc = epHtHandleGetCounts(h_, &t, &r);
+    if (rc != epSuccess) raise(rc, nullptr);
+    return py::make_tuple(t, r);
+  }
+
+ private:
+  epHtHandle_t h_ = nullptr;
+  int max_tokens_;
+  std::shared_ptr<bool> comm_alive_;
+};
+
+// Pointer fields are exposed as integers.
+#define EP_PTR_FIELD(cls, T, name)                                                             \
+  def_property(#name, [](const T& a) { return reinterpret_cast<uintptr_t>(a.name); },          \
+               [](T& a, uintptr_t p) { a.name = reinterpret_cast<decltype(a.name)>(p); })
+
+std::vector<size_t> toSizes(const std::vector<int64_t>& v) { return {v.begin(), v.end()}; }
+
+}  // namespace
+
+PYBIND11_MODULE(_capi, m) {
+  m.doc() = "epcomm's public C API (torch-free)";
+  g_error_type = py::reinterpret_borrow<py::object>(
+      PyErr_NewExceptionWithDoc("epcomm._capi.Error", "An epcomm call failed; .code is the epResult_t.",
+                                PyExc_RuntimeError, nullptr));
+  m.attr("Error") = g_error_type;
+
+  m.def("version", [] { int v = 0; epGetVersion(&v); return v; });
+  m.def("error_string", [](int rc) { return std::string(epGetErrorString(static_cast<epResult_t>(rc))); });
+  m.def("dtype_size", [](int dt) { return epDataTypeSize(static_cast<epDataType_t>(dt)); });
+  // torch gives empty tensors a NULL data pointer; this valid address stands in for 0-byte buffers.
+  static uint64_t dummy[2] = {0, 0};
+  m.def("dummy_ptr", [] { return reinterpret_cast<uintptr_t>(&dummy[0]); });
+
+  m.attr("ENGINE_AUTO") = static_cast<int>(EP_ENGINE_AUTO);
+  m.attr("ENGINE_HOST") = static_cast<int>(EP_ENGINE_HOST);
+  m.attr("ENGINE_GPU") = static_cast<int>(EP_ENGINE_GPU);
+  m.attr("FLOAT32") = static_cast<int>(epFloat32);
+  m.attr("FLOAT16") = static_cast<int>(epFloat16);
+  m.attr("BFLOAT16") = static_cast<int>(epBfloat16);
+  m.attr("FLOAT8_E4M3") = static_cast<int>(epFloat8E4M3);
+  m.attr("INT32") = static_cast<int>(epInt32);
+  m.attr("INT64") = static_cast<int>(epInt64);
+  m.attr("UINT8") = static_cast<int>(epUint8);
+  m.attr("HT_USE_HANDLE_LAYOUT") = EP_HT_USE_HANDLE_LAYOUT;
+  m.attr("LL_SEND") = EP_LL_SEND;
+  m.attr("LL_RECV") = EP_LL_RECV;
+  m.attr("LL_SEND_RECV") = EP_LL_SEND_RECV;
+  m.attr("LL_EXPERT_MAJOR") = static_cast<int>(EP_LL_EXPERT_MAJOR);
+  m.attr("LL_RANK_MAJOR") = static_cast<int>(EP_LL_RANK_MAJOR);
+  m.attr("NOT_SUPPORTED") = static_cast<int>(epNotSupported);
+  m.attr("CAPACITY_EXCEEDED") = static_cast<int>(epCapacityExceeded);
+  m.attr("MAX_TOPK") = EP_MAX_TOPK;
+
+  py::class_<Comm>(m, "Comm")
+      .def(py::init<int, int, py::object, int, int, int, int, int, int, int, int, int, int>(), py::arg("nranks"),
+           py::arg("rank"), py::arg("allgather"), py::arg("engine") = 0, py::arg("cuda_device") = -1,
+           py::arg("timeout_ms") = 0, py::arg("num_channels") = 0, py::arg("num_sms") = 0,
+           py::arg("ll_max_tokens_per_rank") = 0, py::arg("ll_max_hidden") = 0, py::arg("ll_num_experts") = 0,
+           py::arg("ht_max_tokens_per_rank") = 0, py::arg("ht_max_hidden") = 0)
+      .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("size", &Comm::size)
+      .def_property_readonly("engine", &Comm::engine)
+      .def_property_readonly("handle", &Comm::handle)
+      .def("destroy", &Comm::destroy)
+      .def("abort", &Comm::abort)
+      .def("last_error", [](const Comm& c) { return std::string(epGetLastError(c.get())); })
+      .def("async_error", [](const Comm& c) {
+        epResult_t err = epSuccess;
+        epErrorInfo_t info = EP_ERROR_INFO_INIT;
+        c.check(epCommGetAsyncError(c.get(), &err, &info));
+        py::dict d;
+        d["result"] = static_cast<int>(err);
+        d["op"] = info.op;
+        d["epoch"] = info.epoch;
+        d["rank"] = info.rank;
+        d["peer"] = info.peer;
+        d["phase"] = info.phase;
+        d["violation"] = static_cast<int>(info.violation);
+        d["num_violations"] = info.num_violations;
+        return d;
+      })
+      .def("barrier", [](const Comm& c, uintptr_t s) { run(c, [&](epComm_t h) { return epCommBarrier(h, stream(s)); }); },
+           py::arg("stream") = 0)
+      .def("layout",
+           [](const Comm& c, uintptr_t topk_idx, int num_tokens, int topk, int num_experts, uintptr_t per_rank,
+              uintptr_t per_expert, uintptr_t in_rank, uintptr_t s) {
+             run(c, [&](epComm_t h) {
+               return epGetDispatchLayout(h, ptr<const int64_t>(topk_idx), num_tokens, topk, num_experts,
+                                          ptr<int>(per_rank), ptr<int>(per_expert), ptr<uint8_t>(in_rank), stream(s));
+             });
+           })
+      .def("alltoallv",
+           [](const Comm& c, uintptr_t send, const std::vector<int64_t>& send_counts,
+              const std::vector<int64_t>& send_displs, uintptr_t recv, const std::vector<int64_t>& recv_counts,
+              const std::vector<int64_t>& recv_displs, int dtype, uintptr_t s) {
+             auto sc = toSizes(send_counts), sd = toSizes(send_displs), rc = toSizes(recv_counts),
+                  rd = toSizes(recv_displs);
+             run(c, [&](epComm_t h) {
+               return epAlltoallv(h, ptr<const void>(send), sc.data(), sd.data(), ptr<void>(recv), rc.data(),
+                                  rd.data(), static_cast<epDataType_t>(dtype), stream(s));
+             });
+           })
+      .def("alltoallv_device",
+           [](const Comm& c, uintptr_t send, uintptr_t send_counts, uintptr_t recv, size_t capacity,
+              uintptr_t recv_counts, uintptr_t num_dropped, int dtype, uintptr_t s) {
+             run(c, [&](epComm_t h) {
+               return epAlltoallvDevice(h, ptr<const void>(send), ptr<const int64_t>(send_counts), ptr<void>(recv),
+                                        capacity, ptr<int64_t>(recv_counts), ptr<int64_t>(num_dropped),
+                                        static_cast<epDataType_t>(dtype), stream(s));
+             });
+           })
+      .def("ht_dispatch_notify",
+           [](const Comm& c, const epHtDispatchArgs_t& a, const HtHandle& hd, int num_local_experts, uintptr_t s) {
+             int num_recv = 0;
+             std::vector<int> per_expert(static_cast<size_t>(num_local_experts), 0);
+             run(c, [&](epComm_t h) { return epHtDispatchNotify(h, &a, hd.get(), &num_recv, per_expert.data(), stream(s)); });
+             return py::make_tuple(num_recv, per_expert);
+           })
+      .def("ht_dispatch",
+           [](const Comm& c, const epHtDispatchArgs_t& a, const HtHandle& hd, uintptr_t s) {
+             run(c, [&](epComm_t h) { return epHtDispatch(h, &a, hd.get(), stream(s)); });
+           })
+      .def("ht_combine",
+           [](const Comm& c, const epHtCombineArgs_t& a, const HtHandle& hd, uintptr_t s) {
+             run(c, [&](epComm_t h) { return epHtCombine(h, &a, hd.get(), stream(s)); });
+           })
+      .def("ll_dispatch",
+           [](const Comm& c, const epLlDispatchArgs_t& a, uintptr_t s) {
+             run(c, [&](epComm_t h) { return epLlDispatch(h, &a, stream(s)); });
+           })
+      .def("ll_combine", [](const Comm& c, const epLlCombineArgs_t& a, uintptr_t s) {
+        run(c, [&](epComm_t h) { return epLlCombine(h, &a, stream(s)); });
+      });
+
+  py::class_<HtHandle>(m, "HtHandle")
+      .def(py::init<const Comm&, int>(), py::arg("comm"), py::arg("max_tokens"))
+      .def_property_readonly("max_tokens", &HtHandle::max_tokens)
+      .def("counts", &HtHandle::counts, "(num_tokens, num_recv_tokens) of the layout it holds");
+
+  using HD = epHtDispatchArgs_t;
+  py::class_<HD>(m, "HtDispatchArgs")
+      .def(py::init([] { return HD EP_HT_DISPATCH_ARGS_INIT; }))
+      .def_readwrite("num_tokens", &HD::num_tokens)
+      .def_readwrite("hidden", &HD::hidden)
+      .def_readwrite("topk", &HD::topk)
+      .def_readwrite("num_experts", &HD::num_experts)
+      .def_readwrite("dtype", &HD::dtype)
+      .def_readwrite("flags", &HD::flags)
+      .def_readwrite("num_worst_tokens", &HD::num_worst_tokens)
+      .EP_PTR_FIELD(HD, HD, x)
+      .EP_PTR_FIELD(HD, HD, x_scales)
+      .EP_PTR_FIELD(HD, HD, topk_idx)
+      .EP_PTR_FIELD(HD, HD, topk_weights)
+      .EP_PTR_FIELD(HD, HD, recv_x)
+      .def_readwrite("recv_x_bytes", &HD::recv_x_bytes)
+      .EP_PTR_FIELD(HD, HD, recv_x_scales)
+      .def_readwrite("recv_x_scales_bytes", &HD::recv_x_scales_bytes)
+      .EP_PTR_FIELD(HD, HD, recv_topk_idx)
+      .def_readwrite("recv_topk_idx_bytes", &HD::recv_topk_idx_bytes)
+      .EP_PTR_FIELD(HD, HD, recv_topk_weights)
+      .def_readwrite("recv_topk_weights_bytes", &HD::recv_topk_weights_bytes)
+      .EP_PTR_FIELD(HD, HD, recv_tokens_per_expert)
+      .EP_PTR_FIELD(HD, HD, num_recv_tokens);
+
+  using HC = epHtCombineArgs_t;
+  py::class_<HC>(m, "HtCombineArgs")
+      .def(py::init([] { return HC EP_HT_COMBINE_ARGS_INIT; }))
+      .def_readwrite("num_tokens", &HC::num_tokens)
+      .def_readwrite("hidden", &HC::hidden)
+      .def_readwrite("dtype", &HC::dtype)
+      .EP_PTR_FIELD(HC, HC, x)
+      .def_readwrite("x_bytes", &HC::x_bytes)
+      .EP_PTR_FIELD(HC, HC, combined_x)
+      .def_readwrite("combined_x_bytes", &HC::combined_x_bytes);
+
+  using LD = epLlDispatchArgs_t;
+  py::class_<LD>(m, "LlDispatchArgs")
+      .def(py::init([] { return LD EP_LL_DISPATCH_ARGS_INIT; }))
+      .def_readwrite("num_tokens", &LD::num_tokens)
+      .def_readwrite("max_tokens_per_rank", &LD::max_tokens_per_rank)
+      .def_readwrite("hidden", &LD::hidden)
+      .def_readwrite("topk", &LD::topk)
+      .def_readwrite("num_experts", &LD::num_experts)
+      .def_readwrite("dtype", &LD::dtype)
+      .def_readwrite("use_fp8", &LD::use_fp8)
+      .def_readwrite("layout", &LD::layout)
+      .def_readwrite("phases", &LD::phases)
+      .EP_PTR_FIELD(LD, LD, x)
+      .EP_PTR_FIELD(LD, LD, topk_idx)
+      .EP_PTR_FIELD(LD, LD, recv_x)
+      .def_readwrite("recv_x_bytes", &LD::recv_x_bytes)
+      .EP_PTR_FIELD(LD, LD, recv_x_scales)
+      .def_readwrite("recv_x_scales_bytes", &LD::recv_x_scales_bytes)
+      .EP_PTR_FIELD(LD, LD, recv_count)
+      .def_readwrite("recv_count_bytes", &LD::recv_count_bytes)
+      .EP_PTR_FIELD(LD, LD, recv_src_info)
+      .def_readwrite("recv_src_info_bytes", &LD::recv_src_info_bytes)
+      .EP_PTR_FIELD(LD, LD, recv_layout_range)
+      .def_readwrite("recv_layout_range_bytes", &LD::recv_layout_range_bytes)
+      .EP_PTR_FIELD(LD, LD, recv_topk_idx)
+      .def_readwrite("recv_topk_idx_bytes", &LD::recv_topk_idx_bytes);
+
+  using LC = epLlCombineArgs_t;
+  py::class_<LC>(m, "LlCombineArgs")
+      .def(py::init([] { return LC EP_LL_COMBINE_ARGS_INIT; }))
+      .def_readwrite("num_tokens", &LC::num_tokens)
+      .def_readwrite("max_tokens_per_rank", &LC::max_tokens_per_rank)
+      .def_readwrite("hidden", &LC::hidden)
+      .def_readwrite("topk", &LC::topk)
+      .def_readwrite("num_experts", &LC::num_experts)
+      .def_readwrite("dtype", &LC::dtype)
+      .def_readwrite("layout", &LC::layout)
+      .def_readwrite("phases", &LC::phases)
+      .EP_PTR_FIELD(LC, LC, y)
+      .def_readwrite("y_bytes", &LC::y_bytes)
+      .EP_PTR_FIELD(LC, LC, recv_count)
+      .EP_PTR_FIELD(LC, LC, recv_src_info)
+      .EP_PTR_FIELD(LC, LC, recv_layout_range)
+      .EP_PTR_FIELD(LC, LC, recv_topk_idx)
+      .EP_PTR_FIELD(LC, LC, topk_idx)
+      .EP_PTR_FIELD(LC, LC, topk_weights)
+      .EP_PTR_FIELD(LC, LC, out)
+      .def_readwrite("out_bytes", &LC::out_bytes);
+}

@@ -1,0 +1,560 @@
+"""epcomm.Buffer: DeepEP's (legacy) Buffer API — names, arguments, defaults, return values — on epcomm's C API.
+
+The communicator is created over the group given (any backend) through the C API's all-gather callback. Its
+engine decides the tensors it takes: the host engine (CPU tensors; what runs without a GPU, or with
+EPCOMM_ENGINE=host) or the GPU engine (CUDA tensors of the current device). Low-latency (LL) calls use a
+second communicator, created at the first LL call with that call's capacity (num_max_dispatch_tokens_per_rank,
+hidden, num_experts): DeepEP sizes LL from num_rdma_bytes, which does not determine those. Every difference
+from DeepEP is listed in the README ("Differences from DeepEP").
+"""
+import weakref
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _capi, comm as _comm
+from ._pointers import ep_dtype, nbytes, ptr, stream_handle
+from ._launch import Launch as _Launch
+from .config import Config
+from .event import EventHandle, EventOverlap
+from .handles import HtHandle, LowLatencyHandle, HtState
+
+topk_idx_t = torch.int64
+
+
+def _not_in_c_api(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"epcomm.Buffer: {what} needs the communicator's active-ranks mask (elastic EP), which epcomm's C API "
+        "does not have yet")
+
+
+class Buffer:
+    """The expert-parallel communication buffer (DeepEP's legacy Buffer): HT dispatch/combine (exact,
+    worst-token, cached) and LL dispatch/combine (with receive hooks) between the ranks of group."""
+
+    num_sms: int = 20
+
+    def __init__(self,
+                 group: Optional[dist.ProcessGroup],
+                 num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False,
+                 enable_shrink: bool = False,
+                 comm: Optional["mpi4py.MPI.Comm"] = None) -> None:  # noqa: F821
+        if enable_shrink:
+            raise _not_in_c_api("enable_shrink=True")
+        if group is not None:
+            self.rank, self.group_size, self.group = group.rank(), group.size(), group
+            self._allgather = _comm.group_allgather(group)
+        elif comm is not None:
+            self.rank, self.group_size, self.group = comm.Get_rank(), comm.Get_size(), comm
+            self._allgather = _comm.mpi_allgather(comm)
+        else:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms)
+        self._device = _comm.engine_device(self.runtime)
+        self._comm_stream = torch.cuda.Stream() if self._device.type == "cuda" else None
+        self._free_ht_handles: List = []
+        self._graph_ht_handles: List = []  # held by captured CUDA graphs for the Buffer's lifetime
+        self._alltoallv_unsupported = False
+        self._ll_comm = None
+        self._ll_shape = (0, 0, 0)
+        self._ll_combine_buffers: List[torch.Tensor] = []
+        self._ll_recv_slots: List = [None, None]
+        self._ll_slot_idx = 0
+        self._ll_buffer_idx = 0
+        self._local_buffers = {}
+
+    # --- lifecycle and static helpers ----------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, '`explicitly_destroy` flag must be set'
+        self._free_ht_handles.clear()
+        self._graph_ht_handles.clear()
+        for c in (self._ll_comm, self.runtime):
+            if c is not None:
+                c.destroy()
+        self._ll_comm = None
+        self.runtime = None
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True  # fp8 (e4m3 with per-128-column scales) runs on every engine
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, 'The SM count must be even'
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """DeepEP's sizing (two buffers of bf16 messages with a 16-byte header), so that callers that size
+        num_rdma_bytes from it get a similar number; epcomm sizes its LL buffers itself."""
+        msg = 16 + max(hidden * 2, hidden + hidden // 128 * 4)
+        send = num_max_dispatch_tokens_per_rank * max(msg, hidden * 2)
+        recv = num_experts * num_max_dispatch_tokens_per_rank * max(msg, hidden * 2)
+        per_buffer = send + recv + num_experts * 4 * 2
+        return ((2 * per_buffer) + 127) // 128 * 128
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        table = {2: 24, 4: 6, 8: 6, 16: 36, 24: 32, 32: 32, 48: 32, 64: 32, 96: 20, 128: 20, 144: 32, 160: 28}
+        recv = {16: 288, 24: 288, 32: 288, 48: 288, 64: 288, 96: 480, 128: 560, 144: 720, 160: 720}
+        assert num_ranks in table, f'Unsupported number of EP ranks: {num_ranks}'
+        return Config(Buffer.num_sms, table[num_ranks], recv.get(num_ranks, 256), 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        table = {2: 10, 4: 9, 8: 4, 16: 4, 24: 1, 32: 1, 48: 1, 64: 1, 96: 1, 128: 1, 144: 2, 160: 2}
+        recv = {16: 288, 24: 288, 32: 288, 48: 288, 64: 288, 96: 480, 128: 560, 144: 720, 160: 720}
+        assert num_ranks in table, f'Unsupported number of EP ranks: {num_ranks}'
+        return Config(Buffer.num_sms, table[num_ranks], recv.get(num_ranks, 256), 6, 128)
+
+    def get_comm_stream(self):
+        return self._comm_stream if self._comm_stream is not None else torch.cpu.current_stream()
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A tensor over this rank's num_nvl_bytes (or num_rdma_bytes) buffer, owned by the Buffer. epcomm's
+        communication buffers are internal to the C library, so this memory is local scratch, not visible to
+        peers."""
+        num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        raw = self._local_buffers.get(use_rdma_buffer)
+        if raw is None:
+            raw = torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+            self._local_buffers[use_rdma_buffer] = raw
+        item = torch.empty((), dtype=dtype).element_size()
+        tensor = raw[: num_bytes // item * item].view(dtype)[offset:]
+        if size is None:
+            return tensor
+        assert tensor.numel() >= size.numel()
+        return tensor[: size.numel()].view(size)
+
+    # --- checks ---------------------------------------------------------------------------------------------
+
+    def _check(self, name: str, t: Optional[torch.Tensor]) -> None:
+        if t is not None and t.device != self._device:
+            engine = "GPU" if self._device.type == "cuda" else "host"
+            raise ValueError(f"epcomm.Buffer: {name} is on {t.device}, but this Buffer runs epcomm's {engine} engine, "
+                             f"which takes tensors on {self._device} (EPCOMM_ENGINE=host|gpu chooses the engine)")
+
+    # --- layout ---------------------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False) -> \
+            Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        self._check("topk_idx", topk_idx)
+        topk_idx = topk_idx.contiguous()
+        num_tokens, topk = topk_idx.shape
+        with _Launch(self, previous_event, async_finish) as launch:
+            per_rank = torch.empty(self.group_size, dtype=torch.int32, device=self._device)
+            per_expert = torch.empty(num_experts, dtype=torch.int32, device=self._device)
+            in_rank = torch.empty((num_tokens, self.group_size), dtype=torch.bool, device=self._device)
+            self.runtime.layout(ptr(topk_idx), num_tokens, topk, num_experts, ptr(per_rank), ptr(per_expert),
+                                ptr(in_rank), launch.stream)
+        event = launch.finish((topk_idx, per_rank, per_expert, in_rank))
+        return per_rank, None, per_expert, in_rank, event
+
+    # --- high-throughput dispatch / combine -----------------------------------------------------------------
+
+    def _take_ht_handle(self, num_tokens: int):
+        while self._free_ht_handles:
+            h = self._free_ht_handles.pop()
+            if h.max_tokens >= num_tokens:
+                return h
+        return _capi.HtHandle(self.runtime, max(num_tokens, 1))
+
+    def _give_back_ht_handle(self, h) -> None:
+        self._free_ht_handles.append(h)
+
+    def _exchange_counts(self, per_rank: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        """[R, R + E] int32: every rank's tokens per destination rank and per expert. The C API keeps these
+        inside its layout, so they take one all-gather: on the Buffer's own communicator (an alltoallv of
+        R copies) where its engine has alltoallv, else on the group."""
+        mine = torch.cat([per_rank.to(torch.int32), per_expert.to(torch.int32)])
+        n, world = mine.numel(), self.group_size
+        if not self._alltoallv_unsupported:
+            send = mine.repeat(world)
+            out = torch.empty(world * n, dtype=torch.int32, device=self._device)
+            counts, displs = [n] * world, [i * n for i in range(world)]
+            stream = stream_handle(torch.cuda.current_stream()) if self._device.type == "cuda" else 0
+            try:
+                self.runtime.alltoallv(ptr(send), counts, displs, ptr(out), counts, displs, _capi.INT32, stream)
+                return out.view(world, n)
+            except _capi.Error as e:
+                if e.code != _capi.NOT_SUPPORTED:
+                    raise
+                self._alltoallv_unsupported = True  # the same answer on every rank: all take the group's path
+        if isinstance(self.group, dist.ProcessGroup):
+            device = self._gather_device()
+            out = torch.empty(world * n, dtype=torch.int32, device=device)
+            dist.all_gather_into_tensor(out, mine.to(device), group=self.group)
+            return out.view(world, n).to(self._device)
+        rows = self.group.allgather(mine.cpu().tolist())
+        return torch.tensor(rows, dtype=torch.int32, device=self._device)
+
+    def _gather_device(self) -> torch.device:
+        # CPU tensors where the group takes them (gloo, epcomm, cpu:gloo,...); CUDA for a CUDA-only group (NCCL).
+        try:
+            self.group._get_backend(torch.device("cpu"))
+            return torch.device("cpu")
+        except RuntimeError:
+            return torch.device("cuda", torch.cuda.current_device())
+
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
+                  Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        """Sends each token to every rank that hosts one of its experts (see DeepEP's Buffer.dispatch).
+        Received rows are ordered by source rank, then source token index."""
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        for name, t in (("x", x), ("x_scales", x_scales), ("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                        ("is_token_in_rank", is_token_in_rank)):
+            self._check(name, t)
+        if x.dim() != 2:
+            raise ValueError(f"epcomm.Buffer.dispatch: x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+        num_tokens, hidden = x.shape
+        x = x.contiguous()
+        x_scales = x_scales.contiguous() if x_scales is not None else None
+
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None, "cached dispatch takes no top-k"
+            return self._cached_dispatch(x, x_scales, handle, num_worst_tokens, previous_event, async_finish)
+
+        assert num_tokens_per_expert is not None, "num_tokens_per_expert is required (from get_dispatch_layout)"
+        num_experts = num_tokens_per_expert.numel()
+        num_local = num_experts // self.group_size
+        routed_by_topk = topk_idx is not None
+        if not routed_by_topk:
+            # Routing given by is_token_in_rank alone: each chosen rank receives the token through its first
+            # expert; no top-k comes back (as in DeepEP).
+            assert is_token_in_rank is not None, "dispatch without topk_idx needs is_token_in_rank"
+            if self.group_size > _capi.MAX_TOPK:
+                raise ValueError(f"epcomm.Buffer.dispatch: routing by is_token_in_rank alone supports at most "
+                                 f"{_capi.MAX_TOPK} ranks")
+            first_expert = torch.arange(self.group_size, device=self._device, dtype=torch.int64) * num_local
+            topk_idx = torch.where(is_token_in_rank.bool(), first_expert, torch.full_like(first_expert, -1))
+        topk_idx = topk_idx.contiguous()
+        topk_weights = topk_weights.contiguous() if topk_weights is not None else None
+        topk = topk_idx.size(1)
+
+        with _Launch(self, previous_event, async_finish) as launch:
+            args = _capi.HtDispatchArgs()
+            args.num_tokens, args.hidden, args.topk, args.num_experts = num_tokens, hidden, topk, num_experts
+            args.dtype = ep_dtype(x.dtype)
+            args.x, args.x_scales, args.topk_idx, args.topk_weights = ptr(x), ptr(x_scales), ptr(topk_idx), ptr(topk_weights)
+            c_handle = self._take_ht_handle(num_tokens)
+            try:
+                if num_worst_tokens > 0:
+                    rows = num_worst_tokens
+                    args.num_worst_tokens = num_worst_tokens
+                    per_expert_list: List[int] = []
+                    num_recv = -1
+                else:
+                    num_recv, per_expert_list = self.runtime.ht_dispatch_notify(args, c_handle, num_local, launch.stream)
+                    rows = num_recv
+                recv = self._alloc_recv(args, rows, hidden, x, x_scales, topk, routed_by_topk, topk_weights is not None)
+                self.runtime.ht_dispatch(args, c_handle, launch.stream)
+            except BaseException:
+                self._give_back_ht_handle(c_handle)
+                raise
+        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights = recv
+
+        rank_prefix_matrix = None
+        if num_worst_tokens == 0:
+            if num_tokens_per_rank is None:
+                num_tokens_per_rank = is_token_in_rank.sum(dim=0) if is_token_in_rank is not None else \
+                    self.get_dispatch_layout(topk_idx, num_experts)[0]
+            counts = self._exchange_counts(num_tokens_per_rank, num_tokens_per_expert)
+            rank_prefix_matrix = counts[:, : self.group_size].cumsum(dim=0).to(torch.int32)
+            if not routed_by_topk:
+                mine = counts[:, self.group_size + self.rank * num_local: self.group_size + (self.rank + 1) * num_local]
+                per_expert_list = mine.sum(dim=0).tolist()
+            if expert_alignment > 1:
+                per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
+                                   for c in per_expert_list]
+
+        state = HtState(c_handle, num_tokens, topk, num_experts, num_recv, num_worst_tokens)
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A captured graph writes and reads this layout at every replay: never lend it to another dispatch.
+            self._graph_ht_handles.append(c_handle)
+        else:
+            weakref.finalize(state, self._give_back_ht_handle, c_handle)
+        new_handle = HtHandle((rank_prefix_matrix, None, None, None, is_token_in_rank, None), state)
+        event = launch.finish((x, x_scales, topk_idx, topk_weights, *recv))
+        out_x = (recv_x, recv_x_scales) if x_scales is not None else recv_x
+        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event
+
+    def _alloc_recv(self, args, rows: int, hidden: int, x, x_scales, topk: int, with_topk: bool, with_weights: bool):
+        recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=self._device)
+        args.recv_x, args.recv_x_bytes = ptr(recv_x), nbytes(recv_x)
+        recv_x_scales = None
+        if x_scales is not None:
+            recv_x_scales = torch.empty((rows, x_scales.size(1)), dtype=torch.float32, device=self._device)
+            args.recv_x_scales, args.recv_x_scales_bytes = ptr(recv_x_scales), nbytes(recv_x_scales)
+        recv_topk_idx = recv_topk_weights = None
+        if with_topk:
+            recv_topk_idx = torch.empty((rows, topk), dtype=torch.int64, device=self._device)
+            args.recv_topk_idx, args.recv_topk_idx_bytes = ptr(recv_topk_idx), nbytes(recv_topk_idx)
+            if with_weights:
+                recv_topk_weights = torch.empty((rows, topk), dtype=torch.float32, device=self._device)
+                args.recv_topk_weights, args.recv_topk_weights_bytes = ptr(recv_topk_weights), nbytes(recv_topk_weights)
+        return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights
+
+    def _cached_dispatch(self, x, x_scales, handle, num_worst_tokens, previous_event, async_finish):
+        state: HtState = handle.state
+        if x.size(0) != state.num_tokens:
+            raise ValueError(f"epcomm.Buffer.dispatch: cached dispatch of {x.size(0)} tokens with a handle of "
+                             f"{state.num_tokens}")
+        rows = num_worst_tokens if num_worst_tokens > 0 else (state.num_worst if state.num_recv < 0 else state.num_recv)
+        with _Launch(self, previous_event, async_finish) as launch:
+            args = _capi.HtDispatchArgs()
+            args.num_tokens, args.hidden, args.topk, args.num_experts = x.size(0), x.size(1), state.topk, state.num_experts
+            args.dtype = ep_dtype(x.dtype)
+            args.flags = _capi.HT_USE_HANDLE_LAYOUT
+            args.num_worst_tokens = num_worst_tokens if num_worst_tokens > 0 else max(state.num_worst, 0)
+            args.x, args.x_scales = ptr(x), ptr(x_scales)
+            recv_x, recv_x_scales, _, _ = self._alloc_recv(args, rows, x.size(1), x, x_scales, 0, False, False)
+            self.runtime.ht_dispatch(args, state.c_handle, launch.stream)
+        event = launch.finish((x, x_scales, recv_x, recv_x_scales))
+        out_x = (recv_x, recv_x_scales) if x_scales is not None else recv_x
+        return out_x, None, None, None, None, event
+
+    def combine(self, x: torch.Tensor, handle: Tuple,
+                topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Sums each token's rows back from the ranks that received it (no weights), in ascending rank order
+        in fp32; topk_weights, when given, are summed the same way."""
+        self._check("x", x)
+        self._check("topk_weights", topk_weights)
+        state: HtState = handle.state
+        x = x.contiguous()
+        hidden = x.size(1)
+        bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
+        with _Launch(self, previous_event, async_finish) as launch:
+            combined_x = self._ht_combine(state, x, hidden, launch.stream)
+            combined_topk_weights = None
+            if topk_weights is not None:
+                # The weights take a second combine in fp32, their row padded to the C API's 8-element unit.
+                topk = topk_weights.size(1)
+                padded = torch.zeros((x.size(0), (topk + 7) // 8 * 8), dtype=torch.float32, device=self._device)
+                padded[:, :topk] = topk_weights
+                combined_topk_weights = self._ht_combine(state, padded, padded.size(1), launch.stream)[:, :topk]
+            if bias_0 is not None or bias_1 is not None:
+                acc = combined_x.float()
+                for b in (bias_0, bias_1):
+                    if b is not None:
+                        acc += b.float()
+                combined_x = acc.to(combined_x.dtype)
+        event = launch.finish((x, topk_weights, combined_x, combined_topk_weights))
+        return combined_x, combined_topk_weights, event
+
+    def _ht_combine(self, state: HtState, x: torch.Tensor, hidden: int, stream: int) -> torch.Tensor:
+        out = torch.empty((state.num_tokens, hidden), dtype=x.dtype, device=self._device)
+        args = _capi.HtCombineArgs()
+        args.num_tokens, args.hidden, args.dtype = state.num_tokens, hidden, ep_dtype(x.dtype)
+        args.x, args.x_bytes = ptr(x), nbytes(x)
+        args.combined_x, args.combined_x_bytes = ptr(out), nbytes(out)
+        self.runtime.ht_combine(args, state.c_handle, stream)
+        return out
+
+    # --- low-latency dispatch / combine ---------------------------------------------------------------------
+
+    def _ll_runtime(self, max_tokens: int, hidden: int, num_experts: int) -> "_capi.Comm":
+        m, h, e = self._ll_shape
+        if self._ll_comm is None or max_tokens > m or hidden > h or num_experts != e:
+            # Collective: every rank makes the same LL call, so every rank gets here together.
+            if self._ll_comm is not None:
+                self._ll_comm.destroy()
+            self._ll_comm = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
+                                         engine=self.runtime.engine, ll_max_tokens_per_rank=max_tokens,
+                                         ll_max_hidden=hidden, ll_num_experts=num_experts)
+            self._ll_shape = (max_tokens, hidden, num_experts)
+        return self._ll_comm
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """epcomm's LL needs no zeroed buffer between modes: nothing to clean."""
+
+    def _ll_recv_slot(self, num_local: int, slots: int, hidden: int, dtype: torch.dtype, use_fp8: bool):
+        """LL dispatch outputs, from two sets that alternate, as DeepEP's two buffers do (so at most two LL
+        dispatches' results can be held at once): no allocation per call, and fixed addresses for CUDA graphs.
+        (recv_x, recv_scales row-major for the C API, the same scales column-major for the caller as DeepEP
+        hands them out, recv_count, src_info, layout_range as the C API writes it ((count << 32) | begin), and as
+        DeepEP hands it out ((begin << 32) | count))."""
+        key = (num_local, slots, hidden, dtype, use_fp8)
+        idx = self._ll_slot_idx
+        self._ll_slot_idx ^= 1
+        slot = self._ll_recv_slots[idx]
+        if slot is None or slot[0] != key:
+            dev = self._device
+            tensors = (
+                torch.empty((num_local, slots, hidden), dtype=dtype, device=dev),
+                torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) if use_fp8 else None,
+                torch.empty((num_local, hidden // 128, slots), dtype=torch.float32, device=dev).transpose(1, 2)
+                if use_fp8 else None,
+                torch.empty(num_local, dtype=torch.int32, device=dev),
+                torch.empty((num_local, slots), dtype=torch.int32, device=dev),
+                torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
+                torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
+            )
+            slot = (key, tensors)
+            self._ll_recv_slots[idx] = slot
+        return slot[1]
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False) -> \
+            Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, Tuple, EventOverlap, Callable]:
+        """Sends each (token, expert) pair to the expert's rank into fixed slots (expert-major). As with DeepEP,
+        the outputs live in one of two alternating sets: at most two dispatches' results can be held at once."""
+        if round_scale or use_ue8m0:
+            raise NotImplementedError("epcomm.Buffer.low_latency_dispatch: round_scale / use_ue8m0 (power-of-2 and "
+                                      "UE8M0 scales) are not supported; epcomm's fp8 scales are amax / 448 in fp32")
+        self._check("x", x)
+        self._check("topk_idx", topk_idx)
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        num_tokens, hidden = x.shape
+        max_tokens = num_max_dispatch_tokens_per_rank
+        runtime = self._ll_runtime(max_tokens, hidden, num_experts)
+        num_ranks = self.group_size
+        num_local = num_experts // num_ranks
+        slots = num_ranks * max_tokens
+        with _Launch(self, None, async_finish) as launch:
+            recv_x, recv_scales, scales_out, recv_count, src_info, layout_range, deepep_range = self._ll_recv_slot(
+                num_local, slots, hidden, torch.float8_e4m3fn if use_fp8 else x.dtype, use_fp8)
+            args = _capi.LlDispatchArgs()
+            args.num_tokens, args.max_tokens_per_rank, args.hidden = num_tokens, max_tokens, hidden
+            args.topk, args.num_experts, args.dtype = topk_idx.size(1), num_experts, ep_dtype(x.dtype)
+            args.use_fp8, args.layout = int(use_fp8), _capi.LL_EXPERT_MAJOR
+            args.x, args.topk_idx = ptr(x), ptr(topk_idx)
+            args.recv_x, args.recv_x_bytes = ptr(recv_x), nbytes(recv_x)
+            args.recv_x_scales, args.recv_x_scales_bytes = ptr(recv_scales), nbytes(recv_scales)
+            args.recv_count, args.recv_count_bytes = ptr(recv_count), nbytes(recv_count)
+            args.recv_src_info, args.recv_src_info_bytes = ptr(src_info), nbytes(src_info)
+            args.recv_layout_range, args.recv_layout_range_bytes = ptr(layout_range), nbytes(layout_range)
+
+            def received() -> None:
+                torch.bitwise_or(layout_range.bitwise_and(0xFFFFFFFF) << 32, layout_range >> 32, out=deepep_range)
+                if scales_out is not None:
+                    scales_out.copy_(recv_scales)
+                if cumulative_local_expert_recv_stats is not None:
+                    cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
+
+            args.phases = _capi.LL_SEND if return_recv_hook else _capi.LL_SEND_RECV
+            runtime.ll_dispatch(args, launch.stream)
+            if not return_recv_hook:
+                received()
+        keep = (x, topk_idx, recv_x, recv_scales, scales_out, recv_count, src_info, layout_range, deepep_range,
+                cumulative_local_expert_recv_stats)
+
+        def hook() -> None:
+            args.phases = _capi.LL_RECV
+            with _Launch(self, None, False) as recv_launch:
+                runtime.ll_dispatch(args, recv_launch.stream)
+                received()
+            recv_launch.finish(keep)
+
+        handle = LowLatencyHandle((src_info, deepep_range, max_tokens, hidden, num_experts), recv_count, layout_range)
+        event = launch.finish(keep)
+        out_x = (recv_x, scales_out) if use_fp8 else recv_x
+        return out_x, recv_count, handle, event, (hook if return_recv_hook else None)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
+            Tuple[torch.Tensor, EventOverlap, Callable]:
+        """out[t] = sum over k of topk_weights[t, k] * x[e_k][slot(t, k)], in fp32 in k order."""
+        if use_logfmt:
+            raise NotImplementedError("epcomm.Buffer.low_latency_combine: use_logfmt (LogFMT-compressed combine) is "
+                                      "not supported")
+        src_info, _, max_tokens, hidden, num_experts = handle
+        recv_count, layout_range = handle.recv_count, handle.c_layout_range
+        runtime = self._ll_runtime(max_tokens, hidden, num_experts)
+        if zero_copy:
+            y = self._ll_combine_buffer(handle, advance=True)
+        else:
+            self._check("x", x)
+            y = x.contiguous()
+        self._check("topk_idx", topk_idx)
+        self._check("topk_weights", topk_weights)
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous().float()
+        num_tokens = topk_idx.size(0)
+        with _Launch(self, None, async_finish) as launch:
+            combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=y.dtype, device=self._device)
+            self._check("out", combined)
+            args = _capi.LlCombineArgs()
+            args.num_tokens, args.max_tokens_per_rank, args.hidden = num_tokens, max_tokens, hidden
+            args.topk, args.num_experts, args.dtype = topk_idx.size(1), num_experts, ep_dtype(y.dtype)
+            args.layout = _capi.LL_EXPERT_MAJOR
+            args.y, args.y_bytes = ptr(y), nbytes(y)
+            args.recv_count, args.recv_src_info, args.recv_layout_range = ptr(recv_count), ptr(src_info), ptr(layout_range)
+            args.topk_idx, args.topk_weights = ptr(topk_idx), ptr(topk_weights)
+            args.out, args.out_bytes = ptr(combined), nbytes(combined)
+            args.phases = _capi.LL_SEND if return_recv_hook else _capi.LL_SEND_RECV
+            runtime.ll_combine(args, launch.stream)
+        keep = (y, topk_idx, topk_weights, src_info, layout_range, recv_count, combined)
+
+        def hook() -> None:
+            args.phases = _capi.LL_RECV
+            with _Launch(self, None, False) as recv_launch:
+                runtime.ll_combine(args, recv_launch.stream)
+            recv_launch.finish(keep)
+
+        event = launch.finish(keep)
+        return combined, event, (hook if return_recv_hook else None)
+
+    def _ll_combine_buffer(self, handle, advance: bool) -> torch.Tensor:
+        _, _, max_tokens, hidden, num_experts = handle
+        shape = (num_experts // self.group_size, self.group_size * max_tokens, hidden)
+        if not self._ll_combine_buffers or self._ll_combine_buffers[0].shape != shape:
+            self._ll_combine_buffers = [torch.empty(shape, dtype=torch.bfloat16, device=self._device) for _ in range(2)]
+        buf = self._ll_combine_buffers[self._ll_buffer_idx]
+        if advance:
+            self._ll_buffer_idx ^= 1
+        return buf
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """The bf16 [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] tensor that the
+        next low_latency_combine(..., zero_copy=True) combines from (owned by the Buffer; two alternate)."""
+        return self._ll_combine_buffer(handle, advance=False)
+
+    # --- elastic EP (active-ranks mask) ---------------------------------------------------------------------
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        raise _not_in_c_api("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
+        raise _not_in_c_api("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self):
+        raise _not_in_c_api("low_latency_clean_mask_buffer")

@@ -1,0 +1,284 @@
+"""epcomm.Buffer (DeepEP's legacy API) on the host engine, checked against references built from
+torch.distributed's own collectives (gloo) on random routing: HT exact, worst-token and cached dispatch,
+combine (with top-k weights and bias), fp8 input, zero-token ranks; LL dispatch/combine (bf16 and fp8,
+with and without receive hooks, zero-copy)."""
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ranks
+
+
+def _init(rank, world, init_method):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def _routing(gen, num_tokens, num_experts, topk):
+    scores = torch.rand((num_tokens, num_experts), generator=gen)
+    topk_idx = torch.topk(scores, topk, dim=-1).indices.to(torch.int64)
+    topk_idx[torch.rand((num_tokens, topk), generator=gen) < 0.1] = -1  # some slots choose no expert
+    topk_weights = torch.rand((num_tokens, topk), generator=gen)
+    return topk_idx, topk_weights
+
+
+def _reference_dispatch(world, rank, x, topk_idx, topk_weights, num_local):
+    """What each rank receives, through dist.all_to_all_single: rows by source rank, then token index."""
+    dest = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
+    rows, idx, wts, send = [], [], [], []
+    for d in range(world):
+        sel = (dest == d).any(dim=1)
+        rows.append(x[sel])
+        local = torch.where(dest[sel] == d, topk_idx[sel] - d * num_local, -1)
+        idx.append(local)
+        wts.append(torch.where(dest[sel] == d, topk_weights[sel], 0.0))
+        send.append(int(sel.sum()))
+    recv = torch.tensor(send)
+    counts = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(counts, recv)
+    recv_counts = counts.tolist()
+
+    def exchange(parts, width, dtype):
+        out = torch.empty((sum(recv_counts), width), dtype=dtype)
+        dist.all_to_all_single(out, torch.cat(parts).contiguous(), recv_counts, send)
+        return out
+
+    return (exchange(rows, x.size(1), x.dtype), exchange(idx, topk_idx.size(1), torch.int64),
+            exchange(wts, topk_idx.size(1), torch.float32), recv_counts, send)
+
+
+def _reference_combine(world, y, recv_counts, send, num_tokens, dest_mask):
+    """Rows back to their owners (all_to_all_single), summed per token in ascending rank order in fp32."""
+    back = torch.empty((sum(send), y.size(1)), dtype=y.dtype)
+    dist.all_to_all_single(back, y.contiguous(), send, recv_counts)
+    acc = torch.zeros((num_tokens, y.size(1)), dtype=torch.float32)
+    off = 0
+    for d in range(world):
+        sel = dest_mask[:, d]
+        n = int(sel.sum())
+        acc[sel] += back[off:off + n].float()
+        off += n
+    return acc.to(y.dtype)
+
+
+def _set_device(rank, device):
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def ht(rank, world, init_method, seed, device="cpu"):
+    """References are computed on CPU tensors over gloo; the Buffer gets the same data on `device`."""
+    import epcomm
+
+    _init(rank, world, init_method)
+    dev = _set_device(rank, device)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    num_experts, topk, hidden = 4 * world, 3, 256
+    num_local = num_experts // world
+    buffer = epcomm.Buffer(dist.group.WORLD, int(1e8))
+
+    def on(*ts):
+        return [t.to(dev) if isinstance(t, torch.Tensor) else t for t in ts]
+
+    def back(t):
+        return t.cpu() if isinstance(t, torch.Tensor) else t
+
+    for num_tokens in (37, 0 if rank == world - 1 else 21, 0):   # then a rank with no tokens, then none at all
+        x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+        topk_idx, topk_weights = _routing(gen, num_tokens, num_experts, topk)
+        ref_x, ref_idx, ref_w, recv_counts, send = _reference_dispatch(world, rank, x, topk_idx, topk_weights, num_local)
+        x_d, topk_idx_d, topk_weights_d = on(x, topk_idx, topk_weights)
+
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_d, num_experts)
+        dest = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
+        dest_mask = torch.stack([(dest == d).any(dim=1) for d in range(world)], dim=1)
+        assert torch.equal(back(in_rank), dest_mask)
+        assert per_rank.tolist() == send
+        assert per_expert.tolist() == [int((topk_idx == e).sum()) for e in range(num_experts)]
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+        for async_finish in (False, True):
+            recv_x, recv_idx, recv_w, per_expert_list, handle, event = buffer.dispatch(
+                x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d, async_finish=async_finish,
+                previous_event=buffer.capture(), **layout)
+            if async_finish:
+                event.current_stream_wait()
+            assert torch.equal(back(recv_x), ref_x) and torch.equal(back(recv_idx), ref_idx)
+            assert torch.equal(back(recv_w), ref_w)
+            assert per_expert_list == [int((ref_idx == e).sum()) for e in range(num_local)]
+            rank_prefix = handle[0]
+            assert rank_prefix[:, rank].tolist() == torch.tensor(recv_counts).cumsum(0).tolist()
+
+        # expert_alignment rounds the per-expert counts up
+        _, _, _, aligned, _, _ = buffer.dispatch(x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d,
+                                                expert_alignment=4, **layout)
+        assert aligned == [(c + 3) // 4 * 4 for c in per_expert_list]
+
+        # worst-token mode: static shapes, the tail padded with -1 / 0
+        worst = 37 * world
+        w_x, w_idx, w_w, empty_list, w_handle, _ = buffer.dispatch(
+            x_d, topk_idx=topk_idx_d, topk_weights=topk_weights_d, num_worst_tokens=worst, **layout)
+        w_x, w_idx, w_w = back(w_x), back(w_idx), back(w_w)
+        n = recv_x.size(0)
+        assert empty_list == [] and w_x.size(0) == worst
+        assert torch.equal(w_x[:n], ref_x) and torch.equal(w_idx[:n], ref_idx) and torch.equal(w_w[:n], ref_w)
+        assert bool((w_idx[n:] == -1).all()) and bool((w_w[n:] == 0).all())
+
+        # cached dispatch reuses the handle's layout (no top-k)
+        x2 = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+        ref2 = _reference_dispatch(world, rank, x2, topk_idx, topk_weights, num_local)[0]
+        c_x, c_idx, c_w, c_list, c_handle, _ = buffer.dispatch(on(x2)[0], handle=handle)
+        assert torch.equal(back(c_x), ref2) and c_idx is None and c_w is None and c_list is None and c_handle is None
+
+        # routing by is_token_in_rank alone: no top-k back, per-expert counts from num_tokens_per_expert
+        n_x, n_idx, n_w, n_list, _, _ = buffer.dispatch(x_d, **layout)
+        assert torch.equal(back(n_x), ref_x) and n_idx is None and n_w is None and n_list == per_expert_list
+
+        # combine: each rank scales its rows; the owner sums them in rank order in fp32
+        y = (ref_x.float() * (rank + 1)).to(torch.bfloat16)
+        ref = _reference_combine(world, y, recv_counts, send, num_tokens, dest_mask)
+        combined, combined_w, _ = buffer.combine(on(y)[0], handle, topk_weights=recv_w)
+        assert torch.equal(back(combined), ref)
+        ref_w_sum = _reference_combine(world, ref_w, recv_counts, send, num_tokens, dest_mask)
+        assert torch.equal(back(combined_w), ref_w_sum)
+        bias = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+        combined_b, _, _ = buffer.combine(on(y)[0], handle, bias=tuple(on(bias, bias)))
+        assert torch.equal(back(combined_b), (ref.float() + bias.float() + bias.float()).to(torch.bfloat16))
+        # worst-token handle: combine of the padded rows
+        y_w = torch.zeros((worst, hidden), dtype=torch.bfloat16)
+        y_w[:n] = y
+        assert torch.equal(back(buffer.combine(on(y_w)[0], w_handle)[0]), ref)
+
+        # fp8 input (e4m3 with per-128-column scales), scales handed in column-major as DeepEP's tests do
+        scales = (x.float().view(num_tokens, hidden // 128, 128).abs().amax(dim=-1) / 448).clamp(min=1e-4)
+        x_fp8 = (x.float().view(num_tokens, hidden // 128, 128) / scales.unsqueeze(-1)).view(num_tokens, hidden).to(torch.float8_e4m3fn)
+        fp8_in = tuple(on(x_fp8, scales.T.contiguous().T))
+        (f_x, f_s), _, _, _, _, _ = buffer.dispatch(fp8_in, topk_idx=topk_idx_d, topk_weights=topk_weights_d, **layout)
+        ref_f = _reference_dispatch(world, rank, x_fp8.view(torch.uint8), topk_idx, topk_weights, num_local)[0]
+        ref_s = _reference_dispatch(world, rank, scales, topk_idx, topk_weights, num_local)[0]
+        assert torch.equal(back(f_x).view(torch.uint8), ref_f) and torch.equal(back(f_s), ref_s)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ht(world):
+    ranks.run(world, ht, 1)
+
+
+def ll(rank, world, init_method, seed):
+    import epcomm
+
+    _init(rank, world, init_method)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    num_experts, topk, hidden, max_tokens = 4 * world, 4, 256, 24
+    num_local = num_experts // world
+    buffer = epcomm.Buffer(dist.group.WORLD, 0, epcomm.Buffer.get_low_latency_rdma_size_hint(
+        max_tokens, hidden, world, num_experts), low_latency_mode=True, num_qps_per_rank=num_local)
+    for num_tokens in (max_tokens, 0 if rank == 0 else 9, 0):
+        x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16)
+        topk_idx, topk_weights = _routing(gen, num_tokens, num_experts, topk)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (x, topk_idx))
+        for use_fp8 in (False, True):
+            for hook_mode in (False, True):
+                stats = torch.zeros(num_local, dtype=torch.int32)
+                recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+                    x, topk_idx, max_tokens, num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+                    async_finish=not hook_mode, return_recv_hook=hook_mode)
+                if hook_mode:
+                    hook()
+                else:
+                    event.current_stream_wait()
+                recv_x = recv[0].float() * recv[1].repeat_interleave(128, dim=-1) if use_fp8 else recv
+                # reference: rows of each local expert, by source rank, then token (a duplicate expert once)
+                for e in range(num_local):
+                    g = rank * num_local + e
+                    ref = torch.cat([sx[(si == g).any(dim=1)] for sx, si in everyone])
+                    assert int(recv_count[e]) == ref.size(0) == int(stats[e])
+                    # DeepEP's layout range: (begin << 32) | count of the rows from each source rank
+                    begins, counts = (handle[1][e] >> 32).tolist(), (handle[1][e] & 0xFFFFFFFF).tolist()
+                    assert counts == [int((si == g).any(dim=1).sum()) for _, si in everyone]
+                    assert begins == [sum(counts[:j]) for j in range(world)]
+                    assert handle[0][e, :ref.size(0)].tolist() == torch.cat(
+                        [(si == g).any(dim=1).nonzero().view(-1) for _, si in everyone]).tolist()
+                    got = recv_x[e, :ref.size(0)]
+                    if use_fp8:
+                        assert torch.allclose(got, ref.float(), rtol=0.07, atol=1e-2)
+                    else:
+                        assert torch.equal(got, ref)
+                if use_fp8:
+                    continue
+                # combine: expert e's output is its rows scaled by (global id + 1) / 8
+                scale = ((torch.arange(num_local) + rank * num_local + 1).float() / 8).view(-1, 1, 1)
+                y = (recv_x.float() * scale).to(torch.bfloat16)
+                ref = torch.zeros((num_tokens, hidden))
+                for k in range(topk):
+                    e = topk_idx[:, k]
+                    v = (x.float() * ((e + 1).float() / 8).unsqueeze(1)).to(torch.bfloat16).float()
+                    ref += torch.where((e >= 0).unsqueeze(1), topk_weights[:, k:k + 1] * v, 0.0)
+                ref = ref.to(torch.bfloat16)
+                for zero_copy in (False, True):
+                    out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16)
+                    if zero_copy:
+                        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+                    combined, event, c_hook = buffer.low_latency_combine(
+                        y, topk_idx, topk_weights, handle, zero_copy=zero_copy, return_recv_hook=hook_mode, out=out)
+                    if hook_mode:
+                        c_hook()
+                    assert combined.data_ptr() == out.data_ptr() or num_tokens == 0
+                    assert torch.equal(combined, ref), (combined - ref).abs().max()
+    buffer.clean_low_latency_buffer(max_tokens, hidden, num_experts)
+    for call in (lambda: buffer.low_latency_update_mask_buffer(0, True),
+                 lambda: buffer.low_latency_query_mask_buffer(torch.zeros(world, dtype=torch.int32)),
+                 buffer.low_latency_clean_mask_buffer):
+        with pytest.raises(NotImplementedError, match="active-ranks mask"):
+            call()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ll(world):
+    ranks.run(world, ll, 2)
+
+
+def api_surface(rank, world, init_method):
+    import epcomm
+
+    _init(rank, world, init_method)
+    assert epcomm.topk_idx_t == torch.int64
+    cfg = epcomm.Buffer.get_dispatch_config(world)
+    assert isinstance(cfg, epcomm.Config) and epcomm.Buffer.get_combine_config(world).num_sms == epcomm.Buffer.num_sms
+    assert cfg.get_nvl_buffer_size_hint(7168 * 2, world) > 0
+    epcomm.Buffer.set_num_sms(24)
+    assert epcomm.Buffer.num_sms == 24 and epcomm.Buffer.is_sm90_compiled()
+    buffer = epcomm.Buffer(dist.group.WORLD, 1 << 20, explicitly_destroy=True)
+    t = buffer.get_local_buffer_tensor(torch.bfloat16, torch.Size([4, 8]), offset=16)
+    assert t.shape == (4, 8) and t.dtype == torch.bfloat16
+    with buffer.capture():
+        pass
+    buffer.get_comm_stream()
+    with pytest.raises(ValueError, match="on meta"):
+        buffer.get_dispatch_layout(torch.zeros((2, 2), dtype=torch.int64, device="meta"), 4 * world)
+    with pytest.raises(NotImplementedError, match="enable_shrink"):
+        epcomm.Buffer(dist.group.WORLD, enable_shrink=True)
+    # the count exchange's fallback (engines without alltoallv) goes through the group
+    buffer._alltoallv_unsupported = True
+    topk_idx = torch.tensor([[0, 2 * world - 1]] * (rank + 1), dtype=torch.int64)
+    n_rank, _, n_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 2 * world)
+    _, _, _, _, handle, _ = buffer.dispatch(torch.ones((rank + 1, 16), dtype=torch.bfloat16), topk_idx=topk_idx,
+                                            num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=n_expert)
+    sent = torch.tensor([[r + 1 if d in (0, world - 1) else 0 for d in range(world)] for r in range(world)])
+    assert torch.equal(handle[0], sent.cumsum(dim=0).to(torch.int32))
+    buffer.destroy()
+    dist.destroy_process_group()
+
+
+def test_api_surface():
+    ranks.run(2, api_surface)

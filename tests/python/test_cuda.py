@@ -1,0 +1,151 @@
+"""The same faces on CUDA tensors (GPU engine); skipped without a GPU. Ranks: EPCOMM_GPU_TEST_RANKS (default
+2), rank r on GPU r % device_count; ranks that share a GPU want CUDA MPS (see the README). References: the
+CPU results of the same calls (host engine, or gloo)."""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ranks
+import test_buffer
+import test_deepep_pattern
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+WORLD = int(os.environ.get("EPCOMM_GPU_TEST_RANKS", "2"))
+
+
+def test_buffer_ht_cuda():
+    ranks.run(WORLD, test_buffer.ht, 3, "cuda")
+
+
+def _buffer_on(engine):
+    import epcomm
+
+    os.environ["EPCOMM_ENGINE"] = engine  # the engine of a communicator is chosen when it is created
+    try:
+        return epcomm.Buffer(dist.group.WORLD)
+    finally:
+        del os.environ["EPCOMM_ENGINE"]
+
+
+def ll_cuda(rank, world, init_method):
+    """LL dispatch/combine on the GPU engine equal the host engine's, or raise epNotSupported cleanly."""
+    import epcomm
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    host, gpu = _buffer_on("host"), _buffer_on("gpu")
+    gen = torch.Generator().manual_seed(rank)
+    num_experts, hidden, max_tokens = 4 * world, 256, 16
+    x = torch.randn((max_tokens, hidden), generator=gen).to(torch.bfloat16)
+    topk_idx = torch.rand((max_tokens, num_experts), generator=gen).topk(3, dim=-1).indices
+    w = torch.rand((max_tokens, 3), generator=gen)
+    ref, ref_count, ref_handle, _, _ = host.low_latency_dispatch(x, topk_idx, max_tokens, num_experts, use_fp8=False)
+    try:
+        got, count, handle, _, _ = gpu.low_latency_dispatch(x.cuda(), topk_idx.cuda(), max_tokens, num_experts,
+                                                            use_fp8=False)
+    except epcomm._capi.Error as e:
+        assert e.code == epcomm._capi.NOT_SUPPORTED, e
+        return
+    assert torch.equal(count.cpu(), ref_count)
+    for e in range(num_experts // world):
+        n = int(ref_count[e])
+        assert torch.equal(got[e, :n].cpu(), ref[e, :n])
+    out_ref = host.low_latency_combine(ref, topk_idx, w, ref_handle)[0]
+    out = gpu.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
+    assert torch.equal(out.cpu(), out_ref)
+    dist.destroy_process_group()
+
+
+def test_ll_cuda():
+    ranks.run(WORLD, ll_cuda)
+
+
+def captured(rank, world, init_method):
+    """Worst-token dispatch -> expert stand-in -> combine captured in a CUDA graph and replayed with fresh
+    inputs equals the eager result each time."""
+    import epcomm
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    buffer = epcomm.Buffer(dist.group.WORLD)
+    num_tokens, hidden, num_experts = 64, 512, 4 * world
+    worst = num_tokens * world
+    static_x = torch.zeros((num_tokens, hidden), dtype=torch.bfloat16, device="cuda")
+    static_idx = torch.zeros((num_tokens, 2), dtype=torch.int64, device="cuda")
+    static_w = torch.zeros((num_tokens, 2), dtype=torch.float32, device="cuda")
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(static_idx, num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            static_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=static_idx, topk_weights=static_w, num_worst_tokens=worst)
+        y = (recv_x.float() * (recv_w.sum(dim=1, keepdim=True) + 1)).to(torch.bfloat16)
+        return buffer.combine(y, handle)[0]
+
+    def fresh(i):
+        gen = torch.Generator().manual_seed(1000 * i + rank)
+        static_x.copy_(torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16))
+        static_idx.copy_(torch.rand((num_tokens, num_experts), generator=gen).topk(2, dim=-1).indices)
+        static_w.copy_(torch.rand((num_tokens, 2), generator=gen))
+
+    fresh(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: creates the communicator's handles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for i in range(1, int(os.environ.get("EPCOMM_GPU_TEST_REPLAYS", "50")) + 1):
+        fresh(i)
+        eager = step().clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager), f"replay {i} differs from eager"
+    dist.destroy_process_group()
+
+
+def test_graph_capture_cuda():
+    ranks.run(WORLD, captured)
+
+
+def backend_cuda(rank, world, init_method):
+    dist.init_process_group("epcomm", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.cuda.set_device(rank)
+    for async_op in (False, True):
+        inp = torch.full((world, 4), float(rank), device="cuda")
+        out = torch.empty_like(inp)
+        work = dist.all_to_all_single(out, inp, async_op=async_op)
+        if async_op:
+            work.wait()
+        assert torch.equal(out.cpu(), torch.arange(world, dtype=torch.float32).repeat_interleave(4).view(world, 4))
+    t = torch.ones(4, device="cuda")
+    dist.all_reduce(t)
+    assert t.sum().item() == 4 * world
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="NCCL (the inner backend) needs a GPU per rank")
+def test_backend_cuda():
+    ranks.run(WORLD, backend_cuda)
+
+
+def test_deepep_intranode_pattern_cuda():
+    ranks.run(WORLD, test_deepep_pattern.intranode, "cuda")
+
+
+def test_deepep_low_latency_pattern_cuda():
+    try:
+        ranks.run(WORLD, test_deepep_pattern.low_latency, "cuda")
+    except AssertionError as e:
+        if "_capi.Error: not supported" in str(e):
+            pytest.skip("the GPU engine of this build has no LL (epNotSupported)")
+        raise
