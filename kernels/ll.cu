@@ -556,28 +556,13 @@ __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
 
 }  // namespace
 
-// Receive kernels may launch while the send kernel before them runs (LlParams::pdl): programmatic dependent
-// launch, which the send kernels allow at their start.
+// Every LL launch: the fixed grid, `smem` bytes of dynamic shared memory (opted in above 48 KiB), and how the
+// kernel relates to the one before it on the stream: plainly after it; as a programmatic dependent (a receive
+// half that may start while its send half runs, LlParams::pdl), which the send kernels allow at their start;
+// or as a cooperative launch (both halves in one kernel: every block resident at once).
+enum class Launch { kPlain, kDependent, kCooperative };
 template <typename... Args>
-cudaError_t launchRecv(const LlParams& p, void (*kernel)(Args...), size_t smem, cudaStream_t s) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.blocks);
-  cfg.blockDim = dim3(kLlThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
-}
-
-size_t llSendSmemBytes(int T, int K, int E) { return sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E); }
-
-// Both halves in one cooperative launch (LlParams::blocks must not exceed the SMs: one block per SM fits).
-template <typename... Args>
-cudaError_t launchFused(const LlParams& p, void (*kernel)(Args...), size_t smem, cudaStream_t s) {
+cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, Launch how, cudaStream_t s) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLlMaxSmem));
     if (e != cudaSuccess) return e;
@@ -588,12 +573,19 @@ cudaError_t launchFused(const LlParams& p, void (*kernel)(Args...), size_t smem,
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
+  if (how == Launch::kCooperative) {
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+  } else {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = how == Launch::kCooperative || (how == Launch::kDependent && p.pdl) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
+
+size_t llSendSmemBytes(int T, int K, int E) { return sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E); }
 
 size_t dispatchRecvSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
@@ -604,55 +596,46 @@ size_t combineSendSmem(const LlParams& p) {
 size_t combineRecvSmem(const LlParams& p) { return p.zero_copy ? llSendSmemBytes(p.T, p.K, p.E) : 0; }
 
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
-  return launchFused(p, llDispatchKernel, std::max(llSendSmemBytes(p.T, p.K, p.E), dispatchRecvSmem(p)), s);
-}
-
-cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s) {
-  const size_t smem = std::max(combineSendSmem(p), combineRecvSmem(p));
-  switch (p.dtype) {
-    case epBfloat16: return launchFused(p, llCombineKernel<epBfloat16>, smem, s);
-    case epFloat16: return launchFused(p, llCombineKernel<epFloat16>, smem, s);
-    default: return launchFused(p, llCombineKernel<epFloat32>, smem, s);
-  }
+  const size_t smem = std::max(llSendSmemBytes(p.T, p.K, p.E), dispatchRecvSmem(p));
+  return launchLl(p, llDispatchKernel, smem, Launch::kCooperative, s);
 }
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
-  const size_t smem = llSendSmemBytes(p.T, p.K, p.E);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(llDispatchSendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kLlMaxSmem));
-    if (e != cudaSuccess) return e;
-  }
-  llDispatchSendKernel<<<p.blocks, kLlThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return launchLl(p, llDispatchSendKernel, llSendSmemBytes(p.T, p.K, p.E), Launch::kPlain, s);
 }
 
 cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s) {
-  return launchRecv(p, llDispatchRecvKernel, dispatchRecvSmem(p), s);
+  return launchLl(p, llDispatchRecvKernel, dispatchRecvSmem(p), Launch::kDependent, s);
 }
 
 cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s) {
-  llCombineSendKernel<<<p.blocks, kLlThreads, combineSendSmem(p), s>>>(p);
-  return cudaGetLastError();
+  return launchLl(p, llCombineSendKernel, combineSendSmem(p), Launch::kPlain, s);
 }
 
-template <int kDtype>
-cudaError_t launchCombineRecv(const LlParams& p, cudaStream_t s) {
-  const size_t smem = combineRecvSmem(p);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(llCombineRecvKernel<kDtype>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kLlMaxSmem));
-    if (e != cudaSuccess) return e;
+// The combine's receiving kernels are templated on the row type.
+template <template <int> class Kernel>
+cudaError_t launchCombineTyped(const LlParams& p, size_t smem, Launch how, cudaStream_t s) {
+  switch (p.dtype) {
+    case epBfloat16: return launchLl(p, Kernel<epBfloat16>::fn, smem, how, s);
+    case epFloat16: return launchLl(p, Kernel<epFloat16>::fn, smem, how, s);
+    default: return launchLl(p, Kernel<epFloat32>::fn, smem, how, s);
   }
-  return launchRecv(p, llCombineRecvKernel<kDtype>, smem, s);
 }
+template <int kDtype>
+struct CombineRecvOf {
+  static constexpr auto fn = llCombineRecvKernel<kDtype>;
+};
+template <int kDtype>
+struct CombineOf {
+  static constexpr auto fn = llCombineKernel<kDtype>;
+};
 
 cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
-  switch (p.dtype) {
-    case epBfloat16: return launchCombineRecv<epBfloat16>(p, s);
-    case epFloat16: return launchCombineRecv<epFloat16>(p, s);
-    default: return launchCombineRecv<epFloat32>(p, s);
-  }
+  return launchCombineTyped<CombineRecvOf>(p, combineRecvSmem(p), Launch::kDependent, s);
+}
+
+cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s) {
+  return launchCombineTyped<CombineOf>(p, std::max(combineSendSmem(p), combineRecvSmem(p)), Launch::kCooperative, s);
 }
 
 }  // namespace epcomm

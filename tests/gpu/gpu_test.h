@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <execinfo.h>
 #include <signal.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -156,6 +158,31 @@ inline void installCrashHandler() {
   signal(SIGSEGV, crashHandler);
   signal(SIGBUS, crashHandler);
   signal(SIGABRT, crashHandler);
+}
+
+// Whether a CUDA device is visible, asked in a child so this process never initialises CUDA before forking.
+inline bool haveGpu() {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    _exit(cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// main() of a GPU test program: exit 77 (skipped) without a GPU, the run's seed printed, crash stacks on.
+inline int runGpuTests(int argc, char** argv) {
+  if (!haveGpu()) {
+    printf("no CUDA device: the gpu suite is skipped\n");
+    return 77;
+  }
+  g_seed = getenv("EPCOMM_TEST_SEED") ? strtoull(getenv("EPCOMM_TEST_SEED"), nullptr, 0) : std::random_device{}();
+  printf("seed %llu (EPCOMM_TEST_SEED reproduces)\n", static_cast<unsigned long long>(g_seed));
+  installCrashHandler();
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
 }
 
 }  // namespace

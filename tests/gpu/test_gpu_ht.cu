@@ -448,29 +448,8 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuHt, ::testing::ValuesIn(rankCounts()),
                          [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
 
-// Whether a CUDA device is visible, asked in a child so this process never initialises CUDA before forking.
-bool haveGpu() {
-  pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    _exit(cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 1);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
 
 }  // namespace
 
 
-int main(int argc, char** argv) {
-  if (!haveGpu()) {
-    printf("no CUDA device: the gpu suite is skipped\n");
-    return 77;
-  }
-  g_seed = getenv("EPCOMM_TEST_SEED") ? strtoull(getenv("EPCOMM_TEST_SEED"), nullptr, 0) : std::random_device{}();
-  printf("seed %llu (EPCOMM_TEST_SEED reproduces)\n", static_cast<unsigned long long>(g_seed));
-  installCrashHandler();
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char** argv) { return runGpuTests(argc, argv); }

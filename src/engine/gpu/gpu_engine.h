@@ -47,6 +47,9 @@ class GpuEngine final : public Engine {
  private:
   HtParams baseParams(int op) const;
   LlParams llParams(int op) const;
+  template <typename Args>
+  LlParams llParams(int op, const Args& a) const;
+  epResult_t llLaunch(int family, unsigned phases, const LlParams& p, epStream_t stream);
   epResult_t llCheck(int family, unsigned phases, int num_experts, int hidden, int dtype, int topk) const;
   epResult_t initLl();
   HtParams dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const;

@@ -48,6 +48,24 @@ epResult_t GpuEngine::initLl() {
   return epSuccess;
 }
 
+// The fields both LL operations' args share (dispatch and combine args name them alike).
+template <typename Args>
+LlParams GpuEngine::llParams(int op, const Args& a) const {
+  LlParams p = llParams(op);
+  p.T = a.num_tokens;
+  p.M = a.max_tokens_per_rank;
+  p.H = a.hidden;
+  p.K = a.topk;
+  p.E = a.num_experts;
+  p.L = a.num_experts / comm_->nranks;
+  p.dtype = a.dtype;
+  p.layout = a.layout;
+  p.xrow = static_cast<size_t>(a.hidden) * dtypeSize(a.dtype);
+  return p;
+}
+template LlParams GpuEngine::llParams(int, const epLlDispatchArgs_t&) const;
+template LlParams GpuEngine::llParams(int, const epLlCombineArgs_t&) const;
+
 LlParams GpuEngine::llParams(int op) const {
   LlParams p{};
   p.rank = comm_->rank;
@@ -95,17 +113,8 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
              a->num_tokens, a->topk, kLlMaxSmem);
   EPCHECK(checkAligned(a->x, "x"));
   EPCHECK(checkAligned(a->recv_x, "recv_x"));
-  LlParams p = llParams(epOpLlDispatch);
-  p.T = a->num_tokens;
-  p.M = a->max_tokens_per_rank;
-  p.H = a->hidden;
-  p.K = a->topk;
-  p.E = a->num_experts;
-  p.L = a->num_experts / comm_->nranks;
-  p.dtype = a->dtype;
+  LlParams p = llParams(epOpLlDispatch, *a);
   p.use_fp8 = a->use_fp8 != 0;
-  p.layout = a->layout;
-  p.xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
   p.srow = p.use_fp8 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
   p.drow = p.use_fp8 ? static_cast<size_t>(a->hidden) : p.xrow;
   p.x = a->x;
@@ -117,20 +126,31 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
   p.recv_layout_range = a->recv_layout_range;
   p.recv_topk_idx = a->recv_topk_idx;
   p.zc_guard = ll_zero_copy_;
+  return llLaunch(kLlDispatch, a->phases, p, stream);
+}
+
+// The launches of one LL call: both halves in one cooperative kernel when allowed, else one kernel per half;
+// the halves issued are counted for the call-order checks.
+epResult_t GpuEngine::llLaunch(int family, unsigned phases, const LlParams& p, epStream_t stream) {
+  using Launcher = cudaError_t (*)(const LlParams&, cudaStream_t);
+  static const Launcher kBoth[2] = {launchLlDispatch, launchLlCombine};
+  static const Launcher kSend[2] = {launchLlDispatchSend, launchLlCombineSend};
+  static const Launcher kRecv[2] = {launchLlDispatchRecv, launchLlCombineRecv};
+  static const char* kName[2] = {"LL dispatch", "LL combine"};
   cudaStream_t s = streamOf(stream);
-  if (a->phases == EP_LL_SEND_RECV && ll_fused_) {
-    EPCHECK(checkLaunch(launchLlDispatch(p, s), "the LL dispatch kernel"));
-    ++ll_sent_[kLlDispatch];
-    ++ll_recvd_[kLlDispatch];
+  if (phases == EP_LL_SEND_RECV && ll_fused_) {
+    EPCHECK(checkLaunch(kBoth[family](p, s), kName[family]));
+    ++ll_sent_[family];
+    ++ll_recvd_[family];
     return epSuccess;
   }
-  if (a->phases & EP_LL_SEND) {
-    EPCHECK(checkLaunch(launchLlDispatchSend(p, s), "the LL dispatch send kernel"));
-    ++ll_sent_[kLlDispatch];
+  if (phases & EP_LL_SEND) {
+    EPCHECK(checkLaunch(kSend[family](p, s), kName[family]));
+    ++ll_sent_[family];
   }
-  if (a->phases & EP_LL_RECV) {
-    EPCHECK(checkLaunch(launchLlDispatchRecv(p, s), "the LL dispatch receive kernel"));
-    ++ll_recvd_[kLlDispatch];
+  if (phases & EP_LL_RECV) {
+    EPCHECK(checkLaunch(kRecv[family](p, s), kName[family]));
+    ++ll_recvd_[family];
   }
   return epSuccess;
 }
@@ -159,16 +179,7 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
                "recv_src_info is NULL: the GPU engine's expert-major combine needs it (pass dispatch's output)");
   EPCHECK(checkAligned(a->y, "y"));
   EPCHECK(checkAligned(a->out, "out"));
-  LlParams p = llParams(epOpLlCombine);
-  p.T = a->num_tokens;
-  p.M = a->max_tokens_per_rank;
-  p.H = a->hidden;
-  p.K = a->topk;
-  p.E = a->num_experts;
-  p.L = a->num_experts / comm_->nranks;
-  p.dtype = a->dtype;
-  p.layout = a->layout;
-  p.xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  LlParams p = llParams(epOpLlCombine, *a);
   p.y = a->y;
   p.recv_count = const_cast<int*>(a->recv_count);
   p.recv_src_info = const_cast<int*>(a->recv_src_info);
@@ -197,22 +208,7 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
     p.y_off = 0;
   }
   if (a->phases & EP_LL_SEND) ll_recv_zero_copy_ = p.zero_copy;
-  cudaStream_t s = streamOf(stream);
-  if (a->phases == EP_LL_SEND_RECV && ll_fused_) {
-    EPCHECK(checkLaunch(launchLlCombine(p, s), "the LL combine kernel"));
-    ++ll_sent_[kLlCombine];
-    ++ll_recvd_[kLlCombine];
-    return epSuccess;
-  }
-  if (a->phases & EP_LL_SEND) {
-    EPCHECK(checkLaunch(launchLlCombineSend(p, s), "the LL combine send kernel"));
-    ++ll_sent_[kLlCombine];
-  }
-  if (a->phases & EP_LL_RECV) {
-    EPCHECK(checkLaunch(launchLlCombineRecv(p, s), "the LL combine receive kernel"));
-    ++ll_recvd_[kLlCombine];
-  }
-  return epSuccess;
+  return llLaunch(kLlCombine, a->phases, p, stream);
 }
 
 }  // namespace epcomm
