@@ -160,6 +160,23 @@ inline void installCrashHandler() {
   signal(SIGABRT, crashHandler);
 }
 
+// The communicator recorded no asynchronous error and no device-side violation (a CK failure otherwise).
+#define CK_CLEAN(comm, what)                                                                                  \
+  do {                                                                                                        \
+    epResult_t ae_;                                                                                           \
+    epErrorInfo_t info_ = EP_ERROR_INFO_INIT;                                                                 \
+    CKE(epCommGetAsyncError(comm, &ae_, &info_), comm);                                                       \
+    CK(ae_ == epSuccess && info_.num_violations == 0, "%s: async error %s (op %d, epoch %llu, peer %d), %llu " \
+       "violations", what, epGetErrorString(ae_), info_.op, static_cast<unsigned long long>(info_.epoch),      \
+       info_.peer, static_cast<unsigned long long>(info_.num_violations));                                    \
+  } while (0)
+
+// Every rank's exit code of a runRanks() run is 0.
+inline void expectAllRanksOk(const std::vector<int>& codes, uint64_t seed) {
+  for (size_t r = 0; r < codes.size(); ++r)
+    EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << codes.size() << ", seed " << seed;
+}
+
 // Whether a CUDA device is visible, asked in a child so this process never initialises CUDA before forking.
 inline bool haveGpu() {
   pid_t pid = fork();

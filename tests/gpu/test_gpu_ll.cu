@@ -285,7 +285,7 @@ TEST_P(GpuLl, BitExactAgainstHostEngine) {
     CKE(epCommDestroy(h), h);
     return 0;
   }, 600000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+  expectAllRanksOk(codes, seed);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
     CKE(epCommDestroy(h), h);
     return 0;
   }, 300000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+  expectAllRanksOk(codes, seed);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -557,11 +557,7 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
       CKC(cudaStreamSynchronize(s));
       CK(P.final_graph.host() == P.final_eager.host(), "replay %d differs from eager", it);
     }
-    epResult_t ae;
-    epErrorInfo_t info = EP_ERROR_INFO_INIT;
-    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
-    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
-       static_cast<unsigned long long>(info.num_violations));
+    CK_CLEAN(comm, "after the run");
     // alltoallv with device counts, captured and replayed with fresh counts.
     {
       const size_t cap = 4096;
@@ -600,7 +596,7 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 900000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+  expectAllRanksOk(codes, seed);
 }
 
 TEST_P(GpuLl, LateBlocksManyOperations) {
@@ -642,16 +638,12 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
         CK(again.host() == want, "operation %d: result differs from the first run", i);
       }
     }
-    epResult_t ae;
-    epErrorInfo_t info = EP_ERROR_INFO_INIT;
-    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
-    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
-       static_cast<unsigned long long>(info.num_violations));
+    CK_CLEAN(comm, "after the run");
     cudaGraphExecDestroy(ex);
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 900000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+  expectAllRanksOk(codes, seed);
 }
 
 // The GPU engine's host-side checks (the C API's contract): bad arguments on every rank are rejected before
@@ -729,15 +721,11 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
       CKC(cudaStreamSynchronize(s));
       CK(again.host() == want, "split halves after a refused second send half: result differs");
     }
-    epResult_t ae;
-    epErrorInfo_t info = EP_ERROR_INFO_INIT;
-    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
-    CK(ae == epSuccess && info.num_violations == 0, "async error %d, violations %llu", ae,
-       static_cast<unsigned long long>(info.num_violations));
+    CK_CLEAN(comm, "after the run");
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 300000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+  expectAllRanksOk(codes, seed);
 }
 
 // For compute-sanitizer runs: rank EPCOMM_GPU_TEST_OOB_RANK writes one element past a buffer, so a run can prove
