@@ -160,6 +160,30 @@ inline void installCrashHandler() {
   signal(SIGABRT, crashHandler);
 }
 
+// Device-side input generator: fresh x and routing for replay `it`, without host work between replays. With
+// `blocked`, expert k of a token is drawn from the k-th of K equal blocks (distinct experts, as HT wants); else
+// from all E (repeats possible, which LL must send once).
+__global__ void genInputs(uint16_t* x, int64_t* idx, float* w, int T, int H, int K, int E, uint64_t seed,
+                          bool blocked) {
+  auto hash = [](uint64_t v) {
+    v ^= v >> 33;
+    v *= 0xff51afd7ed558ccdull;
+    v ^= v >> 33;
+    v *= 0xc4ceb9fe1a85ec53ull;
+    return v ^ (v >> 33);
+  };
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * H; i += gridDim.x * blockDim.x)
+    x[i] = epcomm::floatToBf16(static_cast<float>(static_cast<int>(hash(seed * 7919 + i) % 2001) - 1000) / 256.0f);
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * K; i += gridDim.x * blockDim.x) {
+    const int k = static_cast<int>(i % K);
+    uint64_t hv = hash(seed * 104729 + i + 1);
+    const int64_t e = blocked ? static_cast<int64_t>(k) * (E / K) + static_cast<int64_t>((hv >> 8) % (E / K))
+                              : static_cast<int64_t>((hv >> 8) % E);
+    idx[i] = (hv % 13 == 0) ? -1 : e;
+    w[i] = static_cast<float>(hv % 1000) / 1000.0f;
+  }
+}
+
 // The communicator recorded no asynchronous error and no device-side violation (a CK failure otherwise).
 #define CK_CLEAN(comm, what)                                                                                  \
   do {                                                                                                        \

@@ -274,24 +274,6 @@ TEST_P(GpuHt, BitExactAgainstHostEngine) {
   expectAllRanksOk(codes, seed);
 }
 
-// Device-side input generator: fresh x and routing for replay `it`, without host work between replays.
-__global__ void genInputs(uint16_t* x, int64_t* idx, float* w, int T, int H, int K, int E, uint64_t seed) {
-  auto hash = [](uint64_t v) {
-    v ^= v >> 33;
-    v *= 0xff51afd7ed558ccdull;
-    v ^= v >> 33;
-    v *= 0xc4ceb9fe1a85ec53ull;
-    return v ^ (v >> 33);
-  };
-  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * H; i += gridDim.x * blockDim.x)
-    x[i] = epcomm::floatToBf16(static_cast<float>(static_cast<int>(hash(seed * 7919 + i) % 2001) - 1000) / 256.0f);
-  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * K; i += gridDim.x * blockDim.x) {
-    const int k = static_cast<int>(i % K);
-    uint64_t hv = hash(seed * 104729 + i + 1);
-    idx[i] = (hv % 13 == 0) ? -1 : static_cast<int64_t>(k) * (E / K) + static_cast<int64_t>((hv >> 8) % (E / K));
-    w[i] = static_cast<float>(hv % 1000) / 1000.0f;
-  }
-}
 
 struct Pipeline {  // layout -> worst-token dispatch -> stand-in -> combine, on device buffers
   int T, H, K, E, W, R, rank;
@@ -374,7 +356,7 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
     size_t bad = 0;
     for (int it = 0; it < replays; ++it) {
       Pipeline& P = (it & 1) ? B : A;
-      genInputs<<<64, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed * 100000 + it * 64 + rank);
+      genInputs<<<64, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed * 100000 + it * 64 + rank, true);
       CKC(cudaGraphLaunch((it & 1) ? eb : ea, s));
       CKE(P.run(s, P.out_eager.p), comm);  // eager, interleaved on the same communicator, same inputs
       CKC(cudaStreamSynchronize(s));
@@ -407,7 +389,7 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     {
       Pipeline P(comm, R, rank, 32, 256, 2, 2 * R);
-      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 5 + rank);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 5 + rank, true);
       CKE(P.run(s, P.out.p), comm);
       CKC(cudaStreamSynchronize(s));
       if (rank != R - 1) {  // the last rank stops participating
@@ -428,7 +410,7 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
     CKE(epCommInitRank(&comm, R, &gid2, rank, &cfg2), nullptr);
     {
       Pipeline P(comm, R, rank, 32, 256, 2, 2 * R);
-      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 9 + rank);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 9 + rank, true);
       CKE(P.run(s, P.out.p), comm);
       CKC(cudaStreamSynchronize(s));
       epResult_t ae;

@@ -374,22 +374,6 @@ TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
 // ---------------------------------------------------------------------------------------------------------
 // Graphs and late blocks
 // ---------------------------------------------------------------------------------------------------------
-__global__ void genLl(uint16_t* x, int64_t* idx, float* w, int T, int H, int K, int E, uint64_t seed) {
-  auto hash = [](uint64_t v) {
-    v ^= v >> 33;
-    v *= 0xff51afd7ed558ccdull;
-    v ^= v >> 33;
-    v *= 0xc4ceb9fe1a85ec53ull;
-    return v ^ (v >> 33);
-  };
-  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * H; i += gridDim.x * blockDim.x)
-    x[i] = epcomm::floatToBf16(static_cast<float>(static_cast<int>(hash(seed * 7919 + i) % 2001) - 1000) / 256.0f);
-  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<size_t>(T) * K; i += gridDim.x * blockDim.x) {
-    uint64_t hv = hash(seed * 104729 + i + 1);
-    idx[i] = (hv % 13 == 0) ? -1 : static_cast<int64_t>((hv >> 8) % E);
-    w[i] = static_cast<float>(hv % 1000) / 1000.0f;
-  }
-}
 
 struct LlLayer {  // dispatch -> stand-in -> combine on device buffers
   int T, M, H, K, E, R, rank, layout;
@@ -480,7 +464,7 @@ struct LlStep {
   }
   void gen(cudaStream_t s, uint64_t seed) {
     for (LlLayer* l : {&l0, &l1, &l2})
-      genLl<<<64, 256, 0, s>>>(l->x.p, l->idx.p, l->w.p, l->T, l->H, l->K, l->E, seed + 17 * (l - &l0));
+      genInputs<<<64, 256, 0, s>>>(l->x.p, l->idx.p, l->w.p, l->T, l->H, l->K, l->E, seed + 17 * (l - &l0), false);
   }
 };
 
@@ -540,7 +524,7 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
     DevBuf<uint16_t> scratch(1 << 20);
     for (int it = 0; it < replays; ++it) {
       if (it % 3 == 2) {
-        genLl<<<64, 256, 0, s>>>(H1.x.p, H1.idx.p, H1.w.p, H1.T, H1.H, H1.K, H1.E, seed * 100003 + it * 64 + rank);
+        genInputs<<<64, 256, 0, s>>>(H1.x.p, H1.idx.p, H1.w.p, H1.T, H1.H, H1.K, H1.E, seed * 100003 + it * 64 + rank, false);
         CKC(cudaGraphLaunch(es_, s));
         CKC(cudaMemsetAsync(scratch.p, it & 0xff, scratch.bytes(), s));  // work between the halves
         CKC(cudaGraphLaunch(er_, s));
@@ -620,7 +604,7 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
     DevBuf<uint16_t> first(static_cast<size_t>(16) * 128), again(static_cast<size_t>(16) * 128);
-    genLl<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank);
+    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
     CKE(P.run(s, first.p), comm);
     cudaGraph_t gph;
     cudaGraphExec_t ex;
@@ -667,7 +651,7 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlLayer P(comm, R, rank, 32, 32, 512, 4, E, EP_LL_EXPERT_MAJOR);
     DevBuf<uint16_t> first(static_cast<size_t>(32) * 512), again(static_cast<size_t>(32) * 512);
-    genLl<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank);
+    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
     CKE(P.run(s, first.p), comm);
     CKC(cudaStreamSynchronize(s));
     const auto want = first.host();
