@@ -22,8 +22,8 @@ def bad_input(rank, world, init_method):
     import epcomm
 
     _init(rank, world, init_method)
-    # split sizes on which rank 0 and the last rank disagree: epcomm's check fails on both of them (the others'
-    # exchanges are consistent and complete)
+    # split sizes on which rank 0 and the last rank disagree: the counts are compared before any data moves; the
+    # two ranks of the pair get invalid usage, the others a remote error naming the pair (epcomm.h)
     send = [2] * world
     recv = [2] * world
     if rank == 0:
@@ -34,7 +34,9 @@ def bad_input(rank, world, init_method):
                                                ".*(recv_counts|expects)"):
             dist.all_to_all_single(out, torch.zeros(sum(send)), recv, send)
     else:
-        dist.all_to_all_single(out, torch.zeros(sum(send)), recv, send)
+        with pytest.raises(RuntimeError, match="epcomm all_to_all_single failed: remote error: alltoallv: "
+                                               f"rank {world - 1} sends 2 elements to rank 0"):
+            dist.all_to_all_single(out, torch.zeros(sum(send)), recv, send)
     # a local argument error, caught before anything moves
     with pytest.raises(RuntimeError, match="rows do not split evenly"):
         dist.all_to_all_single(torch.empty(world + 1), torch.empty(world + 1))
