@@ -149,3 +149,109 @@ def test_deepep_low_latency_pattern_cuda():
         if "_capi.Error: not supported" in str(e):
             pytest.skip("the GPU engine of this build has no LL (epNotSupported)")
         raise
+
+
+def backend_graphs(rank, world, init_method):
+    """On the epcomm backend (CUDA tensors, one GPU per rank): all_to_all_single and epcomm.all_to_all_v captured
+    in CUDA graphs and replayed with fresh inputs equal eager calls each time; then a captured MoE layer (router,
+    dispatch, per-expert matmuls, combine) replayed with fresh inputs equals the eager layer."""
+    import epcomm
+
+    dist.init_process_group("epcomm", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.cuda.set_device(rank)
+    replays = int(os.environ.get("EPCOMM_GPU_TEST_REPLAYS", "50"))
+    gen = torch.Generator(device="cuda").manual_seed(17 + rank)
+
+    def capture(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm-up outside the capture: creates communicators and handles
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out
+
+    # all_to_all_single, equal splits
+    inp = torch.empty((world * 8, 64), device="cuda")
+    a2a_out = torch.empty_like(inp)
+
+    def a2a():
+        dist.all_to_all_single(a2a_out, inp)
+        return a2a_out
+
+    graph, static = capture(a2a)
+    for i in range(replays):
+        inp.normal_(generator=gen)
+        graph.replay()
+        got = static.clone()
+        want = torch.empty_like(inp)
+        dist.all_to_all_single(want, inp)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"all_to_all_single replay {i} differs from eager"
+
+    # all_to_all_v: counts in device memory, fixed-capacity output
+    cap = 8 * world
+    v_in = torch.empty((8 * world, 32), device="cuda")
+    counts = torch.zeros(world, dtype=torch.int64, device="cuda")
+    v_out = torch.zeros((cap, 32), device="cuda")
+    v_recv = torch.zeros(world, dtype=torch.int64, device="cuda")
+
+    def a2av():
+        epcomm.all_to_all_v(v_out, v_in, counts, v_recv)
+        return v_out
+
+    counts.fill_(1)
+    graph, _ = capture(a2av)
+    for i in range(replays):
+        v_in.normal_(generator=gen)
+        counts.copy_(torch.randint(0, 9, (world,), device="cuda", generator=gen))
+        graph.replay()
+        got, got_counts = v_out.clone(), v_recv.clone()
+        want, want_counts = torch.zeros_like(v_out), torch.zeros_like(v_recv)
+        epcomm.all_to_all_v(want, v_in, counts, want_counts)
+        torch.cuda.synchronize()
+        n = int(want_counts.sum())
+        assert torch.equal(got_counts, want_counts) and torch.equal(got[:n], want[:n]), \
+            f"all_to_all_v replay {i} differs from eager"
+
+    # A DeepSeek-style MoE layer: router -> top-k -> dispatch -> per-expert matmul -> combine, in one graph.
+    tokens, hidden, experts, topk = 64, 256, 4 * world, 2
+    local = experts // world
+    router = torch.randn((hidden, experts), device="cuda", generator=gen) / hidden ** 0.5
+    weights = torch.randn((local, hidden, hidden), device="cuda", generator=gen) / hidden ** 0.5
+    x = torch.empty((tokens, hidden), dtype=torch.bfloat16, device="cuda")
+    buffer = epcomm.Buffer(dist.group.WORLD)
+
+    def layer():
+        probs = (x.float() @ router).softmax(dim=-1)
+        w, idx = probs.topk(topk, dim=-1)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, num_worst_tokens=tokens * world)
+        y = torch.zeros((recv_x.size(0), hidden), device="cuda")
+        for e in range(local):
+            coef = (recv_w * (recv_idx == e)).sum(dim=1, keepdim=True)
+            y += coef * (recv_x.float() @ weights[e])
+        return buffer.combine(y.to(torch.bfloat16), handle)[0]
+
+    x.normal_(generator=gen)
+    graph, static = capture(layer)
+    for i in range(replays):
+        x.copy_(torch.randn((tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16))
+        graph.replay()
+        got = static.clone()
+        want = layer()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"MoE layer replay {i} differs from eager"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="NCCL (the inner backend) needs a GPU per rank")
+def test_backend_graphs_cuda():
+    ranks.run(WORLD, backend_graphs)
