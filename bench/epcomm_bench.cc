@@ -105,6 +105,20 @@ void makeBf16(std::mt19937_64& rng, std::vector<uint16_t>& x, size_t n) {
   for (auto& v : x) v = epcomm::floatToBf16(nd(rng));
 }
 
+// One rank's inputs of a benchmark: routing (distinct experts per token), weights and bf16 rows, from one seed.
+struct Inputs {
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+  std::vector<uint16_t> x;
+};
+Inputs makeInputs(uint64_t seed, int T, int K, int E, int H) {
+  std::mt19937_64 rng(seed);
+  Inputs in;
+  makeRouting(rng, T, K, E, in.idx, in.w);
+  makeBf16(rng, in.x, static_cast<size_t>(T) * H);
+  return in;
+}
+
 // HT dispatch arguments of the standard shape, bf16 rows; receive buffers are set by the caller.
 epHtDispatchArgs_t htArgs(const Options& o, const void* x, const int64_t* idx, const float* w) {
   epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
@@ -178,12 +192,7 @@ Row reportRow(const std::string& op, int tokens, const std::vector<double>& time
 
 void benchHt(const Options& o, std::vector<Row>& rows) {
   const int T = o.ht_tokens, H = o.hidden, K = o.topk, E = o.experts;
-  std::mt19937_64 rng(1234 + rank);
-  std::vector<int64_t> idx;
-  std::vector<float> w;
-  makeRouting(rng, T, K, E, idx, w);
-  std::vector<uint16_t> x;
-  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  auto [idx, w, x] = makeInputs(1234 + rank, T, K, E, H);
   epHtHandle_t h;
   CHECK(epHtHandleCreate(comm, T, &h));
   epHtDispatchArgs_t a = htArgs(o, x.data(), idx.data(), w.data());
@@ -233,12 +242,7 @@ void benchHt(const Options& o, std::vector<Row>& rows) {
 
 void benchLl(const Options& o, std::vector<Row>& rows) {
   const int T = o.ll_tokens, H = o.hidden, K = o.topk, E = o.experts, L = E / nranks, M = T;
-  std::mt19937_64 rng(4321 + rank);
-  std::vector<int64_t> idx;
-  std::vector<float> w;
-  makeRouting(rng, T, K, E, idx, w);
-  std::vector<uint16_t> x;
-  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  auto [idx, w, x] = makeInputs(4321 + rank, T, K, E, H);
   epLlDispatchArgs_t d = EP_LL_DISPATCH_ARGS_INIT;
   d.num_tokens = T;
   d.max_tokens_per_rank = M;
@@ -389,13 +393,8 @@ double p2pBandwidth(cudaStream_t s) {
 }
 
 void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
-  const int T = o.ht_tokens, H = o.hidden, K = o.topk, E = o.experts, R = nranks;
-  std::mt19937_64 rng(1234 + rank);
-  std::vector<int64_t> idx;
-  std::vector<float> w;
-  makeRouting(rng, T, K, E, idx, w);
-  std::vector<uint16_t> x;
-  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  const int T = o.ht_tokens, H = o.hidden, K = o.topk, E = o.experts;
+  auto [idx, w, x] = makeInputs(1234 + rank, T, K, E, H);
   int64_t* d_idx = devUpload(idx);
   float* d_w = devUpload(w);
   uint16_t* d_x = devUpload(x);
@@ -502,12 +501,7 @@ std::vector<LlTimes> g_ll;
 
 void benchGpuLl(const Options& o, cudaStream_t s) {
   const int T = o.ll_tokens, H = o.hidden, K = o.topk, E = o.experts, L = E / nranks, M = T, R = nranks;
-  std::mt19937_64 rng(4321 + rank);
-  std::vector<int64_t> idx;
-  std::vector<float> w;
-  makeRouting(rng, T, K, E, idx, w);
-  std::vector<uint16_t> x;
-  makeBf16(rng, x, static_cast<size_t>(T) * H);
+  auto [idx, w, x] = makeInputs(4321 + rank, T, K, E, H);
   int64_t* d_idx = devUpload(idx);
   float* d_w = devUpload(w);
   uint16_t* d_x = devUpload(x);

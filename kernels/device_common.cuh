@@ -139,11 +139,6 @@ __device__ __forceinline__ int warpSum(int v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
-__device__ __forceinline__ float warpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
 
 // 16 bytes of a row as floats, per element type; conversions by the shared rules of common/dtype.h.
 template <int kDtype>

@@ -307,8 +307,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     // Rows from r on this channel: its tokens in [tb, te) that went to r.
     int n = 0;
     for (int t = tb + lane; t < te; t += 32) n += p.h.in_rank[static_cast<size_t>(t) * R + r];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(kFull, n, o);
+    n = warpSum(n);
     uint64_t* tail = qCounter(p, p.rank, kCombTail, r, c);
     uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
     const uint64_t base = ldAcquire(head);

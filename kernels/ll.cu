@@ -2,9 +2,10 @@
 // Buffer layout and protocol: LlLayout in src/common/gpu_layout.h. Element rules (fp8 quantization,
 // bf16/fp16 rounding): src/common/dtype.h, shared with the host engine so both produce the same bits.
 //
-// Every kernel runs on a fixed grid (LlParams::blocks) and a warp is the unit of work: a token to send, a
-// received slot to place, an expert-output row to return, or 32 16-byte chunks of an output row to reduce.
-// No block waits for another block of its own launch, so any number of blocks may be resident at once.
+// Every kernel runs on a fixed grid (LlParams::blocks) and a warp is the unit of work: a part of a token's row
+// to send or to place, a part of an expert-output row to return, or 32 16-byte chunks of an output row to
+// reduce. A half launched alone never waits for another block of its own launch, so any grid size works; the
+// fused kernel (both halves) does, and is launched cooperatively, every block resident at once.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -75,14 +76,10 @@ __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
 }
 
-// An expert id as the kernels use it: a value outside [-1, E) is a violation, counted and treated as -1.
-__device__ __forceinline__ int64_t expertAt(const LlParams& p, int t, int k, bool count) {
+// An expert id of the combine's routing: a value outside [-1, E) is treated as -1 (dispatch counted it).
+__device__ __forceinline__ int64_t expertAt(const LlParams& p, int t, int k) {
   const int64_t x = p.topk_idx[static_cast<size_t>(t) * p.K + k];
-  if (x < -1 || x >= p.E) {
-    if (count) recordViolation(p, epExpertOutOfRange);
-    return -1;
-  }
-  return x;
+  return x < -1 || x >= p.E ? -1 : x;
 }
 
 // Rows are split into parts so that several warps copy one row: part p of P covers units [n*p/P, n*(p+1)/P)
@@ -515,7 +512,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
       float acc[V::kN];
 #pragma unroll
       for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
-      const int64_t xl = lane < K ? expertAt(p, t, lane, false) : -1;
+      const int64_t xl = lane < K ? expertAt(p, t, lane) : -1;
       const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
       for (int k = 0; k < K; ++k) {
         const int64_t x = __shfl_sync(kFull, xl, k);

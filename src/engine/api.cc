@@ -504,11 +504,7 @@ epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, epStream_t 
 epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes) {
   return onComm(comm, Need::kUsable, [&]() -> epResult_t {
     EP_REQUIRE(y != nullptr && y_bytes != nullptr, epNullPointer, "%s is NULL", y == nullptr ? "y" : "y_bytes");
-    epResult_t r = comm->engine->llCombineBuffer(y, y_bytes);
-    if (r == epNotSupported)
-      EP_FAIL(epNotSupported, "zero-copy LL combine buffers are a GPU engine feature (the host engine's combine "
-                              "already reads y in place)");
-    return r;
+    return comm->engine->llCombineBuffer(y, y_bytes);
   });
 }
 

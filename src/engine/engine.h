@@ -40,11 +40,7 @@ class Engine {
                                      size_t recv_capacity, int64_t* recv_counts, int64_t* num_dropped,
                                      size_t elem_bytes, epResult_t local, epStream_t stream) = 0;
   // Zero-copy LL combine input: a region of the communicator's registered memory for the next combine's y.
-  virtual epResult_t llCombineBuffer(void** y, size_t* bytes) {
-    (void)y;
-    (void)bytes;
-    return epNotSupported;
-  }
+  virtual epResult_t llCombineBuffer(void** y, size_t* bytes) = 0;
   virtual epResult_t barrier(epStream_t stream) = 0;
   // Makes waits in flight give up (they return epAborted); called before the communicator is freed.
   virtual void abort() {}

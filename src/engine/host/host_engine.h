@@ -73,6 +73,7 @@ class HostEngine final : public Engine {
   epResult_t alltoallvDevice(const void* sendbuf, const int64_t* send_counts, void* recvbuf, size_t recv_capacity,
                              int64_t* recv_counts, int64_t* num_dropped, size_t elem_bytes, epResult_t local,
                              epStream_t stream) override;
+  epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
 
   // Operation kinds that may sit between an EP_LL_SEND and its EP_LL_RECV.

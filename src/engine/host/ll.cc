@@ -417,4 +417,9 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
   return left_in_y ? waitReadDone(pend.epoch) : epSuccess;
 }
 
+epResult_t HostEngine::llCombineBuffer(void**, size_t*) {
+  EP_FAIL(epNotSupported, "zero-copy LL combine buffers are a GPU engine feature (the host engine's combine "
+                          "already reads y in place)");
+}
+
 }  // namespace epcomm
