@@ -118,7 +118,7 @@ def test_graph_capture_cuda():
 def backend_cuda(rank, world, init_method):
     dist.init_process_group("epcomm", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     for async_op in (False, True):
         inp = torch.full((world, 4), float(rank), device="cuda")
         out = torch.empty_like(inp)
@@ -126,14 +126,14 @@ def backend_cuda(rank, world, init_method):
         if async_op:
             work.wait()
         assert torch.equal(out.cpu(), torch.arange(world, dtype=torch.float32).repeat_interleave(4).view(world, 4))
-    t = torch.ones(4, device="cuda")
-    dist.all_reduce(t)
-    assert t.sum().item() == 4 * world
+    if torch.cuda.device_count() >= world:  # the inner NCCL backend needs a GPU per rank
+        t = torch.ones(4, device="cuda")
+        dist.all_reduce(t)
+        assert t.sum().item() == 4 * world
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="NCCL (the inner backend) needs a GPU per rank")
 def test_backend_cuda():
     ranks.run(WORLD, backend_cuda)
 
@@ -152,14 +152,14 @@ def test_deepep_low_latency_pattern_cuda():
 
 
 def backend_graphs(rank, world, init_method):
-    """On the epcomm backend (CUDA tensors, one GPU per rank): all_to_all_single and epcomm.all_to_all_v captured
+    """On the epcomm backend (CUDA tensors; ranks may share a GPU): all_to_all_single and epcomm.all_to_all_v captured
     in CUDA graphs and replayed with fresh inputs equal eager calls each time; then a captured MoE layer (router,
     dispatch, per-expert matmuls, combine) replayed with fresh inputs equals the eager layer."""
     import epcomm
 
     dist.init_process_group("epcomm", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     replays = int(os.environ.get("EPCOMM_GPU_TEST_REPLAYS", "50"))
     gen = torch.Generator(device="cuda").manual_seed(17 + rank)
 
@@ -252,6 +252,5 @@ def backend_graphs(rank, world, init_method):
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="NCCL (the inner backend) needs a GPU per rank")
 def test_backend_graphs_cuda():
     ranks.run(WORLD, backend_graphs)
