@@ -134,7 +134,8 @@ typedef enum { EP_ENGINE_AUTO = 0, EP_ENGINE_HOST = 1, EP_ENGINE_GPU = 2 } epEng
 /* Operations and phases, as recorded in epErrorInfo_t. */
 typedef enum {
   epOpNone = 0, epOpInit, epOpLayout, epOpHtNotify, epOpHtDispatch, epOpHtCombine, epOpLlDispatch,
-  epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy, epNumOps
+  epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy,
+  epOpSetActiveRanks, epNumOps
 } epOp_t;
 typedef enum { epPhaseNone = 0, epPhaseHeader, epPhaseData, epPhaseBootstrap } epPhase_t;
 
