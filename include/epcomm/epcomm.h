@@ -134,7 +134,8 @@ typedef enum { EP_ENGINE_AUTO = 0, EP_ENGINE_HOST = 1, EP_ENGINE_GPU = 2 } epEng
 /* Operations and phases, as recorded in epErrorInfo_t. */
 typedef enum {
   epOpNone = 0, epOpInit, epOpLayout, epOpHtNotify, epOpHtDispatch, epOpHtCombine, epOpLlDispatch,
-  epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy, epNumOps
+  epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy,
+  epOpSetActiveRanks, epNumOps
 } epOp_t;
 typedef enum { epPhaseNone = 0, epPhaseHeader, epPhaseData, epPhaseBootstrap } epPhase_t;
 
@@ -515,6 +516,68 @@ EPCOMM_API epResult_t epAlltoallv(epComm_t comm, const void* sendbuf, const size
 EPCOMM_API epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, const int64_t* send_counts,
                                         void* recvbuf, size_t recv_capacity, int64_t* recv_counts,
                                         int64_t* num_dropped, epDataType_t dtype, epStream_t stream);
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Elastic ranks (DESIGN.md R4): an active-ranks mask held by the communicator. Every operation after a mask
+ * change runs among the kept ("active") ranks only; masked ranks are neither sent to nor waited for and take
+ * no part in any agreement. The intended use: a rank dies, every other rank gets epTimeout or epRemoteError
+ * once (the communicator is then "broken": every call fails fast), every survivor calls epCommSetActiveRanks
+ * with the dead rank masked, and the next operations succeed without waiting for it, on the same communicator.
+ *
+ * epCommSetActiveRanks(comm, active, stream): active holds nranks int32 entries in host memory; nonzero keeps
+ * the rank, 0 masks it.
+ * - Collective among the ranks the mask keeps: every survivor calls it with the same mask; a masked (dead)
+ *   rank does not call it. Survivors compare their masks: a disagreement is an error on every survivor that
+ *   sees it (epInvalidUsage), not a hang, and changes nothing. Synchronous on the host: it returns when done,
+ *   is not capturable, and on the GPU engine it first synchronizes with stream.
+ * - Argument errors, decided before any exchange: active NULL is epNullPointer; active[rank] == 0 (the calling
+ *   rank masking itself) is epInvalidArgument; keeping a rank that an earlier call masked is epInvalidUsage (a
+ *   masked rank cannot rejoin this communicator). The host engine still tells the other survivors, which then
+ *   return epRemoteError at once; elsewhere they end at their deadline with epTimeout.
+ * - It may be called on a broken communicator (not on an aborted one: epAborted). It resynchronizes the
+ *   survivors' protocol state (whatever a failed operation left in flight is discarded, operations between an
+ *   LL send half and its receive half included) and, on success, clears the asynchronous error so that the
+ *   communicator is usable again. The result of the operation that failed is lost; ranks that completed it
+ *   before the failure keep their outputs. On a usable communicator, a call while an LL receive half is
+ *   outstanding is epInvalidUsage.
+ * - A mask that masks nobody new is allowed: it is a resynchronization only. After a failure in which no rank
+ *   died (a timeout), every rank calling it with the current mask makes the communicator usable again.
+ * - A failure during the call itself (a kept rank died or did not call it by the deadline) leaves the mask
+ *   unchanged and the communicator broken; call it again with that rank masked too.
+ *
+ * Operations under a mask (both engines):
+ * - Layout: entries of masked ranks read 0: num_tokens_per_rank[r], is_token_in_rank[t, r] and
+ *   num_tokens_per_expert of r's experts (so that receive sizes computed from them are right).
+ * - HT and LL dispatch: (token, expert) pairs whose expert lives on a masked rank are dropped, as if
+ *   topk_idx held -1 there; the token rows not sent for that reason are counted per destination rank (see
+ *   epCommGetMaskedDrops). On the receiver a masked source contributes no rows: HT rows and LL rows come from
+ *   the active ranks only, LL rank-major recv_count[r] and expert-major recv_layout_range[e, r] of a masked r
+ *   are 0 (count 0), and its recv_x rows keep their old contents.
+ * - HT and LL combine: contributions of masked ranks are absent; each sum runs over the remaining terms in the
+ *   order stated above (ascending rank; LL: k ascending), so results are bit-identical to a world in which
+ *   every routing entry to a masked rank had been -1 and the masked rank had no tokens.
+ * - An HT handle filled (notify, or uncached dispatch) before a mask change that masked someone new cannot be
+ *   used for cached dispatch or combine afterwards: epInvalidUsage; dispatch again without
+ *   EP_HT_USE_HANDLE_LAYOUT (a no-op mask change keeps handles valid).
+ * - alltoallv: nothing is sent to or received from masked ranks, and count pairs involving them are not
+ *   compared. Host counts: the receive range of a masked source is left untouched. Device counts:
+ *   recv_counts[r] of a masked r is 0 and nothing of it takes receive capacity. The elements not sent for that
+ *   reason are counted per destination (epCommGetMaskedDrops).
+ * - epCommBarrier: among the active ranks.
+ * - GPU engine: the mask lives in device memory and kernels read it when they run, so a captured graph
+ *   replayed after a mask change uses the new mask without recapture. Host engine: read at operation start.
+ * ------------------------------------------------------------------------------------------------------- */
+EPCOMM_API epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t stream);
+/* The current mask: nranks int32 entries, 1 = active, 0 = masked (host memory). Works on a broken
+ * communicator. */
+EPCOMM_API epResult_t epCommGetActiveRanks(epComm_t comm, int32_t* active);
+/* Cumulative counts since creation, per destination rank (nranks entries each, host memory; either may be
+ * NULL): token_rows: dispatch rows (HT and LL) not sent because the destination rank was masked, one per
+ * (token, destination rank) pair however many of the token's experts live there (HT notify and the layout
+ * count nothing; they send no rows); alltoallv_elements: alltoallv elements (units of the call's dtype) not
+ * sent for that reason. Synchronizes with stream on the GPU engine. Works on a broken communicator. */
+EPCOMM_API epResult_t epCommGetMaskedDrops(epComm_t comm, int64_t* token_rows, int64_t* alltoallv_elements,
+                                           epStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -224,6 +224,7 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   comm->nranks = nranks;
   comm->config = cfg;
   comm->magic = kCommMagic;
+  comm->active.assign(nranks, 1);
   logSetRank(rank);
   EPCHECK(boot(cfg.timeout_ms, &comm->bootstrap));
   comm->engine = makeEngine(comm.get());
@@ -397,6 +398,48 @@ epResult_t epCommBarrier(epComm_t comm, epStream_t stream) {
   return onComm(comm, Need::kUsable, [&]() -> epResult_t {
     EPCHECK(checkNoPending(comm, "epCommBarrier"));
     return comm->engine->barrier(stream);
+  });
+}
+
+epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t stream) {
+  // kLive: a broken communicator may call it (that is what it is for); an aborted one may not.
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
+    comm->engine->pollAsyncError();
+    const bool broken = comm->async_error.load() != epSuccess;
+    std::vector<uint8_t> mask;
+    epResult_t local = validateActiveRanks(comm, active, &mask);
+    // On a usable communicator an outstanding LL receive half is the caller's to complete (decided alike on every
+    // rank); on a broken one the resynchronization discards it.
+    if (local == epSuccess && !broken && comm->engine->anyPending())
+      local = EP_ERROR(epInvalidUsage,
+                       "epCommSetActiveRanks called while an LL operation's receive half (EP_LL_RECV) is "
+                       "outstanding; complete it first");
+    if (local != epSuccess) return comm->engine->setActiveRanksRejected(local, stream);
+    EPCHECK(comm->engine->setActiveRanks(mask.data(), stream));
+    std::lock_guard<std::mutex> lock(comm->error_mutex);
+    comm->active = mask;
+    // The survivors are back in step: the communicator is usable again.
+    comm->async_error.store(epSuccess);
+    comm->async_info = EP_ERROR_INFO_INIT;
+    return epSuccess;
+  });
+}
+
+epResult_t epCommGetActiveRanks(epComm_t comm, int32_t* active) {
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(active != nullptr, epNullPointer, "active is NULL");
+    std::lock_guard<std::mutex> lock(comm->error_mutex);
+    for (int r = 0; r < comm->nranks; ++r) active[r] = comm->active[r];
+    return epSuccess;
+  });
+}
+
+epResult_t epCommGetMaskedDrops(epComm_t comm, int64_t* token_rows, int64_t* alltoallv_elements, epStream_t stream) {
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
+    if (token_rows == nullptr && alltoallv_elements == nullptr) return epSuccess;
+    return comm->engine->maskedDrops(token_rows, alltoallv_elements, stream);
   });
 }
 

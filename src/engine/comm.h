@@ -48,6 +48,9 @@ struct epComm {
   std::atomic<int> active_calls{0};
   epResult_t violation = epSuccess;  // first device-side argument violation (GPU engine)
   uint64_t num_violations = 0;
+  // Elastic ranks: the active-ranks mask as epCommGetActiveRanks reports it (1 = active); the engine holds its own
+  // copy. A rank once masked stays masked.
+  std::vector<uint8_t> active;
 
   void recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase);
 };
@@ -69,6 +72,8 @@ struct epHtHandle {
   std::vector<int> recv_chan_count;    // [R][channels] rows received from r on each host-engine channel
   int recv_rows = 0;                   // rows of the recv buffers of the last dispatch (exact: num_recv)
   void* gpu = nullptr;                 // the GPU engine's device-side copy of the layout
+  uint64_t mask_gen = 0;               // host engine: the mask generation the layout was computed under
+  std::vector<int> masked_count;       // host engine: [R] tokens of the layout not sent because r was masked
 };
 
 namespace epcomm {

@@ -3,6 +3,9 @@
 // peers from waiting, and returns `local`.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+
+#include "common/checks.h"
 
 #include "epcomm/epcomm.h"
 
@@ -42,6 +45,27 @@ class Engine {
   // Zero-copy LL combine input: a region of the communicator's registered memory for the next combine's y.
   virtual epResult_t llCombineBuffer(void** y, size_t* bytes) = 0;
   virtual epResult_t barrier(epStream_t stream) = 0;
+  // Elastic ranks: active has nranks entries (1 keep, 0 masked), already validated by the API layer (own rank
+  // kept, no rank re-added). Collective among the kept ranks; synchronous; resynchronizes the protocol state
+  // with the other survivors so that the next operation starts clean.
+  virtual epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) {
+    (void)active;
+    (void)stream;
+    return EP_ERROR(epNotSupported, "elastic ranks (epCommSetActiveRanks) are not supported by this engine yet");
+  }
+  // A call of epCommSetActiveRanks that the API layer rejected with `local`: an engine that can tells the other
+  // survivors at once (they return epRemoteError instead of waiting until their deadline). Returns `local`.
+  virtual epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) {
+    (void)stream;
+    return local;
+  }
+  // Cumulative drop counters (nranks each; either may be NULL).
+  virtual epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) {
+    (void)token_rows;
+    (void)a2a_elements;
+    (void)stream;
+    return EP_ERROR(epNotSupported, "masked-drop counters (epCommGetMaskedDrops) are not supported by this engine yet");
+  }
   // Makes waits in flight give up (they return epAborted); called before the communicator is freed.
   virtual void abort() {}
   // Moves errors recorded by device code into the communicator (epComm::recordAsyncError / violations).

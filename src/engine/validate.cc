@@ -91,6 +91,24 @@ constexpr size_t kMaxElemBytes = size_t{1} << 56;
 
 }  // namespace
 
+epResult_t validateActiveRanks(const epComm* comm, const int32_t* active, std::vector<uint8_t>* mask) {
+  EP_REQUIRE(active != nullptr, epNullPointer, "active is NULL");
+  EP_REQUIRE(active[comm->rank] != 0, epInvalidArgument,
+             "active[%d] = 0 masks the calling rank %d; a rank can mask only others (a masked rank does not call "
+             "epCommSetActiveRanks)",
+             comm->rank, comm->rank);
+  mask->assign(comm->nranks, 0);
+  for (int r = 0; r < comm->nranks; ++r) {
+    if (active[r] == 0) continue;
+    EP_REQUIRE(comm->active[r] != 0, epInvalidUsage,
+               "active[%d] = %d keeps rank %d, but rank %d was masked earlier; a masked rank cannot rejoin this "
+               "communicator",
+               r, active[r], r, r);
+    (*mask)[r] = 1;
+  }
+  return epSuccess;
+}
+
 epResult_t validateRouting(int num_tokens, int topk, int num_experts, int nranks) {
   return checkShape(num_tokens, EP_HIDDEN_ALIGN, topk, num_experts, nranks, false, 0, 1);
 }

@@ -2,6 +2,9 @@
 // code and a message naming the argument and the limit. Shared by both engines: what it reads of the
 // arguments' contents (topk_idx values, layout arrays) it reads only when they are host memory.
 #pragma once
+#include <cstdint>
+#include <vector>
+
 #include "engine/comm.h"
 #include "epcomm/epcomm.h"
 
@@ -25,6 +28,10 @@ epResult_t validateAlltoallv(const ValidateCtx& v, const void* sendbuf, const si
                              const size_t* recv_displs, int dtype);
 epResult_t validateAlltoallvDevice(const ValidateCtx& v, const void* sendbuf, const int64_t* send_counts,
                                    const void* recvbuf, size_t recv_capacity, const int64_t* recv_counts, int dtype);
+
+// epCommSetActiveRanks: active (nranks int32, nonzero = keep) must keep the calling rank and may not re-add a
+// rank masked earlier (comm->active). On success *mask holds the mask as 0/1 bytes.
+epResult_t validateActiveRanks(const epComm* comm, const int32_t* active, std::vector<uint8_t>* mask);
 
 // The size helpers of the API: the shape fields are checked as the operations check them, and *sizes is
 // written only on success.

@@ -34,13 +34,13 @@ epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts,
     for (const size_t* c : {send_counts, recv_counts})
       for (int p = 0; p < R; ++p) table.push_back(static_cast<int64_t>(c[p]));
   for (int p = 0; p < R; ++p)
-    post(p, makeHeader(cur_op_, local, sig), table.data(), sizeof(int64_t) * table.size(), {});
+    if (active(p)) post(p, makeHeader(cur_op_, local, sig), table.data(), sizeof(int64_t) * table.size(), {});
   pushSends();
   std::vector<Incoming> in;
   EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s)
-    if (in[s].extra.size() != sizeof(int64_t) * 2 * R)
+    if (!in[s].masked && in[s].extra.size() != sizeof(int64_t) * 2 * R)
       st = fail(epInternalError, s, epPhaseHeader, "alltoallv count table does not match its header");
   if (st == epSuccess) {
     auto sends = [&](int a, int b) { return reinterpret_cast<const int64_t*>(in[a].extra.data())[b]; };
@@ -49,6 +49,7 @@ epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts,
     bool mine = false;
     for (int a = 0; a < R; ++a)
       for (int b = 0; b < R; ++b) {
+        if (!active(a) || !active(b)) continue;  // pairs with a masked rank move nothing
         const bool m = a == rank_ || b == rank_;
         if (sends(a, b) != expects(b, a) && (bad_a < 0 || (m && !mine))) bad_a = a, bad_b = b, mine = m;
       }
@@ -64,11 +65,17 @@ epResult_t HostEngine::alltoallv(const void* sendbuf, const size_t* send_counts,
     EPCHECK(flushSends(epPhaseHeader));
     return st;
   }
-  for (int p = 0; p < R; ++p)
+  for (int p = 0; p < R; ++p) {
+    if (!active(p)) {
+      drop_a2a_[p] += static_cast<int64_t>(send_counts[p]);
+      continue;
+    }
     post(p, makeHeader(cur_op_, local, sig), nullptr, 0,
          {{static_cast<const uint8_t*>(sendbuf) + send_displs[p] * es, send_counts[p] * es}});
+  }
   pushSends();
   for (int s = 0; s < R; ++s) {
+    if (!active(s)) continue;  // its receive range stays untouched
     EPCHECK(recvChannelHeader(s, 0, recv_counts[s] * es));
     EPCHECK(recvInto(s, static_cast<uint8_t*>(recvbuf) + recv_displs[s] * es, recv_counts[s] * es, epPhaseData));
   }
@@ -85,6 +92,10 @@ epResult_t HostEngine::alltoallvDevice(const void* sendbuf, const int64_t* send_
   const uint64_t sig = shapeSig({static_cast<int64_t>(es)});
   size_t off = 0;
   for (int p = 0; p < R; ++p) {
+    if (!active(p)) {  // its rows are skipped in the packed send buffer
+      if (ok) off += send_counts[p];
+      continue;
+    }
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
       post(p, hdr, nullptr, 0, {});
@@ -99,16 +110,22 @@ epResult_t HostEngine::alltoallvDevice(const void* sendbuf, const int64_t* send_
   EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s)
-    if (in[s].h.v[0] < 0 || in[s].h.data_bytes != static_cast<uint64_t>(in[s].h.v[0]) * es)
+    if (!in[s].masked && (in[s].h.v[0] < 0 || in[s].h.data_bytes != static_cast<uint64_t>(in[s].h.v[0]) * es))
       st = fail(epInternalError, s, epPhaseHeader, "alltoallv message sizes do not match its header");
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
     EPCHECK(flushSends(epPhaseData));
     return st;
   }
+  for (int p = 0; p < R; ++p)
+    if (!active(p)) drop_a2a_[p] += send_counts[p];
   size_t pos = 0;
   int64_t dropped = 0;
   for (int s = 0; s < R; ++s) {
+    if (in[s].masked) {
+      recv_counts[s] = 0;
+      continue;
+    }
     size_t n = static_cast<size_t>(in[s].h.v[0]);
     size_t fit = pos < recv_capacity ? std::min(n, recv_capacity - pos) : 0;
     EPCHECK(recvInto(s, static_cast<uint8_t*>(recvbuf) + pos * es, fit * es, epPhaseData));

@@ -39,7 +39,7 @@ constexpr int64_t kLiveCheckNs = 50 * 1000000LL;
 const char* hostOpName(int op) {
   static const char* kNames[] = {"none", "init", "layout", "HT notify", "HT dispatch", "HT combine",
                                  "LL dispatch", "LL combine", "alltoallv", "alltoallv (device counts)",
-                                 "barrier", "destroy"};
+                                 "barrier", "destroy", "set active ranks"};
   return (op >= 0 && op < epNumOps) ? kNames[op] : "unknown";
 }
 
@@ -127,6 +127,10 @@ epResult_t HostEngine::init() {
   EP_REQUIRE(ring_bytes_ >= 64 * 1024 && ring_bytes_ <= (size_t{1} << 32), epInvalidArgument,
              "queue_bytes (EPCOMM_QUEUE_BYTES) = %zu is outside [64 KiB, 4 GiB]", ring_bytes_);
   Bootstrap* bs = comm_->bootstrap.get();
+  active_.assign(nranks_, 1);
+  watch_ = active_.data();
+  drop_rows_.assign(nranks_, 0);
+  drop_a2a_.assign(nranks_, 0);
 
   // All ranks must share memory: check host identity (hostname + EPCOMM_HOSTID) first.
   struct HostInfo {
@@ -277,7 +281,7 @@ bool HostEngine::pushSends(int ch) {
 }
 
 epResult_t HostEngine::fail(epResult_t code, int peer, int phase, const char* what) {
-  comm_->recordAsyncError(code, cur_op_, cur_epoch_, peer, phase);
+  if (record_async_) comm_->recordAsyncError(code, cur_op_, cur_epoch_, peer, phase);
   return EP_ERROR(code, "rank %d, %s (epoch %llu): %s", rank_, hostOpName(cur_op_),
                   static_cast<unsigned long long>(cur_epoch_), what);
 }
@@ -287,8 +291,11 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
   int64_t now = nowNs();
   if (now - last_live_check > kLiveCheckNs) {
     last_live_check = now;
-    for (int r = 0; r < nranks_; ++r) {
-      if (r == rank_ || (peer >= 0 && r != peer)) continue;
+    // The peer waited on first, then every other rank the wait involves (the active ranks, or the survivors of a
+    // resynchronization): any of them dead ends the operation, so that every survivor notices within one check.
+    for (int i = -1; i < nranks_; ++i) {
+      const int r = i < 0 ? peer : i;
+      if (r < 0 || r == rank_ || (i >= 0 && r == peer) || !watch_[r]) continue;
       if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
         char msg[160];
         snprintf(msg, sizeof(msg), "peer rank %d (pid %lld) has died", r, static_cast<long long>(pids_[r]));
@@ -378,10 +385,50 @@ epResult_t HostEngine::flushSends(int phase, int ch) {
   });
 }
 
+// Elastic ranks (elastic.cc): Waits until every rank of `part` has published at least (round, phase). With `adopt` (phase 1 only), a peer
+// already in a later round is one whose earlier round this rank did not complete alike (a failed call): this rank
+// takes that round's number, so the survivors meet again. failed_peer (when given) gets the first peer whose
+// word of this round has the failed bit.
+epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt,
+                                  int* failed_peer) {
+  RegionHeader* me = own_.header();
+  int next = 0, seen = 0;
+  return spin(-1, epPhaseHeader, [&](int& peer) {
+    for (; next < nranks_; ++next) {
+      if (!part[next] || next == rank_) continue;
+      const uint64_t w = peers_[next]->header()->rs_word.load(std::memory_order_acquire);
+      if (adopt && w / 8 > round) {
+        round = w / 8;
+        rs_round_ = round;
+        me->rs_word.store(rsWord(round, phase, false), std::memory_order_release);
+        next = seen = 0;
+        return Spin::kMoved;
+      }
+      if (w < rsWord(round, phase, false)) {
+        peer = next;
+        const bool moved = next > seen;
+        seen = next;
+        return moved ? Spin::kMoved : Spin::kIdle;
+      }
+      if (failed_peer && *failed_peer < 0 && (w & 1) && w / 8 == round) *failed_peer = next;
+    }
+    return Spin::kDone;
+  });
+}
+
 // Reads every peer's header (and extra array), in rank order.
 epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in) {
   in.resize(nranks_);
   for (int s = 0; s < nranks_; ++s) {
+    if (!active(s)) {  // a masked rank sends nothing: an empty stand-in that agrees with this rank
+      in[s] = Incoming();
+      in[s].masked = true;
+      in[s].h.magic = kMsgMagic;
+      in[s].h.op = static_cast<uint32_t>(cur_op_);
+      in[s].h.epoch = cur_epoch_;
+      in[s].h.src = s;
+      continue;
+    }
     EPCHECK(recvInto(s, &in[s].h, sizeof(MsgHeader), epPhaseHeader));
     const MsgHeader& h = in[s].h;
     // Bounds-check what the peer claims before trusting any size in it.
@@ -397,6 +444,7 @@ epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in) {
 // Consumes the data of every message not yet consumed; rows left in a sender's memory will not be read.
 epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
   for (int s = 0; s < nranks_; ++s) {
+    if (in[s].masked) continue;
     EPCHECK(skipIn(s, in[s].h.data_bytes, epPhaseData));
     if (in[s].h.flags & kMsgRowsByReference) in_[0][s].setReadDone(in[s].h.epoch);
   }
@@ -406,7 +454,7 @@ epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
 epResult_t HostEngine::waitReadDone(uint64_t epoch) {
   int p = 0;
   return spin(0, epPhaseData, [&](int& peer) {
-    while (p < nranks_ && out_[0][p].readDone() >= epoch) ++p;
+    while (p < nranks_ && (!active(p) || out_[0][p].readDone() >= epoch)) ++p;
     if (p == nranks_) return Spin::kDone;
     peer = p;
     return pushSends() ? Spin::kMoved : Spin::kIdle;
@@ -418,6 +466,7 @@ epResult_t HostEngine::waitReadDone(uint64_t epoch) {
 epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult_t local, uint64_t sig) {
   for (int s = 0; s < nranks_; ++s) {
     const MsgHeader& h = in[s].h;
+    if (in[s].masked) continue;
     if (h.op != static_cast<uint32_t>(cur_op_) || h.epoch != cur_epoch_) {
       if (local != epSuccess) return local;
       return EP_ERROR(epInvalidUsage,
@@ -430,6 +479,7 @@ epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult
   if (local != epSuccess) return local;
   for (int s = 0; s < nranks_; ++s) {
     const MsgHeader& h = in[s].h;
+    if (in[s].masked) continue;
     if (h.status != epSuccess)
       return EP_ERROR(epRemoteError, "rank %d rejected its %s arguments (%s); the operation failed on all ranks",
                       s, hostOpName(cur_op_), epGetErrorString(static_cast<epResult_t>(h.status)));
@@ -447,18 +497,27 @@ epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult
 // ------------------------------------------------------------------------------------------------------
 
 void HostEngine::computeLayout(const int64_t* topk_idx, int T, int K, int E, std::vector<uint8_t>& in_rank,
-                               std::vector<int>& send_count, std::vector<int>& per_expert_to) const {
+                               std::vector<int>& send_count, std::vector<int>& per_expert_to,
+                               std::vector<int>* masked_to) const {
   const int R = nranks_, L = E / R;
   ExpertMap m{E, R, L};
   in_rank.assign(static_cast<size_t>(T) * R, 0);
   send_count.assign(R, 0);
   per_expert_to.assign(static_cast<size_t>(R) * L, 0);
+  if (masked_to) masked_to->assign(R, 0);
+  std::vector<uint8_t> dropped(R, 0);  // this token already counted as dropped for r
   for (int t = 0; t < T; ++t) {
     const int64_t* row = topk_idx + static_cast<size_t>(t) * K;
+    std::fill(dropped.begin(), dropped.end(), 0);
     for (int k = 0; k < K; ++k) {
       int64_t e = row[k];
       if (e < 0 || isRepeatedExpert(row, k)) continue;
       int r = m.rankOf(e);
+      if (!active(r)) {  // dropped: one count per (token, masked rank)
+        if (masked_to && !dropped[r]) ++(*masked_to)[r];
+        dropped[r] = 1;
+        continue;
+      }
       per_expert_to[static_cast<size_t>(r) * L + m.localOf(e)]++;
       if (!in_rank[static_cast<size_t>(t) * R + r]) {
         in_rank[static_cast<size_t>(t) * R + r] = 1;
@@ -485,7 +544,7 @@ epResult_t HostEngine::layout(const int64_t* topk_idx, int T, int K, int E, int*
 epResult_t HostEngine::drainChannels(const std::vector<Incoming>& in) {
   return runChannels([&](int c) -> epResult_t {
     for (int s = 0; s < nranks_; ++s) {
-      if (in[s].h.status != epSuccess) continue;
+      if (in[s].masked || in[s].h.status != epSuccess) continue;
       MsgHeader h;
       EPCHECK(recvInto(s, &h, sizeof(h), epPhaseData, c));
       if (h.magic != in[s].h.magic || h.epoch != in[s].h.epoch)
@@ -561,7 +620,8 @@ epResult_t HostEngine::exchangeDone() {
 epResult_t HostEngine::barrier(epStream_t) {
   cur_op_ = epOpBarrier;
   cur_epoch_ = ++send_epoch_;
-  for (int p = 0; p < nranks_; ++p) post(p, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, {});
+  for (int p = 0; p < nranks_; ++p)
+    if (active(p)) post(p, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, {});
   pushSends();
   std::vector<Incoming> in;
   EPCHECK(recvHeaders(in));

@@ -75,6 +75,9 @@ class HostEngine final : public Engine {
                              epStream_t stream) override;
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
+  epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
+  epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
+  epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
 
   // Operation kinds that may sit between an EP_LL_SEND and its EP_LL_RECV.
   bool llPending(int op) const;
@@ -99,6 +102,7 @@ class HostEngine final : public Engine {
   };
   struct Incoming {          // what one peer's message said
     MsgHeader h;
+    bool masked = false;     // a masked rank: no message was read; h is an empty stand-in
     std::vector<uint8_t> extra;
   };
 
@@ -133,9 +137,19 @@ class HostEngine final : public Engine {
   MsgHeader makeHeader(int op, epResult_t status, uint64_t sig) const;
   epResult_t fail(epResult_t code, int peer, int phase, const char* what);
 
+  // ---- elastic ranks (elastic.cc) ----
+  bool active(int r) const { return active_[r] != 0; }
+  // The resynchronization among the ranks `proposed` keeps (the current mask for a rejected call, local != 0).
+  epResult_t resync(const uint8_t* proposed, epResult_t local);
+  epResult_t resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt, int* failed_peer);
+  // A handle's layout predates a mask change: cached dispatch and combine refuse it.
+  epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
+
   // ---- op helpers ----
+  // Pairs on masked ranks are left out; masked_to[r] (when given) counts the tokens not sent to masked r.
   void computeLayout(const int64_t* topk_idx, int T, int K, int E, std::vector<uint8_t>& in_rank,
-                     std::vector<int>& send_count, std::vector<int>& per_expert_to /*[R][L]*/) const;
+                     std::vector<int>& send_count, std::vector<int>& per_expert_to /*[R][L]*/,
+                     std::vector<int>* masked_to = nullptr) const;
   epResult_t llOp(int op, unsigned phases, epResult_t local, uint64_t sig, const std::function<epResult_t()>& send,
                   const std::function<epResult_t(const Pending&)>& recv);
   epResult_t llDispatchRecv(const epLlDispatchArgs_t* a, const Pending& p);
@@ -162,9 +176,22 @@ class HostEngine final : public Engine {
   std::vector<uint8_t> ll_dispatch_stage_, ll_combine_stage_, scratch_;
   std::vector<int32_t> ll_combine_rows_;  // y rows of a joined LL combine whose rows the peers read
   std::vector<float> acc_;
+  // Elastic ranks: the mask read at operation start, its generation (bumped when someone new is masked), the
+  // ranks whose liveness waits check, the drop counters, and the resynchronization round.
+  std::vector<uint8_t> active_;
+  uint64_t mask_gen_ = 0;
+  const uint8_t* watch_ = nullptr;
+  std::vector<int64_t> drop_rows_, drop_a2a_;
+  uint64_t rs_round_ = 0;
+  bool record_async_ = true;  // false while a rejected epCommSetActiveRanks takes part: its failures break nothing
 };
 
 uint64_t shapeSig(std::initializer_list<int64_t> values);
+// A rank's published resynchronization progress (RegionHeader::rs_word): later rounds and phases compare
+// greater; bit 0 says its call failed.
+inline uint64_t rsWord(uint64_t round, int phase, bool failed) {
+  return round * 8 + static_cast<uint64_t>(phase) * 2 + (failed ? 1 : 0);
+}
 const char* hostOpName(int op);  // an epOp_t as the engine's messages name it
 
 }  // namespace epcomm

@@ -78,9 +78,11 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   const int L = local == epSuccess ? E / R : 0;
   const uint64_t sig = shapeSig({E});
   std::vector<uint8_t> in_rank;
-  std::vector<int> send_count, per_expert_to;
-  if (local == epSuccess) computeLayout(a->topk_idx, a->num_tokens, a->topk, E, in_rank, send_count, per_expert_to);
+  std::vector<int> send_count, per_expert_to, masked_to;
+  if (local == epSuccess)
+    computeLayout(a->topk_idx, a->num_tokens, a->topk, E, in_rank, send_count, per_expert_to, &masked_to);
   for (int p = 0; p < R; ++p) {
+    if (!active(p)) continue;
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (local == epSuccess) {
       hdr.v[0] = send_count[p];
@@ -97,9 +99,11 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   EPCHECK(drainPayloads(in));
   EPCHECK(flushSends(epPhaseHeader));
   if (st != epSuccess) return st;
-  std::vector<int64_t> rows(R);
-  std::vector<const int*> msgs(R);
+  std::vector<int64_t> rows(R, 0);
+  const std::vector<int> none(L + C, 0);  // what a masked rank contributes
+  std::vector<const int*> msgs(R, none.data());
   for (int s = 0; s < R; ++s) {
+    if (in[s].masked) continue;
     if (in[s].extra.size() != sizeof(int) * (L + C))
       return fail(epInternalError, s, epPhaseHeader, "notify message has a bad count array");
     rows[s] = in[s].h.v[0];
@@ -117,6 +121,8 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
   h->num_experts = E;
   h->in_rank = std::move(in_rank);
   h->send_count = std::move(send_count);
+  h->masked_count = std::move(masked_to);
+  h->mask_gen = mask_gen_;
   h->recv_rows = h->num_recv;
   h->valid = true;
   if (num_recv_host) *num_recv_host = h->num_recv;
@@ -128,6 +134,8 @@ epResult_t HostEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRe
 epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtDispatch;
   cur_epoch_ = ++send_epoch_;
+  if (local == epSuccess && (a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT)))
+    local = checkHandleMask(h, "HT dispatch");
   const int R = nranks_, C = nchan_;
   const bool ok = local == epSuccess;
   const bool cached = ok && (a->num_worst_tokens == 0 || (a->flags & EP_HT_USE_HANDLE_LAYOUT));
@@ -144,20 +152,22 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
 
   // Layout: from the handle (cached / exact mode) or from topk_idx.
   std::vector<uint8_t> in_rank_new;
-  std::vector<int> send_count_new, per_expert_to;
+  std::vector<int> send_count_new, per_expert_to, masked_new;
   const std::vector<uint8_t>* in_rank = &in_rank_new;
   const int* send_count = nullptr;
+  const std::vector<int>* masked_to = &masked_new;
   if (ok) {
     if (cached) {
       in_rank = &h->in_rank;
       send_count = h->send_count.data();
+      masked_to = &h->masked_count;
       if (send_idx) {  // per-expert counts travel again so that the receiver can check its cached copy
         std::vector<uint8_t> tmp;
         std::vector<int> tmp_count;
         computeLayout(a->topk_idx, T, K, E, tmp, tmp_count, per_expert_to);
       }
     } else {
-      computeLayout(a->topk_idx, T, K, E, in_rank_new, send_count_new, per_expert_to);
+      computeLayout(a->topk_idx, T, K, E, in_rank_new, send_count_new, per_expert_to, &masked_new);
       send_count = send_count_new.data();
     }
   }
@@ -169,6 +179,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   std::vector<std::vector<float>> w_out(ok ? R * C : 0);
   std::vector<std::vector<int32_t>> tok_out(ok && cma_ ? R * C : 0);
   for (int p = 0; p < R; ++p) {
+    if (!active(p)) continue;
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
       post(p, hdr, nullptr, 0, {});
@@ -228,9 +239,11 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   std::vector<int> per_expert(L, 0);
   bool have_counts = true;
   if (st == epSuccess) {
-    std::vector<int64_t> rows(R);
-    std::vector<const int*> msgs(R);
+    std::vector<int64_t> rows(R, 0);
+    const std::vector<int> none(L + C, 0);  // what a masked rank contributes
+    std::vector<const int*> msgs(R, none.data());
     for (int s = 0; s < R && st == epSuccess; ++s) {
+      if (in[s].masked) continue;
       if (in[s].extra.size() != sizeof(int) * (L + C) || in[s].h.data_bytes != 0)
         st = fail(epInternalError, s, epPhaseHeader, "dispatch count message does not match its header");
       rows[s] = in[s].h.v[0];
@@ -267,6 +280,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   uint8_t* rx = static_cast<uint8_t*>(a->recv_x);
   EPCHECK(runChannels([&](int c) -> epResult_t {
     for (int s = 0; s < R; ++s) {
+      if (in[s].masked) continue;
       int b = lay->recv_prefix[s];
       for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
       const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
@@ -312,6 +326,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       }
   }
   if (a->num_recv_tokens) a->num_recv_tokens[0] = num_recv;
+  for (int p = 0; p < R; ++p)
+    if (!active(p) && !masked_to->empty()) drop_rows_[p] += (*masked_to)[p];
   if (a->recv_tokens_per_expert)
     for (int e = 0; e < L; ++e) a->recv_tokens_per_expert[e] = per_expert[e];
   if (!cached) {
@@ -319,6 +335,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     h->num_experts = E;
     h->in_rank = std::move(in_rank_new);
     h->send_count = std::move(send_count_new);
+    h->masked_count = std::move(masked_new);
+    h->mask_gen = mask_gen_;
     h->recv_count = std::move(fresh.recv_count);
     h->recv_prefix = std::move(fresh.recv_prefix);
     h->recv_chan_count = std::move(fresh.recv_chan_count);
@@ -333,6 +351,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
 epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t) {
   cur_op_ = epOpHtCombine;
   cur_epoch_ = ++send_epoch_;
+  if (local == epSuccess) local = checkHandleMask(h, "HT combine");
   const int R = nranks_, C = nchan_;
   const bool ok = local == epSuccess;
   const int H = ok ? a->hidden : 0;
@@ -342,6 +361,7 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   // channel c, which are contiguous in this rank's receive order. With cross-memory attach there are no channel
   // messages: p pulls its rows straight out of x.
   for (int p = 0; p < R; ++p) {
+    if (!active(p)) continue;
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
     if (!ok) {
       post(p, hdr, nullptr, 0, {});
@@ -363,6 +383,7 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, local, sig);
   for (int s = 0; s < R && st == epSuccess; ++s) {
+    if (in[s].masked) continue;
     if (in[s].h.v[0] != h->send_count[s] || in[s].h.data_bytes != 0)
       st = EP_ERROR(epInvalidUsage,
                     "rank %d returns %lld rows in HT combine but this rank's handle sent it %d tokens: the handles "
@@ -390,7 +411,8 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
     std::vector<int> cnt(R, 0);
     for (int t = tb; t < te; ++t)
       for (int r = 0; r < R; ++r) cnt[r] += h->in_rank[static_cast<size_t>(t) * R + r];
-    for (int r = 0; r < R; ++r) EPCHECK(recvChannelHeader(r, c, cnt[r] * row));
+    for (int r = 0; r < R; ++r)
+      if (active(r)) EPCHECK(recvChannelHeader(r, c, cnt[r] * row));
     std::vector<float> acc(H);
     std::vector<uint8_t> tmp(row);
     for (int t = tb; t < te; ++t) {

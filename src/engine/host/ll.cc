@@ -45,9 +45,9 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
     const size_t srow = a->use_fp8 ? sizeof(float) * (H / EP_FP8_BLOCK) : 0;
     const size_t meta = sizeof(int32_t) * (1 + K);
     // Count tokens per destination.
-    std::vector<int> n_to(R, 0), per_expert_to(static_cast<size_t>(R) * L, 0);
+    std::vector<int> n_to(R, 0), per_expert_to(static_cast<size_t>(R) * L, 0), masked_to;
     std::vector<uint8_t> in_rank;
-    computeLayout(a->topk_idx, T, K, E, in_rank, n_to, per_expert_to);
+    computeLayout(a->topk_idx, T, K, E, in_rank, n_to, per_expert_to, &masked_to);
     size_t total = 0;
     for (int p = 0; p < R; ++p) total += n_to[p] * (meta + out_row + srow);
     ll_dispatch_stage_.resize(total);
@@ -91,6 +91,10 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
       }
     }
     for (int p = 0; p < R; ++p) {
+      if (!active(p)) {
+        drop_rows_[p] += masked_to[p];
+        continue;
+      }
       MsgHeader hdr = makeHeader(cur_op_, local, sig);
       hdr.v[0] = n_to[p];
       hdr.v[1] = T;
@@ -116,6 +120,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
   epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
   for (int s = 0; s < R && st == epSuccess; ++s) {
     const MsgHeader& h = in[s].h;
+    if (in[s].masked) continue;
     if (h.v[0] < 0 || h.v[0] > M || h.v[1] < 0 || h.v[1] > M || in[s].extra.size() != sizeof(int) * L ||
         h.data_bytes != static_cast<uint64_t>(h.v[0]) * (meta + out_row + srow))
       st = fail(epInternalError, s, epPhaseHeader, "LL dispatch message sizes do not match its header");
@@ -132,7 +137,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
     for (int e = 0; e < L; ++e) {
       int acc = 0;
       for (int s = 0; s < R; ++s) {
-        int c = reinterpret_cast<const int*>(in[s].extra.data())[e];
+        int c = in[s].masked ? 0 : reinterpret_cast<const int*>(in[s].extra.data())[e];
         begin[static_cast<size_t>(e) * R + s] = acc;
         a->recv_layout_range[static_cast<size_t>(e) * R + s] = packLayoutRange(c, acc);
         acc += c;
@@ -141,11 +146,12 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
     }
   } else {
     for (size_t i = 0; i < static_cast<size_t>(R) * M * K; ++i) a->recv_topk_idx[i] = -1;
-    for (int s = 0; s < R; ++s) a->recv_count[s] = static_cast<int>(in[s].h.v[1]);
+    for (int s = 0; s < R; ++s) a->recv_count[s] = in[s].masked ? 0 : static_cast<int>(in[s].h.v[1]);
   }
   uint8_t* rx = static_cast<uint8_t*>(a->recv_x);
   std::vector<int32_t> md;
   for (int s = 0; s < R; ++s) {
+    if (in[s].masked) continue;
     const int n = static_cast<int>(in[s].h.v[0]);
     md.resize(static_cast<size_t>(n) * (1 + K));
     EPCHECK(recvInto(s, md.data(), n * meta, epPhaseData));
@@ -219,6 +225,9 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
         }
       }
     }
+    // Nothing goes back to masked ranks (dispatch outputs from before a mask change may still name their rows).
+    for (int s = 0; s < R; ++s)
+      if (!active(s)) rows_to[s].clear();
     // With the receive half in the same call, y stays valid until the call returns. With cross-memory attach
     // the rows stay in y and each peer reads its own (the message lists their y rows); this call returns once
     // every peer is done with them.
@@ -229,6 +238,7 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
         for (size_t yr : rows_to[s]) idx.push_back(static_cast<int32_t>(yr));
       size_t off = 0;
       for (int s = 0; s < R; ++s) {
+        if (!active(s)) continue;
         MsgHeader hdr = makeHeader(cur_op_, local, sig);
         hdr.flags = kMsgRowsByReference;
         hdr.v[0] = static_cast<int64_t>(rows_to[s].size());
@@ -242,6 +252,7 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
     // before returning), runs of consecutive rows as one piece.
     if (a->phases & EP_LL_RECV) {
       for (int s = 0; s < R; ++s) {
+        if (!active(s)) continue;
         std::vector<Seg> segs;
         for (size_t yr : rows_to[s]) {
           const uint8_t* p = y + yr * row;
@@ -259,6 +270,7 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
     ll_combine_stage_.resize(total);
     size_t off = 0;
     for (int s = 0; s < R; ++s) {
+      if (!active(s)) continue;
       size_t b = off;
       for (size_t yr : rows_to[s]) {
         memcpy(ll_combine_stage_.data() + off, y + yr * row, row);
@@ -305,7 +317,8 @@ epResult_t HostEngine::llOp(int op, unsigned phases, epResult_t local, uint64_t 
     if (ok) {
       EPCHECK(send());
     } else {
-      for (int p = 0; p < nranks_; ++p) post(p, makeHeader(op, local, sig), nullptr, 0, {});
+      for (int p = 0; p < nranks_; ++p)
+        if (active(p)) post(p, makeHeader(op, local, sig), nullptr, 0, {});
     }
     pushSends();
     pending_.push_back({op, cur_epoch_, sig, local});
@@ -342,7 +355,7 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
   for (int t = 0; t < T; ++t) {
     const int64_t* r = a->topk_idx + static_cast<size_t>(t) * K;
     for (int k = 0; k < K; ++k)
-      if (r[k] >= 0 && !isRepeatedExpert(r, k)) by_expert[r[k]].push_back({t, k});
+      if (r[k] >= 0 && !isRepeatedExpert(r, k) && active(m.rankOf(r[k]))) by_expert[r[k]].push_back({t, k});
   }
   std::vector<int> slot(static_cast<size_t>(T) * K, -1);
   std::vector<int> prefix(R + 1, 0);
@@ -367,9 +380,9 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
   EPCHECK(recvHeaders(in));
   epResult_t st = statusFromPeers(in, epSuccess, pend.sig);
   for (int s = 0; s < R && st == epSuccess; ++s)
-    if (in[s].h.v[0] != expect[s] ||
-        in[s].h.data_bytes != static_cast<uint64_t>(expect[s]) *
-                                  ((in[s].h.flags & kMsgRowsByReference) ? sizeof(int32_t) : row))
+    if (!in[s].masked && (in[s].h.v[0] != expect[s] ||
+                          in[s].h.data_bytes != static_cast<uint64_t>(expect[s]) *
+                                                    ((in[s].h.flags & kMsgRowsByReference) ? sizeof(int32_t) : row)))
       st = EP_ERROR(epInvalidUsage,
                     "rank %d returns %lld rows in LL combine but this rank's routing names %d (token, expert) pairs "
                     "on it: topk_idx or the dispatch outputs passed to combine differ from those of the dispatch",
@@ -384,6 +397,7 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
   }
   scratch_.resize(static_cast<size_t>(next) * row);
   for (int s = 0; s < R; ++s) {
+    if (in[s].masked) continue;
     uint8_t* dst = scratch_.data() + prefix[s] * row;
     if (!(in[s].h.flags & kMsgRowsByReference)) {
       EPCHECK(recvInto(s, dst, expect[s] * row, epPhaseData));

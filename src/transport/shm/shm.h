@@ -27,6 +27,12 @@ struct alignas(64) RegionHeader {
   int64_t pid;
   uint64_t ring_bytes;
   std::atomic<uint32_t> ready;  // set once the owner finished initialising the region
+  // Elastic ranks (host engine): what the owner published for its current resynchronization round, read by the
+  // other survivors without the rings (whose contents a failure may have left out of step).
+  alignas(64) std::atomic<uint64_t> rs_word;  // round * 8 + phase * 2 + failed
+  std::atomic<uint64_t> rs_hash;              // hash of the mask the owner proposes
+  std::atomic<uint64_t> rs_epoch;             // operations the owner has sent
+  std::atomic<int32_t> rs_status;             // the owner's epResult_t for the call
 };
 static_assert(sizeof(RegionHeader) <= 4096, "region header fits its page");
 
@@ -94,6 +100,8 @@ class RingEnd {
   // Consumer: copies len ready bytes at offset off from the read position without consuming them.
   void copyOut(void* dst, size_t off, size_t len) const;
   void release(size_t len);
+  // Consumer: drops everything the producer has published so far (the producer must have stopped pushing).
+  void discardAll() { ctl_->head.store(ctl_->tail.load(std::memory_order_acquire), std::memory_order_release); }
   // Consumer: it has finished reading the producer's memory for operation `epoch`.
   void setReadDone(uint64_t epoch) { ctl_->read_done.store(epoch, std::memory_order_release); }
   // Producer: the last operation epoch for which the consumer finished reading this producer's memory.
