@@ -18,10 +18,20 @@ __device__ __forceinline__ int64_t* a2aEntry(const A2aParams& p, int owner, uint
   return reinterpret_cast<int64_t*>(p.ht.base[owner] + mailboxOffset(p.ht, e, src) + sizeof(MailboxHead));
 }
 
-__device__ __forceinline__ int64_t sendBytesTo(const A2aParams& p, int r) {
+// Bytes of the caller's send range for r (where the next range begins), and what is sent to r: nothing to a
+// masked rank.
+__device__ __forceinline__ int64_t sendRangeBytes(const A2aParams& p, int r) {
   if (p.dev_send_counts == nullptr) return static_cast<int64_t>(p.send_bytes[r]);
   const int64_t n = p.dev_send_counts[r];
   return n > 0 ? n * static_cast<int64_t>(p.elem) : 0;
+}
+__device__ __forceinline__ int64_t sendBytesTo(const A2aParams& p, int r) {
+  return rankActive(p.ht.el, r) ? sendRangeBytes(p, r) : 0;
+}
+
+// Bytes source s sends this rank, from its mailbox entry (nothing from a masked rank: its entry is stale).
+__device__ __forceinline__ uint64_t recvBytesFrom(const A2aParams& p, uint64_t e, int s) {
+  return rankActive(p.ht.el, s) ? static_cast<uint64_t>(a2aEntry(p, p.ht.rank, e, s)[0]) : 0;
 }
 
 // One block: bumps the epoch, publishes this rank's counts to every peer, waits for theirs and checks them.
@@ -33,6 +43,11 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
   const uint64_t e = s_e;
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
     if (p.dev_send_counts && p.dev_send_counts[r] < 0) recordViolation(p.ht, epInvalidArgument);
+    if (!rankActive(p.ht.el, r)) {  // masked: nothing sent, counted as dropped
+      const uint64_t n = static_cast<uint64_t>(sendRangeBytes(p, r)) / p.elem;
+      if (n > 0) atomicAdd(&p.ht.el->drops[kDropA2aElements][r], static_cast<unsigned long long>(n));
+      continue;
+    }
     int64_t* ent = a2aEntry(p, r, e, me);
     ent[0] = sendBytesTo(p, r);
     ent[1] = p.dev_send_counts ? -1 : static_cast<int64_t>(p.recv_bytes[r]);
@@ -44,13 +59,14 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
   __syncthreads();
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
     const MailboxHead* head = reinterpret_cast<const MailboxHead*>(p.ht.base[me] + mailboxOffset(p.ht, e, s));
-    if (!waitAtLeast(p.ht, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
+    if (rankActive(p.ht.el, s) && !waitAtLeast(p.ht, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
   }
   __syncthreads();
   if (!s_ok || threadIdx.x != 0) return;
   if (p.dev_send_counts == nullptr) {
     // Host counts: a count one side disagrees with is a violation on both sides; each moves the smaller.
     for (int s = 0; s < R; ++s) {
+      if (!rankActive(p.ht.el, s)) continue;
       const int64_t* ent = a2aEntry(p, me, e, s);
       if (ent[0] != static_cast<int64_t>(p.recv_bytes[s]) || ent[1] != static_cast<int64_t>(p.send_bytes[s]))
         recordViolation(p.ht, epInvalidUsage);
@@ -60,7 +76,7 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
   // Device counts: packed by source up to the capacity; recv_counts holds what each source sent.
   uint64_t pos = 0, dropped = 0;
   for (int s = 0; s < R; ++s) {
-    const uint64_t n = static_cast<uint64_t>(a2aEntry(p, me, e, s)[0]);
+    const uint64_t n = recvBytesFrom(p, e, s);
     const uint64_t fit = pos < p.capacity_bytes ? min(n, p.capacity_bytes - pos) : 0;
     pos += fit;
     dropped += n - fit;
@@ -82,13 +98,15 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   if ((blockIdx.x & 1) == 0) {
     const int r = peer;
     uint64_t bytes, off = 0;
-    if (p.dev_send_counts == nullptr) {
+    if (!rankActive(h.el, r)) {
+      bytes = 0;
+    } else if (p.dev_send_counts == nullptr) {
       const int64_t expected = a2aEntry(p, me, e, r)[1];
       bytes = min(p.send_bytes[r], static_cast<uint64_t>(expected > 0 ? expected : 0));
       off = p.send_off[r];
     } else {
       bytes = static_cast<uint64_t>(sendBytesTo(p, r));
-      for (int q = 0; q < r; ++q) off += static_cast<uint64_t>(sendBytesTo(p, q));
+      for (int q = 0; q < r; ++q) off += static_cast<uint64_t>(sendRangeBytes(p, q));
     }
     const int n = static_cast<int>((bytes + CH - 1) / CH);
     const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
@@ -118,13 +136,13 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   const int s = peer;
   uint64_t bytes, off = 0, keep;
   if (p.dev_send_counts == nullptr) {
-    bytes = min(static_cast<uint64_t>(a2aEntry(p, me, e, s)[0]), p.recv_bytes[s]);
+    bytes = min(recvBytesFrom(p, e, s), p.recv_bytes[s]);
     off = p.recv_off[s];
     keep = bytes;
   } else {
-    bytes = static_cast<uint64_t>(a2aEntry(p, me, e, s)[0]);
+    bytes = recvBytesFrom(p, e, s);
     for (int q = 0; q < s; ++q) {
-      const uint64_t nq = static_cast<uint64_t>(a2aEntry(p, me, e, q)[0]);
+      const uint64_t nq = recvBytesFrom(p, e, q);
       off += off < p.capacity_bytes ? min(nq, p.capacity_bytes - off) : 0;
     }
     keep = off < p.capacity_bytes ? min(bytes, p.capacity_bytes - off) : 0;

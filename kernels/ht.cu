@@ -29,15 +29,17 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   extern __shared__ int s_expert[];  // [E]
   __shared__ uint64_t s_epoch;
   __shared__ int s_count[kGpuMaxRanks];
+  __shared__ int s_masked[kGpuMaxRanks];  // tokens not sent to r because r is masked
   __shared__ int s_warp[32];
   __shared__ int s_total;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int R = p.nranks, L = p.L, K = p.K, C = p.C;
   if (tid == 0) s_epoch = bumpEpoch(p.ctrl);
   for (int i = tid; i < p.E; i += blockDim.x) s_expert[i] = 0;
-  for (int r = tid; r < R; r += blockDim.x) s_count[r] = 0;
+  for (int r = tid; r < R; r += blockDim.x) s_count[r] = s_masked[r] = 0;
   __syncthreads();
   const uint64_t e = s_epoch;
+  const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
 
   for (int base = 0; base < p.T; base += blockDim.x) {
     const int t = base + tid;
@@ -52,8 +54,10 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
         }
         if (x < 0 || isRepeatedExpert(row, k)) continue;
         mask |= 1ull << (x / L);
-        atomicAdd(&s_expert[x], 1);
+        if ((act >> (x / L)) & 1) atomicAdd(&s_expert[x], 1);
       }
+      for (uint64_t m = mask & ~act; m; m &= m - 1) atomicAdd(&s_masked[__ffsll(static_cast<long long>(m)) - 1], 1);
+      mask &= act;
       for (int r = 0; r < R; ++r) p.h.in_rank[static_cast<size_t>(t) * R + r] = (mask >> r) & 1;
     }
     // Position of t among this chunk's tokens that go to r: warp ballots, then a scan of the warp totals.
@@ -89,8 +93,10 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   }
   __syncthreads();
 
-  // Mailbox entry for every peer r: counts to every rank, per local expert of r, per channel (to r).
+  for (int r = tid; r < R; r += blockDim.x) p.h.masked[r] = s_masked[r];
+  // Mailbox entry for every active peer r: counts to every rank, per local expert of r, per channel (to r).
   for (int r = 0; r < R; ++r) {
+    if (!((act >> r) & 1)) continue;
     int32_t* ent = reinterpret_cast<int32_t*>(p.base[r] + mailboxOffset(p, e, p.rank) + sizeof(MailboxHead));
     for (int j = tid; j < R; j += blockDim.x) ent[j] = s_count[j];
     for (int l = tid; l < L; l += blockDim.x) ent[R + l] = s_expert[r * L + l];
@@ -102,6 +108,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __threadfence_system();
   __syncthreads();
   for (int r = tid; r < R; r += blockDim.x) {
+    if (!((act >> r) & 1)) continue;
     MailboxHead* head = reinterpret_cast<MailboxHead*>(p.base[r] + mailboxOffset(p, e, p.rank));
     stRelease(&head->tag, e);
   }
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __syncthreads();
   for (int s = tid; s < R; s += blockDim.x) {
     MailboxHead* head = reinterpret_cast<MailboxHead*>(me + mailboxOffset(p, e, s));
-    if (!waitAtLeast(p, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
+    if (((act >> s) & 1) && !waitAtLeast(p, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
   }
   __syncthreads();
   if (!s_ok) return;
@@ -120,16 +127,18 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   };
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
-    for (int s = 0; s < R; ++s) sum += countsOf(s)[R + l];
+    for (int s = 0; s < R; ++s)
+      if ((act >> s) & 1) sum += countsOf(s)[R + l];
     p.h.per_expert[l] = sum;
     if (p.recv_per_expert_out) p.recv_per_expert_out[l] = sum;
   }
-  for (int i = tid; i < R * C; i += blockDim.x) p.h.recv_chan[i] = countsOf(i / C)[R + L + i % C];
+  for (int i = tid; i < R * C; i += blockDim.x)
+    p.h.recv_chan[i] = ((act >> (i / C)) & 1) ? countsOf(i / C)[R + L + i % C] : 0;
   if (tid == 0) {
     int acc = 0;
     p.h.prefix[0] = 0;
     for (int s = 0; s < R; ++s) {
-      acc += countsOf(s)[p.rank];
+      if ((act >> s) & 1) acc += countsOf(s)[p.rank];
       p.h.prefix[s + 1] = acc;
     }
     *p.h.num_recv = acc;
@@ -148,11 +157,14 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int R = p.nranks, K = p.K, Q = p.Q, C = p.C, G = p.G;
   const int peer = warp / G, g = warp % G;  // G warps serve each peer
+  // Rows the layout did not send because their rank is masked: counted once per dispatch.
+  if (blockIdx.x == 0 && threadIdx.x < R && p.h.masked[threadIdx.x] > 0)
+    atomicAdd(&p.el->drops[kDropTokenRows][threadIdx.x], static_cast<unsigned long long>(p.h.masked[threadIdx.x]));
   if ((blockIdx.x & 1) == 0) {
     // Send: rounds of G tokens; warp g writes token tb + k*G + g into its slot (its position among this
     // channel's tokens to the peer), then the group publishes the tail.
     const int r = peer;
-    const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
+    const int tb = chanBegin(p.T, C, c), te = rankActive(p.el, r) ? chanBegin(p.T, C, c + 1) : tb;
     uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
     const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
     const uint64_t base = ldAcquire(tail);  // this rank is the only writer
@@ -200,7 +212,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const uint8_t* me = p.base[p.rank];
   {
     const int s = peer;
-    const int n = p.h.recv_chan[s * C + c];
+    const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
     int dst = p.h.prefix[s];
     for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
     uint64_t* tail = qCounter(p, p.rank, kDispTail, s, c);
@@ -265,7 +277,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   if ((blockIdx.x & 1) == 0) {
     // Send: the G warps of source s copy its rows in rounds of G, then publish the tail.
     const int s = warp / G, g = warp % G;
-    const int n = p.h.recv_chan[s * C + c];
+    const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
     int src = p.h.prefix[s];
     for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
     uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
@@ -307,7 +319,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     // Rows from r on this channel: its tokens in [tb, te) that went to r.
     int n = 0;
     for (int t = tb + lane; t < te; t += 32) n += p.h.in_rank[static_cast<size_t>(t) * R + r];
-    n = warpSum(n);
+    n = rankActive(p.el, r) ? warpSum(n) : 0;
     uint64_t* tail = qCounter(p, p.rank, kCombTail, r, c);
     uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
     const uint64_t base = ldAcquire(head);
@@ -339,7 +351,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
       for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
       for (int r = 0; r < R; ++r) {
         const size_t tr = static_cast<size_t>(t) * R + r;
-        if (!p.h.in_rank[tr]) continue;
+        if (!p.h.in_rank[tr] || !rankActive(p.el, r)) continue;
         V::add(acc, reinterpret_cast<const int4*>(
                         stage + (static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]) * p.lay.x_stride)[ch]);
       }
@@ -362,7 +374,7 @@ __global__ void __launch_bounds__(256) layoutKernel(HtParams p, int* per_rank, i
         recordViolation(p, epExpertOutOfRange);
         continue;
       }
-      if (x < 0 || isRepeatedExpert(row, k)) continue;
+      if (x < 0 || isRepeatedExpert(row, k) || !rankActive(p.el, static_cast<int>(x / p.L))) continue;
       mask |= 1ull << (x / p.L);
       if (per_expert) atomicAdd(per_expert + x, 1);
     }

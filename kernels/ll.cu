@@ -60,13 +60,15 @@ __device__ __forceinline__ uint64_t launchEpoch(const uint64_t* completed) {
   return s_e;
 }
 
-// Threads 0..R-1 each wait for one peer's flag to reach `want`; false in every thread if one failed.
+// Threads 0..R-1 each wait for one active peer's flag to reach `want` (masked peers are not waited for); false
+// in every thread if one failed.
 __device__ bool waitPeers(const LlParams& p, uint64_t* (*flag)(const LlParams&, int, int), int arg, uint64_t want,
                           uint64_t e) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
-  if (threadIdx.x < p.nranks && !waitAtLeast(p, flag(p, threadIdx.x, arg), want, threadIdx.x, epPhaseData, e))
+  if (threadIdx.x < p.nranks && rankActive(p.el, threadIdx.x) &&
+      !waitAtLeast(p, flag(p, threadIdx.x, arg), want, threadIdx.x, epPhaseData, e))
     s_ok = 0;
   __syncthreads();
   return s_ok != 0;
@@ -215,18 +217,24 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   // Every receiver must have read operation e - 2, which used the same parity.
   const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlDispatch, e - 2, e);
   const SendSmem m = stageRouting(p, s_dyn);
+  const uint64_t act = p.el->active;  // masked ranks get nothing; their pairs are counted as dropped
   if (ok) {
     for (int x = gw; x < p.E; x += NW)
-      if (lane == 0) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
+      if (lane == 0 && ((act >> (x / L)) & 1)) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
     if (gw == 0)
-      for (int r = lane; r < R; r += 32) countEntry(p, r, par, p.rank)[0] = p.T;
+      for (int r = lane; r < R; r += 32)
+        if ((act >> r) & 1) countEntry(p, r, par, p.rank)[0] = p.T;
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
     const int P = partsOf(p.xrow);
     for (int item = gw; item < p.T * P; item += NW) {
       const int t = item / P, part = item % P;
       const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
       const int rk = xk >= 0 ? xk / L : -1;
-      const unsigned mask = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
+      const unsigned routed = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
+      const unsigned mask = routed & static_cast<unsigned>(act);
+      if (part == 0 && lane == 0)
+        for (unsigned mm = routed & ~mask; mm; mm &= mm - 1)
+          atomicAdd(&p.el->drops[kDropTokenRows][__ffs(mm) - 1], 1ull);
       if (mask == 0) continue;
       uint8_t* dst[kLlMaxRanks];
       int dr[kLlMaxRanks], nd = 0;
@@ -260,7 +268,8 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
     }
   }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x)) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+      if (rankActive(p.el, r)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
   }
 }
@@ -286,7 +295,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
                      waitPeers(p, ackFlag, kLlCombine, *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]), e);
   if (guard && waitPeers(p, tagFlag, kLlDispatch * 2 + par, e, e)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
-      int T = countEntry(p, p.rank, par, s)[0];
+      int T = rankActive(p.el, s) ? countEntry(p, p.rank, par, s)[0] : 0;  // a masked source sends nothing
       if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
         recordViolation(p, epInternalError);
         T = 0;
@@ -299,7 +308,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
       for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int acc = 0;
         for (int s = 0; s < R; ++s) {
-          int c = countEntry(p, p.rank, par, s)[4 + l];
+          int c = s_T[s] > 0 ? countEntry(p, p.rank, par, s)[4 + l] : 0;
           if (c < 0 || c > s_T[s]) {
             recordViolation(p, epInternalError);
             c = 0;
@@ -359,7 +368,8 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
     }
   }
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x)) {
-    for (int s = threadIdx.x; s < R; s += blockDim.x) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e);
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+      if (rankActive(p.el, s)) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
   }
 }
@@ -423,6 +433,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
         if (lane == 0) recordViolation(p, epInvalidUsage);
         continue;
       }
+      if (!rankActive(p.el, s)) continue;  // the token's rank was masked after the dispatch
       uint8_t* d = combPtr(p, s, par, p.rank * L + l, t);
       warpCopyChunks(&d, 1, y + (static_cast<size_t>(l) * RM + j) * p.xrow, partBegin(units, P, part),
                      partBegin(units, P, part + 1), lane);
@@ -431,7 +442,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
     for (int item = gw; item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const int n = p.recv_count[s];
-      if (t >= n) continue;
+      if (t >= n || !rankActive(p.el, s)) continue;
       const int64_t* ti = p.recv_topk_idx + (static_cast<size_t>(s) * M + t) * K;
       int64_t l = lane < K ? ti[lane] : -1;
       if (l >= L || l < -1) {
@@ -449,7 +460,8 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
     }
   }
   if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x)) {
-    for (int s = threadIdx.x; s < R; s += blockDim.x) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+      if (rankActive(p.el, s)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
   }
 }
@@ -492,7 +504,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
           const int32_t x = __shfl_sync(kFull, xl, k);
           const int32_t pos = __shfl_sync(kFull, pl, k);
           const float w = __shfl_sync(kFull, wl, k);
-          if (x < 0 || ch >= chunks) continue;
+          if (x < 0 || ch >= chunks || !rankActive(p.el, x / L)) continue;  // masked: contribution absent
           const int A = x / L, l = x % L;
           const LlZcHeader* h = zcHeader(p, A, par);
           size_t row;
@@ -517,14 +529,15 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
       for (int k = 0; k < K; ++k) {
         const int64_t x = __shfl_sync(kFull, xl, k);
         const float w = __shfl_sync(kFull, wl, k);
-        if (x < 0 || ch >= chunks) continue;
+        if (x < 0 || ch >= chunks || !rankActive(p.el, static_cast<int>(x / L))) continue;
         V::addWeighted(acc, reinterpret_cast<const int4*>(combPtr(p, p.rank, par, static_cast<int>(x), t))[ch], w);
       }
       if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = V::pack(acc);
     }
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x)) {
-    for (int s = threadIdx.x; s < R; s += blockDim.x) stRelease(ackPtr(p, s, kLlCombine, p.rank), e);
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+      if (rankActive(p.el, s)) stRelease(ackPtr(p, s, kLlCombine, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlCombine], e);
   }
 }

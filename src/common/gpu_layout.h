@@ -5,6 +5,7 @@
 // by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
 // Layout (offsets in GpuBufferLayout):
 //   [GpuCtrl]                      the epoch
+//   [elastic sync: R x 2 uint64]   epCommSetActiveRanks: {mask, round} written by each survivor (GpuSyncEntry)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
 //   [queue counters: 4 x R x C]    cumulative rows per (src, channel): dispatch tail (written by src), dispatch
 //                                  head (written here, read by src), combine tail, combine head
@@ -38,6 +39,7 @@ struct GpuCtrl {
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kNumQueueCounters };
 
 struct GpuBufferLayout {
+  size_t sync;                    // elastic sync entries [src]
   size_t mailbox, mailbox_entry;  // offset of mailbox[0][0], bytes per entry
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
@@ -47,6 +49,22 @@ struct GpuBufferLayout {
   size_t total;
   int nranks, channels, queue_rows, max_tokens;
 };
+
+// Written by survivor src into every kept peer's sync area during epCommSetActiveRanks: its mask first, then
+// the round (the host-side count of such calls), so a reader that sees the round sees the mask.
+struct GpuSyncEntry {
+  uint64_t mask;
+  uint64_t round;
+};
+
+// Elastic ranks on the device (one per rank, device memory): the active-ranks mask that every kernel reads when
+// it runs (so graph replays pick up a new mask) and the cumulative drop counters epCommGetMaskedDrops reports.
+enum GpuDropKind { kDropTokenRows = 0, kDropA2aElements = 1 };
+struct GpuElastic {
+  uint64_t active;                                 // bit r set: rank r is active
+  unsigned long long drops[2][kGpuMaxRanks];       // [GpuDropKind][destination rank]
+};
+EP_HD bool rankActive(const GpuElastic* el, int r) { return (el->active >> r) & 1; }
 
 struct MailboxHead {
   uint64_t tag;  // epoch, written last
@@ -65,6 +83,8 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   l.x_stride = (static_cast<size_t>(max_hidden) * 2 + 15) & ~size_t{15};
   l.scale_stride = (static_cast<size_t>(max_hidden) / 128 * 4 + 15) & ~size_t{15};
   size_t off = up(sizeof(GpuCtrl));
+  l.sync = off;
+  off = up(off + static_cast<size_t>(nranks) * 16);
   l.mailbox = off;
   l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
                      15) & ~size_t{15};
@@ -184,6 +204,8 @@ struct GpuHandleDev {
   int32_t* send_chan_base;  // [R, C] tokens this rank sends to r before channel c's first token
   int32_t* per_expert;      // [L] received rows naming each local expert
   int32_t* num_recv;        // [1]
+  int32_t* masked;          // [R] tokens of the layout not sent because r was masked (added to the drop
+                            // counters by every dispatch that uses the layout)
 };
 
 // Everything an HT kernel needs, passed by value.
@@ -193,6 +215,7 @@ struct HtParams {
   uint8_t* base[kGpuMaxRanks];  // every rank's buffer, mapped here
   GpuBufferLayout lay;
   GpuErrorRecord* err;
+  GpuElastic* el;
   uint64_t timeout_ns;
   int C, Q, G;                       // channels, queue rows, warps per peer in a block
   // operation
@@ -218,6 +241,7 @@ struct LlParams {
   uint8_t* base[kGpuMaxRanks];  // every rank's LL buffer, mapped here
   LlLayout lay;
   GpuErrorRecord* err;
+  GpuElastic* el;
   uint64_t timeout_ns;
   int T, M, H, K, E, L, dtype, use_fp8, layout;
   size_t xrow;  // bytes of a row of x / y / out (H * dtype size)

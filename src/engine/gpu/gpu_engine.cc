@@ -42,6 +42,8 @@ GpuEngine::~GpuEngine() {
   // an abort, and within their deadline otherwise.
   cudaDeviceSynchronize();
   if (err_host_) cudaFreeHost(err_host_);
+  if (sync_disagree_) cudaFreeHost(sync_disagree_);
+  if (el_dev_) cudaFree(el_dev_);
 }
 
 epResult_t GpuEngine::checkLaunch(cudaError_t e, const char* what) {
@@ -106,6 +108,7 @@ epResult_t GpuEngine::init() {
   memset(err_host_, 0, sizeof(GpuErrorRecord));
   e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
+  EPCHECK(initElastic());
   EPCHECK(initLl());
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
           device_, R, lay_.total, lay_.channels, lay_.queue_rows);
@@ -124,6 +127,7 @@ HtParams GpuEngine::baseParams(int op) const {
   for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(bufs_.peer(r));
   p.lay = lay_;
   p.err = err_dev_;
+  p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.C = lay_.channels;
   p.Q = lay_.queue_rows;
@@ -175,7 +179,7 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  const size_t ints = tr + (R + 1) + 2 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1;
+  const size_t ints = tr + (R + 1) + 2 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + R;
   const size_t bytes = 4 * ints + tr + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
@@ -193,7 +197,8 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   g->dev.send_chan_base = g->dev.recv_chan + R * C;
   g->dev.per_expert = g->dev.send_chan_base + R * C;
   g->dev.num_recv = g->dev.per_expert + kGpuMaxExperts;
-  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.num_recv + 1);
+  g->dev.masked = g->dev.num_recv + 1;
+  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.masked + R);
   h->gpu = g.release();
   return epSuccess;
 }
@@ -260,6 +265,7 @@ epResult_t GpuEngine::htNotify(const epHtDispatchArgs_t* a, epHtHandle* h, epRes
   h->recv_rows = h->num_recv;
   h->recv_prefix.assign(prefix.begin(), prefix.end());
   h->recv_per_expert.assign(per.begin(), per.end());
+  h->mask_gen = mask_gen_;
   h->valid = true;
   *num_recv_host = h->num_recv;
   if (per_expert_host) memcpy(per_expert_host, per.data(), sizeof(int) * L);
@@ -277,12 +283,14 @@ epResult_t GpuEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epR
   HtParams p = dispatchParams(epOpHtDispatch, a, g->dev);
   cudaStream_t s = streamOf(stream);
   if (cached) {
+    EPCHECK(checkHandleMask(h, "epHtDispatch"));
     EPCHECK(checkLaunch(launchHtBegin(p, s), "the dispatch begin kernel"));
   } else {
     EPCHECK(checkLaunch(launchHtNotify(p, s), "the notify kernel"));
     h->num_tokens = a->num_tokens;
     h->num_experts = a->num_experts;
     h->recv_rows = a->num_worst_tokens;
+    h->mask_gen = mask_gen_;
     h->valid = true;
   }
   return checkLaunch(launchHtDispatch(p, s), "the dispatch kernel");
@@ -296,6 +304,7 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
              "combine rows of %zu bytes exceed the %zu bytes per row the buffers were sized for", xrow, lay_.x_stride);
   EPCHECK(checkAligned(a->x, "x"));
   EPCHECK(checkAligned(a->combined_x, "combined_x"));
+  EPCHECK(checkHandleMask(h, "epHtCombine"));
   HtParams p = baseParams(epOpHtCombine);
   p.T = a->num_tokens;
   p.H = a->hidden;
@@ -312,6 +321,9 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
 epResult_t GpuEngine::barrier(epStream_t stream) {
   cudaError_t e = cudaStreamSynchronize(streamOf(stream));
   if (e != cudaSuccess) EP_FAIL(epCudaError, "barrier: %s", cudaGetErrorString(e));
+  // With masked ranks the bootstrap (which needs every rank) is not an option: the survivors meet on the device.
+  const uint64_t all = comm_->nranks >= 64 ? ~0ull : (1ull << comm_->nranks) - 1;
+  if (active_mask_ != all) return elasticSync(active_mask_, streamOf(stream), "epCommBarrier");
   return comm_->bootstrap->barrier(comm_->config.timeout_ms);
 }
 

@@ -41,6 +41,8 @@ class GpuEngine final : public Engine {
                              epResult_t local, epStream_t) override;
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
+  epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
+  epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
   void abort() override;
   void pollAsyncError() override;
 
@@ -54,6 +56,11 @@ class GpuEngine final : public Engine {
   epResult_t initLl();
   HtParams dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const;
   epResult_t checkLaunch(cudaError_t e, const char* what);
+  // Elastic ranks (elastic.cc): the survivors' rendezvous, and the check that a handle's layout predates no mask
+  // change.
+  epResult_t elasticSync(uint64_t mask, cudaStream_t s, const char* what);
+  epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
+  epResult_t initElastic();
 
   epComm* comm_;
   int device_ = 0;
@@ -63,6 +70,13 @@ class GpuEngine final : public Engine {
   GpuErrorRecord* err_host_ = nullptr;  // host-mapped
   GpuErrorRecord* err_dev_ = nullptr;
   uint64_t violations_seen_ = 0;
+  // Elastic ranks: the device-side mask and drop counters, the mask as this host last set it, how many masks
+  // that masked someone new were set (HT handles filled before are stale), and the survivors' sync rounds.
+  GpuElastic* el_dev_ = nullptr;
+  uint64_t active_mask_ = 0;
+  uint64_t mask_gen_ = 0;
+  uint64_t sync_round_ = 0;
+  int* sync_disagree_ = nullptr;  // host-mapped
   // LL: a second buffer (present when config.ll_max_tokens_per_rank > 0), its fixed grid, and the halves this
   // rank issued per family (host-side call-order checks only; the kernels never read them).
   IpcBuffers ll_bufs_;
