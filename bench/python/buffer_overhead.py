@@ -105,7 +105,7 @@ def main():
         ld.recv_count, ld.recv_count_bytes = ptr(bufs[1]), nbytes(bufs[1])
         ld.recv_src_info, ld.recv_src_info_bytes = ptr(bufs[2]), nbytes(bufs[2])
         ld.recv_layout_range, ld.recv_layout_range_bytes = ptr(bufs[3]), nbytes(bufs[3])
-        ll = buffer._ll_comm
+        ll = buffer.runtime  # the one communicator, re-created with LL capacity by the first LL call
         rows.append(("LL dispatch", *timed_pair(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
                                                 lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
         lc = _capi.LlCombineArgs()
