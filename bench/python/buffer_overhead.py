@@ -1,22 +1,28 @@
 """Per-call overhead of epcomm.Buffer over the C API alone, same run, same communicator and shapes.
 
-    torchrun --standalone --nproc-per-node 2 bench/python/buffer_overhead.py [--device cuda] [--iters 200]
+    python bench/python/buffer_overhead.py --ranks 2 [--device cuda] [--iters 200] [--csv out.csv]
+    torchrun --standalone --nproc-per-node 2 bench/python/buffer_overhead.py [--device cuda] ...
 
-For each operation: the median time of the Buffer call and of the bare C API call (through epcomm._capi with
-its arguments and outputs prepared once), alternating, and the difference. On the host engine (CPU) every call is
-synchronous; on CUDA both are timed to completion (synchronize after each call).
+For each operation (HT exact dispatch, HT combine, LL dispatch, LL combine, and LL combine zero-copy where the
+engine has the registered region): the median time of the Buffer call and of the bare C API call (through
+epcomm._capi on the same tensors, its arguments and outputs prepared once), alternating, and the difference.
+The host engine (CPU) runs every call synchronously; on CUDA both are timed to completion (synchronize after
+each call). The ranks meet over gloo (any number of ranks may share a GPU; under CUDA MPS for speed).
 """
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import epcomm
-from epcomm import _capi
-from epcomm._pointers import ep_dtype, nbytes, ptr
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchutil  # noqa: E402
+import epcomm  # noqa: E402
+from epcomm import _capi  # noqa: E402
+from epcomm._pointers import ep_dtype, nbytes, ptr  # noqa: E402
 
 
 def timed_pair(buffer_call, c_call, iters, sync):
@@ -34,21 +40,21 @@ def timed_pair(buffer_call, c_call, iters, sync):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    benchutil.add_common_args(ap)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--iters", type=int, default=200)
     args = ap.parse_args()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        os.environ.setdefault("EPCOMM_ENGINE", "host")
-    dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
+    benchutil.launch(run, args)
+
+
+def run(args):
+    dev = benchutil.rank_device(args.device)
+    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync = benchutil.sync_fn(dev)
     buffer = epcomm.Buffer(dist.group.WORLD)
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     gen = torch.Generator().manual_seed(rank)
@@ -105,7 +111,7 @@ def main():
         ld.recv_count, ld.recv_count_bytes = ptr(bufs[1]), nbytes(bufs[1])
         ld.recv_src_info, ld.recv_src_info_bytes = ptr(bufs[2]), nbytes(bufs[2])
         ld.recv_layout_range, ld.recv_layout_range_bytes = ptr(bufs[3]), nbytes(bufs[3])
-        ll = buffer._ll_comm
+        ll = buffer.runtime  # the one communicator, re-created with LL capacity by the first LL call
         rows.append(("LL dispatch", *timed_pair(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
                                                 lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
         lc = _capi.LlCombineArgs()
@@ -116,11 +122,32 @@ def main():
         lc.topk_idx, lc.topk_weights, lc.out, lc.out_bytes = ptr(topk_idx), ptr(topk_w), ptr(combined), nbytes(combined)
         rows.append(("LL combine", *timed_pair(lambda: buffer.low_latency_combine(recv, topk_idx, topk_w, ll_handle),
                                                lambda: ll.ll_combine(lc, stream), args.iters, sync)))
+        # zero-copy: y in the communicator's registered region (GPU engine only)
+        try:
+            region, _ = ll.ll_combine_buffer()
+        except _capi.Error as e:
+            if e.code != _capi.NOT_SUPPORTED:
+                raise
+            region = None
+        if region is not None:
+            zc = _capi.LlCombineArgs()
+            zc.num_tokens, zc.max_tokens_per_rank, zc.hidden, zc.topk, zc.num_experts = T, M, H, K, E
+            zc.dtype, zc.layout, zc.phases = ep_dtype(x.dtype), _capi.LL_EXPERT_MAJOR, _capi.LL_SEND_RECV
+            zc.y, zc.y_bytes = region, nbytes(bufs[0])
+            zc.recv_count, zc.recv_src_info, zc.recv_layout_range = ptr(bufs[1]), ptr(bufs[2]), ptr(bufs[3])
+            zc.topk_idx, zc.topk_weights, zc.out, zc.out_bytes = ptr(topk_idx), ptr(topk_w), ptr(combined), nbytes(combined)
+            # fresh dispatch outputs for both: the C call's describe its own dispatch
+            ll.ll_dispatch(ld, stream)
+            sync()
+            rows.append(("LL combine zero-copy", *timed_pair(
+                lambda: buffer.low_latency_combine(recv, topk_idx, topk_w, ll_handle, zero_copy=True),
+                lambda: ll.ll_combine(zc, stream), args.iters, sync)))
     if rank == 0:
-        print(f"ranks={world} device={args.device} tokens={T} hidden={H} experts={E} top-{K}, median of {args.iters}")
-        print(f"{'operation':22s} {'Buffer us':>10s} {'C API us':>10s} {'overhead us':>12s}")
-        for name, b, capi in rows:
-            print(f"{name:22s} {b:10.1f} {capi:10.1f} {b - capi:12.1f}")
+        benchutil.print_table(
+            f"Buffer per-call overhead over the C API: ranks={world} device={args.device} tokens={T} hidden={H} "
+            f"experts={E} top-{K}, median of {args.iters} (us)",
+            ["operation", "ranks", "device", "buffer_us", "capi_us", "overhead_us"],
+            [(name, world, args.device, b, capi, b - capi) for name, b, capi in rows], args.csv)
     dist.destroy_process_group()
 
 

@@ -282,3 +282,119 @@ def api_surface(rank, world, init_method):
 
 def test_api_surface():
     ranks.run(2, api_surface)
+
+
+def _ll_expert_ref(x, topk_idx, topk_weights):
+    """LL combine's result when expert e's output is its rows scaled by (e + 1) / 8 (fp32 terms, k order)."""
+    ref = torch.zeros((x.size(0), x.size(1)))
+    for k in range(topk_idx.size(1)):
+        e = topk_idx[:, k]
+        v = (x.float() * ((e + 1).float() / 8).unsqueeze(1)).to(torch.bfloat16).float()
+        ref += torch.where((e >= 0).unsqueeze(1), topk_weights[:, k:k + 1] * v, 0.0)
+    return ref.to(torch.bfloat16)
+
+
+def ll_zero_copy(rank, world, init_method, device="cpu"):
+    """get_next_low_latency_combine_buffer and low_latency_combine(zero_copy=True) on one communicator that
+    also runs HT: on the GPU engine the buffer is a view of the C API's registered region (epLlCombineBuffer),
+    two alternating; on the host engine (epNotSupported there) a Buffer-owned tensor, two alternating. Both
+    combine like a plain combine."""
+    import epcomm
+    from epcomm import _capi
+
+    _init(rank, world, init_method)
+    dev = _set_device(rank, device)
+    gen = torch.Generator().manual_seed(77 + rank)
+    num_experts, topk, hidden, max_tokens = 4 * world, 3, 256, 16
+    num_local = num_experts // world
+    buffer = epcomm.Buffer(dist.group.WORLD, 0, epcomm.Buffer.get_low_latency_rdma_size_hint(
+        max_tokens, hidden, world, num_experts), low_latency_mode=True, num_qps_per_rank=num_local)
+    first_comm = buffer.runtime
+
+    # the first LL call re-creates the communicator with LL capacity; from then on HT and LL share it: an HT
+    # dispatch made now is combined after several LL calls
+    x = torch.randn((max_tokens, hidden), generator=gen).to(torch.bfloat16)
+    topk_idx, topk_weights = _routing(gen, max_tokens, num_experts, topk)
+    x_d, idx_d, w_d = x.to(dev), topk_idx.to(dev), topk_weights.to(dev)
+    buffer.low_latency_dispatch(x_d, idx_d, max_tokens, num_experts, use_fp8=False)
+    assert buffer.runtime is not first_comm and buffer._comm_generation == 1  # re-created once, with LL capacity
+    ll_comm = buffer.runtime
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx_d, num_experts)
+    ht_x, _, _, _, ht_handle, _ = buffer.dispatch(x_d, topk_idx=idx_d, topk_weights=w_d, num_tokens_per_rank=per_rank,
+                                                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    engine_region = None
+    try:
+        engine_region = buffer.runtime.ll_combine_buffer()
+    except _capi.Error as e:
+        assert e.code == _capi.NOT_SUPPORTED and "zero-copy" in str(e), e
+    assert (engine_region is not None) == (dev.type == "cuda"), (dev, engine_region)
+
+    ref = _ll_expert_ref(x, topk_idx, topk_weights)
+    seen = []
+    for hook_mode in (False, True, False, True):
+        recv, _, handle, event, hook = buffer.low_latency_dispatch(
+            x_d, idx_d, max_tokens, num_experts, use_fp8=False, async_finish=not hook_mode, return_recv_hook=hook_mode)
+        hook() if hook_mode else event.current_stream_wait()
+        scale = ((torch.arange(num_local, device=dev) + rank * num_local + 1).float() / 8).view(-1, 1, 1)
+        y = (recv.float() * scale).to(torch.bfloat16)
+        plain, _, c_hook = buffer.low_latency_combine(y, idx_d, w_d, handle, return_recv_hook=hook_mode)
+        if hook_mode:
+            c_hook()
+        assert torch.equal(plain.cpu(), ref), (plain.cpu().float() - ref.float()).abs().max()
+
+        zc = buffer.get_next_low_latency_combine_buffer(handle)
+        assert zc.dtype == torch.bfloat16 and zc.shape == (num_local, world * max_tokens, hidden), zc.shape
+        assert zc.device == dev and zc.is_contiguous()
+        assert buffer.get_next_low_latency_combine_buffer(handle).data_ptr() == zc.data_ptr()  # stable until used
+        if engine_region is not None:
+            address, size = buffer.runtime.ll_combine_buffer()
+            assert zc.data_ptr() == address and zc.numel() * 2 <= size
+        zc[:, :, :] = y
+        # x's data is not read in zero-copy mode (DeepEP passes its GEMM output anyway)
+        out = torch.empty((max_tokens, hidden), dtype=torch.bfloat16, device=dev)
+        combined, event, c_hook = buffer.low_latency_combine(torch.zeros_like(y), idx_d, w_d, handle, zero_copy=True,
+                                                             async_finish=not hook_mode, return_recv_hook=hook_mode,
+                                                             out=out)
+        c_hook() if hook_mode else event.current_stream_wait()
+        assert combined.data_ptr() == out.data_ptr()
+        assert torch.equal(combined.cpu(), ref), (combined.cpu().float() - ref.float()).abs().max()
+        seen.append(zc.data_ptr())
+    # two buffers alternate (on the GPU engine: two combines per round, so each round starts on the same one)
+    assert len(set(seen)) in (1, 2)
+    if engine_region is None:
+        assert len(set(seen)) == 2 and seen[0] == seen[2] and seen[1] == seen[3]
+
+    # the HT handle from before still combines on the same communicator, after the LL calls
+    assert buffer.runtime is ll_comm and buffer._comm_generation == 1
+    combined, _, _ = buffer.combine(ht_x, ht_handle)
+    dest = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
+    copies = torch.stack([(dest == d).any(dim=1) for d in range(world)], dim=1).sum(dim=1, keepdim=True)
+    assert torch.equal(combined.cpu(), (x.float() * copies).to(torch.bfloat16))
+    # an LL call of a smaller shape keeps the communicator; a larger one re-creates it
+    buffer.low_latency_dispatch(x_d[:4], idx_d[:4], max_tokens // 2, num_experts, use_fp8=False)
+    assert buffer._comm_generation == 1
+    buffer.low_latency_dispatch(x_d, idx_d, 2 * max_tokens, num_experts, use_fp8=False)
+    assert buffer._comm_generation == 2 and buffer._ll_shape == (2 * max_tokens, hidden, num_experts)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ll_zero_copy_one_comm(world):
+    ranks.run(world, ll_zero_copy)
+
+
+def test_dlpack_bytes():
+    """The binding's DLPack capsule aliases the memory it was given; an unconsumed capsule frees itself."""
+    from epcomm import _capi
+
+    base = torch.arange(64, dtype=torch.uint8)
+    view = torch.from_dlpack(_capi.dlpack_bytes(base.data_ptr(), 64, 1))
+    assert view.dtype == torch.uint8 and view.shape == (64,) and view.data_ptr() == base.data_ptr()
+    view[3] = 200
+    assert int(base[3]) == 200
+    for _ in range(100):
+        _capi.dlpack_bytes(base.data_ptr(), 64, 1)  # dropped unconsumed
+    with pytest.raises(ValueError):
+        _capi.dlpack_bytes(base.data_ptr(), 64, 7)

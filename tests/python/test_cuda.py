@@ -64,6 +64,12 @@ def test_ll_cuda():
     ranks.run(WORLD, ll_cuda)
 
 
+def test_ll_zero_copy_cuda():
+    """get_next_low_latency_combine_buffer is a view of the communicator's registered region (epLlCombineBuffer),
+    zero-copy combines equal plain ones, and HT and LL share the one communicator (see test_buffer)."""
+    ranks.run(WORLD, test_buffer.ll_zero_copy, "cuda")
+
+
 def captured(rank, world, init_method):
     """Worst-token dispatch -> expert stand-in -> combine captured in a CUDA graph and replayed with fresh
     inputs equals the eager result each time."""

@@ -1,4 +1,4 @@
-"""plugin/torch/examples/moe_layer.py runs under torchrun on CPU and its two ways agree."""
+"""plugin/torch/examples/moe_layer.py runs under torchrun on CPU and its ways (and the plain way on gloo) agree."""
 import os
 import signal
 import subprocess
@@ -10,7 +10,8 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "plugin", "torch",
 def test_moe_layer_example(tmp_path):
     env = dict(os.environ, EPCOMM_HOST_CHANNELS="1", OMP_NUM_THREADS="1", EPCOMM_TIMEOUT_MS="20000")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           EXAMPLE, "--tokens", "32", "--hidden", "256", "--ffn", "128", "--experts", "8", "--iters", "2"]
+           EXAMPLE, "--tokens", "32", "--hidden", "256", "--ffn", "128", "--experts", "8", "--iters", "2",
+           "--ref-backend", "gloo"]
     # Its own session, so that a timeout takes torchrun's workers down with it.
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -20,4 +21,4 @@ def test_moe_layer_example(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
     assert proc.returncode == 0, stdout + stderr
-    assert "moe_layer buffer" in stdout and "moe_layer pg" in stdout, stdout
+    assert "moe_layer buffer" in stdout and "moe_layer pg" in stdout and "moe_layer pg-gloo" in stdout, stdout

@@ -171,6 +171,63 @@ class HtHandle {
   std::shared_ptr<bool> comm_alive_;
 };
 
+// A DLPack capsule ("dltensor", the legacy unversioned protocol that torch.from_dlpack takes) over bytes that
+// someone else owns: a 1-D uint8 tensor of nbytes at ptr on a CPU (device_type 1) or CUDA (2) device. The
+// structs follow the DLPack ABI; declared here so that the binding needs no DLPack or torch header. The
+// consumer's tensor aliases the memory and does not keep it alive.
+struct DlDevice { int32_t device_type; int32_t device_id; };
+struct DlDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
+struct DlTensor {
+  void* data;
+  DlDevice device;
+  int32_t ndim;
+  DlDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DlManagedTensor {
+  DlTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DlManagedTensor*);
+};
+struct DlView {  // the managed tensor and the shape it points to, freed together by the deleter
+  DlManagedTensor managed;
+  int64_t shape[1];
+};
+constexpr int32_t kDlCpu = 1, kDlCuda = 2;
+constexpr uint8_t kDlUInt = 1;
+
+py::capsule dlpackBytes(uintptr_t p, int64_t nbytes, int device_type, int device_id) {
+  if (device_type != kDlCpu && device_type != kDlCuda) throw py::value_error("device_type must be 1 (CPU) or 2 (CUDA)");
+  if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+  auto* v = new DlView{};
+  v->shape[0] = nbytes;
+  DlTensor& t = v->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(p);
+  t.device = {device_type, device_type == kDlCpu ? 0 : device_id};
+  t.ndim = 1;
+  t.dtype = {kDlUInt, 8, 1};
+  t.shape = v->shape;
+  t.strides = nullptr;  // compact
+  t.byte_offset = 0;
+  v->managed.manager_ctx = v;
+  v->managed.deleter = [](DlManagedTensor* m) { delete static_cast<DlView*>(m->manager_ctx); };
+  // A capsule never consumed (still named "dltensor") frees its view itself; a consumed one was renamed and
+  // belongs to the consumer, which calls the deleter.
+  PyObject* cap = PyCapsule_New(&v->managed, "dltensor", [](PyObject* c) {
+    if (PyCapsule_IsValid(c, "dltensor")) {
+      auto* m = static_cast<DlManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+      m->deleter(m);
+    }
+  });
+  if (cap == nullptr) {
+    delete v;
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
 // Pointer fields are exposed as integers.
 #define EP_PTR_FIELD(cls, T, name)                                                             \
   def_property(#name, [](const T& a) { return reinterpret_cast<uintptr_t>(a.name); },          \
@@ -193,6 +250,10 @@ PYBIND11_MODULE(_capi, m) {
   // torch gives empty tensors a NULL data pointer; this valid address stands in for 0-byte buffers.
   static uint64_t dummy[2] = {0, 0};
   m.def("dummy_ptr", [] { return reinterpret_cast<uintptr_t>(&dummy[0]); });
+  m.def("dlpack_bytes", &dlpackBytes, py::arg("ptr"), py::arg("nbytes"), py::arg("device_type"),
+        py::arg("device_id") = 0,
+        "A DLPack capsule of a 1-D uint8 tensor over nbytes at ptr (device_type 1 = CPU, 2 = CUDA) for "
+        "torch.from_dlpack; the memory stays its owner's (the tensor does not keep it alive).");
 
   m.attr("ENGINE_AUTO") = static_cast<int>(EP_ENGINE_AUTO);
   m.attr("ENGINE_HOST") = static_cast<int>(EP_ENGINE_HOST);
@@ -293,7 +354,16 @@ PYBIND11_MODULE(_capi, m) {
            })
       .def("ll_combine", [](const Comm& c, const epLlCombineArgs_t& a, uintptr_t s) {
         run(c, [&](epComm_t h) { return epLlCombine(h, &a, stream(s)); });
-      });
+      })
+      .def("ll_combine_buffer",
+           [](const Comm& c) {
+             void* y = nullptr;
+             size_t bytes = 0;
+             c.check(epLlCombineBuffer(c.get(), &y, &bytes));
+             return py::make_tuple(reinterpret_cast<uintptr_t>(y), bytes);
+           },
+           "epLlCombineBuffer: (address, bytes) of the registered region the next zero-copy LL combine reads its y "
+           "from (GPU engine; the host engine raises epNotSupported)");
 
   py::class_<HtHandle>(m, "HtHandle")
       .def(py::init<const Comm&, int>(), py::arg("comm"), py::arg("max_tokens"))

@@ -1,11 +1,14 @@
 """epcomm.Buffer: DeepEP's (legacy) Buffer API — names, arguments, defaults, return values — on epcomm's C API.
 
-The communicator is created over the group given (any backend) through the C API's all-gather callback. Its
-engine decides the tensors it takes: the host engine (CPU tensors; what runs without a GPU, or with
-EPCOMM_ENGINE=host) or the GPU engine (CUDA tensors of the current device). Low-latency (LL) calls use a
-second communicator, created at the first LL call with that call's capacity (num_max_dispatch_tokens_per_rank,
-hidden, num_experts): DeepEP sizes LL from num_rdma_bytes, which does not determine those. Every difference
-from DeepEP is listed in the README ("Differences from DeepEP").
+One communicator (Buffer.runtime) carries every call, HT and LL. It is created over the group given (any
+backend) through the C API's all-gather callback. Its engine decides the tensors it takes: the host engine (CPU
+tensors; what runs without a GPU, or with EPCOMM_ENGINE=host) or the GPU engine (CUDA tensors of the current
+device). The C API sizes a communicator's LL buffers at creation (epConfig_t.ll_max_tokens_per_rank,
+ll_max_hidden, ll_num_experts), and DeepEP's constructor does not say them (num_rdma_bytes does not determine
+them): so the Buffer creates its communicator without LL capacity, and the first LL call re-creates it with
+that call's (num_max_dispatch_tokens_per_rank, hidden, num_experts) -- collectively, as every rank makes the
+same LL call -- as does a later LL call that needs more. Every difference from DeepEP is listed in the README
+("Differences from DeepEP").
 """
 import weakref
 from typing import Callable, List, Optional, Tuple, Union
@@ -67,8 +70,10 @@ class Buffer:
         self._free_ht_handles: List = []
         self._graph_ht_handles: List = []  # held by captured CUDA graphs for the Buffer's lifetime
         self._alltoallv_unsupported = False
-        self._ll_comm = None
-        self._ll_shape = (0, 0, 0)
+        self._comm_generation = 0  # bumped when the communicator is re-created (HT handles of an older one die)
+        self._ll_shape = (0, 0, 0)  # LL capacity of the communicator: (max tokens per rank, hidden, experts)
+        self._ll_zero_copy = True  # the engine hands out zero-copy regions (epLlCombineBuffer); else a fallback
+        self._ll_region_views = {}  # address of a zero-copy region -> uint8 tensor over it
         self._ll_combine_buffers: List[torch.Tensor] = []
         self._ll_recv_slots: List = [None, None]
         self._ll_slot_idx = 0
@@ -81,10 +86,9 @@ class Buffer:
         assert self.explicitly_destroy, '`explicitly_destroy` flag must be set'
         self._free_ht_handles.clear()
         self._graph_ht_handles.clear()
-        for c in (self._ll_comm, self.runtime):
-            if c is not None:
-                c.destroy()
-        self._ll_comm = None
+        self._ll_region_views.clear()
+        if self.runtime is not None:
+            self.runtime.destroy()
         self.runtime = None
 
     @staticmethod
@@ -180,8 +184,9 @@ class Buffer:
                 return h
         return _capi.HtHandle(self.runtime, max(num_tokens, 1))
 
-    def _give_back_ht_handle(self, h) -> None:
-        self._free_ht_handles.append(h)
+    def _give_back_ht_handle(self, h, generation: Optional[int] = None) -> None:
+        if generation is None or generation == self._comm_generation:  # a re-created communicator's are gone
+            self._free_ht_handles.append(h)
 
     def _exchange_counts(self, per_rank: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """[R, R + E] int32: every rank's tokens per destination rank and per expert. The C API keeps these
@@ -302,7 +307,7 @@ class Buffer:
             # A captured graph writes and reads this layout at every replay: never lend it to another dispatch.
             self._graph_ht_handles.append(c_handle)
         else:
-            weakref.finalize(state, self._give_back_ht_handle, c_handle)
+            weakref.finalize(state, self._give_back_ht_handle, c_handle, self._comm_generation)
         new_handle = HtHandle((rank_prefix_matrix, None, None, None, is_token_in_rank, None), state)
         event = launch.finish((x, x_scales, topk_idx, topk_weights, *recv))
         out_x = (recv_x, recv_x_scales) if x_scales is not None else recv_x
@@ -387,16 +392,31 @@ class Buffer:
     # --- low-latency dispatch / combine ---------------------------------------------------------------------
 
     def _ll_runtime(self, max_tokens: int, hidden: int, num_experts: int) -> "_capi.Comm":
+        """The communicator, re-created first when it lacks the LL capacity of this call (see the module's
+        docstring). Collective: every rank makes the same LL call, so every rank gets here together."""
         m, h, e = self._ll_shape
-        if self._ll_comm is None or max_tokens > m or hidden > h or num_experts != e:
-            # Collective: every rank makes the same LL call, so every rank gets here together.
-            if self._ll_comm is not None:
-                self._ll_comm.destroy()
-            self._ll_comm = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
-                                         engine=self.runtime.engine, ll_max_tokens_per_rank=max_tokens,
-                                         ll_max_hidden=hidden, ll_num_experts=num_experts)
-            self._ll_shape = (max_tokens, hidden, num_experts)
-        return self._ll_comm
+        if max_tokens <= m and hidden <= h and num_experts == e:
+            return self.runtime
+        if self.runtime is None:
+            raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
+        if self._graph_ht_handles:
+            raise RuntimeError(
+                "epcomm.Buffer: this LL call needs the communicator re-created with LL capacity "
+                f"(num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, num_experts={num_experts}), but "
+                "CUDA graphs captured on this Buffer use the current one; make the first LL call, with the largest "
+                "shape, before capturing")
+        engine = self.runtime.engine
+        self._free_ht_handles.clear()
+        self._ll_region_views.clear()
+        self.runtime.destroy()  # HT handles still held by the caller no longer combine (epcomm says so if used)
+        self.runtime = None
+        shape = (max(max_tokens, m), max(hidden, h), num_experts)
+        self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
+                                    engine=engine, ll_max_tokens_per_rank=shape[0], ll_max_hidden=shape[1],
+                                    ll_num_experts=shape[2])
+        self._comm_generation += 1
+        self._ll_shape = shape
+        return self.runtime
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """epcomm's LL needs no zeroed buffer between modes: nothing to clean."""
@@ -501,7 +521,7 @@ class Buffer:
         recv_count, layout_range = handle.recv_count, handle.c_layout_range
         runtime = self._ll_runtime(max_tokens, hidden, num_experts)
         if zero_copy:
-            y = self._ll_combine_buffer(handle, advance=True)
+            y = self._ll_combine_buffer(handle, advance=True)  # x's data is not read: y already holds it
         else:
             self._check("x", x)
             y = x.contiguous()
@@ -534,8 +554,22 @@ class Buffer:
         return combined, event, (hook if return_recv_hook else None)
 
     def _ll_combine_buffer(self, handle, advance: bool) -> torch.Tensor:
+        """The next zero-copy combine's y: a view of the communicator's registered region (epLlCombineBuffer,
+        GPU engine; the C library alternates two, one per combine), or -- where the engine has none (the host
+        engine answers epNotSupported: its combine reads y in place anyway) -- one of two Buffer-owned tensors
+        that alternate per zero-copy combine (advance=True: this call is that combine)."""
         _, _, max_tokens, hidden, num_experts = handle
         shape = (num_experts // self.group_size, self.group_size * max_tokens, hidden)
+        runtime = self._ll_runtime(max_tokens, hidden, num_experts)
+        if self._ll_zero_copy:
+            try:
+                address, size = runtime.ll_combine_buffer()
+            except _capi.Error as e:
+                if e.code != _capi.NOT_SUPPORTED:
+                    raise
+                self._ll_zero_copy = False  # the engine's answer, the same on every rank
+            else:
+                return self._ll_region_view(address, size, shape)
         if not self._ll_combine_buffers or self._ll_combine_buffers[0].shape != shape:
             self._ll_combine_buffers = [torch.empty(shape, dtype=torch.bfloat16, device=self._device) for _ in range(2)]
         buf = self._ll_combine_buffers[self._ll_buffer_idx]
@@ -543,9 +577,25 @@ class Buffer:
             self._ll_buffer_idx ^= 1
         return buf
 
+    def _ll_region_view(self, address: int, size: int, shape) -> torch.Tensor:
+        """shape in bf16 over the first bytes of the region at address (size bytes, this rank's device)."""
+        need = shape[0] * shape[1] * shape[2] * 2
+        if need > size:
+            raise RuntimeError(f"epcomm.Buffer: the zero-copy region has {size} bytes, the combine needs {need}")
+        raw = self._ll_region_views.get(address)
+        if raw is None or raw.numel() != size:
+            device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
+            raw = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id))
+            self._ll_region_views[address] = raw
+        return raw[:need].view(torch.bfloat16).view(shape)
+
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The bf16 [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] tensor that the
-        next low_latency_combine(..., zero_copy=True) combines from (owned by the Buffer; two alternate)."""
+        next low_latency_combine(..., zero_copy=True) combines from. On the GPU engine it is a view of the
+        communicator's registered memory: the combine then copies nothing on the send side, the peers read the
+        rows from it. Write it only between the return of the dispatch (or its receive hook) and that combine;
+        it stays valid until the Buffer is destroyed or its communicator re-created. On the host engine it is a
+        Buffer-owned tensor (two alternate) that the combine reads in place."""
         return self._ll_combine_buffer(handle, advance=False)
 
     # --- elastic EP (active-ranks mask) ---------------------------------------------------------------------

@@ -2,12 +2,16 @@
 the ranks, one shared expert) run two ways on the process group "epcomm", and checked against each other:
 
 - "buffer": epcomm.Buffer (DeepEP's API): layout -> dispatch -> per-expert matmuls -> combine;
-- "pg":     plain torch.distributed: the (token, expert) pairs go out and back with all_to_all_single.
+- "pg":     plain torch.distributed: the (token, expert) pairs go out and back with all_to_all_single;
+- with --ref-backend gloo|nccl, "pg" once more on a group of that backend ("pg-gloo", "pg-nccl"): the same
+  layer without epcomm, for comparison.
 
     torchrun --nproc-per-node 4 plugin/torch/examples/moe_layer.py                 # CPU (host engine)
     torchrun --nproc-per-node 2 plugin/torch/examples/moe_layer.py --device cuda   # one GPU per rank
+    torchrun --nproc-per-node 2 plugin/torch/examples/moe_layer.py --device cuda --ref-backend nccl
 
-Prints tokens per second (all ranks' tokens) for each way.
+Prints tokens per second (all ranks' tokens) for each way. bench/python/moe_layer_bench.py tabulates the same
+layer on epcomm against it on NCCL (or gloo).
 """
 import argparse
 import os
@@ -97,6 +101,21 @@ class MoELayer(torch.nn.Module):
         return out.to(x.dtype) + self._swiglu(x, self.shared[0], self.shared[1])
 
 
+def step_seconds(fn, iters: int, device, barrier=dist.barrier) -> float:
+    """Seconds per call of fn, after one warm-up call, from a barrier to the last rank's barrier."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    barrier()
+    return (time.perf_counter() - start) / iters
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -106,6 +125,8 @@ def main():
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--ref-backend", default="none", choices=["none", "gloo", "nccl"],
+                    help="also run the plain way on a group of this backend (NCCL: one GPU per rank)")
     args = ap.parse_args()
 
     if args.device == "cuda":
@@ -126,20 +147,16 @@ def main():
         # both sum the same products; only the order of the bf16 roundings differs
         diff = (a.float() - b.float()).abs().max().item()
         assert torch.allclose(a.float(), b.float(), rtol=5e-2, atol=5e-2), f"the two ways differ by {diff}"
-        for name, fn in (("buffer", lambda: layer.forward_buffer(x, buffer)), ("pg", lambda: layer.forward_pg(x))):
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            seconds = (time.perf_counter() - start) / args.iters
+        ways = [("buffer", lambda: layer.forward_buffer(x, buffer)), ("pg", lambda: layer.forward_pg(x))]
+        if args.ref_backend != "none":
+            ref = dist.new_group(list(range(world)), backend=args.ref_backend)
+            c = layer.forward_pg(x, group=ref)
+            assert torch.allclose(a.float(), c.float(), rtol=5e-2, atol=5e-2), "pg on the reference backend differs"
+            ways.append((f"pg-{args.ref_backend}", lambda: layer.forward_pg(x, group=ref)))
+        for name, fn in ways:
+            seconds = step_seconds(fn, args.iters, device)
             if rank == 0:
-                print(f"moe_layer {name:6s} ranks={world} device={device.type} tokens/rank={args.tokens} "
+                print(f"moe_layer {name:7s} ranks={world} device={device.type} tokens/rank={args.tokens} "
                       f"hidden={args.hidden} experts={args.experts} top-{args.topk}: "
                       f"{args.tokens * world / seconds:,.0f} tokens/s ({seconds * 1e3:.2f} ms/step)", flush=True)
     if rank == 0:
