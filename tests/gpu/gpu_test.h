@@ -195,6 +195,25 @@ __global__ void genInputs(uint16_t* x, int64_t* idx, float* w, int T, int H, int
        info_.peer, static_cast<unsigned long long>(info_.num_violations));                                    \
   } while (0)
 
+// Elastic ranks: the calling survivor masks `gone` (every rank with gone[r] set) on comm.
+inline epResult_t maskRanks(epComm_t comm, int R, const std::vector<int>& gone, cudaStream_t s) {
+  std::vector<int32_t> active(R, 1);
+  for (int r : gone) active[r] = 0;
+  return epCommSetActiveRanks(comm, active.data(), s);
+}
+
+// Both engines counted the same masked drops (the host engine is the reference).
+#define CK_SAME_DROPS(g, h, R)                                                                              \
+  do {                                                                                                      \
+    std::vector<int64_t> gr_(R, -1), ga_(R, -1), hr_(R, -2), ha_(R, -2);                                   \
+    CKE(epCommGetMaskedDrops(g, gr_.data(), ga_.data(), nullptr), g);                                      \
+    CKE(epCommGetMaskedDrops(h, hr_.data(), ha_.data(), nullptr), h);                                      \
+    for (int r_ = 0; r_ < (R); ++r_)                                                                        \
+      CK(gr_[r_] == hr_[r_] && ga_[r_] == ha_[r_], "masked drops to rank %d: GPU %lld rows %lld elements, "  \
+         "host %lld rows %lld elements", r_, (long long)gr_[r_], (long long)ga_[r_], (long long)hr_[r_],     \
+         (long long)ha_[r_]);                                                                               \
+  } while (0)
+
 // Every rank's exit code of a runRanks() run is 0.
 inline void expectAllRanksOk(const std::vector<int>& codes, uint64_t seed) {
   for (size_t r = 0; r < codes.size(); ++r)

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -34,7 +35,9 @@ struct Case {
 };
 
 // One case on both engines; compares every output bit for bit.
-int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t seed, cudaStream_t s) {
+// gone: ranks masked on both communicators (their tokens are absent from the expected counts).
+int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t seed, cudaStream_t s,
+            const std::vector<int>& gone = {}) {
   const int T = (rank == 1 && R > 2) ? 0 : c.T - rank * 3;  // uneven, and zero tokens on rank 1
   Inputs in = makeInputs(seed, rank, T, c.H, c.K, c.E, c.dtype, true);
   const size_t es = epDataTypeSize(static_cast<epDataType_t>(c.dtype)), xrow = c.H * es;
@@ -147,6 +150,7 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
     prev_tok = tok;
   }
   for (int r = 0; r < R; ++r) {
+    if (std::find(gone.begin(), gone.end(), r) != gone.end()) continue;
     const int Tr = (r == 1 && R > 2) ? 0 : c.T - r * 3;
     Inputs o = makeInputs(seed, r, Tr, 8, c.K, c.E, epFloat32, false);
     for (int t = 0; t < Tr; ++t)
@@ -421,6 +425,67 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
     return 0;
   }, 120000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
+}
+
+// Elastic ranks: the last rank is killed (SIGKILL) while the others run an HT step; they get epTimeout once,
+// mask it on the GPU communicator (broken until then) and on a host-engine one, and every HT case afterwards
+// matches the host engine bit for bit with the same drop counters, on the same communicator, with no waiting.
+TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    epConfig_t cfg = gpuConfig();
+    cfg.timeout_ms = 3000;
+    epComm_t g, h;
+    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
+    epConfig_t hc = EP_CONFIG_INIT;
+    hc.engine = EP_ENGINE_HOST;
+    hc.queue_bytes = 8 << 20;
+    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    {
+      Pipeline P(g, R, rank, 32, 256, 2, 2 * R);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 5 + rank, true);
+      CKE(P.run(s, P.out.p), g);
+      CKC(cudaStreamSynchronize(s));
+      if (rank == R - 1) kill(getpid(), SIGKILL);  // dies before the next step
+      CKE(P.run(s, P.out.p), g);
+      CKC(cudaStreamSynchronize(s));
+      epResult_t ae;
+      epErrorInfo_t info = EP_ERROR_INFO_INIT;
+      CKE(epCommGetAsyncError(g, &ae, &info), g);
+      CK(ae == epTimeout || ae == epRemoteError, "the step with a dead rank: async error %s (peer %d)",
+         epGetErrorString(ae), info.peer);
+      CK(epCommBarrier(g, s) == ae, "a broken communicator refuses other calls");
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    CKE(maskRanks(g, R, {R - 1}, s), g);
+    CKE(maskRanks(h, R, {R - 1}, nullptr), h);
+    const int E = 16 * R;
+    const Case cases[] = {
+        {64, 128, 4, E, epBfloat16, epBfloat16, -1, true},  // exact mode + cached handle
+        {96, 256, 8, E, epBfloat16, epBfloat16, 5, false},  // worst-token padding
+        {50, 512, 6, E, epFloat8E4M3, epBfloat16, 3, false},
+    };
+    uint64_t seed_i = seed;
+    for (const Case& c : cases)
+      if (runCase(g, h, rank, R, c, ++seed_i, s, {R - 1})) return 1;
+    CK_SAME_DROPS(g, h, R);
+    CKE(epCommBarrier(g, s), g);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    CK(ms < 2 * cfg.timeout_ms, "recovery and the cases after it took %.0f ms: something waited", ms);
+    CK_CLEAN(g, "after the mask");
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
+  for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuHt, ::testing::ValuesIn(rankCounts()),

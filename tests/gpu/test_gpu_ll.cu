@@ -118,8 +118,9 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
   epResult_t ae;
   epErrorInfo_t info = EP_ERROR_INFO_INIT;
   CKE(epCommGetAsyncError(g, &ae, &info), g);
-  CK(ae == epSuccess && info.num_violations == 0, "LL dispatch: async error %s, %llu violations", epGetErrorString(ae),
-     static_cast<unsigned long long>(info.num_violations));
+  CK(ae == epSuccess && info.num_violations == 0, "LL dispatch (M %d H %d layout %d fp8 %d): async error %s, %llu "
+     "violations (first: %s)", c.M, c.H, c.layout, c.fp8, epGetErrorString(ae),
+     static_cast<unsigned long long>(info.num_violations), epGetErrorString(info.violation));
   const std::string what = "M " + std::to_string(c.M) + " H " + std::to_string(c.H) + " K " + std::to_string(c.K) +
                            " E " + std::to_string(c.E) + " dtype " + std::to_string(c.dtype) + " fp8 " +
                            std::to_string(c.fp8) + " layout " + std::to_string(c.layout) + " split " +
@@ -291,6 +292,64 @@ TEST_P(GpuLl, BitExactAgainstHostEngine) {
 // ---------------------------------------------------------------------------------------------------------
 // alltoallv
 // ---------------------------------------------------------------------------------------------------------
+// One alltoallv round on both engines (host counts, then device counts with a capacity that drops part of the
+// tail on odd rounds), compared bit for bit.
+int runA2aRound(epComm_t g, epComm_t h, int rank, int R, int round, uint64_t seed, cudaStream_t s) {
+  // counts[src][dst] from one seed on every rank; sizes from 0 to about 3 MB per pair, odd element sizes
+  const epDataType_t dt = round % 3 == 0 ? epFloat32 : round % 3 == 1 ? epBfloat16 : epUint8;
+  const size_t es = epDataTypeSize(dt);
+  std::mt19937_64 rng(seed * 31 + round);
+  std::vector<size_t> cnt(static_cast<size_t>(R) * R);
+  for (auto& v : cnt) v = rng() % 5 == 0 ? 0 : rng() % (round < 3 ? 1000 : 1500000 / es);
+  std::vector<size_t> sc(R), sd(R), rc(R), rd(R);
+  size_t st = 0, rt = 0;
+  for (int p = 0; p < R; ++p) {
+    sc[p] = cnt[static_cast<size_t>(rank) * R + p];
+    sd[p] = st + 3;  // gaps between the pieces
+    st += sc[p] + 3;
+    rc[p] = cnt[static_cast<size_t>(p) * R + rank];
+    rd[p] = rt + 1;
+    rt += rc[p] + 1;
+  }
+  std::vector<uint8_t> send(st * es), hrecv(rt * es, 0xA5);
+  for (auto& v : send) v = static_cast<uint8_t>(rng());
+  CKE(epAlltoallv(h, send.data(), sc.data(), sd.data(), hrecv.data(), rc.data(), rd.data(), dt, nullptr), h);
+  DevBuf<uint8_t> dsend(send.size() + 1), drecv(hrecv.size() + 1);
+  dsend.upload(send);
+  CKE(epAlltoallv(g, dsend.p, sc.data(), sd.data(), drecv.p, rc.data(), rd.data(), dt, s), g);
+  CKC(cudaStreamSynchronize(s));
+  auto grecv = drecv.host();
+  CK(memcmp(grecv.data(), hrecv.data(), hrecv.size()) == 0, "alltoallv (host counts) round %d differs", round);
+  // Device counts, packed, with a capacity that drops part of the tail on odd rounds.
+  std::vector<int64_t> dsc(R);
+  size_t total_in = 0;
+  for (int p = 0; p < R; ++p) {
+    dsc[p] = static_cast<int64_t>(sc[p]);
+    total_in += rc[p];
+  }
+  std::vector<uint8_t> packed;
+  for (int p = 0; p < R; ++p)
+    packed.insert(packed.end(), send.begin() + sd[p] * es, send.begin() + (sd[p] + sc[p]) * es);
+  const size_t cap = round & 1 ? total_in * 2 / 3 : total_in + 5;
+  std::vector<uint8_t> hrecv2((cap + 1) * es, 0xA5);
+  std::vector<int64_t> hrc(R, -1);
+  int64_t hdrop = -1;
+  epResult_t hr = epAlltoallvDevice(h, packed.data(), dsc.data(), hrecv2.data(), cap, hrc.data(), &hdrop, dt, nullptr);
+  CK(hr == epSuccess || (hr == epCapacityExceeded && hdrop > 0), "host alltoallvDevice -> %s", epGetErrorString(hr));
+  DevBuf<uint8_t> dpacked(packed.size() + 1), drecv2(hrecv2.size());
+  DevBuf<int64_t> dcounts(R), drc(R), ddrop(1);
+  dpacked.upload(packed);
+  dcounts.upload(dsc);
+  CKE(epAlltoallvDevice(g, dpacked.p, dcounts.p, drecv2.p, cap, drc.p, ddrop.p, dt, s), g);
+  CKC(cudaStreamSynchronize(s));
+  CK(memcmp(drecv2.host().data(), hrecv2.data(), hrecv2.size()) == 0, "alltoallv (device counts) round %d differs",
+     round);
+  CK(drc.host() == hrc, "recv_counts differ (round %d)", round);
+  CK(ddrop.host()[0] == hdrop, "num_dropped %lld vs %lld", static_cast<long long>(ddrop.host()[0]),
+     static_cast<long long>(hdrop));
+  return 0;
+}
+
 TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
   const int R = GetParam();
   epUniqueId gid, hid;
@@ -304,60 +363,8 @@ TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
     if (initPair(rank, R, gid, hid, 8, 8 * R, &g, &h)) return 1;
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    for (int round = 0; round < 6; ++round) {
-      // counts[src][dst] from one seed on every rank; sizes from 0 to about 3 MB per pair, odd element sizes
-      const epDataType_t dt = round % 3 == 0 ? epFloat32 : round % 3 == 1 ? epBfloat16 : epUint8;
-      const size_t es = epDataTypeSize(dt);
-      std::mt19937_64 rng(seed * 31 + round);
-      std::vector<size_t> cnt(static_cast<size_t>(R) * R);
-      for (auto& v : cnt) v = rng() % 5 == 0 ? 0 : rng() % (round < 3 ? 1000 : 1500000 / es);
-      std::vector<size_t> sc(R), sd(R), rc(R), rd(R);
-      size_t st = 0, rt = 0;
-      for (int p = 0; p < R; ++p) {
-        sc[p] = cnt[static_cast<size_t>(rank) * R + p];
-        sd[p] = st + 3;  // gaps between the pieces
-        st += sc[p] + 3;
-        rc[p] = cnt[static_cast<size_t>(p) * R + rank];
-        rd[p] = rt + 1;
-        rt += rc[p] + 1;
-      }
-      std::vector<uint8_t> send(st * es), hrecv(rt * es, 0xA5);
-      for (auto& v : send) v = static_cast<uint8_t>(rng());
-      CKE(epAlltoallv(h, send.data(), sc.data(), sd.data(), hrecv.data(), rc.data(), rd.data(), dt, nullptr), h);
-      DevBuf<uint8_t> dsend(send.size() + 1), drecv(hrecv.size() + 1);
-      dsend.upload(send);
-      CKE(epAlltoallv(g, dsend.p, sc.data(), sd.data(), drecv.p, rc.data(), rd.data(), dt, s), g);
-      CKC(cudaStreamSynchronize(s));
-      auto grecv = drecv.host();
-      CK(memcmp(grecv.data(), hrecv.data(), hrecv.size()) == 0, "alltoallv (host counts) round %d differs", round);
-      // Device counts, packed, with a capacity that drops part of the tail on odd rounds.
-      std::vector<int64_t> dsc(R);
-      size_t total_in = 0;
-      for (int p = 0; p < R; ++p) {
-        dsc[p] = static_cast<int64_t>(sc[p]);
-        total_in += rc[p];
-      }
-      std::vector<uint8_t> packed;
-      for (int p = 0; p < R; ++p)
-        packed.insert(packed.end(), send.begin() + sd[p] * es, send.begin() + (sd[p] + sc[p]) * es);
-      const size_t cap = round & 1 ? total_in * 2 / 3 : total_in + 5;
-      std::vector<uint8_t> hrecv2((cap + 1) * es, 0xA5);
-      std::vector<int64_t> hrc(R, -1);
-      int64_t hdrop = -1;
-      epResult_t hr = epAlltoallvDevice(h, packed.data(), dsc.data(), hrecv2.data(), cap, hrc.data(), &hdrop, dt, nullptr);
-      CK(hr == epSuccess || (hr == epCapacityExceeded && hdrop > 0), "host alltoallvDevice -> %s", epGetErrorString(hr));
-      DevBuf<uint8_t> dpacked(packed.size() + 1), drecv2(hrecv2.size());
-      DevBuf<int64_t> dcounts(R), drc(R), ddrop(1);
-      dpacked.upload(packed);
-      dcounts.upload(dsc);
-      CKE(epAlltoallvDevice(g, dpacked.p, dcounts.p, drecv2.p, cap, drc.p, ddrop.p, dt, s), g);
-      CKC(cudaStreamSynchronize(s));
-      CK(memcmp(drecv2.host().data(), hrecv2.data(), hrecv2.size()) == 0, "alltoallv (device counts) round %d differs",
-         round);
-      CK(drc.host() == hrc, "recv_counts differ (round %d)", round);
-      CK(ddrop.host()[0] == hdrop, "num_dropped %lld vs %lld", static_cast<long long>(ddrop.host()[0]),
-         static_cast<long long>(hdrop));
-    }
+    for (int round = 0; round < 6; ++round)
+      if (runA2aRound(g, h, rank, R, round, seed, s)) return 1;
     epResult_t ae;
     epErrorInfo_t info = EP_ERROR_INFO_INIT;
     CKE(epCommGetAsyncError(g, &ae, &info), g);
@@ -368,6 +375,67 @@ TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
     CKE(epCommDestroy(h), h);
     return 0;
   }, 300000);
+  expectAllRanksOk(codes, seed);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Elastic ranks: the last rank leaves right after creation (it exits without a word); the survivors mask it on
+// both engines, then LL (both layouts, fp8, split halves) and alltoallv (both variants) match the host engine bit
+// for bit, with the same drop counters; barrier among the survivors. With R >= 4 rank 1 leaves later, between
+// operations, and the same holds for the rest.
+// ---------------------------------------------------------------------------------------------------------
+TEST_P(GpuLl, MaskedRanksBitExactAgainstHostEngine) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 32 * R;
+    epComm_t g, h;
+    if (initPair(rank, R, gid, hid, 128, E, &g, &h)) return 1;
+    if (rank == R - 1) _exit(0);  // gone: no destroy, no further calls
+    cudaStream_t s, s2;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    std::vector<int> gone = {R - 1};
+    CKE(maskRanks(h, R, gone, nullptr), h);
+    CKE(maskRanks(g, R, gone, s), g);
+    std::vector<int32_t> act(R, -1);
+    CKE(epCommGetActiveRanks(g, act.data()), g);
+    CK(act[R - 1] == 0 && act[0] == 1, "epCommGetActiveRanks: %d %d", act[0], act[R - 1]);
+    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+    const LlCase cases[] = {
+        {128, 7168, 8, E, epBfloat16, 0, EM, 0}, {128, 7168, 8, E, epBfloat16, 1, EM, 1},
+        {64, 2048, 8, E, epBfloat16, 0, RM, 1},  {2, 2048, 6, E, epFloat16, 1, RM, 0},
+    };
+    uint64_t seed_i = seed;
+    for (int phase = 0; phase < 2; ++phase) {
+      if (phase == 1) {
+        if (R < 4) break;
+        if (rank == 1) _exit(0);  // a second rank leaves, between operations
+        gone.push_back(1);
+        CKE(maskRanks(h, R, gone, nullptr), h);
+        CKE(maskRanks(g, R, gone, s), g);
+      }
+      for (const LlCase& c : cases)
+        if (runLlCase(g, h, rank, R, c, ++seed_i, s, s2)) return 1;
+      // Even rounds only: an odd round's capacity overflow is a (cumulative) violation the LL checks would see.
+      for (int round = 0; round < 6; round += 2)
+        if (runA2aRound(g, h, rank, R, round, ++seed_i, s)) return 1;
+      CK_SAME_DROPS(g, h, R);
+      CKE(epCommBarrier(g, s), g);
+      CKE(epCommBarrier(h, nullptr), h);
+    }
+    std::vector<int64_t> rows(R, 0);
+    CKE(epCommGetMaskedDrops(g, rows.data(), nullptr, s), g);
+    CK(rows[R - 1] > 0, "no dispatch rows counted as dropped to the masked rank");
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 600000);
   expectAllRanksOk(codes, seed);
 }
 
@@ -581,6 +649,58 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
     return 0;
   }, 900000);
   expectAllRanksOk(codes, seed);
+}
+
+// Elastic ranks and graphs: a 3-layer LL step (zero-copy middle layer) captured while every rank is active is
+// replayed after the last rank left and was masked, without recapture: every replay equals eager calls under
+// the mask, and the replays count the dropped rows.
+TEST_P(GpuLl, GraphReplayedAfterAMaskChange) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 8 * R;
+    epConfig_t cfg = llConfig(64, E);
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LlStep A(comm, R, rank, 64, 512, 8, E, EP_LL_EXPERT_MAJOR);
+    A.l1.zero_copy = true;
+    cudaGraph_t ga;
+    cudaGraphExec_t ea;
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CKE(A.run(s, A.final_graph.p), comm);
+    CKC(cudaStreamEndCapture(s, &ga));
+    CKC(cudaGraphInstantiate(&ea, ga, 0));
+    auto replay = [&](int it) -> int {
+      A.gen(s, seed * 100000 + it * 64 + rank);
+      CKC(cudaGraphLaunch(ea, s));
+      CKE(A.run(s, A.final_eager.p), comm);
+      CKC(cudaStreamSynchronize(s));
+      CK(A.final_graph.host() == A.final_eager.host(), "replay %d differs from eager", it);
+      return 0;
+    };
+    for (int it = 0; it < 5; ++it)
+      if (replay(it)) return 1;
+    CKE(epCommBarrier(comm, s), comm);
+    if (rank == R - 1) _exit(0);  // leaves between replays
+    CKE(maskRanks(comm, R, {R - 1}, s), comm);
+    std::vector<int64_t> before(R), after(R);
+    CKE(epCommGetMaskedDrops(comm, before.data(), nullptr, s), comm);
+    for (int it = 5; it < 55; ++it)
+      if (replay(it)) return 1;
+    CKE(epCommGetMaskedDrops(comm, after.data(), nullptr, s), comm);
+    CK(after[R - 1] > before[R - 1], "graph replays under the mask counted no dropped rows (%lld)",
+       static_cast<long long>(after[R - 1]));
+    CK_CLEAN(comm, "after the replays");
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 300000);
+  for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
 TEST_P(GpuLl, LateBlocksManyOperations) {
