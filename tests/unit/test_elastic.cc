@@ -575,6 +575,43 @@ TEST(Elastic, RankKilledDuringOperation) {
   }
 }
 
+// A timeout in which nobody died: every rank calling epCommSetActiveRanks with the current mask (a no-op mask
+// change) resynchronizes them and the communicator is usable again, without a new one.
+TEST(Elastic, NoOpMaskRecoversFromTimeout) {
+  constexpr int R = 3, kLate = 2;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<uint8_t> all1(R, 1);
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    std::string e = runAll(comm, rank, Step(R, 51, all1), rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    if (rank == kLate) {
+      usleep((kTimeoutMs + 300) * 1000);  // the others' barrier times out meanwhile
+      epCommBarrier(comm, nullptr);       // whatever it returns, its messages are now out of step
+    } else {
+      epResult_t r = epCommBarrier(comm, nullptr);
+      CHECK_OR_RETURN(r == epTimeout, "barrier: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    }
+    std::vector<int32_t> keep(R, 1);
+    epResult_t r = epCommSetActiveRanks(comm, keep.data(), nullptr);
+    CHECK_OR_RETURN(r == epSuccess, "no-op set: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    for (uint64_t seed = 52; seed < 54; ++seed) {
+      double slowest = 0;
+      e = runAll(comm, rank, Step(R, seed, all1), rows, a2a, &slowest);
+      CHECK_OR_RETURN(e.empty(), "after: %s", e.c_str());
+      CHECK_OR_RETURN(slowest < kTimeoutMs / 3, "an operation took %.0f ms", slowest);
+    }
+    e = checkDrops(comm, rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "%s", e.c_str());
+    return epCommDestroy(comm) == epSuccess ? 0 : 1;
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
 TEST(Elastic, BadArguments) {
   constexpr int R = 3;
   epUniqueId id;
@@ -616,6 +653,38 @@ TEST(Elastic, BadArguments) {
                     epGetLastError(comm));
     CHECK_OR_RETURN(strstr(epGetLastError(comm), "mask"), "disagree message: %s", epGetLastError(comm));
     CHECK_OR_RETURN(msSince(t0) < kTimeoutMs / 2, "disagree took %.0f ms", msSince(t0));
+    // On a usable communicator an outstanding LL receive half must be completed first (decided alike everywhere).
+    {
+      Step st(R, 40, std::vector<uint8_t>(R, 1));
+      const epref::RankInput& in = st.all[rank];
+      const int L = st.E / R;
+      std::vector<uint8_t> rx(static_cast<size_t>(L) * R * st.M * st.row());
+      std::vector<int> cnt(L), src(L * R * st.M);
+      std::vector<int64_t> range(L * R);
+      epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+      a.num_tokens = in.num_tokens;
+      a.max_tokens_per_rank = st.M;
+      a.hidden = st.H;
+      a.topk = st.K;
+      a.num_experts = st.E;
+      a.x = in.num_tokens ? in.x.data() : nullptr;
+      a.topk_idx = in.num_tokens ? in.topk_idx.data() : nullptr;
+      a.recv_x = rx.data();
+      a.recv_x_bytes = rx.size();
+      a.recv_count = cnt.data();
+      a.recv_count_bytes = sizeof(int) * cnt.size();
+      a.recv_src_info = src.data();
+      a.recv_src_info_bytes = sizeof(int) * src.size();
+      a.recv_layout_range = range.data();
+      a.recv_layout_range_bytes = sizeof(int64_t) * range.size();
+      a.phases = EP_LL_SEND;
+      CHECK_OR_RETURN(epLlDispatch(comm, &a, nullptr) == epSuccess, "LL send: %s", epGetLastError(comm));
+      r = epCommSetActiveRanks(comm, keep.data(), nullptr);
+      CHECK_OR_RETURN(r == epInvalidUsage && strstr(epGetLastError(comm), "EP_LL_RECV"), "pending: %s (%s)",
+                      epGetErrorString(r), epGetLastError(comm));
+      a.phases = EP_LL_RECV;
+      CHECK_OR_RETURN(epLlDispatch(comm, &a, nullptr) == epSuccess, "LL recv: %s", epGetLastError(comm));
+    }
     // Nothing changed, and the communicator is usable.
     std::string e = checkMask(comm, std::vector<uint8_t>(R, 1));
     CHECK_OR_RETURN(e.empty(), "%s", e.c_str());

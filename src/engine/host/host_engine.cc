@@ -385,9 +385,9 @@ epResult_t HostEngine::flushSends(int phase, int ch) {
   });
 }
 
-// Elastic ranks (elastic.cc): Waits until every rank of `part` has published at least (round, phase). With `adopt` (phase 1 only), a peer
-// already in a later round is one whose earlier round this rank did not complete alike (a failed call): this rank
-// takes that round's number, so the survivors meet again. failed_peer (when given) gets the first peer whose
+// The resynchronization's wait (elastic.cc): until every rank of `part` has published at least (round, phase) in
+// its region header. With `adopt` (phase 1 only), a peer already in a later round is one whose earlier round this
+// rank did not complete alike (a failed call): this rank takes that round's number, so the survivors meet again. failed_peer (when given) gets the first peer whose
 // word of this round has the failed bit.
 epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt,
                                   int* failed_peer) {

@@ -15,6 +15,10 @@
 // readers raise the read_done counter (to the operation's epoch) of the ring they received the message on,
 // and the owner waits for those counters. A counter rather than a message, because a peer with split LL
 // halves may already have queued later messages on that ring.
+//
+// Elastic ranks. "Every rank" above means every active rank: masked ranks (epCommSetActiveRanks) get no message,
+// none is read from them (recvHeaders hands the operation an empty stand-in), and no wait involves them. How the
+// survivors get back in step after a failure is in elastic.cc.
 #pragma once
 #include <sys/uio.h>
 
