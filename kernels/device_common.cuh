@@ -32,23 +32,36 @@ __device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// First failure wins; later waits see err->code and give up at once.
+// First failure wins (claimed in device memory); the code is stored last, so a host that sees it sees the rest.
+// Later waits see err->code and give up at once.
 template <class P>
 __device__ void recordError(const P& p, int code, int peer, int phase, uint64_t epoch) {
-  if (atomicCAS_system(&p.err->code, 0, code) == 0) {
-    p.err->op = p.op;
-    p.err->epoch = epoch;
-    p.err->rank = p.rank;
-    p.err->peer = peer;
-    p.err->phase = phase;
+  if (atomicCAS(&p.claims->error, 0, 1) == 0) {
+    volatile GpuErrorRecord* r = p.err;
+    r->op = p.op;
+    r->epoch = epoch;
+    r->rank = p.rank;
+    r->peer = peer;
+    r->phase = phase;
+    __threadfence_system();
+    r->code = code;
     __threadfence_system();
   }
 }
 
+// Counted in device memory; the host's copy is stored after every count and re-stored until it is no smaller
+// than the count (a writer delayed between its add and its store may have stored an older value meanwhile).
 template <class P>
 __device__ void recordViolation(const P& p, int code) {
-  atomicCAS_system(&p.err->violation_code, 0, code);
-  atomicAdd_system(reinterpret_cast<unsigned long long*>(&p.err->violations), 1ull);
+  volatile GpuErrorRecord* r = p.err;
+  if (atomicCAS(&p.claims->violation, 0, 1) == 0) r->violation_code = code;
+  unsigned long long n = atomicAdd(&p.claims->violations, 1ull) + 1;
+  volatile unsigned long long* count = &p.claims->violations;
+  do {
+    r->violations = n;
+    __threadfence_system();
+    n = *count;
+  } while (r->violations < n);
 }
 
 // Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.

@@ -64,14 +64,9 @@ __device__ __forceinline__ uint64_t launchEpoch(const uint64_t* completed) {
 // in every thread if one failed.
 __device__ bool waitPeers(const LlParams& p, uint64_t* (*flag)(const LlParams&, int, int), int arg, uint64_t want,
                           uint64_t e) {
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) s_ok = 1;
-  __syncthreads();
-  if (threadIdx.x < p.nranks && rankActive(p.el, threadIdx.x) &&
-      !waitAtLeast(p, flag(p, threadIdx.x, arg), want, threadIdx.x, epPhaseData, e))
-    s_ok = 0;
-  __syncthreads();
-  return s_ok != 0;
+  const bool ok = threadIdx.x >= p.nranks || !rankActive(p.el, threadIdx.x) ||
+                  waitAtLeast(p, flag(p, threadIdx.x, arg), want, threadIdx.x, epPhaseData, e);
+  return __syncthreads_and(ok) != 0;  // no shared flag: a kernel may call this twice in a row
 }
 __device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackPtr(p, p.rank, fam, peer); }
 __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {

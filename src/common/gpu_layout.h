@@ -183,7 +183,9 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   return l;
 }
 
-// What a failed device wait or a device-side argument violation recorded; host-mapped memory.
+// What a failed device wait or a device-side argument violation recorded; host-mapped memory. Kernels write it
+// with plain stores only: a GPU need not perform atomics on host memory (cudaDevAttrHostNativeAtomicSupported is 0
+// on PCIe hosts), so who writes is decided by device-scope atomics on GpuErrorClaims in device memory.
 struct GpuErrorRecord {
   int32_t code;            // epResult_t of the first failure (0 = none)
   int32_t op;
@@ -193,6 +195,14 @@ struct GpuErrorRecord {
   uint64_t violations;     // how many
   int32_t abort;           // set by the host: waits give up
   int32_t pad;
+};
+
+// Device-memory side of the error record: the first failure and the first violation are claimed here, and the
+// violation count is kept here (the record holds a copy for the host).
+struct GpuErrorClaims {
+  int error;                      // 1 once a failure is recorded (cleared by epCommSetActiveRanks)
+  int violation;                  // 1 once a violation code is recorded
+  unsigned long long violations;  // how many
 };
 
 // The handle's layout on the device.
@@ -215,6 +225,7 @@ struct HtParams {
   uint8_t* base[kGpuMaxRanks];  // every rank's buffer, mapped here
   GpuBufferLayout lay;
   GpuErrorRecord* err;
+  GpuErrorClaims* claims;
   GpuElastic* el;
   uint64_t timeout_ns;
   int C, Q, G;                       // channels, queue rows, warps per peer in a block
@@ -241,6 +252,7 @@ struct LlParams {
   uint8_t* base[kGpuMaxRanks];  // every rank's LL buffer, mapped here
   LlLayout lay;
   GpuErrorRecord* err;
+  GpuErrorClaims* claims;
   GpuElastic* el;
   uint64_t timeout_ns;
   int T, M, H, K, E, L, dtype, use_fp8, layout;

@@ -13,9 +13,11 @@
 //    operations with eager and captured launches mixed, results checked.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -379,67 +381,6 @@ TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Elastic ranks: the last rank leaves right after creation (it exits without a word); the survivors mask it on
-// both engines, then LL (both layouts, fp8, split halves) and alltoallv (both variants) match the host engine bit
-// for bit, with the same drop counters; barrier among the survivors. With R >= 4 rank 1 leaves later, between
-// operations, and the same holds for the rest.
-// ---------------------------------------------------------------------------------------------------------
-TEST_P(GpuLl, MaskedRanksBitExactAgainstHostEngine) {
-  const int R = GetParam();
-  epUniqueId gid, hid;
-  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
-  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
-  const uint64_t seed = g_seed;
-  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
-    g_rank = rank;
-    CKC(selectDevice(rank));
-    const int E = 32 * R;
-    epComm_t g, h;
-    if (initPair(rank, R, gid, hid, 128, E, &g, &h)) return 1;
-    if (rank == R - 1) _exit(0);  // gone: no destroy, no further calls
-    cudaStream_t s, s2;
-    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-    std::vector<int> gone = {R - 1};
-    CKE(maskRanks(h, R, gone, nullptr), h);
-    CKE(maskRanks(g, R, gone, s), g);
-    std::vector<int32_t> act(R, -1);
-    CKE(epCommGetActiveRanks(g, act.data()), g);
-    CK(act[R - 1] == 0 && act[0] == 1, "epCommGetActiveRanks: %d %d", act[0], act[R - 1]);
-    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
-    const LlCase cases[] = {
-        {128, 7168, 8, E, epBfloat16, 0, EM, 0}, {128, 7168, 8, E, epBfloat16, 1, EM, 1},
-        {64, 2048, 8, E, epBfloat16, 0, RM, 1},  {2, 2048, 6, E, epFloat16, 1, RM, 0},
-    };
-    uint64_t seed_i = seed;
-    for (int phase = 0; phase < 2; ++phase) {
-      if (phase == 1) {
-        if (R < 4) break;
-        if (rank == 1) _exit(0);  // a second rank leaves, between operations
-        gone.push_back(1);
-        CKE(maskRanks(h, R, gone, nullptr), h);
-        CKE(maskRanks(g, R, gone, s), g);
-      }
-      for (const LlCase& c : cases)
-        if (runLlCase(g, h, rank, R, c, ++seed_i, s, s2)) return 1;
-      // Even rounds only: an odd round's capacity overflow is a (cumulative) violation the LL checks would see.
-      for (int round = 0; round < 6; round += 2)
-        if (runA2aRound(g, h, rank, R, round, ++seed_i, s)) return 1;
-      CK_SAME_DROPS(g, h, R);
-      CKE(epCommBarrier(g, s), g);
-      CKE(epCommBarrier(h, nullptr), h);
-    }
-    std::vector<int64_t> rows(R, 0);
-    CKE(epCommGetMaskedDrops(g, rows.data(), nullptr, s), g);
-    CK(rows[R - 1] > 0, "no dispatch rows counted as dropped to the masked rank");
-    CKE(epCommDestroy(g), g);
-    CKE(epCommDestroy(h), h);
-    return 0;
-  }, 600000);
-  expectAllRanksOk(codes, seed);
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // Graphs and late blocks
 // ---------------------------------------------------------------------------------------------------------
 
@@ -700,6 +641,97 @@ TEST_P(GpuLl, GraphReplayedAfterAMaskChange) {
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 300000);
+  for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Elastic ranks: the last rank is killed (SIGKILL) mid-run; the survivors' next LL operation times out (once),
+// they mask it on both engines, then 100+ operations — LL (both layouts, fp8, split halves) and alltoallv (both
+// variants) — match the host engine bit for bit with the same drop counters, with no waiting; barrier among the
+// survivors. With R >= 4 rank 1 leaves later, between operations, and the same holds for the rest.
+// ---------------------------------------------------------------------------------------------------------
+TEST_P(GpuLl, KilledRankMaskedBitExactAgainstHostEngine) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  const int iters = getenv("EPCOMM_GPU_TEST_ELASTIC_ITERS") ? atoi(getenv("EPCOMM_GPU_TEST_ELASTIC_ITERS")) : 7;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 32 * R;
+    epConfig_t cfg = llConfig(128, E);
+    cfg.timeout_ms = 3000;
+    epComm_t g, h;
+    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
+    epConfig_t hc = EP_CONFIG_INIT;
+    hc.engine = EP_ENGINE_HOST;
+    hc.queue_bytes = 16 << 20;
+    hc.ll_max_tokens_per_rank = 128;
+    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    cudaStream_t s, s2;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+    const LlCase cases[] = {
+        {128, 7168, 8, E, epBfloat16, 0, EM, 0}, {128, 7168, 8, E, epBfloat16, 1, EM, 1},
+        {64, 2048, 8, E, epBfloat16, 0, RM, 1},  {2, 2048, 6, E, epFloat16, 1, RM, 0},
+    };
+    uint64_t seed_i = seed;
+    if (runLlCase(g, h, rank, R, cases[0], ++seed_i, s, s2)) return 1;  // everyone, before the death
+    {
+      LlLayer L(g, R, rank, 32, 128, 512, 4, E, EM);
+      genInputs<<<16, 256, 0, s>>>(L.x.p, L.idx.p, L.w.p, L.T, L.H, L.K, L.E, seed + rank, false);
+      CKC(cudaStreamSynchronize(s));
+      if (rank == R - 1) kill(getpid(), SIGKILL);
+      CKE(L.run(s, L.out.p), g);  // enqueued; its waits for the dead rank end at the deadline
+      CKC(cudaStreamSynchronize(s));
+      epResult_t ae;
+      epErrorInfo_t info = EP_ERROR_INFO_INIT;
+      CKE(epCommGetAsyncError(g, &ae, &info), g);
+      CK(ae == epTimeout, "the step with a dead rank: async error %s (peer %d)", epGetErrorString(ae), info.peer);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<int> gone = {R - 1};
+    CKE(maskRanks(g, R, gone, s), g);
+    CKE(maskRanks(h, R, gone, nullptr), h);
+    std::vector<int32_t> act(R, -1);
+    CKE(epCommGetActiveRanks(g, act.data()), g);
+    CK(act[R - 1] == 0 && act[0] == 1, "epCommGetActiveRanks: %d %d", act[0], act[R - 1]);
+    int ops = 0;
+    for (int phase = 0; phase < 2; ++phase) {
+      if (phase == 1) {
+        if (R < 4) break;
+        if (rank == 1) _exit(0);  // a second rank leaves, between operations
+        gone.push_back(1);
+        CKE(maskRanks(h, R, gone, nullptr), h);
+        CKE(maskRanks(g, R, gone, s), g);
+      }
+      for (int it = 0; it < (phase == 0 ? iters : 1); ++it) {
+        for (const LlCase& c : cases) {
+          if (runLlCase(g, h, rank, R, c, ++seed_i, s, s2)) return 1;
+          ops += 2;
+        }
+        // Even rounds only: an odd round's capacity overflow is a (cumulative) violation the LL checks would see.
+        for (int round = 0; round < 6; round += 2) {
+          if (runA2aRound(g, h, rank, R, round, ++seed_i, s)) return 1;
+          ops += 2;
+        }
+      }
+      CK_SAME_DROPS(g, h, R);
+      CKE(epCommBarrier(g, s), g);
+      CKE(epCommBarrier(h, nullptr), h);
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0) printf("elastic: %d GPU operations after the mask, %.0f ms\n", ops, ms);
+    std::vector<int64_t> rows(R, 0);
+    CKE(epCommGetMaskedDrops(g, rows.data(), nullptr, s), g);
+    CK(rows[R - 1] > 0, "no dispatch rows counted as dropped to the masked rank");
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 900000);
   for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 

@@ -72,6 +72,8 @@ epResult_t GpuEngine::setActiveRanks(const uint8_t* active, epStream_t stream) {
     er->phase = 0;
   }
   cudaStream_t s = streamOf(stream);
+  e = cudaMemsetAsync(&claims_->error, 0, sizeof(int), s);  // the next failure may be recorded again
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "epCommSetActiveRanks: %s", cudaGetErrorString(e));
   // 1. Every survivor has stopped (its kernels ended) and holds the same mask.
   EPCHECK(elasticSync(mask, s, "epCommSetActiveRanks"));
   // 2. The new mask, then the reset of what a failed operation left behind (no kernel of any survivor runs now).

@@ -43,6 +43,7 @@ GpuEngine::~GpuEngine() {
   cudaDeviceSynchronize();
   if (err_host_) cudaFreeHost(err_host_);
   if (sync_disagree_) cudaFreeHost(sync_disagree_);
+  if (claims_) cudaFree(claims_);
   if (el_dev_) cudaFree(el_dev_);
 }
 
@@ -108,6 +109,10 @@ epResult_t GpuEngine::init() {
   memset(err_host_, 0, sizeof(GpuErrorRecord));
   e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
+  e = cudaMalloc(reinterpret_cast<void**>(&claims_), sizeof(GpuErrorClaims));
+  if (e == cudaSuccess) e = cudaMemset(claims_, 0, sizeof(GpuErrorClaims));
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "allocating the error claims: %s", cudaGetErrorString(e));
   EPCHECK(initElastic());
   EPCHECK(initLl());
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
@@ -127,6 +132,7 @@ HtParams GpuEngine::baseParams(int op) const {
   for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(bufs_.peer(r));
   p.lay = lay_;
   p.err = err_dev_;
+  p.claims = claims_;
   p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.C = lay_.channels;

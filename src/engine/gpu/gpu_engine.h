@@ -69,6 +69,7 @@ class GpuEngine final : public Engine {
   IpcBuffers bufs_;
   GpuErrorRecord* err_host_ = nullptr;  // host-mapped
   GpuErrorRecord* err_dev_ = nullptr;
+  GpuErrorClaims* claims_ = nullptr;   // device memory
   uint64_t violations_seen_ = 0;
   // Elastic ranks: the device-side mask and drop counters, the mask as this host last set it, how many masks
   // that masked someone new were set (HT handles filled before are stale), and the survivors' sync rounds.

@@ -75,6 +75,7 @@ LlParams GpuEngine::llParams(int op) const {
   for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(ll_bufs_.peer(r));
   p.lay = ll_lay_;
   p.err = err_dev_;
+  p.claims = claims_;
   p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.pdl = ll_pdl_;
