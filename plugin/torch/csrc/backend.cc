@@ -83,7 +83,11 @@ epComm_t EpcommBackend::comm(const at::Device& device) {
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.engine = isCuda(device) ? EP_ENGINE_GPU : EP_ENGINE_HOST;
   cfg.cuda_device = isCuda(device) ? device.index() : -1;
-  StoreAllgather ag{store_, c10::str("epcomm/", key, "/", creations_++), rank_, size_, 0, {}};
+  // The Store prefix names the device type, never the index: with a GPU per rank every rank's index differs
+  // (cuda:0 on rank 0, cuda:1 on rank 1), and they must meet under one key. Every rank creates communicators in
+  // the same order (collective rule), so the creation count tells them apart.
+  StoreAllgather ag{store_, c10::str("epcomm/", isCuda(device) ? "cuda" : "cpu", "/", creations_++), rank_, size_, 0,
+                    {}};
   epComm_t c = nullptr;
   epResult_t rc = epCommInitRankWithAllgather(&c, size_, rank_, storeAllgather, &ag, &cfg);
   if (rc != epSuccess) {
