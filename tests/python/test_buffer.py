@@ -236,7 +236,7 @@ def ll(rank, world, init_method, seed):
     for call in (lambda: buffer.low_latency_update_mask_buffer(0, True),
                  lambda: buffer.low_latency_query_mask_buffer(torch.zeros(world, dtype=torch.int32)),
                  buffer.low_latency_clean_mask_buffer):
-        with pytest.raises(NotImplementedError, match="active-ranks mask"):
+        with pytest.raises(RuntimeError, match="enable_shrink=True"):  # as DeepEP: shrink mode must be enabled
             call()
     dist.barrier()
     dist.destroy_process_group()
@@ -265,8 +265,13 @@ def api_surface(rank, world, init_method):
     buffer.get_comm_stream()
     with pytest.raises(ValueError, match="on meta"):
         buffer.get_dispatch_layout(torch.zeros((2, 2), dtype=torch.int64, device="meta"), 4 * world)
-    with pytest.raises(NotImplementedError, match="enable_shrink"):
-        epcomm.Buffer(dist.group.WORLD, enable_shrink=True)
+    shrink = epcomm.Buffer(dist.group.WORLD, enable_shrink=True)  # the active-ranks mask (test_elastic.py)
+    status = torch.ones(world, dtype=torch.int32)
+    shrink.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0] * world
+    shrink.low_latency_clean_mask_buffer()
+    rows, elements = shrink.get_masked_drops()
+    assert rows.tolist() == elements.tolist() == [0] * world
     # the count exchange's fallback (engines without alltoallv) goes through the group
     buffer._alltoallv_unsupported = True
     topk_idx = torch.tensor([[0, 2 * world - 1]] * (rank + 1), dtype=torch.int64)

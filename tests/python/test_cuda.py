@@ -11,6 +11,7 @@ import torch.distributed as dist
 import ranks
 import test_buffer
 import test_deepep_pattern
+import test_elastic
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 WORLD = int(os.environ.get("EPCOMM_GPU_TEST_RANKS", "2"))
@@ -155,6 +156,29 @@ def test_deepep_low_latency_pattern_cuda():
         if "_capi.Error: not supported" in str(e):
             pytest.skip("the GPU engine of this build has no LL (epNotSupported)")
         raise
+
+
+def test_deepep_low_latency_shrink_pattern_cuda():
+    """DeepEP's --shrink-test schedule (rank 1 fails at dispatch, rank 3 at combine, where they exist)."""
+    ranks.run(WORLD, test_deepep_pattern.low_latency, "cuda", True)
+
+
+# --- elastic ranks (the same workers as tests/python/test_elastic.py, on CUDA tensors and the GPU engine) ----
+
+def test_elastic_masked_rank_cuda():
+    ranks.run(WORLD, test_elastic.masked_rank, 1, "cuda")
+
+
+def test_elastic_killed_rank_buffer_cuda():
+    exits = {WORLD - 1} | ({1} if WORLD >= 3 else set())
+    ranks.run(WORLD, test_elastic.killed_rank, "cuda", env={"EPCOMM_TIMEOUT_MS": "3000"}, expect_exit=exits,
+              timeout=240)
+
+
+def test_elastic_killed_rank_group_cuda():
+    """The process group on CUDA tensors (see the README's known problem of the CUDA backend)."""
+    ranks.run(WORLD, test_elastic.killed_rank_group, "cuda", env={"EPCOMM_TIMEOUT_MS": "3000"},
+              expect_exit={WORLD - 1}, timeout=180)
 
 
 def backend_graphs(rank, world, init_method):

@@ -1,7 +1,8 @@
 """epcomm.Buffer driven the way DeepEP's own legacy test scripts drive deep_ep.Buffer (intranode and
 low-latency): the same calls, arguments and kinds of checks (data tagged with the source rank and token
 index, rank_prefix_matrix, worst-token padding, cached dispatch, combine by similarity, the LL layout range
-and source info), written for epcomm. The workers take a device, so that the same checks run on CUDA
+and source info, and the low-latency script's --shrink-test: ranks failing on a schedule, the mask-buffer
+queries, counts and combines over the unmasked ranks), written for epcomm. The workers take a device, so that the same checks run on CUDA
 (tests/python/test_cuda.py)."""
 import datetime
 
@@ -154,7 +155,33 @@ def intranode(rank, world, init_method, device="cpu"):
     dist.destroy_process_group()
 
 
-def low_latency(rank, world, init_method, device="cpu"):
+# DeepEP's shrink test: the rank that fails when it first reaches each LL API (it stops taking part).
+FAILED_AT = {"dispatch": 1, "combine": 3, "clean": 5}
+
+
+def simulate_failure_and_skip(rank, world, api, expected_masked_ranks, buffer):
+    """DeepEP's schedule of failures. In DeepEP the survivors' kernels time out waiting for the failed rank and
+    set the mask themselves; epcomm's mask is set collectively by the survivors (a timeout raises instead), so
+    here the survivors, who know the schedule, mask the failed rank through low_latency_update_mask_buffer at
+    the point where it fails."""
+    if rank in expected_masked_ranks:
+        return True  # already failed
+    failed = FAILED_AT.get(api)
+    if failed is None or failed >= world or failed in expected_masked_ranks:
+        return False
+    expected_masked_ranks.add(failed)
+    if failed == rank:
+        return True
+    buffer.low_latency_update_mask_buffer(failed, mask=True)
+    return False
+
+
+def query_mask_buffer_and_check(buffer, mask_status, expected_masked_ranks):
+    buffer.low_latency_query_mask_buffer(mask_status)
+    assert set(mask_status.nonzero().squeeze(-1).tolist()) == expected_masked_ranks
+
+
+def low_latency(rank, world, init_method, device="cpu", shrink_test=False):
     import epcomm
 
     dev = _init(rank, world, init_method, device)
@@ -163,7 +190,7 @@ def low_latency(rank, world, init_method, device="cpu"):
     num_local = num_experts // world
     buffer = epcomm.Buffer(dist.group.WORLD, 0, epcomm.Buffer.get_low_latency_rdma_size_hint(
         num_tokens, hidden, world, num_experts), low_latency_mode=True, num_qps_per_rank=num_local,
-        explicitly_destroy=True)
+        explicitly_destroy=True, enable_shrink=shrink_test)
     rank_offset = 128
     x = torch.ones((num_tokens, hidden), dtype=torch.bfloat16, device=dev) * (rank - rank_offset)
     x[:, -128:] = torch.arange(num_tokens, device=dev).to(torch.bfloat16).view(-1, 1)
@@ -179,10 +206,23 @@ def low_latency(rank, world, init_method, device="cpu"):
     dist.all_gather_into_tensor(all_topk_idx, topk_idx.cpu().reshape(-1))
     all_topk_idx = all_topk_idx.view(world, num_tokens, num_topk)
 
+    # For failure simulation and shrink testing
+    mask_status = torch.zeros((world,), dtype=torch.int, device=dev)
+    expected_masked_ranks = set()
+    if shrink_test:
+        # epcomm sizes the communicator's LL buffers at the first LL call (re-creating it, which needs every
+        # rank): that call must come before any rank fails
+        _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False)
+        buffer.low_latency_combine(torch.zeros((num_local, world * num_tokens, hidden), dtype=torch.bfloat16,
+                                               device=dev), topk_idx, topk_weights, handle)
+        query_mask_buffer_and_check(buffer, mask_status, expected_masked_ranks)
+
     num_times = 0
     for current_x in x_list:
         for return_recv_hook in (False, True):
             for use_fp8 in (False, True):
+                if shrink_test and simulate_failure_and_skip(rank, world, "dispatch", expected_masked_ranks, buffer):
+                    break
                 num_times += 1
                 for _ in range((num_times % 2) + 1):
                     stats = torch.zeros((num_local,), dtype=torch.int, device=dev)
@@ -191,6 +231,9 @@ def low_latency(rank, world, init_method, device="cpu"):
                         use_ue8m0=False, cumulative_local_expert_recv_stats=stats,
                         async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
                     hook() if return_recv_hook else event.current_stream_wait()
+                if shrink_test:
+                    query_mask_buffer_and_check(buffer, mask_status, expected_masked_ranks)
+                unmasked = (mask_status == 0).cpu()
                 packed_recv_x = (packed_recv_x[0], packed_recv_x[1].contiguous()) if use_fp8 else packed_recv_x
                 simulated_gemm_x = from_fp8(packed_recv_x[0].view(-1, hidden), packed_recv_x[1].view(-1, hidden // 128)
                                             ).view(packed_recv_x[0].shape) if use_fp8 else packed_recv_x.clone()
@@ -202,7 +245,7 @@ def low_latency(rank, world, init_method, device="cpu"):
                     valid = recv_count.item()
                     assert stats[i].item() == valid
                     assert valid == (recv_layout_range & mask).sum().item()
-                    assert valid == (all_topk_idx == expert_id).sum().item()
+                    assert valid == (all_topk_idx == expert_id).sum(dim=[1, 2])[unmasked].sum().item()
                     if valid == 0 or current_x is not x:
                         continue
                     recv_x = recv_x[:valid]
@@ -210,9 +253,13 @@ def low_latency(rank, world, init_method, device="cpu"):
                     assert torch.equal(recv_x_amin, recv_x[:, :-128].amax(dim=-1))
                     assert (recv_x[:, -128:] - recv_src_info[:valid].view(-1, 1) % num_tokens).sum().item() == 0
                     for j in range(world):
+                        if shrink_test and mask_status[j]:
+                            continue
                         begin, count = (recv_layout_range[j] >> 32).item(), (recv_layout_range[j] & mask).item()
                         assert (recv_x_amin == j - rank_offset).sum().item() == (all_topk_idx[j] == expert_id).sum().item()
                         assert (recv_x[begin:begin + count, :-128] - j + rank_offset).sum().item() == 0
+                if shrink_test and simulate_failure_and_skip(rank, world, "combine", expected_masked_ranks, buffer):
+                    break
                 for zero_copy in (False, True):
                     if zero_copy:
                         buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated_gemm_x
@@ -222,10 +269,34 @@ def low_latency(rank, world, init_method, device="cpu"):
                         async_finish=not return_recv_hook, zero_copy=zero_copy, return_recv_hook=return_recv_hook,
                         out=out)
                     hook() if return_recv_hook else event.current_stream_wait()
+                    if shrink_test:
+                        query_mask_buffer_and_check(buffer, mask_status, expected_masked_ranks)
+                        # as DeepEP's test: the masked ranks' experts are dropped from the routing for good
+                        owner_by_expert = torch.arange(num_experts, device=dev) // num_local
+                        fail_owner_mask = (mask_status == 1).index_select(0, owner_by_expert)
+                        valid_topk_idx = topk_idx >= 0
+                        failed_topk_idx = torch.zeros_like(topk_idx, dtype=torch.bool)
+                        failed_topk_idx[valid_topk_idx] = fail_owner_mask.index_select(0, topk_idx[valid_topk_idx])
+                        topk_idx[failed_topk_idx] = -1
                     diff = similarity_gap(current_x * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1).view(-1, 1),
                                           combined_x)
                     assert torch.isnan(combined_x).sum().item() == 0
                     assert diff < (9e-4 if use_fp8 else 1e-5), f"{diff=} {use_fp8=} {zero_copy=}"
+
+                # Clean buffer API
+                if shrink_test:
+                    if simulate_failure_and_skip(rank, world, "clean", expected_masked_ranks, buffer):
+                        break
+                    buffer.clean_low_latency_buffer(num_tokens, hidden, num_experts)
+                    query_mask_buffer_and_check(buffer, mask_status, expected_masked_ranks)
+
+    if shrink_test:
+        # the failed ranks take part in nothing more (the group's collectives would wait for them)
+        if rank not in expected_masked_ranks:
+            assert expected_masked_ranks == {r for r in FAILED_AT.values() if r < world}
+            assert all(mask_status.cpu().tolist()[r] == (r in expected_masked_ranks) for r in range(world))
+        buffer.destroy()
+        return
     buffer.clean_low_latency_buffer(num_tokens, hidden, num_experts)
     buffer.destroy()
     dist.barrier()
@@ -240,3 +311,9 @@ def test_intranode_pattern(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_low_latency_pattern(world):
     ranks.run(world, low_latency)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_low_latency_shrink_pattern(world):
+    """DeepEP's --shrink-test: rank 1 fails at its first dispatch, rank 3 at its first combine."""
+    ranks.run(world, low_latency, "cpu", True)  # the failed ranks return once they stop taking part

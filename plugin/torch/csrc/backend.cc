@@ -102,6 +102,57 @@ epComm_t EpcommBackend::comm(const at::Device& device) {
 
 uintptr_t EpcommBackend::commHandle(const at::Device& device) { return reinterpret_cast<uintptr_t>(comm(device)); }
 
+namespace {
+at::Device deviceOfKey(const std::string& key) {
+  if (key == "cpu") return at::Device(c10::DeviceType::CPU);
+  return at::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(std::stoi(key.substr(5))));
+}
+}  // namespace
+
+void EpcommBackend::setActiveRanks(const std::vector<int32_t>& active) {
+  TORCH_CHECK(static_cast<int>(active.size()) == size_, "epcomm set_active_ranks: the mask has ", active.size(),
+              " entries, the group has ", size_, " ranks");
+  std::map<std::string, epComm_t> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!closed_, "epcomm: the process group was shut down or aborted");
+    comms = comms_;  // "cpu" sorts before "cuda:<i>": every rank goes through them in the same order
+  }
+  for (auto& [key, c] : comms) {
+    at::Device device = deviceOfKey(key);
+    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
+    epResult_t rc = epCommSetActiveRanks(c, active.data(), stream);
+    if (rc != epSuccess) fail(c10::str("set_active_ranks (", key, ")").c_str(), rc, c);
+  }
+}
+
+std::vector<int32_t> EpcommBackend::activeRanks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> all(static_cast<size_t>(size_), 1), one(static_cast<size_t>(size_));
+  for (auto& [key, c] : comms_) {
+    epResult_t rc = epCommGetActiveRanks(c, one.data());
+    if (rc != epSuccess) fail("get_active_ranks", rc, c);
+    for (size_t r = 0; r < all.size(); ++r) all[r] = all[r] != 0 && one[r] != 0 ? 1 : 0;
+  }
+  return all;
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> EpcommBackend::maskedDrops(const at::Device& device) {
+  std::vector<int64_t> rows(static_cast<size_t>(size_), 0), elements(static_cast<size_t>(size_), 0);
+  epComm_t c = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find(isCuda(device) ? c10::str("cuda:", static_cast<int>(device.index())) : std::string("cpu"));
+    if (it != comms_.end()) c = it->second;
+  }
+  if (c != nullptr) {
+    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
+    epResult_t rc = epCommGetMaskedDrops(c, rows.data(), elements.data(), stream);
+    if (rc != epSuccess) fail("get_masked_drops", rc, c);
+  }
+  return {rows, elements};
+}
+
 c10d::Backend& EpcommBackend::inner(const at::Device& device) {
   if (isCuda(device) && cuda_inner_) return *cuda_inner_;
   return *cpu_inner_;

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace epcomm_torch {
 
@@ -85,6 +87,16 @@ class EpcommBackend : public c10d::Backend {
   // The communicator serving device_type ("cpu" or "cuda"), created now if needed (collective); as an integer
   // for Python code that calls the C API on the same communicator.
   uintptr_t commHandle(const at::Device& device);
+
+  // Elastic ranks (epcomm.h, epCommSetActiveRanks): applies the mask to every communicator this backend has
+  // created (CPU first, then CUDA devices in order: the same order on every rank). Collective among the ranks
+  // the mask keeps; synchronous. A communicator not created before a rank died cannot be created afterwards
+  // (its creation needs every rank). activeRanks: the mask in force (the AND over the communicators; all
+  // ranks when none exists yet). maskedDrops: epCommGetMaskedDrops of device's communicator, zeros when it
+  // was never created.
+  void setActiveRanks(const std::vector<int32_t>& active);
+  std::vector<int32_t> activeRanks();
+  std::pair<std::vector<int64_t>, std::vector<int64_t>> maskedDrops(const at::Device& device);
 
  private:
   epComm_t comm(const at::Device& device);

@@ -24,5 +24,9 @@ PYBIND11_MODULE(_backend, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("cpu_inner"), py::arg("cuda_inner") = py::none())
       .def("all_to_all_v", &EpcommBackend::allToAllV, py::arg("output"), py::arg("input"), py::arg("send_counts"),
            py::arg("recv_counts"), py::arg("async_op") = false, py::call_guard<py::gil_scoped_release>())
-      .def("comm_handle", &EpcommBackend::commHandle, py::arg("device"), py::call_guard<py::gil_scoped_release>());
+      .def("comm_handle", &EpcommBackend::commHandle, py::arg("device"), py::call_guard<py::gil_scoped_release>())
+      .def("set_active_ranks", &EpcommBackend::setActiveRanks, py::arg("active"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("active_ranks", &EpcommBackend::activeRanks, py::call_guard<py::gil_scoped_release>())
+      .def("masked_drops", &EpcommBackend::maskedDrops, py::arg("device"), py::call_guard<py::gil_scoped_release>());
 }

@@ -273,6 +273,9 @@ PYBIND11_MODULE(_capi, m) {
   m.attr("LL_RANK_MAJOR") = static_cast<int>(EP_LL_RANK_MAJOR);
   m.attr("NOT_SUPPORTED") = static_cast<int>(epNotSupported);
   m.attr("CAPACITY_EXCEEDED") = static_cast<int>(epCapacityExceeded);
+  m.attr("INVALID_USAGE") = static_cast<int>(epInvalidUsage);
+  m.attr("TIMEOUT") = static_cast<int>(epTimeout);
+  m.attr("REMOTE_ERROR") = static_cast<int>(epRemoteError);
   m.attr("MAX_TOPK") = EP_MAX_TOPK;
 
   py::class_<Comm>(m, "Comm")
@@ -363,7 +366,35 @@ PYBIND11_MODULE(_capi, m) {
              return py::make_tuple(reinterpret_cast<uintptr_t>(y), bytes);
            },
            "epLlCombineBuffer: (address, bytes) of the registered region the next zero-copy LL combine reads its y "
-           "from (GPU engine; the host engine raises epNotSupported)");
+           "from (GPU engine; the host engine raises epNotSupported)")
+      .def("set_active_ranks",
+           [](const Comm& c, const std::vector<int32_t>& active, uintptr_t s) {
+             int n = c.size();
+             if (static_cast<int>(active.size()) != n) {
+               throw py::value_error("set_active_ranks: the mask has " + std::to_string(active.size()) +
+                                     " entries, the communicator has " + std::to_string(n) + " ranks");
+             }
+             run(c, [&](epComm_t h) { return epCommSetActiveRanks(h, active.data(), stream(s)); });
+           },
+           py::arg("active"), py::arg("stream") = 0,
+           "epCommSetActiveRanks: active[r] nonzero keeps rank r, 0 masks it. Collective among the ranks kept; "
+           "synchronous; a masked rank can never be kept again. Also resynchronizes a broken communicator.")
+      .def("active_ranks",
+           [](const Comm& c) {
+             std::vector<int32_t> active(static_cast<size_t>(c.size()), 0);
+             c.check(epCommGetActiveRanks(c.get(), active.data()));
+             return active;
+           },
+           "epCommGetActiveRanks: one entry per rank, 1 = active, 0 = masked")
+      .def("masked_drops",
+           [](const Comm& c, uintptr_t s) {
+             std::vector<int64_t> rows(static_cast<size_t>(c.size()), 0), elements(rows.size(), 0);
+             run(c, [&](epComm_t h) { return epCommGetMaskedDrops(h, rows.data(), elements.data(), stream(s)); });
+             return py::make_tuple(rows, elements);
+           },
+           py::arg("stream") = 0,
+           "epCommGetMaskedDrops: (token_rows, alltoallv_elements), cumulative per destination rank: dispatch rows "
+           "and alltoallv elements not sent because the destination was masked");
 
   py::class_<HtHandle>(m, "HtHandle")
       .def(py::init<const Comm&, int>(), py::arg("comm"), py::arg("max_tokens"))

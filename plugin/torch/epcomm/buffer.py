@@ -11,7 +11,7 @@ same LL call -- as does a later LL call that needs more. Every difference from D
 ("Differences from DeepEP").
 """
 import weakref
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -24,12 +24,6 @@ from .event import EventHandle, EventOverlap
 from .handles import HtHandle, LowLatencyHandle, HtState
 
 topk_idx_t = torch.int64
-
-
-def _not_in_c_api(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"epcomm.Buffer: {what} needs the communicator's active-ranks mask (elastic EP), which epcomm's C API "
-        "does not have yet")
 
 
 class Buffer:
@@ -49,8 +43,6 @@ class Buffer:
                  explicitly_destroy: bool = False,
                  enable_shrink: bool = False,
                  comm: Optional["mpi4py.MPI.Comm"] = None) -> None:  # noqa: F821
-        if enable_shrink:
-            raise _not_in_c_api("enable_shrink=True")
         if group is not None:
             self.rank, self.group_size, self.group = group.rank(), group.size(), group
             self._allgather = _comm.group_allgather(group)
@@ -79,6 +71,7 @@ class Buffer:
         self._ll_slot_idx = 0
         self._ll_buffer_idx = 0
         self._local_buffers = {}
+        self._mask_wanted: set = set()  # ranks an update asked to mask (kept when the update itself failed)
 
     # --- lifecycle and static helpers ----------------------------------------------------------------------
 
@@ -201,7 +194,11 @@ class Buffer:
             stream = stream_handle(torch.cuda.current_stream()) if self._device.type == "cuda" else 0
             try:
                 self.runtime.alltoallv(ptr(send), counts, displs, ptr(out), counts, displs, _capi.INT32, stream)
-                return out.view(world, n)
+                out = out.view(world, n)
+                active = self.runtime.active_ranks()
+                if not all(active):  # a masked source sends nothing and its range is left as it was
+                    out[torch.tensor(active, device=self._device) == 0] = 0
+                return out
             except _capi.Error as e:
                 if e.code != _capi.NOT_SUPPORTED:
                     raise
@@ -399,6 +396,12 @@ class Buffer:
             return self.runtime
         if self.runtime is None:
             raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
+        if not all(self.runtime.active_ranks()):
+            raise RuntimeError(
+                "epcomm.Buffer: this LL call needs the communicator re-created with LL capacity "
+                f"(num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, num_experts={num_experts}), but "
+                "ranks are masked and a communicator cannot be created without them; make the first LL call, with "
+                "the largest shape, before a rank is masked")
         if self._graph_ht_handles:
             raise RuntimeError(
                 "epcomm.Buffer: this LL call needs the communicator re-created with LL capacity "
@@ -599,12 +602,91 @@ class Buffer:
         return self._ll_combine_buffer(handle, advance=False)
 
     # --- elastic EP (active-ranks mask) ---------------------------------------------------------------------
+    # DeepEP keeps a per-rank int mask in device memory that each rank sets locally (and its LL kernels set on a
+    # timeout). Here the mask is the communicator's active-ranks mask (epCommSetActiveRanks): setting it is
+    # collective among the ranks it keeps, and a masked rank can never be kept again. It applies to every
+    # operation of the Buffer (HT too, not only LL). See the README's "Differences from DeepEP".
 
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise _not_in_c_api("low_latency_update_mask_buffer")
+    def _require_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError(f"epcomm.Buffer.{what}: shrink mode must be enabled (Buffer(..., enable_shrink=True))")
+        if self.runtime is None:
+            raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
 
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise _not_in_c_api("low_latency_query_mask_buffer")
+    def _mask_error(self, msg: str) -> "_capi.Error":
+        err = _capi.Error(f"invalid usage: {msg}")
+        err.code = _capi.INVALID_USAGE
+        return err
 
-    def low_latency_clean_mask_buffer(self):
-        raise _not_in_c_api("low_latency_clean_mask_buffer")
+    def low_latency_update_mask_buffer(self, rank_to_mask: Union[int, Sequence[int]], mask: bool = False) -> None:
+        """Masks (mask=True) rank_to_mask -- an int, or (an epcomm extension) a sequence of ranks masked in one
+        step -- on the Buffer's communicator: every later operation runs among the other ranks; dispatch rows
+        to a masked rank are dropped (see get_masked_drops) and its contributions are absent from combines.
+
+        Unlike DeepEP's local write, mask=True is collective and synchronous: every surviving rank calls it with
+        the same ranks (a masked rank does not call it). It is also how survivors recover after an operation
+        failed (epcomm._capi.Error with code TIMEOUT or REMOTE_ERROR, because a rank died): mask the dead rank
+        and go on. Ranks asked for in an earlier update that failed (say a second rank was dead too and did not
+        take part) are masked again with these, so masking the dead ranks one call at a time converges. A call
+        that masks nobody new resynchronizes the survivors (after a timeout in which no rank died).
+
+        mask=False (DeepEP's default: unmask) on a masked rank raises epcomm._capi.Error (invalid usage): a
+        masked rank cannot rejoin this communicator. On a rank that is not masked it does nothing."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        targets = [rank_to_mask] if isinstance(rank_to_mask, int) else [int(r) for r in rank_to_mask]
+        for r in targets:
+            if not 0 <= r < self.group_size:
+                raise ValueError(f"epcomm.Buffer.low_latency_update_mask_buffer: rank {r} is not in [0, "
+                                 f"{self.group_size})")
+        active = self.runtime.active_ranks()
+        if not mask:
+            rejoin = [r for r in targets if not active[r]]
+            if rejoin:
+                raise self._mask_error(f"low_latency_update_mask_buffer: rank(s) {rejoin} are masked and cannot "
+                                       "rejoin: epcomm's active-ranks mask only shrinks (create a new Buffer over "
+                                       "a new group to bring ranks back)")
+            self._mask_wanted.difference_update(targets)  # asked for by an update that failed, never applied
+            return
+        if self.rank in targets:
+            raise ValueError("epcomm.Buffer.low_latency_update_mask_buffer: a rank cannot mask itself (the masked "
+                             "rank does not take part; the survivors mask it)")
+        self._mask_wanted.update(targets)
+        self._mask_wanted.discard(self.rank)
+        wanted = [0 if (r in self._mask_wanted or not active[r]) else 1 for r in range(self.group_size)]
+        stream = stream_handle(torch.cuda.current_stream()) if self._device.type == "cuda" else 0
+        self.runtime.set_active_ranks(wanted, stream)  # raises epcomm's message; the wish is kept for a retry
+        self._mask_wanted.clear()
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Writes the mask into mask_status ([num_ranks] torch.int32, any device): 1 = masked, 0 = active. It
+        is the communicator's mask in force (what every survivor agreed on), read on the host."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        if mask_status.numel() != self.group_size or mask_status.dtype != torch.int32:
+            raise ValueError(f"epcomm.Buffer.low_latency_query_mask_buffer: mask_status must be [{self.group_size}] "
+                             f"torch.int32, got {tuple(mask_status.shape)} {mask_status.dtype}")
+        masked = torch.tensor([0 if a else 1 for a in self.runtime.active_ranks()], dtype=torch.int32)
+        mask_status.copy_(masked.view(mask_status.shape))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """DeepEP's clean un-masks every rank. epcomm's mask cannot shrink back: with no rank masked this does
+        nothing (and forgets the ranks a failed update asked for); with ranks masked it raises
+        epcomm._capi.Error (invalid usage) and changes nothing."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        self._mask_wanted.clear()
+        active = self.runtime.active_ranks()
+        if not all(active):
+            masked = [r for r, a in enumerate(active) if not a]
+            raise self._mask_error(f"low_latency_clean_mask_buffer: rank(s) {masked} are masked and cannot rejoin: "
+                                   "epcomm's active-ranks mask only shrinks")
+
+    def get_masked_drops(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(token_rows, alltoallv_elements): int64 CPU tensors of num_ranks, cumulative per destination rank
+        since the communicator was created (the first LL call re-creates it, see the README): dispatch rows
+        (HT and LL; one per token and destination rank) and alltoallv elements (the Buffer's own count exchange
+        of exact-mode HT dispatch, int32 units) not sent because the destination was masked. An epcomm
+        extension (DeepEP has no such counters)."""
+        if self.runtime is None:
+            raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
+        stream = stream_handle(torch.cuda.current_stream()) if self._device.type == "cuda" else 0
+        rows, elements = self.runtime.masked_drops(stream)
+        return torch.tensor(rows, dtype=torch.int64), torch.tensor(elements, dtype=torch.int64)

@@ -6,8 +6,10 @@ torch.compile traces through them):
   the GPU engine it can be captured in a CUDA graph.
 - dispatch / combine: worst-token (fixed-capacity) HT dispatch and its combine on the group's communicator,
   for callers that do not want a Buffer object.
+- set_active_ranks / get_active_ranks / get_masked_drops: elastic ranks on the group's communicators (the
+  C API's active-ranks mask), so that the survivors of a dead rank can go on with the same group.
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -123,3 +125,79 @@ def combine(x: Tensor, num_tokens: int, group: Optional[dist.ProcessGroup] = Non
     """Sums the rows x (in the order dispatch gave, on slot) back to their tokens: [num_tokens, H] on the rank
     that dispatched them (unweighted; weight the rows before, as with Buffer.combine)."""
     return torch.ops.epcomm.combine(x, num_tokens, _group(group).group_name, slot)
+
+
+
+# --- elastic ranks ----------------------------------------------------------------------------------------------
+
+def _epcomm_backends(group: dist.ProcessGroup) -> list:
+    """The group's distinct epcomm backends (one object may serve both cpu and cuda)."""
+    from . import _backend
+
+    found = []
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        try:
+            be = group._get_backend(device)
+        except RuntimeError:
+            continue
+        if isinstance(be, _backend.EpcommBackend) and all(be is not b for b in found):
+            found.append(be)
+    if not found:
+        raise TypeError("epcomm: the group has no epcomm backend (create it with backend='epcomm')")
+    return found
+
+
+def set_active_ranks(active: Sequence[int], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Applies the active-ranks mask (active[r] nonzero keeps group rank r, 0 masks it) to every epcomm
+    communicator of the group: the backend's (CPU, CUDA) and that of epcomm.dispatch/combine on it. Collective
+    among the ranks kept, synchronous; a masked rank can never be kept again, and a rank cannot mask itself.
+    The way on after a rank died: the survivors' epcomm operation raised (DistBackendError, timeout or remote
+    error) once; every survivor calls this with the dead rank masked; then all_to_all_single, all_to_all,
+    barrier, all_to_all_v and epcomm.dispatch/combine on the group run among the survivors (nothing is sent to
+    or received from masked ranks: their receive ranges are left untouched, their device counts read 0).
+    Collectives that the group delegates to gloo/NCCL (all_reduce, broadcast, ...) know no mask and keep
+    failing: use a new group of the survivors for those. A call that masks nobody new resynchronizes the
+    survivors (after a timeout in which no rank died)."""
+    group = _group(group)
+    mask: List[int] = [1 if a else 0 for a in active]
+    if len(mask) != group.size():
+        raise ValueError(f"epcomm.set_active_ranks: the mask has {len(mask)} entries, the group has {group.size()} "
+                         "ranks")
+    for be in _epcomm_backends(group):
+        be.set_active_ranks(mask)
+    buf = _buffers.get(group.group_name)
+    if buf is not None and buf.runtime is not None:
+        stream = 0
+        if buf._device.type == "cuda":
+            from ._pointers import stream_handle
+
+            stream = stream_handle(torch.cuda.current_stream())
+        buf.runtime.set_active_ranks(mask, stream)
+
+
+def get_active_ranks(group: Optional[dist.ProcessGroup] = None) -> List[int]:
+    """The group's active-ranks mask: one int per group rank, 1 = active, 0 = masked."""
+    group = _group(group)
+    mask = [1] * group.size()
+    for be in _epcomm_backends(group):
+        mask = [a & b for a, b in zip(mask, be.active_ranks())]
+    buf = _buffers.get(group.group_name)
+    if buf is not None and buf.runtime is not None:
+        mask = [a & b for a, b in zip(mask, buf.runtime.active_ranks())]
+    return mask
+
+
+def get_masked_drops(device: Optional[torch.device] = None,
+                     group: Optional[dist.ProcessGroup] = None) -> Tuple[Tensor, Tensor]:
+    """(token_rows, alltoallv_elements), int64 CPU tensors of group.size(): what was not sent because the
+    destination rank was masked, cumulative per destination, on the backend's communicator of device (default
+    cpu): alltoallv elements (all_to_all_single, all_to_all and all_to_all_v, in units of the call's dtype, or
+    bytes for dtypes the C API lacks) and dispatch rows (none: the backend's communicator dispatches nothing;
+    epcomm.dispatch runs on a Buffer, see Buffer.get_masked_drops)."""
+    group = _group(group)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    rows, elements = _backend_of(group, device).masked_drops(device)
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(elements, dtype=torch.int64)
