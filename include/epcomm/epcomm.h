@@ -566,6 +566,18 @@ EPCOMM_API epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, cons
  * - epCommBarrier: among the active ranks.
  * - GPU engine: the mask lives in device memory and kernels read it when they run, so a captured graph
  *   replayed after a mask change uses the new mask without recapture. Host engine: read at operation start.
+ *   A replayed graph is not checked on the host: an HT dispatch captured with EP_HT_USE_HANDLE_LAYOUT (or a
+ *   combine) from before a mask change replays with that layout minus the masked ranks (nothing is sent to or
+ *   received from them; the receive rows they would have filled keep their contents). Capture worst-token
+ *   dispatch (its layout is recomputed on the device every replay) where masks may change.
+ * - GPU engine, epCommSetActiveRanks: waits for this rank's device work (cudaDeviceSynchronize: a failed
+ *   operation's kernels end at their deadline), then the survivors meet twice on the device (deadline: twice
+ *   the communicator's), resetting in between the queues and LL acknowledgements a failed operation left;
+ *   with ranks masked, epCommBarrier meets the same way. Drop counters on the GPU engine: HT rows are added by
+ *   every dispatch launch that uses the layout (graph replays included), LL rows by the send half, alltoallv
+ *   elements by the count exchange.
+ * - A masked rank that is still alive must stop calling the communicator (destroy it): its operations would
+ *   still write into the survivors' buffers.
  * ------------------------------------------------------------------------------------------------------- */
 EPCOMM_API epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t stream);
 /* The current mask: nranks int32 entries, 1 = active, 0 = masked (host memory). Works on a broken
