@@ -1158,7 +1158,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, HostEngine, ::testing::Values(1, 2, 3, 4, 8),
 // ---------------------------------------------------------------------------------------------------------
 // Across (virtual) hosts: every operation bit-exact against the same reference when the ranks sit on H hosts
 // and reach the ranks of other hosts over the net transport (socket, and ofi where libfabric is installed).
-// The meson test "cross_host" runs only these (GTEST_FILTER=CrossHost*); the others exclude them.
+// The meson test "cross_host" runs only these (GTEST_FILTER=*CrossHost*); the others exclude them.
 // ---------------------------------------------------------------------------------------------------------
 struct CrossHostParam {
   int hosts, per_host;
