@@ -123,6 +123,14 @@ HostEngine::HostEngine(epComm* comm) : comm_(comm), rank_(comm->rank), nranks_(c
 // Whatever this rank's last operation left in the outboxes toward other hosts still goes out (its peers may
 // still be reading it) unless the communicator was aborted; masked ranks get nothing.
 HostEngine::~HostEngine() {
+  // An LL receive half returns with its rank's later sends possibly still queued (it must not wait for them):
+  // they go out now, before the queues disappear, or a peer still in that operation would wait for them in vain.
+  // (A dead or masked peer ends this at once, a stalled one at the deadline; a broken communicator skips it.)
+  if (!comm_->aborted.load() && comm_->async_error.load() == epSuccess && !outq_.empty()) {
+    cur_op_ = epOpDestroy;
+    record_async_ = false;
+    for (int c = 0; c < nchan_; ++c) (void)flushSends(epPhaseData, c);
+  }
   if (bridge_) bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
   pool_.reset();
 }
