@@ -29,7 +29,10 @@
  * environment variable EPCOMM_ENGINE=host|gpu when the config says EP_ENGINE_AUTO):
  * - EP_ENGINE_HOST: every operation runs on the calling thread (plus the communicator's channel threads) on
  *   host memory. All pointers are host pointers, the stream argument is ignored, and calls return when their
- *   outputs are complete. Outputs described below as "engine memory" are host memory.
+ *   outputs are complete. Outputs described below as "engine memory" are host memory. Ranks may sit on
+ *   several hosts: ranks with the same host identity (EPCOMM_HOSTID, else hostname + boot id) share memory,
+ *   the others are reached over the net transport (EPCOMM_NET=socket|ofi) only; results are bit-identical to
+ *   those of the same ranks on one host (every combine keeps the order stated below).
  * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
  *   device memory. The ranks must share one host; their communication buffers (allocated once, at creation)
  *   are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (under MPS).
@@ -280,6 +283,9 @@ EPCOMM_API epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx
  *
  * Combine: combined_x[t] = sum over the ranks r that received t, in ascending r, of x_r[row(t, r)],
  * accumulated in fp32 and rounded once (bit-identical from run to run). Tokens no rank received get 0.
+ * Across hosts (host engine) the order is the same ascending global rank order, whatever host r is on: the
+ * token's owner receives every x_r[row(t, r)] row and reduces them itself, so the result does not depend on
+ * how the ranks are split into hosts.
  * ------------------------------------------------------------------------------------------------------- */
 #define EP_HT_USE_HANDLE_LAYOUT 0x1u
 

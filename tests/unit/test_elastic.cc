@@ -5,8 +5,10 @@
 // one (survivors fail once, mask it, and go on without waiting), bad arguments, and the queries.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -17,6 +19,7 @@
 #include "epcomm/epcomm.h"
 #include "multiproc.h"
 #include "reference.h"
+#include "transport/net/net.h"
 
 namespace {
 
@@ -468,13 +471,13 @@ TEST(Elastic, PlannedMaskEveryOperation) {
 
 // Survivors of a killed rank: the first failing call returns epRemoteError or epTimeout within the deadline, then
 // every survivor masks the victim, and all operations succeed, bit-exact, without waiting for it.
-int survive(epComm_t comm, int rank, int R, int victim, epResult_t first, double first_ms) {
+int survive(epComm_t comm, int rank, int R, const std::vector<int>& victims, epResult_t first, double first_ms) {
   CHECK_OR_RETURN(first == epRemoteError || first == epTimeout, "first failure: %s (%s)", epGetErrorString(first),
                   epGetLastError(comm));
   CHECK_OR_RETURN(first_ms < 2 * kTimeoutMs, "failed after %.0f ms", first_ms);
   CHECK_OR_RETURN(epCommBarrier(comm, nullptr) == first, "a broken communicator must fail fast");
   std::vector<uint8_t> mask(R, 1);
-  mask[victim] = 0;
+  for (int v : victims) mask[v] = 0;
   std::vector<int32_t> m32 = asInt(mask);
   auto t0 = std::chrono::steady_clock::now();
   epResult_t r = epCommSetActiveRanks(comm, m32.data(), nullptr);
@@ -515,7 +518,7 @@ TEST(Elastic, RankKilledBetweenOperations) {
       t0 = std::chrono::steady_clock::now();
       r = epCommBarrier(comm, nullptr);
     }
-    return survive(comm, rank, R, kVictim, r, msSince(t0));
+    return survive(comm, rank, R, {kVictim}, r, msSince(t0));
   }, 120000);
   EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
   for (int r = 0; r < R; ++r) {
@@ -565,7 +568,7 @@ TEST(Elastic, RankKilledDuringOperation) {
       epResult_t async = epSuccess;
       epCommGetAsyncError(comm, &async, nullptr);
       CHECK_OR_RETURN(async == epRemoteError || async == epTimeout, "async error %s", epGetErrorString(async));
-      return survive(comm, rank, R, kVictim, async, msSince(t0));
+      return survive(comm, rank, R, {kVictim}, async, msSince(t0));
     }, 120000);
     EXPECT_EQ(codes[kVictim], 128 + SIGKILL) << "kind " << kind;
     for (int r = 0; r < R; ++r) {
@@ -611,6 +614,143 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
   }, 120000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Across (virtual) hosts (issue #12 item 4): ranks split into hosts by EPCOMM_HOSTID, other hosts reached over
+// EPCOMM_NET. A whole host killed in the middle of an operation, and a stalled peer (SIGSTOP): every other rank
+// returns an error within the deadline, masks the lost ranks, and goes on bit-exact without waiting for them.
+// The meson test "elastic_cross_host" runs only these.
+// ---------------------------------------------------------------------------------------------------------
+void joinVirtualHost(int rank, int per_host, const char* net) {
+  setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank / per_host)).c_str(), 1);
+  setenv("EPCOMM_NET", net, 1);
+}
+
+bool netOffered(const char* net) {
+  if (strcmp(net, "ofi") != 0) return true;
+  setenv("EPCOMM_NET", "ofi", 1);
+  std::string why;
+  const bool ok = epcomm::net::netOfiBackend(&why) != nullptr;
+  unsetenv("EPCOMM_NET");
+  return ok;
+}
+
+class CrossHostElastic : public ::testing::TestWithParam<const char*> {};
+
+// 3 hosts x 2 ranks; host 1 (ranks 2 and 3) is killed while a large alltoallv (kind 0) or the whole operation mix
+// (kind 1) is in flight; ranks on hosts 0 and 2 survive and keep talking to each other across hosts.
+TEST_P(CrossHostElastic, HostKilledDuringOperation) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  constexpr int R = 6, kPerHost = 2, kVictimHost = 1;
+  const std::vector<int> victims = {2, 3};
+  for (int kind = 0; kind < 2; ++kind) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+    auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+      joinVirtualHost(rank, kPerHost, net);
+      epConfig_t cfg = config();
+      cfg.queue_bytes = 64 * 1024;  // small queues: the transfer is in flight for many steps
+      epComm_t comm;
+      CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+      const size_t n = 1 << 16;
+      std::vector<float> sb(R * n, 1.0f), rb(R * n);
+      std::vector<size_t> c(R, n), d(R);
+      for (int q = 0; q < R; ++q) d[q] = q * n;
+      std::vector<int64_t> rows(R, 0), a2a(R, 0);
+      Step st(R, 61, std::vector<uint8_t>(R, 1));
+      auto step = [&]() -> epResult_t {
+        if (kind == 0) return epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epFloat32, nullptr);
+        std::string e = runAll(comm, rank, st, rows, a2a);
+        return e.empty() ? epSuccess : (strstr(e.c_str(), "timeout") ? epTimeout : epRemoteError);
+      };
+      CHECK_OR_RETURN(step() == epSuccess, "warm-up: %s", epGetLastError(comm));
+      if (rank / kPerHost == kVictimHost) {
+        std::thread([] {
+          usleep(3000);
+          kill(getpid(), SIGKILL);
+        }).detach();
+        for (;;) step();
+      }
+      epResult_t r = epSuccess;
+      auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 100000 && r == epSuccess; ++i) {
+        t0 = std::chrono::steady_clock::now();
+        r = step();
+      }
+      epResult_t async = epSuccess;
+      epCommGetAsyncError(comm, &async, nullptr);
+      CHECK_OR_RETURN(async == epRemoteError || async == epTimeout, "async error %s", epGetErrorString(async));
+      return survive(comm, rank, R, victims, async, msSince(t0));
+    }, 120000);
+    for (int r = 0; r < R; ++r) {
+      if (r / kPerHost == kVictimHost) {
+        EXPECT_EQ(codes[r], 128 + SIGKILL) << "rank " << r << " kind " << kind;
+      } else {
+        EXPECT_EQ(codes[r], 0) << "rank " << r << " kind " << kind;
+      }
+    }
+  }
+}
+
+// 2 hosts x 2 ranks; rank 3 stops (SIGSTOP) in the middle of the operation mix: its connections stay open but
+// nothing moves. The others time out within the deadline, mask it and go on; rank 0 then kills it.
+TEST_P(CrossHostElastic, StalledPeer) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  constexpr int R = 4, kPerHost = 2, kVictim = 3;
+  // The victim's pid, for rank 0 to end it: memory shared by the forked ranks.
+  auto* victim_pid = static_cast<std::atomic<pid_t>*>(
+      mmap(nullptr, sizeof(std::atomic<pid_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(victim_pid, MAP_FAILED);
+  victim_pid->store(0);
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    joinVirtualHost(rank, kPerHost, net);
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    Step st(R, 71, std::vector<uint8_t>(R, 1));
+    std::string e = runAll(comm, rank, st, rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    if (rank == kVictim) {
+      victim_pid->store(getpid());
+      std::thread([] {
+        usleep(2000);
+        kill(getpid(), SIGSTOP);
+      }).detach();
+      for (;;) runAll(comm, rank, st, rows, a2a);
+    }
+    epResult_t r = epSuccess;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      e = runAll(comm, rank, st, rows, a2a);
+      r = e.empty() ? epSuccess : epTimeout;
+    }
+    epResult_t async = epSuccess;
+    epCommGetAsyncError(comm, &async, nullptr);
+    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
+    const int rc = survive(comm, rank, R, {kVictim}, async, msSince(t0));
+    if (rank == 0) {
+      for (int i = 0; i < 1000 && victim_pid->load() == 0; ++i) usleep(1000);
+      if (victim_pid->load() > 0) kill(victim_pid->load(), SIGKILL);
+    }
+    return rc;
+  }, 120000);
+  munmap(victim_pid, sizeof(std::atomic<pid_t>));
+  EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
+  for (int r = 0; r < R; ++r) {
+    if (r != kVictim) {
+      EXPECT_EQ(codes[r], 0) << "rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Net, CrossHostElastic, ::testing::Values("socket", "ofi"),
+                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
 
 TEST(Elastic, BadArguments) {
   constexpr int R = 3;

@@ -21,6 +21,7 @@
 
 #include "epcomm/epcomm.h"
 #include "multiproc.h"
+#include "transport/net/net.h"
 #include "reference.h"
 
 namespace {
@@ -349,6 +350,11 @@ epConfig_t hostConfig(uint64_t seed) {
   return cfg;
 }
 
+// Virtual hosts of the cross-host tests: 0 = every rank on this host; H = ranks split into H contiguous groups,
+// each with its own EPCOMM_HOSTID (what epcomm-run --hosts H does), reached over EPCOMM_NET = gNet.
+int gHosts = 0;
+const char* gNet = "socket";
+
 // Forks R ranks, each creating a host communicator and running body(comm, rank, ctx); asserts every exit 0.
 void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx&)>& body) {
   epUniqueId id;
@@ -360,6 +366,10 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
         ctx.rank = rank;
         ctx.seed = baseSeed();
         epConfig_t cfg = hostConfig(seed);
+        if (gHosts > 0) {
+          setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank / (R / gHosts))).c_str(), 1);
+          setenv("EPCOMM_NET", gNet, 1);
+        }
         epComm_t comm = nullptr;
         epResult_t rc = epCommInitRank(&comm, R, &id, rank, &cfg);
         if (rc != epSuccess) {
@@ -1144,6 +1154,72 @@ TEST_P(HostEngine, MixedSequence) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, HostEngine, ::testing::Values(1, 2, 3, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
+
+// ---------------------------------------------------------------------------------------------------------
+// Across (virtual) hosts: every operation bit-exact against the same reference when the ranks sit on H hosts
+// and reach the ranks of other hosts over the net transport (socket, and ofi where libfabric is installed).
+// The meson test "cross_host" runs only these (GTEST_FILTER=*CrossHost*); the others exclude them.
+// ---------------------------------------------------------------------------------------------------------
+struct CrossHostParam {
+  int hosts, per_host;
+  const char* net;
+};
+
+class CrossHost : public ::testing::TestWithParam<CrossHostParam> {
+ protected:
+  void SetUp() override {
+    if (strcmp(GetParam().net, "ofi") == 0) {
+      setenv("EPCOMM_NET", "ofi", 1);
+      std::string why;
+      if (epcomm::net::netOfiBackend(&why) == nullptr) GTEST_SKIP() << "EPCOMM_NET=ofi is not offered: " << why;
+      unsetenv("EPCOMM_NET");
+    }
+    gHosts = GetParam().hosts;
+    gNet = GetParam().net;
+  }
+  void TearDown() override { gHosts = 0; }
+};
+
+TEST_P(CrossHost, EveryOperation) {
+  const int R = GetParam().hosts * GetParam().per_host;
+  uint64_t seed = nameSeed(GetParam().net, R * 16 + GetParam().hosts);
+  runOnComm(R, seed, [&](epComm_t comm, int, Ctx& c) {
+    epHtHandle_t handle = nullptr;
+    if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
+    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+    for (int round = 0; round < 2 && c.failures == 0; ++round) {
+      uint64_t s = mix(seed, round);
+      // HT exact / cached / worst-token (with the layout), bf16 and fp8, rows that wrap the small queues
+      runHtCase(comm, handle, c, R, mix(s, 1), {4 * R, 128, 4, round ? epFloat8E4M3 : epBfloat16, 24});
+      runHtCase(comm, handle, c, R, mix(s, 2), {2 * R, 1024, 3, round ? epFloat32 : epFloat16, 40});
+      // LL: both layouts, fp8, one call and split halves (also mixed between ranks), two interleaved
+      runLlCase(comm, c, R, mix(s, 3), {4 * R, 128, 4, epBfloat16, 8, EM, round == 1, 0, 0});
+      runLlCase(comm, c, R, mix(s, 4), {2 * R, 256, 3, epFloat16, 6, RM, round == 0, 1, 1});
+      runLlCase(comm, c, R, mix(s, 5), {8 * R, 128, 6, epFloat32, 5, round ? RM : EM, false, 0, 2});
+      runLlOverlap(comm, c, R, mix(s, 6), {2 * R, 128, 4, epBfloat16, 8, EM, round == 0, 0, 1},
+                   {4 * R, 256, 6, epFloat16, 5, RM, round == 1, 0, 2});
+      // alltoallv, host counts and device counts (with an overflow mode)
+      runAlltoallvCase(comm, c, R, mix(s, 7), round ? epFloat16 : epInt64, 300);
+      runAlltoallvDeviceCase(comm, c, R, mix(s, 8), epBfloat16, 200, round);
+      runAlltoallvDeviceCase(comm, c, R, mix(s, 9), epUint8, 500, 2);
+      c.ok(epCommBarrier(comm, nullptr), "barrier", comm);
+    }
+    uint64_t cs = mix(seed, 77);
+    runHtCase(comm, handle, c, R, cs, randomHtCase(cs, R));
+    cs = mix(seed, 78);
+    runLlCase(comm, c, R, cs, randomLlCase(cs, R));
+    c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Hosts, CrossHost,
+                         ::testing::Values(CrossHostParam{2, 2, "socket"}, CrossHostParam{3, 2, "socket"},
+                                           CrossHostParam{4, 1, "socket"}, CrossHostParam{2, 2, "ofi"},
+                                           CrossHostParam{3, 2, "ofi"}, CrossHostParam{4, 1, "ofi"}),
+                         [](const ::testing::TestParamInfo<CrossHostParam>& i) {
+                           return std::to_string(i.param.hosts) + "x" + std::to_string(i.param.per_host) + "_" +
+                                  i.param.net;
+                         });
 
 // Worst-token mode with fewer rows than a rank receives: epCapacityExceeded there; the communicator stays
 // usable (a following correct call succeeds everywhere).

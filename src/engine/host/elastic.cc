@@ -104,7 +104,7 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   uint64_t max_epoch = send_epoch_;
   for (int r = 0; r < R && st == epSuccess; ++r) {
     if (!part[r] || r == rank_) continue;
-    const RegionHeader* p = peers_[r]->header();
+    const RegionHeader* p = peerHeader(r);
     const int ps = p->rs_status.load(std::memory_order_relaxed);
     if (ps != epSuccess)
       st = EP_ERROR(epRemoteError,

@@ -120,7 +120,38 @@ epResult_t HostEngine::runChannels(const std::function<epResult_t(int)>& fn) { r
 
 HostEngine::HostEngine(epComm* comm) : comm_(comm), rank_(comm->rank), nranks_(comm->nranks) {}
 
-HostEngine::~HostEngine() = default;
+// Whatever this rank's last operation left in the outboxes toward other hosts still goes out (its peers may
+// still be reading it) unless the communicator was aborted; masked ranks get nothing.
+HostEngine::~HostEngine() {
+  // An LL receive half returns with its rank's later sends possibly still queued (it must not wait for them):
+  // they go out now, before the queues disappear, or a peer still in that operation would wait for them in vain.
+  // (A dead or masked peer ends this at once, a stalled one at the deadline; a broken communicator skips it.)
+  if (!comm_->aborted.load() && comm_->async_error.load() == epSuccess && !outq_.empty()) {
+    cur_op_ = epOpDestroy;
+    record_async_ = false;
+    for (int c = 0; c < nchan_; ++c) (void)flushSends(epPhaseData, c);
+  }
+  if (bridge_) bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
+  pool_.reset();
+}
+
+void HostEngine::abort() {}
+
+// This host's identity (DESIGN.md "host"): EPCOMM_HOSTID, else hostname + "/" + boot id.
+static void hostIdentity(char* out, size_t n) {
+  if (const char* hid = paramString("EPCOMM_HOSTID")) {
+    snprintf(out, n, "id:%s", hid);
+    return;
+  }
+  char host[128] = {0}, boot[64] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) snprintf(host, sizeof(host), "localhost");
+  if (FILE* f = fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    if (!fgets(boot, sizeof(boot), f)) boot[0] = 0;
+    fclose(f);
+    boot[strcspn(boot, "\n")] = 0;
+  }
+  snprintf(out, n, "%s/%s", host, boot);
+}
 
 epResult_t HostEngine::init() {
   ring_bytes_ = comm_->config.queue_bytes ? comm_->config.queue_bytes : static_cast<size_t>(epParamQueueBytes());
@@ -132,51 +163,60 @@ epResult_t HostEngine::init() {
   drop_rows_.assign(nranks_, 0);
   drop_a2a_.assign(nranks_, 0);
 
-  // All ranks must share memory: check host identity (hostname + EPCOMM_HOSTID) first.
+  // Host identity: EPCOMM_HOSTID when set (virtual hosts on one machine, as epcomm-run --hosts sets it), else
+  // hostname + boot id. Ranks of one host share memory; ranks of other hosts are reached over the net transport.
   struct HostInfo {
-    char host[128];
+    char host[160];
     int64_t pid;
     uint64_t ring_bytes;
     int32_t channels;
     uint64_t probe_addr;  // cross-memory attach probe: a word peers try to read with process_vm_readv
   } me{};
-  gethostname(me.host, 64);
-  if (const char* hid = paramString("EPCOMM_HOSTID")) {
-    size_t l = strlen(me.host);
-    snprintf(me.host + l, sizeof(me.host) - l, "/%s", hid);
-  }
+  hostIdentity(me.host, sizeof(me.host));
   me.pid = getpid();
   me.ring_bytes = ring_bytes_;
+  std::vector<HostInfo> all(nranks_);
   // Channels (threads per rank): the config's, else EPCOMM_HOST_CHANNELS, else the cores of the host shared
-  // among its ranks (at most kMaxChannels); all ranks then use the smallest wish.
-  me.channels = comm_->config.num_channels > 0 ? comm_->config.num_channels
-                : epParamHostChannels() > 0     ? static_cast<int>(epParamHostChannels())
-                                                : static_cast<int>(std::max<long>(1, std::min<long>(kMaxChannels, sysconf(_SC_NPROCESSORS_ONLN) /
-                                                                                          nranks_)));
-  me.channels = std::min(me.channels, kMaxChannels);
+  // among its ranks (at most kMaxChannels; the default counts all ranks as sharing it, since the ranks of this
+  // host are known only after the exchange); all ranks then use the smallest wish.
+  auto channelWish = [&](int local_ranks) {
+    const int c = comm_->config.num_channels > 0 ? comm_->config.num_channels
+                  : epParamHostChannels() > 0     ? static_cast<int>(epParamHostChannels())
+                                                  : static_cast<int>(std::max<long>(1, std::min<long>(kMaxChannels, sysconf(_SC_NPROCESSORS_ONLN) /
+                                                                                            local_ranks)));
+    return std::min(c, kMaxChannels);
+  };
+  me.channels = channelWish(nranks_);
   cma_probe_ = 0x65704d4100000000ull | static_cast<uint64_t>(rank_);
   me.probe_addr = reinterpret_cast<uint64_t>(&cma_probe_);
-  std::vector<HostInfo> all(nranks_);
   all[rank_] = me;
   EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.timeout_ms));
+  remote_.assign(nranks_, 0);
+  std::vector<int> first_of(nranks_);  // the lowest rank of each rank's host
   for (int r = 0; r < nranks_; ++r) {
-    if (strncmp(all[r].host, me.host, sizeof(me.host)) != 0)
-      EP_FAIL(epNotSupported,
-              "rank %d is on host '%s' and rank %d on host '%s': the host engine needs all ranks on one host "
-              "(the inter-host net transport is not in this release)",
-              rank_, me.host, r, all[r].host);
+    all[r].host[sizeof(all[r].host) - 1] = '\0';
+    remote_[r] = strcmp(all[r].host, me.host) != 0;
+    first_of[r] = r;
+    for (int q = 0; q < r; ++q)
+      if (strcmp(all[q].host, all[r].host) == 0) {
+        first_of[r] = first_of[q];
+        break;
+      }
     if (all[r].ring_bytes != ring_bytes_)
       EP_FAIL(epInvalidArgument, "queue_bytes differs between ranks (%zu here, %llu on rank %d)", ring_bytes_,
               static_cast<unsigned long long>(all[r].ring_bytes), r);
     pids_.push_back(all[r].pid);
   }
+  nhosts_ = 0;
+  for (int r = 0; r < nranks_; ++r) nhosts_ += first_of[r] == r ? 1 : 0;
   nchan_ = me.channels;
   for (const HostInfo& i : all) nchan_ = std::min(nchan_, static_cast<int>(i.channels));
   const int C = nchan_;
   // Cross-memory attach (process_vm_readv): HT dispatch receivers then copy rows straight out of the
   // senders' x, one copy instead of two through the queues. Used only if every rank can read every peer
-  // (a seccomp profile or ptrace policy may forbid it) and EPCOMM_HOST_CMA is not 0; all ranks agree.
-  int32_t can = epParamHostCma() != 0 ? 1 : 0;
+  // (a seccomp profile or ptrace policy may forbid it; ranks of other hosts never can) and EPCOMM_HOST_CMA is
+  // not 0; all ranks agree.
+  int32_t can = epParamHostCma() != 0 && nhosts_ == 1 ? 1 : 0;
   for (int r = 0; r < nranks_ && can; ++r) {
     if (r == rank_) continue;
     uint64_t word = 0;
@@ -195,7 +235,7 @@ epResult_t HostEngine::init() {
   epResult_t res = bs->barrier(comm_->config.timeout_ms);
   peers_.resize(nranks_);
   for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || remote_[r]) continue;  // never shared memory across hosts
     peers_[r] = std::make_unique<ShmRegion>();
     res = peers_[r]->open(shmRegionName(bs->secret(), r), r, nranks_, C, ring_bytes_);
   }
@@ -204,19 +244,31 @@ epResult_t HostEngine::init() {
   own_.unlink();
   EPCHECK(res);
   EPCHECK(res2);
+  // Ranks of other hosts: connections over the net transport (every rank takes part in its exchange, also
+  // when all ranks share this host, so that they agree on whether it works).
+  if (nhosts_ > 1) {
+    bridge_ = std::make_unique<NetBridge>(rank_, nranks_, C, ring_bytes_, remote_, &own_);
+    EPCHECK(bridge_->connect(bs, comm_->config.timeout_ms));
+    EPCHECK(bs->barrier(comm_->config.timeout_ms));
+  }
 
   out_.assign(C, std::vector<RingEnd>(nranks_));
   in_.assign(C, std::vector<RingEnd>(nranks_));
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < nranks_; ++r) {
-      const ShmRegion& dst = (r == rank_) ? own_ : *peers_[r];
-      out_[c][r] = RingEnd(dst.ringCtl(rank_, c), dst.ringData(rank_, c), ring_bytes_);
+      if (remote_[r]) {
+        out_[c][r] = bridge_->outEnd(c, r);
+      } else {
+        const ShmRegion& dst = (r == rank_) ? own_ : *peers_[r];
+        out_[c][r] = RingEnd(dst.ringCtl(rank_, c), dst.ringData(rank_, c), ring_bytes_);
+      }
       in_[c][r] = RingEnd(own_.ringCtl(r, c), own_.ringData(r, c), ring_bytes_);
     }
   outq_.assign(C, std::vector<std::deque<OutMsg>>(nranks_));
   pool_ = std::make_unique<ChannelPool>(C);
-  EP_INFO(kSubsysInit, "host engine ready: %d ranks, %d channels, queues of %zu bytes, %s", nranks_, C,
-          ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues");
+  EP_INFO(kSubsysInit, "host engine ready: %d ranks on %d hosts, %d channels, queues of %zu bytes, %s%s%s", nranks_,
+          nhosts_, C, ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues",
+          bridge_ ? ", other hosts over net/" : "", bridge_ ? bridge_->backendName() : "");
   return epSuccess;
 }
 
@@ -296,6 +348,13 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
     for (int i = -1; i < nranks_; ++i) {
       const int r = i < 0 ? peer : i;
       if (r < 0 || r == rank_ || (i >= 0 && r == peer) || !watch_[r]) continue;
+      if (remote_[r]) {  // another host: its connection tells
+        std::string why;
+        if (!bridge_->dead(r, &why)) continue;
+        char msg[400];
+        snprintf(msg, sizeof(msg), "lost the connection from rank %d on another host: %s", r, why.c_str());
+        return fail(epRemoteError, r, phase, msg);
+      }
       if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
         char msg[160];
         snprintf(msg, sizeof(msg), "peer rank %d (pid %lld) has died", r, static_cast<long long>(pids_[r]));
@@ -396,7 +455,7 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
   return spin(-1, epPhaseHeader, [&](int& peer) {
     for (; next < nranks_; ++next) {
       if (!part[next] || next == rank_) continue;
-      const uint64_t w = peers_[next]->header()->rs_word.load(std::memory_order_acquire);
+      const uint64_t w = peerHeader(next)->rs_word.load(std::memory_order_acquire);
       if (adopt && w / 8 > round) {
         round = w / 8;
         rs_round_ = round;

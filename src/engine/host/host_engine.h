@@ -16,6 +16,12 @@
 // and the owner waits for those counters. A counter rather than a message, because a peer with split LL
 // halves may already have queued later messages on that ring.
 //
+// Across hosts. Ranks with the same host identity (hostname + boot id, or EPCOMM_HOSTID) share memory; toward a
+// rank of another host the rings and region-header words are carried over the net transport by a NetBridge
+// (net_bridge.h), so the protocol above is the same everywhere. Rows by reference need every pair to share a
+// host: with more than one host every row travels through the queues (flat: a token goes to each destination
+// rank separately, also when several of them share a host).
+//
 // Elastic ranks. "Every rank" above means every active rank: masked ranks (epCommSetActiveRanks) get no message,
 // none is read from them (recvHeaders hands the operation an empty stand-in), and no wait involves them. How the
 // survivors get back in step after a failure is in elastic.cc.
@@ -30,6 +36,7 @@
 
 #include "engine/comm.h"
 #include "engine/engine.h"
+#include "engine/host/net_bridge.h"
 #include "transport/shm/shm.h"
 
 namespace epcomm {
@@ -79,6 +86,7 @@ class HostEngine final : public Engine {
                              epStream_t stream) override;
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
+  void abort() override;
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
@@ -143,6 +151,9 @@ class HostEngine final : public Engine {
 
   // ---- elastic ranks (elastic.cc) ----
   bool active(int r) const { return active_[r] != 0; }
+  // Rank r's published resynchronization words: its region header, or for a rank of another host the bridge's
+  // mirror of what it last sent.
+  const RegionHeader* peerHeader(int r) const { return remote_[r] ? bridge_->mirror(r) : peers_[r]->header(); }
   // The resynchronization among the ranks `proposed` keeps (the current mask for a rejected call, local != 0).
   epResult_t resync(const uint8_t* proposed, epResult_t local);
   epResult_t resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt, int* failed_peer);
@@ -169,6 +180,9 @@ class HostEngine final : public Engine {
   uint64_t cma_probe_ = 0;
   std::vector<std::vector<RingEnd>> out_, in_;          // [channel][peer]
   std::vector<int64_t> pids_;
+  std::vector<uint8_t> remote_;   // [R] 1: rank r is on another host (reached through bridge_)
+  int nhosts_ = 1;
+  std::unique_ptr<NetBridge> bridge_;
   std::vector<std::vector<std::deque<OutMsg>>> outq_;  // [channel][peer]
   std::unique_ptr<class ChannelPool> pool_;
   uint64_t send_epoch_ = 0;  // operations this rank has sent

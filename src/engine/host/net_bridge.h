@@ -1,0 +1,101 @@
+// Host engine across hosts: the shm ring protocol carried over the net transport.
+//
+// The host engine talks to every peer through single-producer/single-consumer byte rings (RingEnd) and, for
+// elastic resynchronization, reads words each peer publishes in its region header. Within a host those live in
+// shared memory. Toward a rank on another host (another host id, DESIGN.md "host") nothing is shared; the bridge
+// gives the engine the very same objects, backed by private memory and kept in step over `net`:
+//
+//   producer (this rank)                                          consumer (rank p, another host)
+//   engine --push--> outbox ring  --DATA frames-->  progress thread --copy--> inbox ring (p's own region,
+//                    (private)                      of p                      ring of source = this rank)
+//   outbox head  <--CREDIT frames (p's consumed bytes)----------------------- engine pulls / releases
+//   outbox read_done <--READDONE frames (p's RingEnd::setReadDone)----------- engine
+//   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
+//
+// Credit. The outbox's head is not where the local progress thread has read to but the consumer's head as last
+// reported: RingEnd::push then admits only bytes the remote inbox has room for, so the progress thread can send
+// whatever the outbox holds at once, and the stream position in the outbox equals the one in the inbox (both
+// counters start at 0 and are monotonic, like shm's).
+//
+// Order. One connection per direction and peer carries every frame in posting order, and the progress thread
+// reads the region header's resynchronization word before it scans the outboxes: a CTRL frame always follows
+// every DATA frame the engine pushed before publishing that word. So when a survivor sees a peer at
+// "stopped" (elastic.cc), everything that peer pushed toward it is already in its inbox, and discarding the inbox
+// (head = tail) drops exactly what the shm version drops.
+//
+// Failures. A connection error on the receive side (EOF, reset, the backend's stall deadline) makes the peer
+// dead for the engine's liveness checks, unless the peer said goodbye first (BYE: it destroyed its communicator
+// after sending everything). Send-side errors only stop sending: the peer closed its end. Every length, channel
+// and stream offset received is checked before use (R5); a violation counts as a dead peer.
+//
+// Threads. Setup (connect) runs on the creating thread; afterwards one progress thread per communicator makes
+// every net call. The engine touches only ring ends and mirror headers (atomics), and dead().
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bootstrap/bootstrap.h"
+#include "epcomm/epcomm.h"
+#include "transport/shm/shm.h"
+
+namespace epcomm {
+
+namespace net {
+class NetBackend;
+}
+
+class NetBridge {
+ public:
+  // remote[r] != 0: rank r is on another host. own: this rank's region (the inboxes of remote sources live there
+  // as for local ones).
+  NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, std::vector<uint8_t> remote, ShmRegion* own);
+  ~NetBridge();
+  NetBridge(const NetBridge&) = delete;
+  NetBridge& operator=(const NetBridge&) = delete;
+
+  // Listens, exchanges handles through the bootstrap, connects to and accepts every remote peer (each presents
+  // the communicator's secret and its rank), then starts the progress thread.
+  epResult_t connect(Bootstrap* bs, int timeout_ms);
+  // Producer end toward remote rank p on channel ch.
+  RingEnd outEnd(int ch, int p) const;
+  // What remote rank p last published in its region header (elastic resynchronization words).
+  RegionHeader* mirror(int p) const { return mirrors_[p].get(); }
+  // Whether remote rank p is gone (its connection failed without a goodbye); why says how.
+  bool dead(int p, std::string* why = nullptr) const;
+  // Stops the progress thread. With flush, it first sends what the outboxes toward the ranks `live` names still
+  // hold, and a goodbye, for at most timeout_ms; then every connection is closed.
+  void shutdown(bool flush, const uint8_t* live, int timeout_ms);
+  const char* backendName() const;
+
+ private:
+  struct Peer;
+  void progressLoop();
+  bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
+  bool pumpSends(Peer& p);
+  bool pumpRecvs(Peer& p);
+  void applyFrame(Peer& p, const uint8_t* buf, size_t n);
+  void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, const uint8_t* payload,
+                  size_t len, const uint8_t* payload2 = nullptr, size_t len2 = 0);
+  void markDead(Peer& p, const char* what);
+
+  int rank_, nranks_, nchan_;
+  size_t ring_bytes_;
+  std::vector<uint8_t> remote_;
+  ShmRegion* own_;
+  net::NetBackend* backend_ = nullptr;
+  void* listen_ = nullptr;
+  uint8_t secret_[kSecretBytes] = {};
+  std::vector<std::unique_ptr<Peer>> peers_;         // [R], null for ranks of this host
+  std::vector<std::unique_ptr<RegionHeader>> mirrors_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> flush_{false};
+  std::vector<uint8_t> flush_live_;
+  int64_t flush_deadline_ns_ = 0;
+};
+
+}  // namespace epcomm
