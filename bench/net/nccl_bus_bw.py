@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""NCCL all_reduce and all_to_all bus bandwidth through torch.distributed, for several network setups in one run.
+"""nccl-tests-style bus bandwidth of every collective through torch.distributed, several network setups in one run.
 
 Each configuration launches WORLD rank processes on GPU 0 (under CUDA MPS), each with its own NCCL_HOSTID so
-every byte crosses the network transport; timing uses CUDA events, the slowest rank counts. Bus bandwidth as
-in nccl-tests: all_reduce busbw = algbw * 2(n-1)/n, all_to_all busbw = algbw * (n-1)/n.
+every byte crosses the network transport; timing uses CUDA events, the slowest rank counts. Sizes and bus bandwidth as
+in nccl-tests (size = the per-rank buffer nccl-tests reports): all_reduce busbw = algbw * 2(n-1)/n;
+all_gather, reduce_scatter, all_to_all: algbw * (n-1)/n; broadcast, reduce, sendrecv: algbw.
+(nccl-tests itself is not on the GPU machine and cannot be fetched there; torch's NCCL runs the same kernels.)
 
   python3 bench/net/nccl_bus_bw.py --plugin /abs/libnccl-net-epcomm.so --world 2 \\
-      --configs "epcomm-socket,epcomm-ofi,nccl-socket" [--ofi-provider "tcp;ofi_rxm"]
-Prints one table per op: size, busbw per config (GB/s), and epcomm/NCCL-Socket ratios.
+      --configs "epcomm-socket,epcomm-ofi,nccl-socket" [--ofi-provider "tcp;ofi_rxm"] [--ops all] [--sizes 8K,32K]
+A config may carry environment overrides after '+': "epcomm-socket+EPCOMM_NET_INLINE=262144" or
+"epcomm-socket+NCCL_NET_PLUGIN=/abs/other/libnccl-net-epcomm.so" (an older build: before/after in one run).
+Prints one table per op: size, busbw per config (GB/s), and every config's ratio to NCCL's Socket transport.
 """
 import argparse
 import json
@@ -17,24 +21,54 @@ import subprocess
 import sys
 import tempfile
 
-SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv"]
+BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+       "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+       "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "sendrecv": lambda n: 1.0}
+
+
+def make_op(op, dist, x, y, parts, rank, world):
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if op == "all_gather":  # x: one rank's part; y: world parts (nccl-tests reports the whole output size)
+        return lambda: dist.all_gather_into_tensor(y, parts[0])
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(parts[0], x)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, 0)
+    if op == "reduce":
+        return lambda: dist.reduce(x, 0)
+    if op == "all_to_all":
+        return lambda: dist.all_to_all_single(y, x)
+    # sendrecv: a ring, every rank sends to the next and receives from the previous (nccl-tests' sendrecv)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def sr():
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prv)])
+        for r in reqs:
+            r.wait()
+    return sr
 
 
 def worker(out_path):
     import torch
     import torch.distributed as dist
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ops = os.environ["BUSBW_OPS"].split(",")
+    sizes = [int(v) for v in os.environ["BUSBW_SIZES"].split(",")]
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-    res = {"all_reduce": {}, "all_to_all": {}}
-    for size in SIZES:
+    res = {op: {} for op in ops}
+    for size in sizes:
         n = size // 4
         n -= n % world
         x = torch.ones(n, device=dev)
         y = torch.empty(n, device=dev)
-        for op in res:
-            fn = (lambda: dist.all_reduce(x)) if op == "all_reduce" else (lambda: dist.all_to_all_single(y, x))
+        parts = [torch.ones(n // world, device=dev)]
+        for op in ops:
+            fn = make_op(op, dist, x, y, parts, rank, world)
             iters = 20 if size <= (4 << 20) else (10 if size <= (64 << 20) else 5)
             for _ in range(3):
                 fn()
@@ -49,9 +83,8 @@ def worker(out_path):
             t = torch.tensor([s.elapsed_time(e) / 1e3 / iters], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             algbw = n * 4 / t.item() / 1e9
-            factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
-            res[op][size] = algbw * factor
-            x.fill_(1.0)  # keep all_reduce values bounded
+            res[op][size] = algbw * BUS[op](world)
+            x.fill_(1.0)  # keep reduced values bounded
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(res, f)
@@ -66,7 +99,8 @@ def free_port():
     return p
 
 
-def config_env(name, args):
+def config_env(spec, args):
+    name, *overrides = spec.split("+")
     env = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0", "NCCL_MNNVL_ENABLE": "0",
            "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
     if name == "nccl-socket":
@@ -77,19 +111,25 @@ def config_env(name, args):
                     "EPCOMM_NET": "ofi" if name == "epcomm-ofi" else "socket"})
         if name == "epcomm-ofi" and args.ofi_provider:
             env["EPCOMM_OFI_PROVIDER"] = args.ofi_provider
+    for kv in overrides:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    env["BUSBW_OPS"] = ",".join(args.ops)
+    env["BUSBW_SIZES"] = ",".join(str(v) for v in args.sizes)
     return env
 
 
 def run_config(name, args, tmp):
     port = free_port()
-    out = os.path.join(tmp, f"{name}-w{args.world}.json")
+    tag = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)[:80]
+    out = os.path.join(tmp, f"{tag}-w{args.world}.json")
     procs = []
     for r in range(args.world):
         env = dict(os.environ)
         env.update(config_env(name, args))
         env.update({"RANK": str(r), "WORLD_SIZE": str(args.world), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port), "NCCL_HOSTID": f"busbw-{port}-{r}"})
-        log = open(os.path.join(tmp, f"{name}-w{args.world}-rank{r}.log"), "w")
+        log = open(os.path.join(tmp, f"{tag}-w{args.world}-rank{r}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", out], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     ok = True
@@ -111,6 +151,11 @@ def fmt(size):
     return f"{size >> 20} MiB" if size >= (1 << 20) else f"{size >> 10} KiB"
 
 
+def parse_size(v):
+    m = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(v[:-1]) * m[v[-1].upper()]) if v[-1].upper() in m else int(v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", nargs="?", const="")
@@ -119,7 +164,11 @@ def main():
     ap.add_argument("--configs", default="epcomm-socket,epcomm-ofi,nccl-socket")
     ap.add_argument("--ofi-provider", default=os.environ.get("EPCOMM_OFI_PROVIDER", ""))
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--ops", default="all", help="comma list of " + ",".join(OPS) + " (default all)")
+    ap.add_argument("--sizes", default="", help="comma list, e.g. 8K,32K,128K (default 8 KiB .. 256 MiB)")
     a = ap.parse_args()
+    a.ops = OPS if a.ops == "all" else [o for o in a.ops.split(",") if o]
+    a.sizes = [parse_size(v) for v in a.sizes.split(",") if v] or SIZES
     if a.worker is not None:
         worker(a.worker)
         return 0
@@ -127,13 +176,14 @@ def main():
     configs = [c for c in a.configs.split(",") if c]
     results = {c: run_config(c, a, tmp) for c in configs}
     base = results.get("nccl-socket")
-    for op in ("all_reduce", "all_to_all"):
+    worst = {}
+    for op in a.ops:
         print(f"\n# {op} bus bandwidth (GB/s), world={a.world}, ranks on one GPU, every peer over the network")
         hdr = f"{'size':>10}" + "".join(f"{c:>16}" for c in configs)
         ratios = [c for c in configs if c != "nccl-socket" and base]
         hdr += "".join(f"{c + '/nccl':>20}" for c in ratios)
         print(hdr)
-        for size in SIZES:
+        for size in a.sizes:
             row = f"{fmt(size):>10}"
             for c in configs:
                 v = results[c][op].get(size) if results[c] else None
@@ -141,7 +191,11 @@ def main():
             for c in ratios:
                 v, b = (results[c][op].get(size) if results[c] else None), base[op].get(size)
                 row += f"{v / b:20.2f}" if v and b else f"{'-':>20}"
+                if v and b:
+                    worst[c] = min(worst.get(c, (9e9, "")), (v / b, f"{op} {fmt(size)}"))
             print(row)
+    for c, (r, where) in worst.items():
+        print(f"# lowest {c}/nccl-socket: {r:.2f} at {where}" + ("  (goal: never below 1.0)" if r < 1 else ""))
     print(f"\nlogs: {tmp}")
     return 0 if all(results.values()) else 1
 

@@ -987,15 +987,17 @@ TEST_P(NetPlugin, ShmRegionNameIsUnique) {
   });
 }
 
-// A peer that stops (alive, sockets open) in the middle of a message: the receiver's test() fails with a
-// timeout within EPCOMM_TIMEOUT_MS instead of hanging.
+// A peer that stops (alive, sockets open, SIGSTOP) while the other side waits: the waiting side's request fails
+// with a timeout within EPCOMM_TIMEOUT_MS instead of hanging. socket: a receive stalled mid-message. ofi: the
+// stopped process's heartbeats cease; every waiting request of its peer fails (the receiver's below; shm's CMA
+// may pull the first message out of the stopped sender, so a second receive, which no send will ever match,
+// has to fail as well).
 TEST_P(NetPlugin, StalledSenderTimesOut) {
-  if (GetParam().provider) GTEST_SKIP() << "socket backend only: libfabric has no notion of a stalled stream";
   setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
-  auto codes = runCodes(2, [](int rank, Net* net) {
+  auto codes = runCodes(2, [this](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr;
     if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
-    constexpr size_t kSz = 256 << 20;
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);  // ofi posts up to 64 MiB at once
     char* buf = static_cast<char*>(malloc(kSz));
     memset(buf, 5, kSz);
     void* req = nullptr;
@@ -1013,10 +1015,16 @@ TEST_P(NetPlugin, StalledSenderTimesOut) {
     size_t cap = kSz;
     int tag = 0;
     if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+    // Progress while the sender starts (libfabric providers connect on first use and need both sides).
+    int got = 0, early = 0;
+    ncclResult_t r = ncclSuccess;
+    while (!gShared->flag[4].load() && r == ncclSuccess && !early) r = net->test(req, &early, &got);
     while (!gShared->flag[4].load()) usleep(100);
     auto t0 = std::chrono::steady_clock::now();
-    int got;
-    ncclResult_t r = waitReq(net, req, &got, 20000);
+    if (r == ncclSuccess && !early) r = waitReq(net, req, &got, 20000);
+    if (r == ncclSuccess && GetParam().provider) {  // pulled whole from the stopped sender (shm): wait for more
+      r = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
+    }
     double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     kill(gShared->pid[0].load(), SIGKILL);
     REQ(r == ncclRemoteError, "test -> %d after %.1fs", r, sec);
@@ -1027,6 +1035,197 @@ TEST_P(NetPlugin, StalledSenderTimesOut) {
   EXPECT_EQ(codes[0], 128 + SIGKILL) << "the stopped sender";
   EXPECT_EQ(codes[1], 0) << "receiver";
   unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// The other direction: the receiver stops after posting one receive; the sender's second message, which no
+// receive matches, fails within the deadline (ofi: the stopped receiver's heartbeats cease). The socket backend
+// keeps a send that the peer does not drain waiting (a late receiver is not an error there; its peer death and
+// unreachable-peer errors come from EOF/RST and TCP_USER_TIMEOUT).
+TEST_P(NetPlugin, StalledReceiverTimesOut) {
+  if (!GetParam().provider) GTEST_SKIP() << "ofi only: the socket backend bounds stalled receives, not sends";
+  setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
+  auto codes = runCodes(2, [](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    constexpr size_t kSz = 64 << 20;
+    char* buf = static_cast<char*>(malloc(kSz));
+    memset(buf, 6, kSz);
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
+    void* req = nullptr;
+    if (rank == 1) {
+      void* d = buf;
+      size_t cap = kSz;
+      int tag = 0;
+      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      int done, s;
+      CK(net->test(req, &done, &s));
+      gShared->flag[4].store(1);
+      raise(SIGSTOP);
+      return 0;
+    }
+    while (!gShared->flag[4].load()) usleep(100);
+    auto t0 = std::chrono::steady_clock::now();
+    ncclResult_t r = ncclSuccess;
+    int got;
+    for (int i = 0; i < 2 && r == ncclSuccess; ++i) {
+      if (postSend(net, sc, buf, kSz, 0, mh, &req)) {
+        r = ncclRemoteError;  // refused at posting time: also an error, not a hang
+        break;
+      }
+      r = waitReq(net, req, &got, 20000);
+    }
+    double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    kill(gShared->pid[1].load(), SIGKILL);
+    REQ(r == ncclRemoteError, "test -> %d after %.1fs", r, sec);
+    REQ(sec < 6, "timeout took %.1f s (EPCOMM_TIMEOUT_MS=2000)", sec);
+    CK(net->closeSend(sc));
+    return 0;
+  });
+  EXPECT_EQ(codes[0], 0) << "sender";
+  EXPECT_EQ(codes[1], 128 + SIGKILL) << "the stopped receiver";
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// An idle peer is no stall: a receive posted long (several deadlines) before the peer sends completes.
+TEST_P(NetPlugin, IdlePeerIsNoStall) {
+  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  run(2, [](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    uint64_t v = 42;
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, &v, sizeof(v), NCCL_PTR_HOST, &mh));
+    void* req = nullptr;
+    int got;
+    if (rank == 1) {
+      v = 0;
+      void* d = &v;
+      size_t cap = sizeof(v);
+      int tag = 3;
+      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      CK(waitReq(net, req, &got, 20000));
+      REQ(v == 42 && got == sizeof(v), "got %llu (%d bytes)", static_cast<unsigned long long>(v), got);
+      barrier();
+      CK(net->closeRecv(rc));
+    } else {
+      usleep(2000 * 1000);  // 4 deadlines without a single plugin call: computing, not stalled
+      if (int e = postSend(net, sc, &v, sizeof(v), 3, mh, &req)) return e;
+      CK(waitReq(net, req, &got, 20000));
+      barrier();
+      CK(net->closeSend(sc));
+    }
+    return 0;
+  });
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// Close with sends (and receives) in flight, then unmap their buffers at once and keep the process using the
+// plugin: nothing of the closed comm may touch that memory afterwards (a provider still reading a send buffer
+// or writing a receive buffer would crash this process), close returns promptly, and the peer sees whole
+// messages or errors, never a hang.
+TEST_P(NetPlugin, CloseDrainsInFlightAndUnmaps) {
+  run(2, [](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr, *sc2 = nullptr, *rc2 = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    barrier();  // the handle slot is reused for a second connection, which stays open
+    if (rank == 1) gShared->handleReady[1][0].store(0);
+    barrier();
+    if (int e = pairConnect(net, rank, 0, 1, &sc2, &rc2)) return e;
+    constexpr int kMsgs = 6;
+    const size_t sizes[kMsgs] = {64, 4096, 65536, 1 << 20, 8 << 20, 32 << 20};
+    size_t total = 0;
+    for (size_t z : sizes) total += z;
+    char* buf = static_cast<char*>(mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    REQ(buf != MAP_FAILED, "mmap");
+    memset(buf, 7, total);
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf, total, NCCL_PTR_HOST, &mh));
+    void* reqs[kMsgs] = {};
+    if (rank == 0) {
+      size_t off = 0;
+      for (int i = 0; i < kMsgs; ++i) {
+        if (int e = postSend(net, sc, buf + off, sizes[i], 0, mh, &reqs[i])) return e;
+        off += sizes[i];
+      }
+      int done, s;
+      CK(net->test(reqs[0], &done, &s));
+      while (!gShared->flag[1].load()) usleep(100);  // the receiver has posted half of the receives
+      auto t0 = std::chrono::steady_clock::now();
+      CK(net->deregMr(sc, mh));
+      CK(net->closeSend(sc));
+      double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      munmap(buf, total);
+      gShared->flag[2].store(1);
+      REQ(sec < 5, "closeSend took %.1f s", sec);
+    } else {
+      // Post the first half; the rest of the sends have no receive when the sender closes.
+      size_t off = 0;
+      for (int i = 0; i < kMsgs / 2; ++i) {
+        void* d = buf + off;
+        size_t cap = sizes[i];
+        int tag = 0;
+        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &reqs[i])) return e;
+        off += sizes[i];
+      }
+      gShared->flag[1].store(1);
+      for (int i = 0; i < kMsgs / 2; ++i) {
+        int got;
+        ncclResult_t r = waitReq(net, reqs[i], &got, 20000);
+        REQ(r == ncclSuccess || r == ncclRemoteError || r == ncclSystemError, "receive %d: test -> %d", i, r);
+        if (r != ncclSuccess) break;
+        REQ(got == static_cast<int>(sizes[i]), "receive %d: %d bytes of %zu", i, got, sizes[i]);
+      }
+      while (!gShared->flag[2].load()) usleep(100);
+      // Receives posted for messages that never come, then closed and unmapped.
+      void* late[2];
+      for (auto& lr : late) {
+        void* d = buf;
+        size_t cap = sizes[0];
+        int tag = 1;
+        lr = nullptr;
+        if (net->irecv(rc, 1, &d, &cap, &tag, &mh, &lr) != ncclSuccess) break;
+      }
+      auto t0 = std::chrono::steady_clock::now();
+      CK(net->deregMr(rc, mh));
+      CK(net->closeRecv(rc));
+      REQ(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5), "closeRecv blocked");
+      munmap(buf, total);
+    }
+    // Keep the device busy on the second connection for a while: any provider progress on the closed comm's
+    // operations now happens, against unmapped memory if close left them in the provider's hands.
+    // Known limit (libfabric 1.20 shm): it cancels receives only, and the large sends left unmatched at close
+    // (nothing to receive them; the closing receiver's zero-byte sinks do not match them either) hold up later
+    // traffic between the same two endpoints, so the second connection is not driven there.
+    const char* prov = getenv("EPCOMM_OFI_PROVIDER");
+    if (prov && strcmp(prov, "shm") == 0 && getenv("EPCOMM_NET") && strcmp(getenv("EPCOMM_NET"), "ofi") == 0) {
+      barrier();
+      if (rank == 0) CK(net->closeSend(sc2));
+      else CK(net->closeRecv(rc2));
+      return 0;
+    }
+    std::vector<char> b2(1 << 20, 9);
+    void* mh2 = nullptr;
+    CK(net->regMr(rank == 0 ? sc2 : rc2, b2.data(), b2.size(), NCCL_PTR_HOST, &mh2));
+    for (int i = 0; i < 20; ++i) {
+      void* q = nullptr;
+      int got;
+      if (rank == 0) {
+        if (int e = postSend(net, sc2, b2.data(), b2.size(), 2, mh2, &q)) return e;
+      } else {
+        void* d = b2.data();
+        size_t cap = b2.size();
+        int tag = 2;
+        if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh2, &q)) return e;
+      }
+      CK(waitReq(net, q, &got, 20000));
+    }
+    CK(net->deregMr(rank == 0 ? sc2 : rc2, mh2));
+    barrier();
+    if (rank == 0) CK(net->closeSend(sc2));
+    else CK(net->closeRecv(rc2));
+    return 0;
+  });
 }
 
 std::vector<Backend> backends(std::initializer_list<int> versions) {

@@ -11,6 +11,14 @@
 // - Connection setup and liveness use a small TCP side channel (like NCCL's IB plugin): it carries the secret
 //   (DESIGN R5) and the endpoint names, and its EOF/RST is how a dead peer becomes an error — an RDM endpoint
 //   has no connection to lose, so a receive from a dead peer would otherwise wait forever.
+// - Stall deadline: a per-process heartbeat thread writes one byte on every side channel each
+//   min(EPCOMM_TIMEOUT_MS / 4, 1 s); a process that is alive but idle (computing, no collective posted) keeps
+//   beating, one that is stopped, frozen or cut off does not. A request that waits while its peer has shown no
+//   sign of life (heartbeat or completion) for EPCOMM_TIMEOUT_MS fails with a timeout instead of hanging.
+// - Close cancels every operation of the comm (fi_cancel, sends too) and drains the CQ until each has completed
+//   or been cancelled, for at most EPCOMM_OFI_CLOSE_MS: memory the caller frees after close is then no longer
+//   in the provider's hands. Operations the provider neither finishes nor cancels in time (a peer that never
+//   posts the matching receive) are reported and left orphaned (their contexts stay allocated).
 #include <dlfcn.h>
 #include <errno.h>
 #include <rdma/fabric.h>
@@ -25,11 +33,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/param.h"
@@ -42,7 +53,7 @@ namespace {
 
 constexpr uint32_t kHandleMagic = 0x45504f48;  // "EPOH"
 constexpr uint32_t kHelloMagic = 0x45504f4c;
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the side channel carries heartbeats
 constexpr int kMaxEpName = 256;
 constexpr uint64_t kCommBits = 15, kTagBits = 24, kSeqBits = 24;
 constexpr uint32_t kMaxCommId = (1u << kCommBits) - 1;
@@ -119,6 +130,7 @@ struct OfiDev {
   uint64_t nextKey = 1;
   uint32_t nextCommId = 1;
   std::vector<bool> commIdUsed = std::vector<bool>(kMaxCommId + 1, false);
+  OfiRequest* sinkWaiting = nullptr;  // closeRecv's stray sink being waited for; complete() clears it
 };
 
 struct OfiComm {
@@ -135,6 +147,7 @@ struct OfiComm {
   std::string errMsg;
   int64_t nextLivenessNs = 0;
   int64_t peerGoneNs = 0;
+  int64_t lastHeardNs = 0;  // last heartbeat byte read from the side channel, or last completion
   std::vector<OfiRequest*> live;  // posted, not yet returned done by test()
 
   epResult_t fail(epResult_t code, const std::string& msg) {
@@ -205,6 +218,10 @@ struct OfiConnectStage {
 };
 
 EP_PARAM(OfiMaxDevs, "OFI_MAX_DEVS", kNetMaxDevs);
+EP_PARAM(OfiCloseMs, "OFI_CLOSE_MS", 1000);  // longest wait for cancelled operations at close
+
+// Heartbeat period: a quarter of the stall deadline, at most one second, at least 5 ms.
+int64_t heartbeatMs() { return std::clamp<int64_t>(netTimeoutMs() / 4, 5, 1000); }
 
 uint64_t makeTag(uint32_t comm, int tag, uint32_t seq) {
   return (static_cast<uint64_t>(comm) << (kTagBits + kSeqBits)) |
@@ -412,6 +429,7 @@ class OfiBackend final : public NetBackend {
     }
     delete st;
     h->stage = nullptr;
+    startHeartbeat(c);
     *sendComm = c;
     NET_INFO("NET/epcomm: ofi send comm to %s (recv comm id %u)", c->peer.c_str(), c->recvCommId);
     return epSuccess;
@@ -482,6 +500,7 @@ class OfiBackend final : public NetBackend {
         if (k < 0) drop = "closed during the handshake";
         else p.sent += k;
         if (!drop && p.sent == sizeof(OfiReply)) {
+          startHeartbeat(p.comm);
           *recvComm = p.comm;
           NET_INFO("NET/epcomm: ofi recv comm %u from %s", p.comm->recvCommId, p.comm->peer.c_str());
           l->pend.erase(l->pend.begin() + i);
@@ -678,22 +697,84 @@ class OfiBackend final : public NetBackend {
   std::vector<std::unique_ptr<OfiDev>> devs_;
   std::string provider_;
 
-  // A peer whose side channel closed cannot complete anything any more; completions already queued get a
-  // moment to land first (the peer may have closed right after its last send completed).
+  // Called whenever a request waits. A peer whose side channel closed cannot complete anything any more
+  // (completions already queued get a moment to land first: the peer may have closed right after its last
+  // send completed). A peer that is silent — no heartbeat, no completion — for EPCOMM_TIMEOUT_MS is stopped,
+  // frozen or cut off: the waiting request fails with a timeout instead of hanging.
   epResult_t liveness(OfiComm* c) {
     int64_t now = nowNs();
     if (now < c->nextLivenessNs) return epSuccess;
     c->nextLivenessNs = now + 1000000;  // at most once per ms
     if (c->peerGoneNs == 0) {
-      char b;
-      ssize_t k = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) c->peerGoneNs = now;
+      char b[64];
+      for (;;) {
+        ssize_t k = recv(c->fd, b, sizeof(b), MSG_DONTWAIT);
+        if (k > 0) {
+          c->lastHeardNs = now;
+          continue;
+        }
+        if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) c->peerGoneNs = now;
+        if (k < 0 && errno == EINTR) continue;
+        break;
+      }
     }
     if (c->peerGoneNs && now - c->peerGoneNs > 200 * 1000000LL)
       return c->fail(epRemoteError, std::string("NET/epcomm: ") + (c->isSend ? "send" : "recv") +
                                         " connection with peer " + c->peer +
                                         ": peer closed or died with transfers outstanding");
+    int64_t silentMs = (now - c->lastHeardNs) / 1000000LL;
+    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs())
+      return c->fail(epTimeout, std::string("NET/epcomm: ") + (c->isSend ? "send" : "recv") +
+                                    " connection with peer " + c->peer + ": no sign of life from the peer for " +
+                                    std::to_string(silentMs) + " ms with transfers outstanding (stopped or hung?)");
     return epSuccess;
+  }
+
+  // ---- heartbeats: one thread per process while any comm is open -------------------------------------------------
+  struct Heartbeat {
+    std::thread th;
+    bool stop = false;  // under hbMu_
+  };
+  std::mutex hbMu_;
+  std::condition_variable hbCv_;
+  std::vector<OfiComm*> hbComms_;
+  std::unique_ptr<Heartbeat> hb_;
+
+  void heartbeatLoop(Heartbeat* h) {
+    std::unique_lock<std::mutex> lk(hbMu_);
+    while (!h->stop) {
+      for (OfiComm* c : hbComms_) {
+        char b = 'h';
+        ssize_t k = send(c->fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
+        (void)k;
+      }
+      hbCv_.wait_for(lk, std::chrono::milliseconds(heartbeatMs()));
+    }
+  }
+  void startHeartbeat(OfiComm* c) {
+    c->lastHeardNs = nowNs();
+    std::lock_guard<std::mutex> g(hbMu_);
+    hbComms_.push_back(c);
+    if (!hb_) {
+      hb_ = std::make_unique<Heartbeat>();
+      hb_->th = std::thread(&OfiBackend::heartbeatLoop, this, hb_.get());
+    }
+  }
+  // The thread stops with the last comm, so that no thread of ours outlives the comms NCCL closes before it
+  // unloads the plugin.
+  void stopHeartbeat(OfiComm* c) {
+    std::unique_ptr<Heartbeat> h;
+    {
+      std::lock_guard<std::mutex> g(hbMu_);
+      auto it = std::find(hbComms_.begin(), hbComms_.end(), c);
+      if (it == hbComms_.end()) return;
+      hbComms_.erase(it);
+      if (!hbComms_.empty() || !hb_) return;
+      h = std::move(hb_);
+      h->stop = true;
+    }
+    hbCv_.notify_all();
+    h->th.join();
   }
 
   epResult_t checkComm(OfiComm* c) {
@@ -725,56 +806,135 @@ class OfiBackend final : public NetBackend {
     for (;;) {
       ssize_t n = fi_cq_read(d->cq, ent, 32);
       if (n > 0) {
-        for (ssize_t i = 0; i < n; ++i) complete(static_cast<SubOp*>(ent[i].op_context), ent[i].len, 0);
+        for (ssize_t i = 0; i < n; ++i) complete(d, static_cast<SubOp*>(ent[i].op_context), ent[i].len, 0);
         continue;
       }
       if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
-        if (fi_cq_readerr(d->cq, &err, 0) > 0) complete(static_cast<SubOp*>(err.op_context), 0, err.err ? err.err : FI_EOTHER);
+        if (fi_cq_readerr(d->cq, &err, 0) > 0) complete(d, static_cast<SubOp*>(err.op_context), 0, err.err ? err.err : FI_EOTHER);
         continue;
       }
       break;  // -FI_EAGAIN or a CQ failure (reported through the requests that never complete + liveness)
     }
   }
 
-  void complete(SubOp* op, size_t len, int err) {
+  void complete(OfiDev* d, SubOp* op, size_t len, int err) {
     if (!op) return;
     OfiRequest* r = op->req;
     if (!r->isSend) r->got[op->idx] = len;
+    if (r->comm && !err) r->comm->lastHeardNs = nowNs();
     // A cancellation is expected only for operations of a closed comm; on a live request (the provider gave
     // up on it, e.g. the peer closed) it is an error, never a short success.
     if (err && r->error == 0 && (err != FI_ECANCELED || r->comm != nullptr)) r->error = err;
     r->outstanding--;
+    if (r == d->sinkWaiting && r->outstanding == 0) d->sinkWaiting = nullptr;
     if (r->comm == nullptr && r->outstanding == 0) delete r;  // its comm was closed: nobody tests it any more
   }
 
   epResult_t closeComm(OfiComm* c) {
     if (!c) return epSuccess;
     OfiDev* d = c->d;
+    stopHeartbeat(c);
+    // Cancel and drain: NCCL may free or reuse the buffers right after close, so every operation of this comm
+    // is cancelled (receives and sends) and the CQ is read until each one has completed — done or cancelled —
+    // or EPCOMM_OFI_CLOSE_MS has passed. The lock is dropped between rounds so other comms keep going.
+    int64_t t0 = nowNs();
+    int64_t deadline = t0 + std::min<int64_t>(std::max<int64_t>(epParamOfiCloseMs(), 0), netTimeoutMs()) * 1000000LL;
+    size_t left = 0;
     {
       std::lock_guard<std::mutex> g(d->mu);
       pollCq(d);
+      for (OfiRequest* r : c->live)
+        if (r->outstanding > 0)
+          for (int i = 0; i < r->n; ++i) fi_cancel(&d->ep->fid, &r->ops[i].ctx);  // -FI_ENOENT when done
+    }
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> g(d->mu);
+        pollCq(d);
+        left = 0;
+        for (OfiRequest* r : c->live) left += r->outstanding;
+      }
+      if (left == 0 || nowNs() > deadline) break;
+      // A dead peer finishes nothing more; what is already queued lands within a few polls.
+      if (c->peerGoneNs == 0) {
+        char b[64];
+        ssize_t k = recv(c->fd, b, sizeof(b), MSG_DONTWAIT);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) c->peerGoneNs = nowNs();
+      }
+      if (c->peerGoneNs && nowNs() - c->peerGoneNs > 50 * 1000000LL) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     {
-      // Release everything even mid-transfer: posted receives are cancelled (NCCL may free their buffers
-      // right after close); each request still owed a completion is orphaned and freed by complete().
       std::lock_guard<std::mutex> g(d->mu);
       for (OfiRequest* r : c->live) {
-        r->comm = nullptr;
         if (r->outstanding == 0) {
           delete r;
-          continue;
+        } else {
+          r->comm = nullptr;  // orphaned: complete() frees it if the provider ever reports it
         }
-        if (!r->isSend)
-          for (int i = 0; i < r->n; ++i) fi_cancel(&d->ep->fid, &r->ops[i].ctx);
       }
       c->live.clear();
-      pollCq(d);
     }
+    if (!c->isSend) sinkStrays(c);
+    if (left > 0)
+      NET_WARN("NET/epcomm: closing %s comm with peer %s: %zu operation(s) neither completed nor cancelled within "
+               "%lld ms; the provider may still use their buffers",
+               c->isSend ? "send" : "recv", c->peer.c_str(), left, static_cast<long long>((nowNs() - t0) / 1000000LL));
+    else
+      NET_INFO("NET/epcomm: closed %s comm with peer %s (drained in %lld us)", c->isSend ? "send" : "recv",
+               c->peer.c_str(), static_cast<long long>((nowNs() - t0) / 1000));
     if (!c->isSend) freeCommId(d, c->recvCommId);
     if (c->fd >= 0) close(c->fd);
     delete c;
     return epSuccess;
+  }
+
+  // A closing receiver consumes the messages already sent to it that no receive will match: sends the sender
+  // could not cancel (shm cancels receives only) stay in flight otherwise, and shm keeps later traffic between
+  // the same two endpoints waiting behind them. Each sink is a zero-byte receive matching any tag of this comm
+  // (truncated: nothing is copied); sinks are posted while they keep matching, at most for a short while.
+  void sinkStrays(OfiComm* c) {
+    OfiDev* d = c->d;
+    const uint64_t tag = makeTag(c->recvCommId, 0, 0), ignore = (1ull << (kTagBits + kSeqBits)) - 1;
+    int64_t end = nowNs() + 200 * 1000000LL;
+    int consumed = 0;
+    for (int k = 0; k < 4096 && nowNs() < end; ++k) {
+      auto* r = new OfiRequest();  // orphaned from the start: complete() frees it
+      r->n = 1;
+      r->ops[0].req = r;
+      r->ops[0].idx = 0;
+      r->outstanding = 1;
+      bool matched = false;
+      {
+        std::lock_guard<std::mutex> g(d->mu);
+        ssize_t rc = fi_trecv(d->ep, nullptr, 0, nullptr, FI_ADDR_UNSPEC, tag, ignore, &r->ops[0].ctx);
+        if (rc != 0) {
+          NET_INFO("NET/epcomm: recv comm %u: cannot post a sink at close: %s", c->recvCommId, fiErr(static_cast<int>(rc)));
+          delete r;
+          break;
+        }
+      }
+      d->sinkWaiting = r;
+      int64_t wait = nowNs() + 20 * 1000000LL;  // queued strays match at once; none coming means we are done
+      while (nowNs() < wait) {
+        std::lock_guard<std::mutex> g(d->mu);
+        pollCq(d);
+        if (d->sinkWaiting == nullptr) {
+          matched = true;
+          break;
+        }
+      }
+      if (!matched) {
+        std::lock_guard<std::mutex> g(d->mu);
+        fi_cancel(&d->ep->fid, &r->ops[0].ctx);  // its cancellation completion frees it
+        pollCq(d);
+        d->sinkWaiting = nullptr;
+        break;
+      }
+      ++consumed;
+    }
+    if (consumed) NET_INFO("NET/epcomm: recv comm %u: discarded %d unmatched message(s) at close", c->recvCommId, consumed);
   }
 
   // libfabric's shm provider names its /dev/shm region after the pid. A process that dies without unloading
