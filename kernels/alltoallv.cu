@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
     const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
     uint64_t* tail = qCounter(h, r, kDispTail, me, c);
     const uint64_t* head = qCounter(h, r, kDispHead, me, c);
-    const uint64_t base = ldAcquire(tail);
+    const uint64_t base = rankActive(h.el, r) ? ldAcquire(tail) : 0;
     uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
     bool alive = true;
     for (int k = cb; k < ce; k += G) {
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
       }
       __threadfence_system();
       groupSync(G, r);
-      if (g == 0 && lane == 0) stRelease(tail, base + min(k + G, ce) - cb);
+      if (g == 0 && lane == 0 && noFailure(h)) stRelease(tail, base + min(k + G, ce) - cb);
     }
     return;
   }

@@ -49,6 +49,14 @@ __device__ void recordError(const P& p, int code, int peer, int phase, uint64_t 
   }
 }
 
+// No failure was recorded on this rank (device memory: cheap to ask). After a failure a sender stops publishing
+// tails and tags: rows or tokens it did not write must not look written to a peer, which then times out itself
+// instead of reading stale slots as this operation's data.
+template <class P>
+__device__ __forceinline__ bool noFailure(const P& p) {
+  return *reinterpret_cast<volatile int*>(&p.claims->error) == 0;
+}
+
 // Counted in device memory; the host's copy is stored after every count and re-stored until it is no smaller
 // than the count (a writer delayed between its add and its store may have stored an older value meanwhile).
 template <class P>

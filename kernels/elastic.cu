@@ -1,6 +1,7 @@
 // Elastic ranks on the GPU engine (epCommSetActiveRanks): the survivors meet on the sync entries of their HT
 // buffers (GpuSyncEntry, common/gpu_layout.h), reset the protocol state a failed operation may have left
-// half-done, and meet again, so that no survivor starts the next operation before every other one is clean.
+// half-done — continuing from the largest epochs, since a rank that failed earlier than another issued fewer
+// launches — and meet again, so that no survivor starts the next operation before every other one is clean.
 #include <cuda_runtime.h>
 
 #include "kernels/device_common.cuh"
@@ -12,61 +13,90 @@ namespace {
 
 using namespace dev;
 
-__device__ __forceinline__ GpuSyncEntry* syncEntry(const HtParams& p, int owner, int src) {
-  return reinterpret_cast<GpuSyncEntry*>(p.base[owner] + p.lay.sync) + src;
+__device__ __forceinline__ GpuSyncEntry* syncEntry(const HtParams& p, int owner, int kind, int src) {
+  return reinterpret_cast<GpuSyncEntry*>(p.base[owner] + p.lay.sync) + kind * p.nranks + src;
 }
 
-// Thread r publishes to rank r, then waits for rank r's entry here.
-__global__ void __launch_bounds__(kGpuMaxRanks) elasticSyncKernel(HtParams p, uint64_t mask, uint64_t round,
-                                                                  int* disagree) {
+// Thread r publishes to rank r, then (with wait) waits for rank r's entry here. Only plain stores reach the
+// host-mapped `disagree` (a GPU need not perform atomics on host memory).
+__global__ void __launch_bounds__(kGpuMaxRanks) elasticSyncKernel(HtParams p, const LlCtrl* ll_ctrl, int kind,
+                                                                  uint64_t mask, uint64_t publish_to, uint64_t round,
+                                                                  int wait, int* disagree) {
   const int r = threadIdx.x;
-  if (r >= p.nranks || !((mask >> r) & 1)) return;
-  GpuSyncEntry* out = syncEntry(p, r, p.rank);
-  stRelaxed(&out->mask, mask);
-  __threadfence_system();
-  stRelease(&out->round, round);
-  const GpuSyncEntry* in = syncEntry(p, p.rank, r);
+  if (r >= p.nranks) return;
+  if ((publish_to >> r) & 1) {
+    GpuSyncEntry* out = syncEntry(p, r, kind, p.rank);
+    stRelaxed(&out->mask, mask);
+    stRelaxed(&out->ht_epoch, ldAcquire(&p.ctrl->epoch));
+    for (int f = 0; f < 2; ++f) {
+      const uint64_t e = ll_ctrl ? max(ll_ctrl->send_epoch[f], ll_ctrl->recv_epoch[f]) : 0;
+      stRelaxed(&out->ll_epoch[f], e);
+    }
+    __threadfence_system();
+    stRelease(&out->round, round);
+  }
+  if (!wait || !((mask >> r) & 1)) return;
+  const GpuSyncEntry* in = syncEntry(p, p.rank, kind, r);
   if (!waitAtLeast(p, &in->round, round, r, epPhaseHeader, round)) return;
-  if (ldAcquire(&in->mask) != mask) atomicCAS(disagree, 0, r + 1);
+  if (ldAcquire(&in->mask) != mask) *reinterpret_cast<volatile int*>(disagree) = r + 1;
 }
 
-__global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams ll, int has_ll) {
+__global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams ll, int has_ll, uint64_t mask,
+                                                           GpuResyncOut* out) {
   const int R = p.nranks, C = p.C;
+  __shared__ uint64_t s_max[3];  // HT epoch, LL epoch per family: the largest any survivor published
+  if (threadIdx.x == 0) {
+    uint64_t m[3] = {0, 0, 0};
+    for (int r = 0; r < R; ++r) {
+      if (!((mask >> r) & 1)) continue;
+      const GpuSyncEntry* e = syncEntry(p, p.rank, kSyncElastic, r);
+      m[0] = max(m[0], ldAcquire(&e->ht_epoch));
+      m[1] = max(m[1], ldAcquire(&e->ll_epoch[0]));
+      m[2] = max(m[2], ldAcquire(&e->ll_epoch[1]));
+    }
+    for (int i = 0; i < 3; ++i) s_max[i] = m[i];
+    stRelaxed(&p.ctrl->epoch, m[0]);
+  }
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int s = i / C, c = i % C;
     stRelaxed(qCounter(p, p.rank, kDispHead, s, c), ldAcquire(qCounter(p, p.rank, kDispTail, s, c)));
     stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ldAcquire(qCounter(p, p.rank, kCombTail, s, c)));
   }
-  if (!has_ll) return;
   __syncthreads();
-  LlCtrl* ctrl = reinterpret_cast<LlCtrl*>(ll.base[ll.rank]);
-  if (threadIdx.x < 2) {
-    const int fam = threadIdx.x;
-    const uint64_t sent = ctrl->send_epoch[fam];
-    if (ctrl->recv_epoch[fam] < sent) {  // a receive half that never ran: its operation is discarded
-      ctrl->recv_epoch[fam] = sent;
-      ctrl->recv_done[fam] = sent * static_cast<uint64_t>(ll.blocks);
+  if (has_ll) {
+    LlCtrl* ctrl = reinterpret_cast<LlCtrl*>(ll.base[ll.rank]);
+    if (threadIdx.x < 2) {
+      const int f = threadIdx.x;
+      const uint64_t e = s_max[1 + f];
+      ctrl->send_epoch[f] = ctrl->recv_epoch[f] = e;
+      ctrl->send_done[f] = ctrl->recv_done[f] = e * static_cast<uint64_t>(ll.blocks);
+    }
+    for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
+      const int f = i / R, s = i % R;
+      if (!((mask >> s) & 1)) continue;
+      stRelease(reinterpret_cast<uint64_t*>(ll.base[s] + ll.lay.ack) + f * R + ll.rank, s_max[1 + f]);
     }
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
-    const int fam = i / R, s = i % R;
-    if (!rankActive(ll.el, s)) continue;
-    uint64_t* ack = reinterpret_cast<uint64_t*>(ll.base[s] + ll.lay.ack) + fam * R + ll.rank;
-    stRelease(ack, ctrl->recv_epoch[fam]);
-  }
   __threadfence_system();
+  if (threadIdx.x == 0) {
+    volatile GpuResyncOut* o = out;
+    o->ht_epoch = s_max[0];
+    o->ll_epoch[0] = s_max[1];
+    o->ll_epoch[1] = s_max[2];
+  }
 }
 
 }  // namespace
 
-cudaError_t launchElasticSync(const HtParams& p, uint64_t mask, uint64_t round, int* disagree, cudaStream_t s) {
-  elasticSyncKernel<<<1, kGpuMaxRanks, 0, s>>>(p, mask, round, disagree);
+cudaError_t launchElasticSync(const HtParams& p, const LlCtrl* ll_ctrl, int kind, uint64_t mask, uint64_t publish_to,
+                              uint64_t round, bool wait, int* disagree, cudaStream_t s) {
+  elasticSyncKernel<<<1, kGpuMaxRanks, 0, s>>>(p, ll_ctrl, kind, mask, publish_to, round, wait ? 1 : 0, disagree);
   return cudaGetLastError();
 }
 
-cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, cudaStream_t s) {
-  elasticResyncKernel<<<1, 256, 0, s>>>(p, ll ? *ll : LlParams{}, ll != nullptr);
+cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t mask, GpuResyncOut* out,
+                                cudaStream_t s) {
+  elasticResyncKernel<<<1, 256, 0, s>>>(p, ll ? *ll : LlParams{}, ll != nullptr, mask, out);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,6 @@
-// Host launchers of the elastic-ranks kernels (kernels/elastic.cu), used by epCommSetActiveRanks on the GPU
-// engine: a rendezvous of the survivors and the reset of what a failed operation left in the protocol state.
+// Host launchers of the elastic-ranks kernels (kernels/elastic.cu), used by epCommSetActiveRanks and by the
+// barrier among survivors on the GPU engine: a rendezvous on the HT buffers' sync entries, and the reset of what a
+// failed operation left in the protocol state.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -7,13 +8,16 @@
 
 namespace epcomm {
 
-// Publishes {mask, round} to every rank in `mask` and waits (deadline: the communicator's) until each of them
-// published round `round`. disagree[0] receives 1 + the first rank whose mask differs from this one (0: none).
-cudaError_t launchElasticSync(const HtParams& p, uint64_t mask, uint64_t round, int* disagree, cudaStream_t s);
-// Run between two syncs, when no kernel of any survivor runs: every HT/alltoallv queue of this rank drops what
-// is in it (head := tail), an LL receive half left outstanding counts as done, and every active peer is told
-// that this rank read all of its LL operations (acknowledgements := receive epochs). ll may be null (no LL
-// buffer).
-cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, cudaStream_t s);
+// Publishes {mask, this rank's epochs, round} (entries of `kind`) to every rank in `publish_to`; with `wait`,
+// then waits (deadline: p.timeout_ns) until every rank in `mask` published round `round` there. disagree
+// (host-mapped) receives 1 + a rank whose mask differs from this one (0: none). ll_ctrl may be null (no LL buffer).
+cudaError_t launchElasticSync(const HtParams& p, const LlCtrl* ll_ctrl, int kind, uint64_t mask, uint64_t publish_to,
+                              uint64_t round, bool wait, int* disagree, cudaStream_t s);
+// Run between two syncs of epCommSetActiveRanks, when no kernel of any survivor runs: the survivors continue from
+// the largest HT and LL epochs any of them published; every HT/alltoallv queue of this rank drops what is in it
+// (head := tail); LL receive halves left outstanding count as done and every active peer is told that this rank
+// read all of its LL operations. What was settled goes to `out` (host-mapped). ll may be null (no LL buffer).
+cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t mask, GpuResyncOut* out,
+                                cudaStream_t s);
 
 }  // namespace epcomm

@@ -167,7 +167,8 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     const int tb = chanBegin(p.T, C, c), te = rankActive(p.el, r) ? chanBegin(p.T, C, c + 1) : tb;
     uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
     const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
-    const uint64_t base = ldAcquire(tail);  // this rank is the only writer
+    const uint64_t base = rankActive(p.el, r) ? ldAcquire(tail) : 0;  // this rank is the only writer; a masked
+                                                                       // rank's memory is not touched
     const int chan_base = p.h.send_chan_base[r * C + c];
     uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
     uint64_t sent = 0;
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       groupSync(G, r);
       if (g == 0 && lane == 0) {
         for (int u = k; u < k + G && u < te; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
-        stRelease(tail, base + sent);
+        if (noFailure(p)) stRelease(tail, base + sent);
       }
     }
     return;
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
     uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
     const uint64_t* head = qCounter(p, s, kCombHead, p.rank, c);
-    const uint64_t base = ldAcquire(tail);
+    const uint64_t base = rankActive(p.el, s) ? ldAcquire(tail) : 0;
     uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
     bool alive = true;
     for (int k = 0; k < n; k += G) {
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
       }
       __threadfence_system();
       groupSync(G, s);
-      if (g == 0 && lane == 0) stRelease(tail, base + min(k + G, n));
+      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + min(k + G, n));
     }
     return;
   }

@@ -264,7 +264,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
-      if (rankActive(p.el, r)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
+      if (rankActive(p.el, r) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
   }
 }
@@ -456,7 +456,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
   }
   if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if (rankActive(p.el, s)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
+      if (rankActive(p.el, s) && noFailure(p)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
   }
 }

@@ -579,9 +579,11 @@ EPCOMM_API epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, cons
  * - GPU engine, epCommSetActiveRanks: waits for this rank's device work (cudaDeviceSynchronize: a failed
  *   operation's kernels end at their deadline), then the survivors meet twice on the device (deadline: twice
  *   the communicator's), resetting in between the queues and LL acknowledgements a failed operation left;
- *   with ranks masked, epCommBarrier meets the same way. Drop counters on the GPU engine: HT rows are added by
- *   every dispatch launch that uses the layout (graph replays included), LL rows by the send half, alltoallv
- *   elements by the count exchange.
+ *   with ranks masked, epCommBarrier meets the same way (survivors continue from the largest HT and LL epochs
+ *   any of them reached). Drop counters on the GPU engine: HT rows are added by every dispatch launch from the
+ *   counts its layout's notify took (a replay of a dispatch captured with a layout from before the mask change
+ *   adds nothing), LL rows by the send half, alltoallv elements by the count exchange (also when the operation
+ *   then fails).
  * - A masked rank that is still alive must stop calling the communicator (destroy it): its operations would
  *   still write into the survivors' buffers.
  * ------------------------------------------------------------------------------------------------------- */

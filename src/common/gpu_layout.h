@@ -5,7 +5,9 @@
 // by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
 // Layout (offsets in GpuBufferLayout):
 //   [GpuCtrl]                      the epoch
-//   [elastic sync: R x 2 uint64]   epCommSetActiveRanks: {mask, round} written by each survivor (GpuSyncEntry)
+//   [elastic sync: 2 x R entries]  [kind][src] GpuSyncEntry: kind 0 for epCommSetActiveRanks, 1 for the barrier
+//                                  among survivors (separate rounds: a barrier one rank fails fast on must not
+//                                  shift the rounds of the next epCommSetActiveRanks)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
 //   [queue counters: 4 x R x C]    cumulative rows per (src, channel): dispatch tail (written by src), dispatch
 //                                  head (written here, read by src), combine tail, combine head
@@ -39,7 +41,7 @@ struct GpuCtrl {
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kNumQueueCounters };
 
 struct GpuBufferLayout {
-  size_t sync;                    // elastic sync entries [src]
+  size_t sync;                    // elastic sync entries [kind][src]
   size_t mailbox, mailbox_entry;  // offset of mailbox[0][0], bytes per entry
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
@@ -50,11 +52,21 @@ struct GpuBufferLayout {
   int nranks, channels, queue_rows, max_tokens;
 };
 
-// Written by survivor src into every kept peer's sync area during epCommSetActiveRanks: its mask first, then
-// the round (the host-side count of such calls), so a reader that sees the round sees the mask.
-struct GpuSyncEntry {
-  uint64_t mask;
+// Written by survivor src into every kept peer's sync area: the payload first, then the round (a host-side count
+// that every survivor advances alike, failures included), so a reader that sees the round sees the payload. A
+// writer's next round comes only after every kept peer passed this one, so no reader sees a torn entry.
+struct alignas(64) GpuSyncEntry {
+  uint64_t mask;         // the mask src holds (0: src rejected the call)
   uint64_t round;
+  uint64_t ht_epoch;     // src's HT epoch and LL epochs, so that the survivors continue from the largest
+  uint64_t ll_epoch[2];  // per family: max(send, receive) epoch
+  uint64_t pad[3];
+};
+enum GpuSyncKind { kSyncElastic = 0, kSyncBarrier = 1 };
+// What the resync settled on (host-mapped; written by the resync kernel).
+struct GpuResyncOut {
+  uint64_t ht_epoch;
+  uint64_t ll_epoch[2];
 };
 
 // Elastic ranks on the device (one per rank, device memory): the active-ranks mask that every kernel reads when
@@ -84,7 +96,7 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   l.scale_stride = (static_cast<size_t>(max_hidden) / 128 * 4 + 15) & ~size_t{15};
   size_t off = up(sizeof(GpuCtrl));
   l.sync = off;
-  off = up(off + static_cast<size_t>(nranks) * 16);
+  off = up(off + 2 * static_cast<size_t>(nranks) * 64);
   l.mailbox = off;
   l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
                      15) & ~size_t{15};

@@ -411,7 +411,7 @@ epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t
     epResult_t local = validateActiveRanks(comm, active, &mask);
     // On a usable communicator an outstanding LL receive half is the caller's to complete (decided alike on every
     // rank); on a broken one the resynchronization discards it.
-    if (local == epSuccess && !broken && comm->engine->anyPending())
+    if (local == epSuccess && !broken && comm->engine->llReceivePending())
       local = EP_ERROR(epInvalidUsage,
                        "epCommSetActiveRanks called while an LL operation's receive half (EP_LL_RECV) is "
                        "outstanding; complete it first");

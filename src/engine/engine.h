@@ -22,6 +22,10 @@ class Engine {
   virtual size_t maxRowBytes() const = 0;
   // An LL receive half is outstanding: other operations must wait for it.
   virtual bool anyPending() const { return false; }
+  // An LL send half whose receive half was not issued yet (epCommSetActiveRanks refuses to discard it on a usable
+  // communicator). The GPU engine lets other operations run between the halves, so this can differ from
+  // anyPending().
+  virtual bool llReceivePending() const { return anyPending(); }
 
   virtual epResult_t handleInit(epHtHandle* h) = 0;
   virtual void handleFree(epHtHandle* h) = 0;

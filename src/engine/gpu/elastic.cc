@@ -8,6 +8,25 @@
 #include "kernels/elastic.h"
 
 namespace epcomm {
+namespace {
+
+// These calls synchronize the device and launch on it: make it this communicator's device for their duration
+// (a process may drive several GPUs, e.g. a torch backend with one communicator per device).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device) cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+};
+
+}  // namespace
 
 epResult_t GpuEngine::initElastic() {
   const int R = comm_->nranks;
@@ -19,8 +38,10 @@ epResult_t GpuEngine::initElastic() {
   e = cudaMemcpy(el_dev_, &init, sizeof(init), cudaMemcpyHostToDevice);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "initializing the elastic state: %s", cudaGetErrorString(e));
   e = cudaHostAlloc(reinterpret_cast<void**>(&sync_disagree_), sizeof(int), cudaHostAllocMapped);
+  if (e == cudaSuccess) e = cudaHostAlloc(reinterpret_cast<void**>(&resync_out_), sizeof(GpuResyncOut), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc: %s", cudaGetErrorString(e));
   *sync_disagree_ = 0;
+  memset(resync_out_, 0, sizeof(GpuResyncOut));
   return epSuccess;
 }
 
@@ -32,16 +53,18 @@ epResult_t GpuEngine::checkHandleMask(const epHtHandle* h, const char* what) con
   return epSuccess;
 }
 
-// One rendezvous of the ranks in `mask` on the device; every one of them must come within the deadline and
-// hold the same mask.
-epResult_t GpuEngine::elasticSync(uint64_t mask, cudaStream_t s, const char* what) {
+// One rendezvous of the ranks in `mask` on the device (entries of `kind`, round `round`); every one of them must
+// come within the deadline and hold the same mask.
+epResult_t GpuEngine::elasticSync(int kind, uint64_t mask, uint64_t round, cudaStream_t s, const char* what) {
   int* disagree_dev = nullptr;
   cudaHostGetDevicePointer(reinterpret_cast<void**>(&disagree_dev), sync_disagree_, 0);
   *reinterpret_cast<volatile int*>(sync_disagree_) = 0;
   // Twice the deadline: a survivor may come up to one deadline late (its failed kernels end at theirs).
   HtParams p = baseParams(epOpBarrier);
   p.timeout_ns *= 2;
-  EPCHECK(checkLaunch(launchElasticSync(p, mask, ++sync_round_, disagree_dev, s), "the elastic sync kernel"));
+  const LlCtrl* ll_ctrl = ll_lay_.total > 0 ? static_cast<const LlCtrl*>(ll_bufs_.local()) : nullptr;
+  EPCHECK(checkLaunch(launchElasticSync(p, ll_ctrl, kind, mask, mask, round, true, disagree_dev, s),
+                      "the elastic sync kernel"));
   cudaError_t e = cudaStreamSynchronize(s);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "%s: %s", what, cudaGetErrorString(e));
   volatile GpuErrorRecord* er = err_host_;
@@ -49,15 +72,20 @@ epResult_t GpuEngine::elasticSync(uint64_t mask, cudaStream_t s, const char* wha
     EP_FAIL(static_cast<epResult_t>(er->code), "%s: rank %d, which the mask keeps, did not take part within %d ms",
             what, er->peer, 2 * comm_->config.timeout_ms);
   const int d = *reinterpret_cast<volatile int*>(sync_disagree_);
-  EP_REQUIRE(d == 0, epInvalidUsage, "%s: rank %d holds a different active-ranks mask than this rank", what, d - 1);
+  EP_REQUIRE(d == 0, epInvalidUsage, "%s: rank %d holds a different active-ranks mask than this rank (or rejected "
+             "the call)", what, d - 1);
   return epSuccess;
 }
 
 epResult_t GpuEngine::setActiveRanks(const uint8_t* active, epStream_t stream) {
+  DeviceScope scope(device_);
   const int R = comm_->nranks;
   uint64_t mask = 0;
   for (int r = 0; r < R; ++r)
     if (active[r]) mask |= 1ull << r;
+  // Two rounds per call on every survivor, whatever happens in it, so that the next call's rounds agree.
+  const uint64_t round = elastic_round_ + 1;
+  elastic_round_ += 2;
   // Every kernel of this rank has ended (a failed operation's end at their deadline, or at once once an error is
   // recorded); then the error record is cleared so that the waits below and later ones do not give up at once.
   cudaError_t e = cudaDeviceSynchronize();
@@ -74,26 +102,55 @@ epResult_t GpuEngine::setActiveRanks(const uint8_t* active, epStream_t stream) {
   cudaStream_t s = streamOf(stream);
   e = cudaMemsetAsync(&claims_->error, 0, sizeof(int), s);  // the next failure may be recorded again
   if (e != cudaSuccess) EP_FAIL(epCudaError, "epCommSetActiveRanks: %s", cudaGetErrorString(e));
-  // 1. Every survivor has stopped (its kernels ended) and holds the same mask.
-  EPCHECK(elasticSync(mask, s, "epCommSetActiveRanks"));
+  // 1. Every survivor has stopped (its kernels ended), holds the same mask, and published its epochs.
+  EPCHECK(elasticSync(kSyncElastic, mask, round, s, "epCommSetActiveRanks"));
   // 2. The new mask, then the reset of what a failed operation left behind (no kernel of any survivor runs now).
-  GpuElastic* el = el_dev_;
-  e = cudaMemcpyAsync(&el->active, &mask, sizeof(mask), cudaMemcpyHostToDevice, s);
+  e = cudaMemcpyAsync(&el_dev_->active, &mask, sizeof(mask), cudaMemcpyHostToDevice, s);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "epCommSetActiveRanks: %s", cudaGetErrorString(e));
   HtParams hp = baseParams(epOpBarrier);
   LlParams lp{};
   const bool has_ll = ll_lay_.total > 0;
   if (has_ll) lp = llParams(epOpBarrier);
-  EPCHECK(checkLaunch(launchElasticResync(hp, has_ll ? &lp : nullptr, s), "the elastic resync kernel"));
+  GpuResyncOut* out_dev = nullptr;
+  cudaHostGetDevicePointer(reinterpret_cast<void**>(&out_dev), resync_out_, 0);
+  EPCHECK(checkLaunch(launchElasticResync(hp, has_ll ? &lp : nullptr, mask, out_dev, s), "the elastic resync kernel"));
   // 3. No survivor starts the next operation before every other one is clean.
-  EPCHECK(elasticSync(mask, s, "epCommSetActiveRanks"));
+  epResult_t r = elasticSync(kSyncElastic, mask, round + 1, s, "epCommSetActiveRanks");
+  if (r != epSuccess) {
+    // The host keeps the old mask (the communicator stays broken): so does the device.
+    cudaMemcpy(&el_dev_->active, &active_mask_, sizeof(active_mask_), cudaMemcpyHostToDevice);
+    return r;
+  }
   if ((active_mask_ & ~mask) != 0) ++mask_gen_;  // someone new is masked: HT handles filled before are stale
   active_mask_ = mask;
-  for (int f = 0; f < 2; ++f) ll_recvd_[f] = ll_sent_[f];  // an outstanding receive half was discarded
+  // LL halves continue from the epochs the survivors settled on (an outstanding receive half was discarded).
+  volatile GpuResyncOut* o = resync_out_;
+  for (int f = 0; f < 2; ++f) ll_sent_[f] = ll_recvd_[f] = o->ll_epoch[f];
   return epSuccess;
 }
 
+// A call the API layer rejected still takes its part in the round, with mask 0, so that the other survivors
+// fail at once (a different mask) instead of at their deadline, and every rank's rounds stay aligned.
+epResult_t GpuEngine::setActiveRanksRejected(epResult_t local, epStream_t stream) {
+  DeviceScope scope(device_);
+  const uint64_t round = elastic_round_ + 1;
+  elastic_round_ += 2;
+  cudaError_t e = cudaDeviceSynchronize();
+  int* disagree_dev = nullptr;
+  cudaHostGetDevicePointer(reinterpret_cast<void**>(&disagree_dev), sync_disagree_, 0);
+  const LlCtrl* ll_ctrl = ll_lay_.total > 0 ? static_cast<const LlCtrl*>(ll_bufs_.local()) : nullptr;
+  const uint64_t others = active_mask_ & ~(1ull << comm_->rank);
+  if (e == cudaSuccess)
+    e = launchElasticSync(baseParams(epOpBarrier), ll_ctrl, kSyncElastic, 0, others, round, false, disagree_dev,
+                          streamOf(stream));
+  if (e == cudaSuccess) e = cudaStreamSynchronize(streamOf(stream));
+  if (e != cudaSuccess) EP_WARN("telling the other survivors of a rejected epCommSetActiveRanks failed: %s",
+                                cudaGetErrorString(e));
+  return local;
+}
+
 epResult_t GpuEngine::maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) {
+  DeviceScope scope(device_);
   cudaError_t e = cudaStreamSynchronize(streamOf(stream));
   GpuElastic el{};
   if (e == cudaSuccess) e = cudaMemcpy(&el, el_dev_, sizeof(el), cudaMemcpyDeviceToHost);

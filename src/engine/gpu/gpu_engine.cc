@@ -43,6 +43,7 @@ GpuEngine::~GpuEngine() {
   cudaDeviceSynchronize();
   if (err_host_) cudaFreeHost(err_host_);
   if (sync_disagree_) cudaFreeHost(sync_disagree_);
+  if (resync_out_) cudaFreeHost(resync_out_);
   if (claims_) cudaFree(claims_);
   if (el_dev_) cudaFree(el_dev_);
 }
@@ -329,7 +330,8 @@ epResult_t GpuEngine::barrier(epStream_t stream) {
   if (e != cudaSuccess) EP_FAIL(epCudaError, "barrier: %s", cudaGetErrorString(e));
   // With masked ranks the bootstrap (which needs every rank) is not an option: the survivors meet on the device.
   const uint64_t all = comm_->nranks >= 64 ? ~0ull : (1ull << comm_->nranks) - 1;
-  if (active_mask_ != all) return elasticSync(active_mask_, streamOf(stream), "epCommBarrier");
+  if (active_mask_ != all)
+    return elasticSync(kSyncBarrier, active_mask_, ++barrier_round_, streamOf(stream), "epCommBarrier");
   return comm_->bootstrap->barrier(comm_->config.timeout_ms);
 }
 

@@ -42,6 +42,8 @@ class GpuEngine final : public Engine {
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
+  epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
+  bool llReceivePending() const override { return ll_sent_[0] != ll_recvd_[0] || ll_sent_[1] != ll_recvd_[1]; }
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
   void abort() override;
   void pollAsyncError() override;
@@ -58,7 +60,7 @@ class GpuEngine final : public Engine {
   epResult_t checkLaunch(cudaError_t e, const char* what);
   // Elastic ranks (elastic.cc): the survivors' rendezvous, and the check that a handle's layout predates no mask
   // change.
-  epResult_t elasticSync(uint64_t mask, cudaStream_t s, const char* what);
+  epResult_t elasticSync(int kind, uint64_t mask, uint64_t round, cudaStream_t s, const char* what);
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
   epResult_t initElastic();
 
@@ -76,8 +78,10 @@ class GpuEngine final : public Engine {
   GpuElastic* el_dev_ = nullptr;
   uint64_t active_mask_ = 0;
   uint64_t mask_gen_ = 0;
-  uint64_t sync_round_ = 0;
-  int* sync_disagree_ = nullptr;  // host-mapped
+  uint64_t elastic_round_ = 0;  // rounds of epCommSetActiveRanks: two per call on every survivor, failed or not
+  uint64_t barrier_round_ = 0;  // rounds of the barrier among survivors
+  int* sync_disagree_ = nullptr;       // host-mapped
+  GpuResyncOut* resync_out_ = nullptr;  // host-mapped
   // LL: a second buffer (present when config.ll_max_tokens_per_rank > 0), its fixed grid, and the halves this
   // rank issued per family (host-side call-order checks only; the kernels never read them).
   IpcBuffers ll_bufs_;
