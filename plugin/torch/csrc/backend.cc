@@ -97,6 +97,7 @@ epComm_t EpcommBackend::comm(const at::Device& device) {
     C10_THROW_ERROR(DistBackendError, msg);
   }
   comms_[key] = c;
+  created_.push_back(key);
   return c;
 }
 
@@ -112,11 +113,12 @@ at::Device deviceOfKey(const std::string& key) {
 void EpcommBackend::setActiveRanks(const std::vector<int32_t>& active) {
   TORCH_CHECK(static_cast<int>(active.size()) == size_, "epcomm set_active_ranks: the mask has ", active.size(),
               " entries, the group has ", size_, " ranks");
-  std::map<std::string, epComm_t> comms;
+  std::vector<std::pair<std::string, epComm_t>> comms;
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!closed_, "epcomm: the process group was shut down or aborted");
-    comms = comms_;  // "cpu" sorts before "cuda:<i>": every rank goes through them in the same order
+    // Creation order, which every rank shares (device indices may differ between ranks, so key order may not).
+    for (const std::string& key : created_) comms.emplace_back(key, comms_.at(key));
   }
   for (auto& [key, c] : comms) {
     at::Device device = deviceOfKey(key);
@@ -142,7 +144,11 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> EpcommBackend::maskedDrops
   epComm_t c = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = comms_.find(isCuda(device) ? c10::str("cuda:", static_cast<int>(device.index())) : std::string("cpu"));
+    // "cuda" without an index: the current device, as torch reads it.
+    const int index = isCuda(device) && !device.has_index()
+                          ? c10::impl::VirtualGuardImpl(device.type()).getDevice().index()
+                          : device.index();
+    auto it = comms_.find(isCuda(device) ? c10::str("cuda:", index) : std::string("cpu"));
     if (it != comms_.end()) c = it->second;
   }
   if (c != nullptr) {
@@ -429,6 +435,7 @@ void EpcommBackend::abort() {
     // epCommAbort is local and prompt; waits in flight on these communicators return epAborted.
     for (auto& [key, c] : comms_) epCommAbort(c);
     comms_.clear();
+    created_.clear();
     closed_ = true;
   }
   cpu_inner_->abort();
@@ -442,6 +449,7 @@ void EpcommBackend::shutdown() {
     if (closed_) return;
     closed_ = true;
     comms.swap(comms_);
+    created_.clear();
   }
   for (auto& [key, c] : comms) epCommDestroy(c);
   cpu_inner_->shutdown();

@@ -109,6 +109,7 @@ class EpcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cuda_inner_;
   std::mutex mu_;                        // guards comms_ (creation), not the operations
   std::map<std::string, epComm_t> comms_;  // "cpu", "cuda:<index>"
+  std::vector<std::string> created_;      // comms_' keys in creation order: the same sequence on every rank
   std::map<int, c10::Stream> comm_streams_;  // CUDA device -> stream for async_op
   int creations_ = 0;
   bool closed_ = false;
