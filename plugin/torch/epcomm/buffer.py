@@ -63,7 +63,7 @@ class _LlSlot:
         if dev.type != "cpu":
             self._swap_src = self.layout_range.view(torch.int32).view(num_local, num_ranks, 2)
             self._swap_dst = self.deepep_range.view(torch.int32).view(num_local, num_ranks, 2)
-            self._swap_idx = torch.tensor([1, 0], dtype=torch.int64, device=dev)
+            self._swap_idx = torch.arange(1, -1, -1, device=dev)  # [1, 0], made by a kernel (capturable)
         a = _capi.LlDispatchArgs()
         a.max_tokens_per_rank, a.hidden, a.num_experts = max_tokens, hidden, num_experts
         a.use_fp8, a.layout = int(use_fp8), _capi.LL_EXPERT_MAJOR
@@ -576,12 +576,19 @@ class Buffer:
             if not return_recv_hook:
                 slot.received(stats)
             event = EventOverlap(EventHandle() if async_finish else None)
+        send_stream = torch.cuda.current_stream() if cuda and return_recv_hook and stream is not None else None
 
         def hook() -> None:
             if stream is not None:  # on the stream of the send half
-                runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV,
-                                         slot.host_range, stream)
-                slot.received(stats)
+                if send_stream is None:  # host engine
+                    runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV,
+                                             slot.host_range, stream)
+                    slot.received(stats)
+                    return
+                with torch.cuda.stream(send_stream):  # received()'s torch ops too
+                    runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV, 0,
+                                             stream)
+                    slot.received(stats)
                 return
             with _Launch(self, None, False) as recv_launch:  # after the send half on the communication stream
                 runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV, 0,
@@ -781,7 +788,7 @@ class Buffer:
         """(token_rows, alltoallv_elements): int64 CPU tensors of num_ranks, cumulative per destination rank
         since the communicator was created (the first LL call re-creates it, see the README): dispatch rows
         (HT and LL; one per token and destination rank) and alltoallv elements (the Buffer's own count exchange
-        of exact-mode HT dispatch, int32 units) not sent because the destination was masked. An epcomm
+        of exact-mode HT dispatch, made only for the full rank_prefix_matrix; int32 units) not sent because the destination was masked. An epcomm
         extension (DeepEP has no such counters)."""
         if self.runtime is None:
             raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
