@@ -295,6 +295,10 @@ EPCOMM_API epResult_t epHtHandleCreate(epComm_t comm, int max_tokens, epHtHandle
 EPCOMM_API epResult_t epHtHandleDestroy(epHtHandle_t handle);
 /* Host-visible counts of the layout the handle holds (exact mode; host engine always). */
 EPCOMM_API epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_recv_tokens);
+/* Host-visible rows received from each source rank ([R] ints, in rank order: the received rows are ordered by
+ * source rank, so source r's rows start at the sum of recv_counts[0..r-1]) of the layout the handle holds, under
+ * the same condition (exact mode, after epHtDispatchNotify; host engine always). A masked source counts 0. */
+EPCOMM_API epResult_t epHtHandleGetRecvCounts(epHtHandle_t handle, int* recv_counts);
 
 typedef struct {
   unsigned int size;

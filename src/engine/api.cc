@@ -503,6 +503,19 @@ epResult_t epHtHandleGetCounts(epHtHandle_t handle, int* num_tokens, int* num_re
   return epSuccess;
 }
 
+epResult_t epHtHandleGetRecvCounts(epHtHandle_t handle, int* recv_counts) {
+  clearThreadError();
+  EP_REQUIRE(handle != nullptr, epNullPointer, "handle is NULL");
+  EP_REQUIRE(recv_counts != nullptr, epNullPointer, "recv_counts is NULL");
+  EP_REQUIRE(isLiveHandle(handle), epInvalidArgument, "handle is not a live HT handle");
+  EP_REQUIRE(handle->valid, epInvalidUsage, "the handle holds no layout yet");
+  const std::vector<int>& prefix = handle->recv_prefix;  // [R + 1], filled by both engines' exact notify
+  EP_REQUIRE(prefix.size() >= 2 && prefix.back() == handle->num_recv, epInvalidUsage,
+             "the handle's layout has no host-visible per-rank counts");
+  for (size_t r = 0; r + 1 < prefix.size(); ++r) recv_counts[r] = prefix[r + 1] - prefix[r];
+  return epSuccess;
+}
+
 epResult_t epHtDispatchNotify(epComm_t comm, const epHtDispatchArgs_t* args, epHtHandle_t handle,
                               int* num_recv_tokens_host, int* recv_tokens_per_expert_host, epStream_t stream) {
   return onComm(comm, Need::kUsable, [&]() -> epResult_t {

@@ -272,15 +272,23 @@ def api_surface(rank, world, init_method):
     shrink.low_latency_clean_mask_buffer()
     rows, elements = shrink.get_masked_drops()
     assert rows.tolist() == elements.tolist() == [0] * world
-    # the count exchange's fallback (engines without alltoallv) goes through the group
-    buffer._alltoallv_unsupported = True
+    # rank_prefix_matrix: by default only this rank's column (from the C layout, no communication); with
+    # full_rank_prefix_matrix every column, through a count exchange on the communicator (alltoallv) or, where
+    # the engine has none, on the group
     topk_idx = torch.tensor([[0, 2 * world - 1]] * (rank + 1), dtype=torch.int64)
     n_rank, _, n_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 2 * world)
-    _, _, _, _, handle, _ = buffer.dispatch(torch.ones((rank + 1, 16), dtype=torch.bfloat16), topk_idx=topk_idx,
-                                            num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=n_expert)
     sent = torch.tensor([[r + 1 if d in (0, world - 1) else 0 for d in range(world)] for r in range(world)])
-    assert torch.equal(handle[0], sent.cumsum(dim=0).to(torch.int32))
+    full = sent.cumsum(dim=0).to(torch.int32)
+    own_column = torch.zeros_like(full)
+    own_column[:, rank] = full[:, rank]
+    for full_matrix, alltoallv_unsupported, want in ((False, False, own_column), (True, False, full),
+                                                     (True, True, full)):
+        buffer.full_rank_prefix_matrix = full_matrix
+        buffer._alltoallv_unsupported = alltoallv_unsupported
+        _, _, _, _, handle, _ = buffer.dispatch(torch.ones((rank + 1, 16), dtype=torch.bfloat16), topk_idx=topk_idx,
+                                                num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=n_expert)
+        assert torch.equal(handle[0], want), (full_matrix, alltoallv_unsupported, handle[0], want)
     buffer.destroy()
     dist.destroy_process_group()
 

@@ -120,8 +120,20 @@ def check_masked(buffer, rank, world, masked, surv_group, survivors, dev, step):
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     rows1, elems1 = buffer.get_masked_drops()
     assert torch.equal(rows1 - rows0, dropped_tokens)
-    # the Buffer's count exchange (world + num_experts int32 per destination) skips masked ranks too
-    assert torch.equal(elems1 - elems0, torch.tensor([world + num_experts if r in masked else 0 for r in range(world)]))
+    # no count exchange by default (rank_prefix_matrix's own column comes from the C layout) ...
+    assert torch.equal(elems1, elems0)
+    # ... and with full_rank_prefix_matrix the exchange (world + num_experts int32 per destination) skips masked
+    # ranks too
+    buffer.full_rank_prefix_matrix = True
+    try:
+        *_, full_handle, _ = buffer.dispatch(
+            x.to(dev), topk_idx=topk_idx.to(dev), topk_weights=w.to(dev), num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    finally:
+        buffer.full_rank_prefix_matrix = False
+    _, elems2 = buffer.get_masked_drops()
+    assert torch.equal(elems2 - elems1, torch.tensor([world + num_experts if r in masked else 0 for r in range(world)]))
+    assert torch.equal(full_handle[0][:, rank], ht_handle[0][:, rank])
     ref_x, ref_idx, ref_w, ref_counts = [], [], [], []
     for s in survivors:
         o = _owner(idxs[s], num_local)

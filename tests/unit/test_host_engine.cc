@@ -570,6 +570,10 @@ void runHtCase(epComm_t comm, epHtHandle_t handle, Ctx& c, int R, uint64_t seed,
     int ht = -1, hn = -1;
     if (c.ok(epHtHandleGetCounts(handle, &ht, &hn), "ht_handle_counts", comm) && (ht != T || hn != want.num_recv))
       c.fail("ht_handle_counts", "num_tokens %d num_recv %d, want %d %d", ht, hn, T, want.num_recv);
+    std::vector<int> per_src(R, -1), want_src(R, 0);
+    for (const epref::SrcRow& sr : want.src) ++want_src[sr.rank];
+    if (c.ok(epHtHandleGetRecvCounts(handle, per_src.data()), "ht_handle_recv_counts", comm) && per_src != want_src)
+      c.fail("ht_handle_recv_counts", "rows per source rank differ from the reference");
   }
   int n = want.num_recv;
   HtOut o;

@@ -158,6 +158,12 @@ class HtHandle {
   HtHandle& operator=(const HtHandle&) = delete;
   epHtHandle_t get() const { return h_; }
   int max_tokens() const { return max_tokens_; }
+  std::vector<int> recvCounts(int nranks) const {
+    std::vector<int> out(static_cast<size_t>(nranks), 0);
+    epResult_t rc = epHtHandleGetRecvCounts(h_, out.data());
+    if (rc != epSuccess) raise(rc, nullptr);
+    return out;
+  }
   py::tuple counts() const {
     int t = 0, r = 0;
     epResult_t rc = epHtHandleGetCounts(h_, &t, &r);
@@ -358,6 +364,67 @@ PYBIND11_MODULE(_capi, m) {
       .def("ll_combine", [](const Comm& c, const epLlCombineArgs_t& a, uintptr_t s) {
         run(c, [&](epComm_t h) { return epLlCombine(h, &a, stream(s)); });
       })
+      // The per-call fast paths of Buffer.low_latency_dispatch/combine: base holds what is fixed for a set of
+      // outputs (shapes, receive buffers: cached per set by the Buffer), the call's own pointers come as
+      // arguments, so that one call replaces a struct filled field by field from Python.
+      .def("ht_combine_with",
+           [](const Comm& c, const HtHandle& hd, int num_tokens, int hidden, int dtype, uintptr_t x, size_t x_bytes,
+              uintptr_t out, size_t out_bytes, uintptr_t s) {
+             epHtCombineArgs_t a = EP_HT_COMBINE_ARGS_INIT;
+             a.num_tokens = num_tokens;
+             a.hidden = hidden;
+             a.dtype = dtype;
+             a.x = ptr<const void>(x);
+             a.x_bytes = x_bytes;
+             a.combined_x = ptr<void>(out);
+             a.combined_x_bytes = out_bytes;
+             run(c, [&](epComm_t h) { return epHtCombine(h, &a, hd.get(), stream(s)); });
+           },
+           py::arg("handle"), py::arg("num_tokens"), py::arg("hidden"), py::arg("dtype"), py::arg("x"),
+           py::arg("x_bytes"), py::arg("out"), py::arg("out_bytes"), py::arg("stream"),
+           "epHtCombine with its arguments given one by one (no HtCombineArgs to fill)")
+      .def("ll_dispatch_with",
+           [](const Comm& c, const epLlDispatchArgs_t& base, int num_tokens, int topk, int dtype, uintptr_t x,
+              uintptr_t topk_idx, unsigned phases, uintptr_t deepep_range, uintptr_t s) {
+             epLlDispatchArgs_t a = base;
+             a.num_tokens = num_tokens;
+             a.topk = topk;
+             a.dtype = dtype;
+             a.x = ptr<const void>(x);
+             a.topk_idx = ptr<const int64_t>(topk_idx);
+             a.phases = phases;
+             run(c, [&](epComm_t h) { return epLlDispatch(h, &a, stream(s)); });
+             // Host memory only (the caller passes 0 on the GPU engine): DeepEP's layout range encoding,
+             // (begin << 32) | count, from the C API's (count << 32) | begin.
+             if (deepep_range != 0 && (phases & EP_LL_RECV) != 0) {
+               const uint64_t* in = ptr<const uint64_t>(reinterpret_cast<uintptr_t>(a.recv_layout_range));
+               uint64_t* out = ptr<uint64_t>(deepep_range);
+               for (size_t i = 0; i < a.recv_layout_range_bytes / sizeof(uint64_t); ++i)
+                 out[i] = (in[i] << 32) | (in[i] >> 32);
+             }
+           },
+           py::arg("base"), py::arg("num_tokens"), py::arg("topk"), py::arg("dtype"), py::arg("x"),
+           py::arg("topk_idx"), py::arg("phases"), py::arg("deepep_range"), py::arg("stream"))
+      .def("ll_combine_with",
+           [](const Comm& c, const epLlCombineArgs_t& base, int num_tokens, int topk, int dtype, uintptr_t y,
+              size_t y_bytes, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t out, size_t out_bytes,
+              unsigned phases, uintptr_t s) {
+             epLlCombineArgs_t a = base;
+             a.num_tokens = num_tokens;
+             a.topk = topk;
+             a.dtype = dtype;
+             a.y = ptr<const void>(y);
+             a.y_bytes = y_bytes;
+             a.topk_idx = ptr<const int64_t>(topk_idx);
+             a.topk_weights = ptr<const float>(topk_weights);
+             a.out = ptr<void>(out);
+             a.out_bytes = out_bytes;
+             a.phases = phases;
+             run(c, [&](epComm_t h) { return epLlCombine(h, &a, stream(s)); });
+           },
+           py::arg("base"), py::arg("num_tokens"), py::arg("topk"), py::arg("dtype"), py::arg("y"),
+           py::arg("y_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"), py::arg("out_bytes"),
+           py::arg("phases"), py::arg("stream"))
       .def("ll_combine_buffer",
            [](const Comm& c) {
              void* y = nullptr;
@@ -399,7 +466,9 @@ PYBIND11_MODULE(_capi, m) {
   py::class_<HtHandle>(m, "HtHandle")
       .def(py::init<const Comm&, int>(), py::arg("comm"), py::arg("max_tokens"))
       .def_property_readonly("max_tokens", &HtHandle::max_tokens)
-      .def("counts", &HtHandle::counts, "(num_tokens, num_recv_tokens) of the layout it holds");
+      .def("counts", &HtHandle::counts, "(num_tokens, num_recv_tokens) of the layout it holds")
+      .def("recv_counts", &HtHandle::recvCounts, py::arg("nranks"),
+           "epHtHandleGetRecvCounts: rows received from each of the nranks source ranks (exact mode)");
 
   using HD = epHtDispatchArgs_t;
   py::class_<HD>(m, "HtDispatchArgs")
@@ -425,6 +494,27 @@ PYBIND11_MODULE(_capi, m) {
       .def_readwrite("recv_topk_weights_bytes", &HD::recv_topk_weights_bytes)
       .EP_PTR_FIELD(HD, HD, recv_tokens_per_expert)
       .EP_PTR_FIELD(HD, HD, num_recv_tokens);
+
+  m.def("ht_dispatch_args",
+        [](int num_tokens, int hidden, int topk, int num_experts, int dtype, unsigned flags, int num_worst_tokens,
+           uintptr_t x, uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights) {
+          HD a EP_HT_DISPATCH_ARGS_INIT;
+          a.num_tokens = num_tokens;
+          a.hidden = hidden;
+          a.topk = topk;
+          a.num_experts = num_experts;
+          a.dtype = dtype;
+          a.flags = flags;
+          a.num_worst_tokens = num_worst_tokens;
+          a.x = ptr<const void>(x);
+          a.x_scales = ptr<const float>(x_scales);
+          a.topk_idx = ptr<const int64_t>(topk_idx);
+          a.topk_weights = ptr<const float>(topk_weights);
+          return a;
+        },
+        py::arg("num_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"), py::arg("dtype"),
+        py::arg("flags"), py::arg("num_worst_tokens"), py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
+        py::arg("topk_weights"), "an HtDispatchArgs with its input fields set in one call");
 
   using HC = epHtCombineArgs_t;
   py::class_<HC>(m, "HtCombineArgs")

@@ -21,10 +21,15 @@ class Launch:
         if self.cuda:
             self.compute = torch.cuda.current_stream()
             self.comm_stream = buffer._comm_stream
+            self._join = buffer._join_event
             if previous_event is not None and previous_event.event is not None and previous_event.event._event:
                 self.comm_stream.wait_event(previous_event.event._event)
             else:
-                self.comm_stream.wait_stream(self.compute)
+                # the Buffer's own event, recorded again by every call (a wait takes the record of its time):
+                # the same ordering as wait_stream without an event made per call
+                fork = buffer._fork_event
+                fork.record(self.compute)
+                self.comm_stream.wait_event(fork)
             self.stream = stream_handle(self.comm_stream)
 
     def __enter__(self) -> "Launch":
@@ -41,10 +46,10 @@ class Launch:
         tensors = tuple(t for t in tensors if isinstance(t, torch.Tensor))
         if not self.cuda:
             return EventOverlap(EventHandle() if self.async_finish else None)
-        event = EventHandle(self.comm_stream)
         if self.async_finish:
-            return EventOverlap(event, tensors)
-        event.current_stream_wait()
+            return EventOverlap(EventHandle(self.comm_stream), tensors)
+        self._join.record(self.comm_stream)
+        self.compute.wait_event(self._join)
         for t in tensors:  # allocated or last used on the comm stream; now also used on the compute stream
             t.record_stream(self.compute)
         return EventOverlap(None)

@@ -10,6 +10,8 @@ that call's (num_max_dispatch_tokens_per_rank, hidden, num_experts) -- collectiv
 same LL call -- as does a later LL call that needs more. Every difference from DeepEP is listed in the README
 ("Differences from DeepEP").
 """
+import array
+import os
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -26,11 +28,78 @@ from .handles import HtHandle, LowLatencyHandle, HtState
 topk_idx_t = torch.int64
 
 
+def _current_raw_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # the same, without making a Stream object per call
+    _current_raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+class _LlSlot:
+    """One set of LL dispatch outputs (see Buffer._ll_recv_slot) and the C API argument structs that go with
+    it: the dispatch's (everything but the call's x, topk_idx, token count, top-k, dtype and phases) and the
+    combine's over its layout (everything but the combine's own tensors), filled once per set."""
+
+    def __init__(self, key, dev: torch.device, num_ranks: int, max_tokens: int, num_experts: int):
+        num_local, slots, hidden, dtype, use_fp8 = key
+        self.key = key
+        self.recv_x = torch.empty((num_local, slots, hidden), dtype=dtype, device=dev)
+        # recv_scales row-major for the C API, scales_out the same scales column-major as DeepEP hands them out
+        self.recv_scales = torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) \
+            if use_fp8 else None
+        self.scales_out = torch.empty((num_local, hidden // 128, slots), dtype=torch.float32,
+                                      device=dev).transpose(1, 2) if use_fp8 else None
+        self.recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+        self.src_info = torch.empty((num_local, slots), dtype=torch.int32, device=dev)
+        # as the C API writes it ((count << 32) | begin), and as DeepEP hands it out ((begin << 32) | count)
+        self.layout_range = torch.empty((num_local, num_ranks), dtype=torch.int64, device=dev)
+        self.deepep_range = torch.empty((num_local, num_ranks), dtype=torch.int64, device=dev)
+        self.tensors = tuple(t for t in (self.recv_x, self.recv_scales, self.scales_out, self.recv_count,
+                                         self.src_info, self.layout_range, self.deepep_range) if t is not None)
+        # host memory: the binding rewrites the range in C++ after the receive; device memory: one index_select
+        # that swaps the two int32 halves of each entry
+        self.host_range = self.deepep_range.data_ptr() if dev.type == "cpu" else 0
+        if dev.type != "cpu":
+            self._swap_src = self.layout_range.view(torch.int32).view(num_local, num_ranks, 2)
+            self._swap_dst = self.deepep_range.view(torch.int32).view(num_local, num_ranks, 2)
+            self._swap_idx = torch.arange(1, -1, -1, device=dev)  # [1, 0], made by a kernel (capturable)
+        a = _capi.LlDispatchArgs()
+        a.max_tokens_per_rank, a.hidden, a.num_experts = max_tokens, hidden, num_experts
+        a.use_fp8, a.layout = int(use_fp8), _capi.LL_EXPERT_MAJOR
+        a.recv_x, a.recv_x_bytes = ptr(self.recv_x), nbytes(self.recv_x)
+        a.recv_x_scales, a.recv_x_scales_bytes = ptr(self.recv_scales), nbytes(self.recv_scales)
+        a.recv_count, a.recv_count_bytes = ptr(self.recv_count), nbytes(self.recv_count)
+        a.recv_src_info, a.recv_src_info_bytes = ptr(self.src_info), nbytes(self.src_info)
+        a.recv_layout_range, a.recv_layout_range_bytes = ptr(self.layout_range), nbytes(self.layout_range)
+        self.dispatch_args = a
+        c = _capi.LlCombineArgs()
+        c.max_tokens_per_rank, c.hidden, c.num_experts = max_tokens, hidden, num_experts
+        c.layout = _capi.LL_EXPERT_MAJOR
+        c.recv_count, c.recv_src_info, c.recv_layout_range = ptr(self.recv_count), ptr(self.src_info), \
+            ptr(self.layout_range)
+        self.combine_args = c
+
+    def received(self, stats: Optional[torch.Tensor]) -> None:
+        """What follows a dispatch's receive, on the current stream: DeepEP's layout range (device memory;
+        the binding wrote it in host memory), the column-major scales, the caller's stats."""
+        if self.host_range == 0:
+            torch.index_select(self._swap_src, 2, self._swap_idx, out=self._swap_dst)
+        if self.scales_out is not None:
+            self.scales_out.copy_(self.recv_scales)
+        if stats is not None:
+            stats.add_(self.recv_count)
+
+
 class Buffer:
     """The expert-parallel communication buffer (DeepEP's legacy Buffer): HT dispatch/combine (exact,
     worst-token, cached) and LL dispatch/combine (with receive hooks) between the ranks of group."""
 
     num_sms: int = 20
+    # Exact-mode HT dispatch fills only this rank's column of the handle's rank_prefix_matrix (from the C layout,
+    # without communication; DeepEP's own checks read only that column). True (or EPCOMM_FULL_RANK_PREFIX_MATRIX=1)
+    # fills every column, at the price of one more exchange of the counts per dispatch. Per instance or class.
+    full_rank_prefix_matrix: bool = os.environ.get("EPCOMM_FULL_RANK_PREFIX_MATRIX", "0") not in ("", "0")
 
     def __init__(self,
                  group: Optional[dist.ProcessGroup],
@@ -58,14 +127,18 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms)
         self._device = _comm.engine_device(self.runtime)
+        self._cuda = self._device.type == "cuda"
         self._comm_stream = torch.cuda.Stream() if self._device.type == "cuda" else None
+        # reused by every call's stream waits (_launch.Launch): compute -> comm, and comm -> compute
+        self._fork_event = torch.cuda.Event() if self._cuda else None
+        self._join_event = torch.cuda.Event() if self._cuda else None
         self._free_ht_handles: List = []
         self._graph_ht_handles: List = []  # held by captured CUDA graphs for the Buffer's lifetime
         self._alltoallv_unsupported = False
         self._comm_generation = 0  # bumped when the communicator is re-created (HT handles of an older one die)
         self._ll_shape = (0, 0, 0)  # LL capacity of the communicator: (max tokens per rank, hidden, experts)
         self._ll_zero_copy = True  # the engine hands out zero-copy regions (epLlCombineBuffer); else a fallback
-        self._ll_region_views = {}  # address of a zero-copy region -> uint8 tensor over it
+        self._ll_region_views = {}  # address of a zero-copy region -> (bytes, shape, bf16 view of that shape)
         self._ll_combine_buffers: List[torch.Tensor] = []
         self._ll_recv_slots: List = [None, None]
         self._ll_slot_idx = 0
@@ -211,6 +284,20 @@ class Buffer:
         rows = self.group.allgather(mine.cpu().tolist())
         return torch.tensor(rows, dtype=torch.int32, device=self._device)
 
+    def _own_rank_prefix_column(self, c_handle) -> torch.Tensor:
+        """rank_prefix_matrix with this rank's column only: [R, R] int32 whose [i, rank] is the number of rows
+        received from ranks 0..i (the C layout's own counts, host-visible after notify: no communication); the
+        other columns (what the other ranks receive) are 0. See full_rank_prefix_matrix."""
+        world, rank = self.group_size, self.rank
+        flat = array.array("i", bytes(4 * world * world))
+        acc = 0
+        for i, n in enumerate(c_handle.recv_counts(world)):
+            acc += n
+            flat[i * world + rank] = acc
+        matrix = torch.frombuffer(flat, dtype=torch.int32).view(world, world)  # shares (and holds) flat
+        # pageable host memory is staged before the copy call returns: non_blocking adds no host sync
+        return matrix.to(self._device, non_blocking=True) if self._cuda else matrix
+
     def _gather_device(self) -> torch.device:
         # CPU tensors where the group takes them (gloo, epcomm, cpu:gloo,...); CUDA for a CUDA-only group (NCCL).
         try:
@@ -264,10 +351,8 @@ class Buffer:
         topk = topk_idx.size(1)
 
         with _Launch(self, previous_event, async_finish) as launch:
-            args = _capi.HtDispatchArgs()
-            args.num_tokens, args.hidden, args.topk, args.num_experts = num_tokens, hidden, topk, num_experts
-            args.dtype = ep_dtype(x.dtype)
-            args.x, args.x_scales, args.topk_idx, args.topk_weights = ptr(x), ptr(x_scales), ptr(topk_idx), ptr(topk_weights)
+            args = _capi.ht_dispatch_args(num_tokens, hidden, topk, num_experts, ep_dtype(x.dtype), 0, 0, ptr(x),
+                                          ptr(x_scales), ptr(topk_idx), ptr(topk_weights))
             c_handle = self._take_ht_handle(num_tokens)
             try:
                 if num_worst_tokens > 0:
@@ -287,14 +372,18 @@ class Buffer:
 
         rank_prefix_matrix = None
         if num_worst_tokens == 0:
-            if num_tokens_per_rank is None:
-                num_tokens_per_rank = is_token_in_rank.sum(dim=0) if is_token_in_rank is not None else \
-                    self.get_dispatch_layout(topk_idx, num_experts)[0]
-            counts = self._exchange_counts(num_tokens_per_rank, num_tokens_per_expert)
-            rank_prefix_matrix = counts[:, : self.group_size].cumsum(dim=0).to(torch.int32)
-            if not routed_by_topk:
-                mine = counts[:, self.group_size + self.rank * num_local: self.group_size + (self.rank + 1) * num_local]
-                per_expert_list = mine.sum(dim=0).tolist()
+            if routed_by_topk and not self.full_rank_prefix_matrix:
+                rank_prefix_matrix = self._own_rank_prefix_column(c_handle)
+            else:
+                if num_tokens_per_rank is None:
+                    num_tokens_per_rank = is_token_in_rank.sum(dim=0) if is_token_in_rank is not None else \
+                        self.get_dispatch_layout(topk_idx, num_experts)[0]
+                counts = self._exchange_counts(num_tokens_per_rank, num_tokens_per_expert)
+                rank_prefix_matrix = counts[:, : self.group_size].cumsum(dim=0).to(torch.int32)
+                if not routed_by_topk:
+                    mine = counts[:, self.group_size + self.rank * num_local:
+                                  self.group_size + (self.rank + 1) * num_local]
+                    per_expert_list = mine.sum(dim=0).tolist()
             if expert_alignment > 1:
                 per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
                                    for c in per_expert_list]
@@ -333,12 +422,10 @@ class Buffer:
                              f"{state.num_tokens}")
         rows = num_worst_tokens if num_worst_tokens > 0 else (state.num_worst if state.num_recv < 0 else state.num_recv)
         with _Launch(self, previous_event, async_finish) as launch:
-            args = _capi.HtDispatchArgs()
-            args.num_tokens, args.hidden, args.topk, args.num_experts = x.size(0), x.size(1), state.topk, state.num_experts
-            args.dtype = ep_dtype(x.dtype)
-            args.flags = _capi.HT_USE_HANDLE_LAYOUT
-            args.num_worst_tokens = num_worst_tokens if num_worst_tokens > 0 else max(state.num_worst, 0)
-            args.x, args.x_scales = ptr(x), ptr(x_scales)
+            args = _capi.ht_dispatch_args(x.size(0), x.size(1), state.topk, state.num_experts, ep_dtype(x.dtype),
+                                          _capi.HT_USE_HANDLE_LAYOUT,
+                                          num_worst_tokens if num_worst_tokens > 0 else max(state.num_worst, 0),
+                                          ptr(x), ptr(x_scales), 0, 0)
             recv_x, recv_x_scales, _, _ = self._alloc_recv(args, rows, x.size(1), x, x_scales, 0, False, False)
             self.runtime.ht_dispatch(args, state.c_handle, launch.stream)
         event = launch.finish((x, x_scales, recv_x, recv_x_scales))
@@ -379,11 +466,8 @@ class Buffer:
 
     def _ht_combine(self, state: HtState, x: torch.Tensor, hidden: int, stream: int) -> torch.Tensor:
         out = torch.empty((state.num_tokens, hidden), dtype=x.dtype, device=self._device)
-        args = _capi.HtCombineArgs()
-        args.num_tokens, args.hidden, args.dtype = state.num_tokens, hidden, ep_dtype(x.dtype)
-        args.x, args.x_bytes = ptr(x), nbytes(x)
-        args.combined_x, args.combined_x_bytes = ptr(out), nbytes(out)
-        self.runtime.ht_combine(args, state.c_handle, stream)
+        self.runtime.ht_combine_with(state.c_handle, state.num_tokens, hidden, ep_dtype(x.dtype), ptr(x), nbytes(x),
+                                     ptr(out), nbytes(out), stream)
         return out
 
     # --- low-latency dispatch / combine ---------------------------------------------------------------------
@@ -424,31 +508,26 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """epcomm's LL needs no zeroed buffer between modes: nothing to clean."""
 
-    def _ll_recv_slot(self, num_local: int, slots: int, hidden: int, dtype: torch.dtype, use_fp8: bool):
+    def _ll_recv_slot(self, num_local: int, slots: int, hidden: int, dtype: torch.dtype, use_fp8: bool,
+                      max_tokens: int, num_experts: int) -> "_LlSlot":
         """LL dispatch outputs, from two sets that alternate, as DeepEP's two buffers do (so at most two LL
         dispatches' results can be held at once): no allocation per call, and fixed addresses for CUDA graphs.
-        (recv_x, recv_scales row-major for the C API, the same scales column-major for the caller as DeepEP
-        hands them out, recv_count, src_info, layout_range as the C API writes it ((count << 32) | begin), and as
-        DeepEP hands it out ((begin << 32) | count))."""
+        Each set also caches the C API's argument structs of the dispatch and of the combines that use its
+        layout, filled once (see _LlSlot)."""
         key = (num_local, slots, hidden, dtype, use_fp8)
         idx = self._ll_slot_idx
         self._ll_slot_idx ^= 1
         slot = self._ll_recv_slots[idx]
-        if slot is None or slot[0] != key:
-            dev = self._device
-            tensors = (
-                torch.empty((num_local, slots, hidden), dtype=dtype, device=dev),
-                torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) if use_fp8 else None,
-                torch.empty((num_local, hidden // 128, slots), dtype=torch.float32, device=dev).transpose(1, 2)
-                if use_fp8 else None,
-                torch.empty(num_local, dtype=torch.int32, device=dev),
-                torch.empty((num_local, slots), dtype=torch.int32, device=dev),
-                torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
-                torch.empty((num_local, self.group_size), dtype=torch.int64, device=dev),
-            )
-            slot = (key, tensors)
+        if slot is None or slot.key != key:
+            # Allocated on the current stream, outside any comm-stream context: the set lives as long as the
+            # Buffer (or the next shape), and every use of it is ordered after the current stream's work.
+            slot = _LlSlot(key, self._device, self.group_size, max_tokens, num_experts)
             self._ll_recv_slots[idx] = slot
-        return slot[1]
+        return slot
+
+    def _current_stream(self) -> int:
+        """cudaStream_t of the current CUDA stream (of the Buffer's device)."""
+        return _current_raw_stream(self._device.index)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -458,102 +537,127 @@ class Buffer:
                              async_finish: bool = False, return_recv_hook: bool = False) -> \
             Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor, Tuple, EventOverlap, Callable]:
         """Sends each (token, expert) pair to the expert's rank into fixed slots (expert-major). As with DeepEP,
-        the outputs live in one of two alternating sets: at most two dispatches' results can be held at once."""
+        the outputs live in one of two alternating sets: at most two dispatches' results can be held at once.
+
+        Stream discipline: with async_finish on CUDA, as every Buffer call (the communication stream after the
+        current one, an event back). Otherwise the call is ordered within the current stream (as DeepEP's hook
+        mode is): the communication stream would be waited for right away, which orders the same work the same
+        way, so this saves the two events and the stream switch."""
         if round_scale or use_ue8m0:
             raise NotImplementedError("epcomm.Buffer.low_latency_dispatch: round_scale / use_ue8m0 (power-of-2 and "
                                       "UE8M0 scales) are not supported; epcomm's fp8 scales are amax / 448 in fp32")
-        self._check("x", x)
-        self._check("topk_idx", topk_idx)
+        dev = self._device
+        if x.device != dev or topk_idx.device != dev:
+            self._check("x", x)
+            self._check("topk_idx", topk_idx)
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         num_tokens, hidden = x.shape
         max_tokens = num_max_dispatch_tokens_per_rank
         runtime = self._ll_runtime(max_tokens, hidden, num_experts)
         num_ranks = self.group_size
-        num_local = num_experts // num_ranks
-        slots = num_ranks * max_tokens
-        with _Launch(self, None, async_finish) as launch:
-            recv_x, recv_scales, scales_out, recv_count, src_info, layout_range, deepep_range = self._ll_recv_slot(
-                num_local, slots, hidden, torch.float8_e4m3fn if use_fp8 else x.dtype, use_fp8)
-            args = _capi.LlDispatchArgs()
-            args.num_tokens, args.max_tokens_per_rank, args.hidden = num_tokens, max_tokens, hidden
-            args.topk, args.num_experts, args.dtype = topk_idx.size(1), num_experts, ep_dtype(x.dtype)
-            args.use_fp8, args.layout = int(use_fp8), _capi.LL_EXPERT_MAJOR
-            args.x, args.topk_idx = ptr(x), ptr(topk_idx)
-            args.recv_x, args.recv_x_bytes = ptr(recv_x), nbytes(recv_x)
-            args.recv_x_scales, args.recv_x_scales_bytes = ptr(recv_scales), nbytes(recv_scales)
-            args.recv_count, args.recv_count_bytes = ptr(recv_count), nbytes(recv_count)
-            args.recv_src_info, args.recv_src_info_bytes = ptr(src_info), nbytes(src_info)
-            args.recv_layout_range, args.recv_layout_range_bytes = ptr(layout_range), nbytes(layout_range)
-
-            def received() -> None:
-                torch.bitwise_or(layout_range.bitwise_and(0xFFFFFFFF) << 32, layout_range >> 32, out=deepep_range)
-                if scales_out is not None:
-                    scales_out.copy_(recv_scales)
-                if cumulative_local_expert_recv_stats is not None:
-                    cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
-
-            args.phases = _capi.LL_SEND if return_recv_hook else _capi.LL_SEND_RECV
-            runtime.ll_dispatch(args, launch.stream)
+        slot = self._ll_recv_slot(num_experts // num_ranks, num_ranks * max_tokens, hidden,
+                                  torch.float8_e4m3fn if use_fp8 else x.dtype, use_fp8, max_tokens, num_experts)
+        dtype, topk, xp, tp = ep_dtype(x.dtype), topk_idx.size(1), ptr(x), ptr(topk_idx)
+        stats = cumulative_local_expert_recv_stats
+        cuda = self._cuda
+        phases = _capi.LL_SEND if return_recv_hook else _capi.LL_SEND_RECV
+        keep = (x, topk_idx, stats)
+        if cuda and async_finish:
+            with _Launch(self, None, True) as launch:
+                runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, phases, 0, launch.stream)
+                if not return_recv_hook:
+                    slot.received(stats)
+            event = launch.finish(keep + slot.tensors)
+            stream = None  # the receive hook runs on its caller's current stream (see hook)
+        else:
+            stream = self._current_stream() if cuda else 0
+            runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, phases, slot.host_range,
+                                     stream)
             if not return_recv_hook:
-                received()
-        keep = (x, topk_idx, recv_x, recv_scales, scales_out, recv_count, src_info, layout_range, deepep_range,
-                cumulative_local_expert_recv_stats)
+                slot.received(stats)
+            event = EventOverlap(EventHandle() if async_finish else None)
+        send_stream = torch.cuda.current_stream() if cuda and return_recv_hook and stream is not None else None
 
         def hook() -> None:
-            args.phases = _capi.LL_RECV
-            with _Launch(self, None, False) as recv_launch:
-                runtime.ll_dispatch(args, recv_launch.stream)
-                received()
-            recv_launch.finish(keep)
+            if stream is not None:  # on the stream of the send half
+                if send_stream is None:  # host engine
+                    runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV,
+                                             slot.host_range, stream)
+                    slot.received(stats)
+                    return
+                with torch.cuda.stream(send_stream):  # received()'s torch ops too
+                    runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV, 0,
+                                             stream)
+                    slot.received(stats)
+                return
+            with _Launch(self, None, False) as recv_launch:  # after the send half on the communication stream
+                runtime.ll_dispatch_with(slot.dispatch_args, num_tokens, topk, dtype, xp, tp, _capi.LL_RECV, 0,
+                                         recv_launch.stream)
+                slot.received(stats)
+            recv_launch.finish(keep + slot.tensors)
 
-        handle = LowLatencyHandle((src_info, deepep_range, max_tokens, hidden, num_experts), recv_count, layout_range)
-        event = launch.finish(keep)
-        out_x = (recv_x, scales_out) if use_fp8 else recv_x
-        return out_x, recv_count, handle, event, (hook if return_recv_hook else None)
+        handle = LowLatencyHandle((slot.src_info, slot.deepep_range, max_tokens, hidden, num_experts),
+                                  slot.recv_count, slot.layout_range, slot.combine_args)
+        out_x = (slot.recv_x, slot.scales_out) if use_fp8 else slot.recv_x
+        return out_x, slot.recv_count, handle, event, (hook if return_recv_hook else None)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
             Tuple[torch.Tensor, EventOverlap, Callable]:
-        """out[t] = sum over k of topk_weights[t, k] * x[e_k][slot(t, k)], in fp32 in k order."""
+        """out[t] = sum over k of topk_weights[t, k] * x[e_k][slot(t, k)], in fp32 in k order. Streams as in
+        low_latency_dispatch."""
         if use_logfmt:
             raise NotImplementedError("epcomm.Buffer.low_latency_combine: use_logfmt (LogFMT-compressed combine) is "
                                       "not supported")
-        src_info, _, max_tokens, hidden, num_experts = handle
-        recv_count, layout_range = handle.recv_count, handle.c_layout_range
+        max_tokens, hidden, num_experts = handle[2], handle[3], handle[4]
         runtime = self._ll_runtime(max_tokens, hidden, num_experts)
+        dev = self._device
         if zero_copy:
             y = self._ll_combine_buffer(handle, advance=True)  # x's data is not read: y already holds it
         else:
-            self._check("x", x)
+            if x.device != dev:
+                self._check("x", x)
             y = x.contiguous()
-        self._check("topk_idx", topk_idx)
-        self._check("topk_weights", topk_weights)
+        if topk_idx.device != dev or topk_weights.device != dev:
+            self._check("topk_idx", topk_idx)
+            self._check("topk_weights", topk_weights)
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous().float()
-        num_tokens = topk_idx.size(0)
-        with _Launch(self, None, async_finish) as launch:
-            combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=y.dtype, device=self._device)
-            self._check("out", combined)
-            args = _capi.LlCombineArgs()
-            args.num_tokens, args.max_tokens_per_rank, args.hidden = num_tokens, max_tokens, hidden
-            args.topk, args.num_experts, args.dtype = topk_idx.size(1), num_experts, ep_dtype(y.dtype)
-            args.layout = _capi.LL_EXPERT_MAJOR
-            args.y, args.y_bytes = ptr(y), nbytes(y)
-            args.recv_count, args.recv_src_info, args.recv_layout_range = ptr(recv_count), ptr(src_info), ptr(layout_range)
-            args.topk_idx, args.topk_weights = ptr(topk_idx), ptr(topk_weights)
-            args.out, args.out_bytes = ptr(combined), nbytes(combined)
-            args.phases = _capi.LL_SEND if return_recv_hook else _capi.LL_SEND_RECV
-            runtime.ll_combine(args, launch.stream)
-        keep = (y, topk_idx, topk_weights, src_info, layout_range, recv_count, combined)
+        num_tokens, topk = topk_idx.shape
+        base = handle.combine_args
+        cuda = self._cuda
+        phases = _capi.LL_SEND if return_recv_hook else _capi.LL_SEND_RECV
+        dtype = ep_dtype(y.dtype)
+        yp, yb, tp, wp = ptr(y), nbytes(y), ptr(topk_idx), ptr(topk_weights)
+        if cuda and async_finish:
+            with _Launch(self, None, True) as launch:
+                combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=y.dtype, device=dev)
+                self._check("out", combined)
+                op, ob = ptr(combined), nbytes(combined)
+                runtime.ll_combine_with(base, num_tokens, topk, dtype, yp, yb, tp, wp, op, ob, phases, launch.stream)
+            keep = (y, topk_idx, topk_weights, handle[0], handle.c_layout_range, handle.recv_count, combined)
+            event = launch.finish(keep)
+            stream = None
+        else:
+            combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=y.dtype, device=dev)
+            if out is not None:
+                self._check("out", combined)
+            op, ob = ptr(combined), nbytes(combined)
+            stream = self._current_stream() if cuda else 0
+            runtime.ll_combine_with(base, num_tokens, topk, dtype, yp, yb, tp, wp, op, ob, phases, stream)
+            keep = (y, topk_idx, topk_weights, combined)
+            event = EventOverlap(EventHandle() if async_finish else None)
 
-        def hook() -> None:
-            args.phases = _capi.LL_RECV
-            with _Launch(self, None, False) as recv_launch:
-                runtime.ll_combine(args, recv_launch.stream)
+        def hook() -> None:  # holds the call's tensors (keep) until it has run
+            if stream is not None:  # on the stream of the send half
+                runtime.ll_combine_with(base, num_tokens, topk, dtype, yp, yb, tp, wp, op, ob, _capi.LL_RECV, stream)
+                return
+            with _Launch(self, None, False) as recv_launch:  # after the send half on the communication stream
+                runtime.ll_combine_with(base, num_tokens, topk, dtype, yp, yb, tp, wp, op, ob, _capi.LL_RECV,
+                                        recv_launch.stream)
             recv_launch.finish(keep)
 
-        event = launch.finish(keep)
         return combined, event, (hook if return_recv_hook else None)
 
     def _ll_combine_buffer(self, handle, advance: bool) -> torch.Tensor:
@@ -561,7 +665,7 @@ class Buffer:
         GPU engine; the C library alternates two, one per combine), or -- where the engine has none (the host
         engine answers epNotSupported: its combine reads y in place anyway) -- one of two Buffer-owned tensors
         that alternate per zero-copy combine (advance=True: this call is that combine)."""
-        _, _, max_tokens, hidden, num_experts = handle
+        max_tokens, hidden, num_experts = handle[2], handle[3], handle[4]
         shape = (num_experts // self.group_size, self.group_size * max_tokens, hidden)
         runtime = self._ll_runtime(max_tokens, hidden, num_experts)
         if self._ll_zero_copy:
@@ -585,12 +689,13 @@ class Buffer:
         need = shape[0] * shape[1] * shape[2] * 2
         if need > size:
             raise RuntimeError(f"epcomm.Buffer: the zero-copy region has {size} bytes, the combine needs {need}")
-        raw = self._ll_region_views.get(address)
-        if raw is None or raw.numel() != size:
+        cached = self._ll_region_views.get(address)
+        if cached is None or cached[0] != size or cached[1] != shape:
             device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
             raw = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id))
-            self._ll_region_views[address] = raw
-        return raw[:need].view(torch.bfloat16).view(shape)
+            cached = (size, shape, raw[:need].view(torch.bfloat16).view(shape))
+            self._ll_region_views[address] = cached
+        return cached[2]
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """The bf16 [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden] tensor that the
@@ -683,7 +788,7 @@ class Buffer:
         """(token_rows, alltoallv_elements): int64 CPU tensors of num_ranks, cumulative per destination rank
         since the communicator was created (the first LL call re-creates it, see the README): dispatch rows
         (HT and LL; one per token and destination rank) and alltoallv elements (the Buffer's own count exchange
-        of exact-mode HT dispatch, int32 units) not sent because the destination was masked. An epcomm
+        of exact-mode HT dispatch, made only for the full rank_prefix_matrix; int32 units) not sent because the destination was masked. An epcomm
         extension (DeepEP has no such counters)."""
         if self.runtime is None:
             raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")

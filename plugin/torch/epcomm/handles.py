@@ -29,10 +29,12 @@ class HtHandle(tuple):
 class LowLatencyHandle(tuple):
     """DeepEP's LL handle: (recv_src_info, recv_layout_range, num_max_dispatch_tokens_per_rank, hidden,
     num_experts), recv_layout_range encoded as DeepEP's ((begin << 32) | count per source rank); plus what
-    epcomm's combine needs: .recv_count and .c_layout_range (the C API's (count << 32) | begin)."""
+    epcomm's combine needs: .recv_count, .c_layout_range (the C API's (count << 32) | begin) and .combine_args
+    (the C API's combine arguments over this layout, filled once per set of dispatch outputs)."""
 
-    def __new__(cls, items, recv_count: torch.Tensor, c_layout_range: torch.Tensor):
+    def __new__(cls, items, recv_count: torch.Tensor, c_layout_range: torch.Tensor, combine_args=None):
         self = super().__new__(cls, items)
         self.recv_count = recv_count
         self.c_layout_range = c_layout_range
+        self.combine_args = combine_args
         return self
