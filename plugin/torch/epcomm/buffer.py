@@ -139,6 +139,9 @@ class Buffer:
         self._ll_shape = (0, 0, 0)  # LL capacity of the communicator: (max tokens per rank, hidden, experts)
         self._ll_zero_copy = True  # the engine hands out zero-copy regions (epLlCombineBuffer); else a fallback
         self._ll_region_views = {}  # address of a zero-copy region -> (bytes, shape, bf16 view of that shape)
+        # Communicators replaced by a larger LL one after they handed out zero-copy views: kept alive (unused) until
+        # destroy(), so that a tensor a caller still holds never points at freed memory.
+        self._retired_runtimes: list = []
         self._ll_combine_buffers: List[torch.Tensor] = []
         self._ll_recv_slots: List = [None, None]
         self._ll_slot_idx = 0
@@ -156,6 +159,9 @@ class Buffer:
         if self.runtime is not None:
             self.runtime.destroy()
         self.runtime = None
+        for old in self._retired_runtimes:  # the caller's zero-copy views of them end here too
+            old.destroy()
+        self._retired_runtimes.clear()
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -494,8 +500,11 @@ class Buffer:
                 "shape, before capturing")
         engine = self.runtime.engine
         self._free_ht_handles.clear()
+        if self._ll_region_views:
+            self._retired_runtimes.append(self.runtime)  # views of its memory are out there: keep it alive
+        else:
+            self.runtime.destroy()  # HT handles still held by the caller no longer combine (epcomm says so if used)
         self._ll_region_views.clear()
-        self.runtime.destroy()  # HT handles still held by the caller no longer combine (epcomm says so if used)
         self.runtime = None
         shape = (max(max_tokens, m), max(hidden, h), num_experts)
         self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
