@@ -624,6 +624,7 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
 void joinVirtualHost(int rank, int per_host, const char* net) {
   setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank / per_host)).c_str(), 1);
   setenv("EPCOMM_NET", net, 1);
+  epref::gRefRanksPerHost = per_host;  // HT combine's order across hosts (reference.h)
 }
 
 bool netOffered(const char* net) {
