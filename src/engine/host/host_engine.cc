@@ -131,7 +131,11 @@ HostEngine::~HostEngine() {
     record_async_ = false;
     for (int c = 0; c < nchan_; ++c) (void)flushSends(epPhaseData, c);
   }
-  if (bridge_) bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
+  if (bridge_) {
+    bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
+    EP_INFO(kSubsysNet, "rank %d sent %llu ring bytes to ranks of other hosts (HT %s)", rank_,
+            static_cast<unsigned long long>(bridge_->bytesSent()), hier_ ? "hierarchical" : "flat");
+  }
   pool_.reset();
 }
 

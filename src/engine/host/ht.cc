@@ -582,7 +582,8 @@ epResult_t HostEngine::htCombinePulled(const epHtCombineArgs_t* a, const epHtHan
 // Combine. A rank sends, per channel, first to the forwarder of each owner on another host (owners ascending)
 // that owner's rows, then its own host's owners their rows directly. A forwarder first reduces, per owner it
 // forwarded for (ascending), the rows of its host's ranks for each forwarded token in fp32, ranks ascending,
-// and sends the owner the fp32 partial row; then it does its own tokens: per token, hosts ascending, each
+// and sends the owner the fp32 partial row (the row itself, in its dtype, where one rank holds the token: that
+// partial is 0 + x = x exactly); then it does its own tokens: per token, hosts ascending, each
 // host's partial (its own host's reduced here the same way) added to an fp32 accumulator that starts at 0,
 // rounded once. The forward step needs only its own host's ranks, so no cycle of waits forms across hosts.
 //
@@ -731,7 +732,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   const int dt = ok ? a->dtype : 0;
   const size_t row = ok ? static_cast<size_t>(H) * dtypeSize(a->dtype) : 0;
   const std::vector<int>& mine = host_ranks_[my_host_];
-  std::deque<std::vector<float>> keep;  // partial rows, until pushed (flushSends below)
+  std::deque<std::vector<uint8_t>> keep;  // partial rows, until pushed (flushSends below)
   std::vector<uint8_t> tmp(row);
   auto accumulateFrom = [&](int q, float* acc) -> epResult_t {  // one row of q's channel-c message
     EPCHECK(waitIn(q, row, epPhaseData, c));
@@ -773,15 +774,28 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
     }
     MsgHeader out = makeHeader(cur_op_, epSuccess, 0);
     if (good) {
-      keep.emplace_back(n * H);
-      float* part = keep.back().data();
+      // A token that one rank of this host holds: its partial, 0 + x, is x exactly, so x goes as it is (row
+      // dtype; the owner widens it, the same value). Otherwise the fp32 partial, never rounded to the row dtype.
+      size_t bytes = 0;
+      for (size_t i = 0; i < n; ++i) bytes += __builtin_popcountll((*mk)[i]) == 1 ? row : H * sizeof(float);
+      keep.emplace_back(bytes);
+      uint8_t* dst = keep.back().data();
+      std::vector<float> acc(H);
       for (size_t i = 0; i < n; ++i) {
-        float* acc = part + i * H;  // zero-initialised; ranks ascending
+        const uint64_t w = (*mk)[i];
+        if (__builtin_popcountll(w) == 1) {
+          EPCHECK(recvInto(mine[__builtin_ctzll(w)], dst, row, epPhaseData, c));
+          dst += row;
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);  // ranks ascending
         for (size_t qi = 0; qi < mine.size(); ++qi)
-          if (((*mk)[i] >> qi) & 1) EPCHECK(accumulateFrom(mine[qi], acc));
+          if ((w >> qi) & 1) EPCHECK(accumulateFrom(mine[qi], acc.data()));
+        memcpy(dst, acc.data(), H * sizeof(float));
+        dst += H * sizeof(float);
       }
       out.v[0] = static_cast<int64_t>(n);
-      post(s, out, nullptr, 0, {{reinterpret_cast<const uint8_t*>(part), n * H * sizeof(float)}}, c);
+      post(s, out, nullptr, 0, {{keep.back().data(), bytes}}, c);
     } else {
       for (size_t qi = 0; qi < mine.size(); ++qi)
         if (got[qi]) EPCHECK(skipIn(mine[qi], got[qi], epPhaseData, c));
@@ -813,10 +827,10 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   }
   const int T = a->num_tokens, tb = chanBegin(T, c), te = chanBegin(T, c + 1);
   const uint8_t* ir = h->in_rank.data();
-  auto hostHas = [&](int t, int hh) {
-    for (int r : host_ranks_[hh])
-      if (ir[static_cast<size_t>(t) * R + r]) return true;
-    return false;
+  auto hostHas = [&](int t, int hh) {  // how many ranks of host hh hold token t
+    int k = 0;
+    for (int r : host_ranks_[hh]) k += ir[static_cast<size_t>(t) * R + r];
+    return k;
   };
   for (int q : mine) {
     if (!active(q)) continue;
@@ -828,14 +842,17 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   std::vector<uint64_t> pbytes(nhosts_, 0);
   for (int hh = 0; hh < nhosts_; ++hh) {
     if (fw[hh] < 0) continue;
-    size_t cnt = 0;
-    for (int t = tb; t < te; ++t) cnt += hostHas(t, hh) ? 1 : 0;
+    size_t want = 0;  // one row in the row dtype where one rank holds the token, else an fp32 row
+    for (int t = tb; t < te; ++t) {
+      const int k = hostHas(t, hh);
+      want += k == 0 ? 0 : k == 1 ? row : H * sizeof(float);
+    }
     MsgHeader m;
     EPCHECK(recvInto(fw[hh], &m, sizeof(m), epPhaseData, c));
     if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != fw[hh] || m.extra_bytes != 0)
       return fail(epInternalError, fw[hh], epPhaseData, "HT combine partial sum message is out of sync");
     pbytes[hh] = m.data_bytes;
-    if (m.status != epSuccess || m.data_bytes != cnt * H * sizeof(float))
+    if (m.status != epSuccess || m.data_bytes != want)
       bad = fail(epRemoteError, fw[hh], epPhaseData,
                  "the forwarding rank of another host could not reduce its ranks' rows (its handle or arguments "
                  "do not match this combine)");
@@ -860,6 +877,10 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
         std::fill(part.begin(), part.end(), 0.0f);
         for (int q : mine)
           if (ir[static_cast<size_t>(t) * R + q]) EPCHECK(accumulateFrom(q, part.data()));
+      } else if (hostHas(t, hh) == 1) {
+        EPCHECK(recvInto(fw[hh], tmp.data(), row, epPhaseData, c));
+        std::fill(part.begin(), part.end(), 0.0f);
+        accumulateRow(part.data(), tmp.data(), H, dt);
       } else {
         EPCHECK(recvInto(fw[hh], part.data(), H * sizeof(float), epPhaseData, c));
       }
