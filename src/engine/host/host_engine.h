@@ -19,8 +19,10 @@
 // Across hosts. Ranks with the same host identity (hostname + boot id, or EPCOMM_HOSTID) share memory; toward a
 // rank of another host the rings and region-header words are carried over the net transport by a NetBridge
 // (net_bridge.h), so the protocol above is the same everywhere. Rows by reference need every pair to share a
-// host: with more than one host every row travels through the queues (flat: a token goes to each destination
-// rank separately, also when several of them share a host).
+// host: with more than one host every row travels through the queues. HT dispatch and combine then run
+// hierarchically (ht.cc: a token row crosses once per destination host, to a forwarding rank that fans it out
+// inside its host; combine reduces inside the host and sends one partial per token and host back) unless
+// EPCOMM_HT_HIERARCHICAL=0; every other operation is flat (a token goes to each destination rank separately).
 //
 // Elastic ranks. "Every rank" above means every active rank: masked ranks (epCommSetActiveRanks) get no message,
 // none is read from them (recvHeaders hands the operation an empty stand-in), and no wait involves them. How the
