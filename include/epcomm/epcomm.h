@@ -32,7 +32,8 @@
  *   outputs are complete. Outputs described below as "engine memory" are host memory. Ranks may sit on
  *   several hosts: ranks with the same host identity (EPCOMM_HOSTID, else hostname + boot id) share memory,
  *   the others are reached over the net transport (EPCOMM_NET=socket|ofi) only; results are bit-identical to
- *   those of the same ranks on one host (every combine keeps the order stated below).
+ *   those of the same ranks on one host, except HT combine across hosts, which sums per host first (its exact
+ *   order is stated at epHtCombine; EPCOMM_HT_HIERARCHICAL=0 restores the one-host order).
  * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
  *   device memory. The ranks must share one host; their communication buffers (allocated once, at creation)
  *   are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (under MPS).
@@ -283,9 +284,20 @@ EPCOMM_API epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx
  *
  * Combine: combined_x[t] = sum over the ranks r that received t, in ascending r, of x_r[row(t, r)],
  * accumulated in fp32 and rounded once (bit-identical from run to run). Tokens no rank received get 0.
- * Across hosts (host engine) the order is the same ascending global rank order, whatever host r is on: the
- * token's owner receives every x_r[row(t, r)] row and reduces them itself, so the result does not depend on
- * how the ranks are split into hosts.
+ * Across hosts (host engine, ranks on more than one host) HT runs hierarchically by default: dispatch sends
+ * each token row once to every destination host (to one forwarding rank there, which passes it on to the
+ * ranks of its host that need it); every dispatch output is bit-identical to one host's. Combine reduces
+ * inside each host first, so its order is, exactly:
+ *   hosts are numbered in the order of their lowest rank; for each host h that holds token t, in ascending h,
+ *     P_h = fp32 sum, starting from +0.0f, of x_r[row(t, r)] over the ranks r of h that received t, ascending r;
+ *   acc = +0.0f; acc = acc + P_h for those hosts in ascending h (fp32); combined_x[t] = acc rounded once.
+ * P_h crosses hosts in fp32, never rounded to the row dtype in between (where one rank of h holds t, P_h is
+ * that row exactly and crosses in its dtype). On one host this is the order above (acc = +0.0f + P_0 = P_0),
+ * so one-host results are unchanged; across hosts results can differ from one host's in the last bits of fp32
+ * rounding (bf16/fp16 outputs mostly hide it), and they do not depend on the number of channels, the network
+ * or timing: bit-identical from run to run for a given split of ranks into hosts. EPCOMM_HT_HIERARCHICAL=0
+ * (the same on every rank) selects the flat path, where the token's owner receives every x_r[row(t, r)] row and
+ * reduces them itself in ascending global rank order, bit-identical to one host.
  * ------------------------------------------------------------------------------------------------------- */
 #define EP_HT_USE_HANDLE_LAYOUT 0x1u
 

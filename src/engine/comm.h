@@ -74,6 +74,11 @@ struct epHtHandle {
   void* gpu = nullptr;                 // the GPU engine's device-side copy of the layout
   uint64_t mask_gen = 0;               // host engine: the mask generation the layout was computed under
   std::vector<int> masked_count;       // host engine: [R] tokens of the layout not sent because r was masked
+  // Host engine, hierarchical HT across hosts: whether the last dispatch ran hierarchically, and for each source
+  // rank s of another host that this rank forwarded and channel c, fwd_mask[s * C + c] holds one word per row
+  // forwarded (token order): bit i = the i-th rank of this host received that row. Combine reduces by it.
+  bool hier = false;
+  std::vector<std::vector<uint64_t>> fwd_mask;
 };
 
 namespace epcomm {

@@ -9,7 +9,9 @@
 // e / L with local id e % L; topk_idx entries are in [-1, E). Buffers are byte vectors in the operation's
 // dtype; "poison" is the byte that rows an operation must not write keep.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -155,7 +157,19 @@ inline void htPadToWorst(const HtRecv& in, int K, int W, std::vector<int64_t>* i
 // ---------------------------------------------------------------------------------------------------------
 // HT combine. ys[r] is rank r's combine input: its received rows (htRecvRows order), [num_recv_r, H] in
 // dtype. Returns combined_x [T, H] of rank `rank`.
+//
+// Order (include/epcomm/epcomm.h): on one host (or flat across hosts, EPCOMM_HT_HIERARCHICAL=0) fp32, ranks
+// ascending, from 0. Across hosts, hierarchical: per host (hosts in the order of their lowest rank) an fp32
+// partial from 0 over that host's ranks ascending; then the partials of the hosts that hold the token, hosts
+// ascending, added to an fp32 accumulator from 0; rounded once. gRefRanksPerHost > 0 says the ranks sit on
+// hosts of that many consecutive ranks (as the tests' virtual hosts do).
 // ---------------------------------------------------------------------------------------------------------
+inline int gRefRanksPerHost = 0;
+inline bool refHierarchical(int nranks) {
+  const char* e = getenv("EPCOMM_HT_HIERARCHICAL");
+  return gRefRanksPerHost > 0 && nranks > gRefRanksPerHost && !(e && strcmp(e, "0") == 0);
+}
+
 inline std::vector<uint8_t> htCombine(const std::vector<RankInput>& all, const Shape& s,
                                       const std::vector<std::vector<uint8_t>>& ys, int dtype, int rank) {
   int H = s.hidden, T = all[rank].num_tokens;
@@ -170,11 +184,18 @@ inline std::vector<uint8_t> htCombine(const std::vector<RankInput>& all, const S
   for (int t = 0; t < T; ++t)
     for (int h = 0; h < H; ++h) {
       float acc = 0.0f;
-      for (int r = 0; r < s.nranks; ++r) {
-        int row = row_of[r][t];
-        if (row < 0) continue;
-        float v = epcomm::loadAsFloat(ys[r].data(), static_cast<size_t>(row) * H + h, dtype);
-        acc = acc + v;
+      const int per_host = refHierarchical(s.nranks) ? gRefRanksPerHost : s.nranks;
+      for (int h0 = 0; h0 < s.nranks; h0 += per_host) {
+        float part = 0.0f;
+        bool any = false;
+        for (int r = h0; r < std::min(s.nranks, h0 + per_host); ++r) {
+          int row = row_of[r][t];
+          if (row < 0) continue;
+          float v = epcomm::loadAsFloat(ys[r].data(), static_cast<size_t>(row) * H + h, dtype);
+          part = part + v;
+          any = true;
+        }
+        if (any) acc = acc + part;
       }
       epcomm::storeFromFloat(out.data(), static_cast<size_t>(t) * H + h, dtype, acc);
     }

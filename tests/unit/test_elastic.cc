@@ -624,6 +624,7 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
 void joinVirtualHost(int rank, int per_host, const char* net) {
   setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank / per_host)).c_str(), 1);
   setenv("EPCOMM_NET", net, 1);
+  epref::gRefRanksPerHost = per_host;  // HT combine's order across hosts (reference.h)
 }
 
 bool netOffered(const char* net) {
@@ -741,6 +742,51 @@ TEST_P(CrossHostElastic, StalledPeer) {
     return rc;
   }, 120000);
   munmap(victim_pid, sizeof(std::atomic<pid_t>));
+  EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
+  for (int r = 0; r < R; ++r) {
+    if (r != kVictim) {
+      EXPECT_EQ(codes[r], 0) << "rank " << r;
+    }
+  }
+}
+
+// 2 hosts x 2 ranks; rank 3 is killed in the middle of the operation mix. It is a forwarder of hierarchical HT
+// (host 1's forwarder for rank 1's rows in dispatch and for the partial sums back to rank 1 in combine): the
+// survivors fail within the deadline, mask it, and go on bit-exact with rank 2 forwarding for everyone of host 0.
+TEST_P(CrossHostElastic, KilledForwarder) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  constexpr int R = 4, kPerHost = 2, kVictim = 3;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    joinVirtualHost(rank, kPerHost, net);
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    Step st(R, 83, std::vector<uint8_t>(R, 1));
+    std::string e = runAll(comm, rank, st, rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    if (rank == kVictim) {
+      std::thread([] {
+        usleep(2000);
+        kill(getpid(), SIGKILL);
+      }).detach();
+      for (;;) runAll(comm, rank, st, rows, a2a);
+    }
+    epResult_t r = epSuccess;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      e = runAll(comm, rank, st, rows, a2a);
+      r = e.empty() ? epSuccess : epRemoteError;
+    }
+    epResult_t async = epSuccess;
+    epCommGetAsyncError(comm, &async, nullptr);
+    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
+    return survive(comm, rank, R, {kVictim}, async, msSince(t0));
+  }, 120000);
   EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
   for (int r = 0; r < R; ++r) {
     if (r != kVictim) {

@@ -369,6 +369,7 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
         if (gHosts > 0) {
           setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank / (R / gHosts))).c_str(), 1);
           setenv("EPCOMM_NET", gNet, 1);
+          epref::gRefRanksPerHost = R / gHosts;  // HT combine's order across hosts (reference.h)
         }
         epComm_t comm = nullptr;
         epResult_t rc = epCommInitRank(&comm, R, &id, rank, &cfg);

@@ -25,10 +25,10 @@ namespace epcomm {
 EP_PARAM(QueueBytes, "QUEUE_BYTES", 1 << 20);
 EP_PARAM(HostChannels, "HOST_CHANNELS", 0);
 EP_PARAM(HostCma, "HOST_CMA", 1);
+EP_PARAM(HtHierarchical, "HT_HIERARCHICAL", 1);
 
 namespace {
 
-constexpr uint32_t kMsgMagic = 0x65704d31u;  // "epM1"
 constexpr int kMaxChannels = 8;
 constexpr int64_t kLiveCheckNs = 50 * 1000000LL;
 
@@ -131,7 +131,11 @@ HostEngine::~HostEngine() {
     record_async_ = false;
     for (int c = 0; c < nchan_; ++c) (void)flushSends(epPhaseData, c);
   }
-  if (bridge_) bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
+  if (bridge_) {
+    bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
+    EP_INFO(kSubsysNet, "rank %d sent %llu ring bytes to ranks of other hosts (HT %s)", rank_,
+            static_cast<unsigned long long>(bridge_->bytesSent()), hier_ ? "hierarchical" : "flat");
+  }
   pool_.reset();
 }
 
@@ -208,7 +212,25 @@ epResult_t HostEngine::init() {
     pids_.push_back(all[r].pid);
   }
   nhosts_ = 0;
-  for (int r = 0; r < nranks_; ++r) nhosts_ += first_of[r] == r ? 1 : 0;
+  host_of_.assign(nranks_, 0);
+  local_idx_.assign(nranks_, 0);
+  host_ranks_.clear();
+  for (int r = 0; r < nranks_; ++r) {
+    if (first_of[r] == r) {
+      ++nhosts_;
+      host_ranks_.emplace_back();
+    }
+    host_of_[r] = first_of[r] == r ? nhosts_ - 1 : host_of_[first_of[r]];
+    local_idx_[r] = static_cast<int>(host_ranks_[host_of_[r]].size());
+    host_ranks_[host_of_[r]].push_back(r);
+  }
+  my_host_ = host_of_[rank_];
+  // Hierarchical HT (ht.cc) with more than one host, unless EPCOMM_HT_HIERARCHICAL=0; a host's ranks are named
+  // by the bits of one word, so at most 64 per host. Every rank derives the same answer from the same table
+  // (the environment variable must agree too: it is part of the HT operations' shape signature).
+  size_t widest = 0;
+  for (const auto& hr : host_ranks_) widest = std::max(widest, hr.size());
+  hier_ = nhosts_ > 1 && widest <= 64 && epParamHtHierarchical() != 0;
   nchan_ = me.channels;
   for (const HostInfo& i : all) nchan_ = std::min(nchan_, static_cast<int>(i.channels));
   const int C = nchan_;
@@ -269,6 +291,8 @@ epResult_t HostEngine::init() {
   EP_INFO(kSubsysInit, "host engine ready: %d ranks on %d hosts, %d channels, queues of %zu bytes, %s%s%s", nranks_,
           nhosts_, C, ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues",
           bridge_ ? ", other hosts over net/" : "", bridge_ ? bridge_->backendName() : "");
+  if (nhosts_ > 1)
+    EP_INFO(kSubsysInit, "HT across hosts: %s", hier_ ? "hierarchical (once per host, then inside it)" : "flat");
   return epSuccess;
 }
 

@@ -19,8 +19,10 @@
 // Across hosts. Ranks with the same host identity (hostname + boot id, or EPCOMM_HOSTID) share memory; toward a
 // rank of another host the rings and region-header words are carried over the net transport by a NetBridge
 // (net_bridge.h), so the protocol above is the same everywhere. Rows by reference need every pair to share a
-// host: with more than one host every row travels through the queues (flat: a token goes to each destination
-// rank separately, also when several of them share a host).
+// host: with more than one host every row travels through the queues. HT dispatch and combine then run
+// hierarchically (ht.cc: a token row crosses once per destination host, to a forwarding rank that fans it out
+// inside its host; combine reduces inside the host and sends one partial per token and host back) unless
+// EPCOMM_HT_HIERARCHICAL=0; every other operation is flat (a token goes to each destination rank separately).
 //
 // Elastic ranks. "Every rank" above means every active rank: masked ranks (epCommSetActiveRanks) get no message,
 // none is read from them (recvHeaders hands the operation an empty stand-in), and no wait involves them. How the
@@ -28,6 +30,7 @@
 #pragma once
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -40,6 +43,8 @@
 #include "transport/shm/shm.h"
 
 namespace epcomm {
+
+constexpr uint32_t kMsgMagic = 0x65704d31u;  // "epM1"
 
 struct MsgHeader {
   uint32_t magic;
@@ -160,6 +165,20 @@ class HostEngine final : public Engine {
   // A handle's layout predates a mask change: cached dispatch and combine refuse it.
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
 
+  // ---- hierarchical HT across hosts (ht.cc) ----
+  // Rank that forwards source s's rows inside host hh: among the active ranks of hh, the one at index
+  // (s's index on its host) mod (their number), as DeepEP forwards to the rank of the same local index;
+  // -1 if hh has no active rank.
+  int forwarder(int s, int hh) const;
+  epResult_t htForwardDispatch(const std::vector<Incoming>& in, int c, std::vector<std::vector<uint64_t>>& masks,
+                               std::deque<std::vector<uint8_t>>& keep);
+  // Channel c of a hierarchical HT dispatch: forwards, then receives every source's rows (lay != null) or
+  // discards them (the operation failed).
+  epResult_t htDispatchRecvHier(const epHtDispatchArgs_t* a, const epHtHandle* lay, const std::vector<Incoming>& in,
+                                int c);
+  epResult_t htCombineHier(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in, bool ok,
+                           bool st_ok, int c, std::atomic<bool>* forward_failed);
+
   // ---- op helpers ----
   // Pairs on masked ranks are left out; masked_to[r] (when given) counts the tokens not sent to masked r.
   void computeLayout(const int64_t* topk_idx, int T, int K, int E, std::vector<uint8_t>& in_rank,
@@ -182,6 +201,11 @@ class HostEngine final : public Engine {
   std::vector<int64_t> pids_;
   std::vector<uint8_t> remote_;   // [R] 1: rank r is on another host (reached through bridge_)
   int nhosts_ = 1;
+  bool hier_ = false;                       // HT dispatch/combine across hosts run hierarchically
+  int my_host_ = 0;
+  std::vector<int> host_of_;                // [R] host index (hosts numbered in the order of their lowest rank)
+  std::vector<int> local_idx_;              // [R] index of the rank among the ranks of its host
+  std::vector<std::vector<int>> host_ranks_;  // [hosts] ranks, ascending
   std::unique_ptr<NetBridge> bridge_;
   std::vector<std::vector<std::deque<OutMsg>>> outq_;  // [channel][peer]
   std::unique_ptr<class ChannelPool> pool_;
@@ -192,7 +216,8 @@ class HostEngine final : public Engine {
   std::deque<Pending> pending_;
   // Reused scratch: staging of LL sends (kept until pushed) and receive-side row buffers.
   std::vector<uint8_t> ll_dispatch_stage_, ll_combine_stage_, scratch_;
-  std::vector<int32_t> ll_combine_rows_;  // y rows of a joined LL combine whose rows the peers read
+  std::vector<int32_t> ll_combine_rows_;
+  std::vector<std::vector<uint64_t>> fwd_scratch_;  // [R * C] the forward masks of the HT dispatch in progress  // y rows of a joined LL combine whose rows the peers read
   std::vector<float> acc_;
   // Elastic ranks: the mask read at operation start, its generation (bumped when someone new is masked), the
   // ranks whose liveness waits check, the drop counters, and the resynchronization round.

@@ -3,6 +3,7 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -147,7 +148,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   // A rank without tokens may pass NULL arrays (the zero-size NULL rule): it still sends its (empty) routing.
   const bool send_idx = ok && (a->topk_idx != nullptr || T == 0);
   const bool send_w = send_idx && (a->topk_weights != nullptr || T == 0);
-  const uint64_t sig = ok ? shapeSig({E, H, K, a->dtype}) : 0;
+  const uint64_t sig = ok ? shapeSig({E, H, K, a->dtype, hier_ ? 1 : 0}) : 0;
   ExpertMap m{E, R, L > 0 ? L : 1};
 
   // Layout: from the handle (cached / exact mode) or from topk_idx.
@@ -191,6 +192,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     hdr.v[3] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a->x_scales));
     std::vector<int> cm = countMessage(*in_rank, per_expert_to, T, R, L, C, p);
     post(p, hdr, cm.data(), sizeof(int) * cm.size(), {});
+    if (hier_ && remote_[p]) continue;  // its rows go through its host's forwarder (below)
     for (int c = 0; c < C; ++c) {
       const int tb = chanBegin(T, c), te = chanBegin(T, c + 1);
       std::vector<Seg> segs;
@@ -228,6 +230,49 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       post(p, makeHeader(cur_op_, local, sig), nullptr, 0, std::move(segs), c);
     }
   }
+  // Hierarchical: to every other host with an active rank, channel c carries ONE message to the forwarder
+  // there: the tokens of channel c that any rank of that host needs, each once, with a word naming those ranks
+  // (bit i = the host's i-th rank). Field-major: [mask n][x rows n][scale rows n][topk_idx n*K global ids]
+  // [topk_weights n*K]. v[0] = n, v[1] = x row bytes | scale row bytes << 32, v[2] = K | E << 32, v[3] = the
+  // idx/weights flags: self-describing, so that a forwarder can pass it on whatever its own arguments were.
+  std::vector<std::vector<uint64_t>> union_mask(ok && hier_ ? static_cast<size_t>(nhosts_) * C : 0);
+  if (ok && hier_) {
+    for (int hh = 0; hh < nhosts_; ++hh) {
+      const int f = hh == my_host_ ? -1 : forwarder(rank_, hh);
+      if (f < 0) continue;
+      const std::vector<int>& ranks = host_ranks_[hh];
+      for (int c = 0; c < C; ++c) {
+        const int tb = chanBegin(T, c), te = chanBegin(T, c + 1);
+        auto& mk = union_mask[static_cast<size_t>(hh) * C + c];
+        std::vector<int> toks;
+        for (int t = tb; t < te; ++t) {
+          uint64_t w = 0;
+          for (size_t i = 0; i < ranks.size(); ++i)
+            if ((*in_rank)[static_cast<size_t>(t) * R + ranks[i]]) w |= uint64_t{1} << i;
+          if (w) mk.push_back(w), toks.push_back(t);
+        }
+        std::vector<Seg> segs;
+        segs.push_back({reinterpret_cast<const uint8_t*>(mk.data()), mk.size() * sizeof(uint64_t)});
+        const uint8_t* x = static_cast<const uint8_t*>(a->x);
+        for (int t : toks) segs.push_back({x + t * xrow, xrow});
+        if (fp8)
+          for (int t : toks) segs.push_back({reinterpret_cast<const uint8_t*>(a->x_scales) + t * srow, srow});
+        if (send_idx)
+          for (int t : toks)
+            segs.push_back({reinterpret_cast<const uint8_t*>(a->topk_idx + static_cast<size_t>(t) * K), K * sizeof(int64_t)});
+        if (send_w)
+          for (int t : toks)
+            segs.push_back({reinterpret_cast<const uint8_t*>(a->topk_weights + static_cast<size_t>(t) * K), K * sizeof(float)});
+        MsgHeader hdr = makeHeader(cur_op_, local, sig);
+        hdr.v[0] = static_cast<int64_t>(toks.size());
+        hdr.v[1] = static_cast<int64_t>(xrow | (static_cast<uint64_t>(srow) << 32));
+        hdr.v[2] = static_cast<int64_t>(static_cast<uint64_t>(K) | (static_cast<uint64_t>(E) << 32));
+        hdr.v[3] = (send_idx ? 1 : 0) | (send_w ? 2 : 0);
+        post(f, hdr, nullptr, 0, std::move(segs), c);
+      }
+    }
+  }
+  if (hier_) fwd_scratch_.assign(static_cast<size_t>(R) * C, {});
   pushSends();
 
   std::vector<Incoming> in;
@@ -270,7 +315,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   }
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
-    EPCHECK(drainChannels(in));
+    if (hier_) EPCHECK(runChannels([&](int c) { return htDispatchRecvHier(a, nullptr, in, c); }));
+    else EPCHECK(drainChannels(in));
     if (cma_) EPCHECK(exchangeDone());
     if (ok && !cached) h->valid = false;
     return st;
@@ -278,7 +324,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
 
   // Data: each channel places its rows of every source contiguously at their final rows.
   uint8_t* rx = static_cast<uint8_t*>(a->recv_x);
-  EPCHECK(runChannels([&](int c) -> epResult_t {
+  if (hier_) EPCHECK(runChannels([&](int c) { return htDispatchRecvHier(a, lay, in, c); }));
+  else EPCHECK(runChannels([&](int c) -> epResult_t {
     for (int s = 0; s < R; ++s) {
       if (in[s].masked) continue;
       int b = lay->recv_prefix[s];
@@ -345,6 +392,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
     h->recv_rows = num_recv;
     h->valid = true;
   }
+  h->hier = hier_;
+  if (hier_) h->fwd_mask = std::move(fwd_scratch_);
   return epSuccess;
 }
 
@@ -356,7 +405,7 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   const bool ok = local == epSuccess;
   const int H = ok ? a->hidden : 0;
   const size_t es = ok ? dtypeSize(a->dtype) : 0, row = H * es;
-  const uint64_t sig = ok ? shapeSig({H, a->dtype}) : 0;
+  const uint64_t sig = ok ? shapeSig({H, a->dtype, hier_ ? 1 : 0}) : 0;
   // Channel 0: the row count and where p's rows start in x; channel c: the rows of source p's tokens in p's
   // channel c, which are contiguous in this rank's receive order. With cross-memory attach there are no channel
   // messages: p pulls its rows straight out of x.
@@ -371,12 +420,31 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
     hdr.v[0] = h->recv_count[p];
     hdr.v[1] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x));
     post(p, hdr, nullptr, 0, {});
-    if (cma_) continue;
+    if (cma_ || hier_) continue;
     for (int c = 0; c < C; ++c) {
       const int n = h->recv_chan_count[static_cast<size_t>(p) * C + c];
       post(p, makeHeader(cur_op_, local, sig), nullptr, 0, {{x, n * row}}, c);
       x += n * row;
     }
+  }
+  // Hierarchical: per channel, first each owner of another host gets its rows through its forwarder on this host
+  // (owners ascending), then this host's owners get theirs directly (htCombineHier says why this order).
+  if (ok && hier_) {
+    auto slab = [&](int p, int c, const uint8_t** x, size_t* n) {
+      size_t b = h->recv_prefix[p];
+      for (int cc = 0; cc < c; ++cc) b += h->recv_chan_count[static_cast<size_t>(p) * C + cc];
+      *x = static_cast<const uint8_t*>(a->x) + b * row;
+      *n = h->recv_chan_count[static_cast<size_t>(p) * C + c] * row;
+    };
+    for (int c = 0; c < C; ++c)
+      for (int pass = 1; pass >= 0; --pass)
+        for (int p = 0; p < R; ++p) {
+          if (!active(p) || remote_[p] != pass) continue;
+          const uint8_t* x;
+          size_t n;
+          slab(p, c, &x, &n);
+          post(pass ? forwarder(p, my_host_) : p, makeHeader(cur_op_, local, sig), nullptr, 0, {{x, n}}, c);
+        }
   }
   pushSends();
   std::vector<Incoming> in;
@@ -390,11 +458,24 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
                     "of the ranks come from different dispatches",
                     s, static_cast<long long>(in[s].h.v[0]), h->send_count[s]);
   }
+  if (st == epSuccess && ok && hier_ && !h->hier)
+    st = EP_ERROR(epInvalidUsage, "the handle's dispatch did not run hierarchically but this combine does");
+  std::atomic<bool> forward_failed{false};
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
     if (cma_) EPCHECK(exchangeDone());
+    else if (hier_)
+      EPCHECK(runChannels([&](int c) { return htCombineHier(a, h, in, ok, false, c, &forward_failed); }));
     else EPCHECK(drainChannels(in));
     return st;
+  }
+  if (hier_) {
+    EPCHECK(runChannels([&](int c) { return htCombineHier(a, h, in, ok, true, c, &forward_failed); }));
+    if (forward_failed.load())
+      return fail(epInvalidUsage, -1, epPhaseData,
+                  "this rank could not reduce its host's rows for another host: its handle does not match what its "
+                  "host's ranks returned");
+    return epSuccess;
   }
   // Token by token, ranks ascending: fp32 accumulation in the order the design fixes, rounded once. Each
   // channel reduces its own tokens.
@@ -483,6 +564,331 @@ epResult_t HostEngine::htCombinePulled(const epHtCombineArgs_t* a, const epHtHan
     }
   }
   return epSuccess;
+}
+
+
+// ------------------------------------------------------------------------------------------------------
+// Hierarchical HT across hosts
+//
+// Dispatch. A source sends the rows of its ranks on its own host directly (as flat), and to every other host
+// one message per channel, to that host's forwarder for it (forwarder()): each token row that any rank there
+// needs travels once, with a word naming those ranks. The forwarder passes each rank of its host (itself
+// included) the very message the source would have sent it flat (rows, scales, topk_idx as that rank's local
+// ids, weights), one per (source, rank, channel). The rings carry, per channel, in this order: a rank's own
+// direct message, then the messages it forwards, sources ascending. So a receiver reads its own host's
+// sources first (ascending), then the other hosts' sources (ascending), each through its forwarder; rows land
+// at the same final places as flat, so every output is bit-identical to the flat path.
+//
+// Combine. A rank sends, per channel, first to the forwarder of each owner on another host (owners ascending)
+// that owner's rows, then its own host's owners their rows directly. A forwarder first reduces, per owner it
+// forwarded for (ascending), the rows of its host's ranks for each forwarded token in fp32, ranks ascending,
+// and sends the owner the fp32 partial row (the row itself, in its dtype, where one rank holds the token: that
+// partial is 0 + x = x exactly); then it does its own tokens: per token, hosts ascending, each
+// host's partial (its own host's reduced here the same way) added to an fp32 accumulator that starts at 0,
+// rounded once. The forward step needs only its own host's ranks, so no cycle of waits forms across hosts.
+//
+// Failures. Forwarding depends only on what every rank sees alike (the mask and the sources' header status), so
+// it runs whether this rank's own part failed or not: a forwarder always forwards every accepted source, and
+// always sends every owner it serves a partial (with an error status when it could not reduce), and receivers
+// consume exactly those messages. A forwarder that dies is a dead peer for its host's receivers and a lost
+// connection for the sources; after the survivors mask it, forwarder() picks another active rank.
+// ------------------------------------------------------------------------------------------------------
+
+int HostEngine::forwarder(int s, int hh) const {
+  const std::vector<int>& ranks = host_ranks_[hh];
+  int n = 0;
+  for (int r : ranks) n += active(r) ? 1 : 0;
+  if (n == 0) return -1;
+  int k = local_idx_[s] % n;
+  for (int r : ranks)
+    if (active(r) && k-- == 0) return r;
+  return -1;
+}
+
+epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
+                                         std::vector<std::vector<uint64_t>>& masks,
+                                         std::deque<std::vector<uint8_t>>& keep) {
+  const int R = nranks_, C = nchan_;
+  const std::vector<int>& mine = host_ranks_[my_host_];
+  uint64_t valid = 0;
+  for (size_t i = 0; i < mine.size(); ++i)
+    if (active(mine[i])) valid |= uint64_t{1} << i;
+  for (int s = 0; s < R; ++s) {
+    if (!remote_[s] || in[s].masked || in[s].h.status != epSuccess || forwarder(s, my_host_) != rank_) continue;
+    MsgHeader u;
+    EPCHECK(recvInto(s, &u, sizeof(u), epPhaseData, c));
+    const int64_t n = u.v[0];
+    const uint64_t xrow = static_cast<uint64_t>(u.v[1]) & 0xffffffffu, srow = static_cast<uint64_t>(u.v[1]) >> 32;
+    const uint64_t K = static_cast<uint64_t>(u.v[2]) & 0xffffffffu, E = static_cast<uint64_t>(u.v[2]) >> 32;
+    const bool has_idx = u.v[3] & 1, has_w = u.v[3] & 2;
+    // Bounds first (R5): every size below comes from the network.
+    const bool sane = u.magic == kMsgMagic && u.epoch == cur_epoch_ && u.src == s && u.extra_bytes == 0 && n >= 0 &&
+                      n <= INT32_MAX && xrow <= ring_bytes_ && srow <= ring_bytes_ && K <= 4096 &&
+                      (!has_idx || (E > 0 && E % R == 0 && E <= (uint64_t{1} << 30))) && (!has_w || has_idx);
+    const uint64_t per = 8 + xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0);
+    if (!sane || u.data_bytes != static_cast<uint64_t>(n) * per || u.data_bytes > (uint64_t{1} << 36))
+      return fail(epInternalError, s, epPhaseData, "HT dispatch message to forward is malformed");
+    keep.emplace_back(u.data_bytes);
+    uint8_t* buf = keep.back().data();
+    EPCHECK(recvInto(s, buf, u.data_bytes, epPhaseData, c));
+    const uint64_t* mk = reinterpret_cast<const uint64_t*>(buf);
+    const uint8_t* xs = buf + n * 8;
+    const uint8_t* ss = xs + n * xrow;
+    const uint8_t* idx = ss + n * srow;
+    const uint8_t* wts = idx + (has_idx ? n * K * 8 : 0);
+    for (int64_t i = 0; i < n; ++i)
+      if (mk[i] == 0 || (mk[i] & ~valid))
+        return fail(epInternalError, s, epPhaseData, "HT dispatch message to forward names no or inactive ranks");
+    masks[static_cast<size_t>(s) * C + c].assign(mk, mk + n);
+    const int64_t L = has_idx ? static_cast<int64_t>(E / R) : 1;
+    for (size_t qi = 0; qi < mine.size(); ++qi) {
+      const int q = mine[qi];
+      if (!active(q)) continue;
+      std::vector<int64_t> rows;
+      for (int64_t i = 0; i < n; ++i)
+        if ((mk[i] >> qi) & 1) rows.push_back(i);
+      std::vector<Seg> segs;
+      for (int64_t i : rows) segs.push_back({xs + i * xrow, xrow});
+      if (srow)
+        for (int64_t i : rows) segs.push_back({ss + i * srow, srow});
+      if (has_idx) {  // global expert ids -> q's local ids (-1 elsewhere), weights kept only for q's experts
+        keep.emplace_back(rows.size() * K * 8);
+        int64_t* io = reinterpret_cast<int64_t*>(keep.back().data());
+        float* wo = nullptr;
+        if (has_w) {
+          keep.emplace_back(rows.size() * K * 4);
+          wo = reinterpret_cast<float*>(keep.back().data());
+        }
+        for (size_t j = 0; j < rows.size(); ++j)
+          for (uint64_t k = 0; k < K; ++k) {
+            int64_t e;
+            memcpy(&e, idx + (rows[j] * K + k) * 8, 8);
+            const bool here = e >= 0 && e / L == q;
+            io[j * K + k] = here ? e % L : -1;
+            if (wo) {
+              float w;
+              memcpy(&w, wts + (rows[j] * K + k) * 4, 4);
+              wo[j * K + k] = here ? w : 0.0f;
+            }
+          }
+        segs.push_back({reinterpret_cast<const uint8_t*>(io), rows.size() * K * 8});
+        if (wo) segs.push_back({reinterpret_cast<const uint8_t*>(wo), rows.size() * K * 4});
+      }
+      post(q, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, std::move(segs), c);
+    }
+  }
+  return epSuccess;
+}
+
+epResult_t HostEngine::htDispatchRecvHier(const epHtDispatchArgs_t* a, const epHtHandle* lay,
+                                          const std::vector<Incoming>& in, int c) {
+  const int R = nranks_, C = nchan_;
+  std::deque<std::vector<uint8_t>> keep;  // forwarded rows, until pushed (flushSends below)
+  EPCHECK(htForwardDispatch(in, c, fwd_scratch_, keep));
+  // This host's sources first, then the other hosts' through their forwarders: the rings' order.
+  for (int pass = 0; pass < 2; ++pass)
+    for (int s = 0; s < R; ++s) {
+      if (in[s].masked || in[s].h.status != epSuccess || remote_[s] != pass) continue;
+      const int r = pass ? forwarder(s, my_host_) : s;
+      if (lay == nullptr) {  // the operation failed: consume and discard
+        MsgHeader h;
+        EPCHECK(recvInto(r, &h, sizeof(h), epPhaseData, c));
+        if (h.magic != kMsgMagic || h.epoch != cur_epoch_ || h.src != r)
+          return fail(epInternalError, r, epPhaseData, "channel message out of sync");
+        EPCHECK(skipIn(r, h.extra_bytes + h.data_bytes, epPhaseData, c));
+        continue;
+      }
+      const int K = a->topk;
+      const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+      const size_t srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
+      int b = lay->recv_prefix[s];
+      for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
+      const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
+      const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
+      EPCHECK(recvChannelHeader(r, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
+      EPCHECK(recvInto(r, static_cast<uint8_t*>(a->recv_x) + b * xrow, n * xrow, epPhaseData, c));
+      if (srow)
+        EPCHECK(recvInto(r, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData, c));
+      if (has_idx) {
+        if (a->recv_topk_idx)
+          EPCHECK(recvInto(r, a->recv_topk_idx + static_cast<size_t>(b) * K, sizeof(int64_t) * n * K, epPhaseData, c));
+        else
+          EPCHECK(skipIn(r, sizeof(int64_t) * n * K, epPhaseData, c));
+      }
+      if (has_w) {
+        if (a->recv_topk_weights)
+          EPCHECK(recvInto(r, a->recv_topk_weights + static_cast<size_t>(b) * K, sizeof(float) * n * K, epPhaseData, c));
+        else
+          EPCHECK(skipIn(r, sizeof(float) * n * K, epPhaseData, c));
+      }
+    }
+  return flushSends(epPhaseData, c);
+}
+
+epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in,
+                                     bool ok, bool st_ok, int c, std::atomic<bool>* forward_failed) {
+  const int R = nranks_, C = nchan_;
+  const int H = ok ? a->hidden : 0;
+  const int dt = ok ? a->dtype : 0;
+  const size_t row = ok ? static_cast<size_t>(H) * dtypeSize(a->dtype) : 0;
+  const std::vector<int>& mine = host_ranks_[my_host_];
+  std::deque<std::vector<uint8_t>> keep;  // partial rows, until pushed (flushSends below)
+  std::vector<uint8_t> tmp(row);
+  auto accumulateFrom = [&](int q, float* acc) -> epResult_t {  // one row of q's channel-c message
+    EPCHECK(waitIn(q, row, epPhaseData, c));
+    const uint8_t* src = in_[c][q].peek(row);
+    if (src == nullptr) {
+      in_[c][q].copyOut(tmp.data(), 0, row);
+      src = tmp.data();
+    }
+    accumulateRow(acc, src, H, dt);
+    in_[c][q].release(row);
+    return epSuccess;
+  };
+
+  // 1. Forward: this host's partial sums for the owners on other hosts this rank forwarded for.
+  for (int s = 0; s < R; ++s) {
+    if (!remote_[s] || !active(s) || forwarder(s, my_host_) != rank_) continue;
+    const std::vector<uint64_t>* mk =
+        ok && h->hier && h->fwd_mask.size() == static_cast<size_t>(R) * C ? &h->fwd_mask[static_cast<size_t>(s) * C + c]
+                                                                          : nullptr;
+    bool good = mk != nullptr;
+    const size_t n = mk ? mk->size() : 0;
+    std::vector<uint64_t> got(mine.size(), 0);  // the data bytes each rank of this host announced
+    for (size_t qi = 0; qi < mine.size(); ++qi) {
+      const int q = mine[qi];
+      if (!active(q)) continue;
+      if (in[q].h.status != epSuccess) {  // it rejected its arguments: it sent nothing
+        good = false;
+        continue;
+      }
+      MsgHeader m;
+      EPCHECK(recvInto(q, &m, sizeof(m), epPhaseData, c));
+      if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != q || m.extra_bytes != 0)
+        return fail(epInternalError, q, epPhaseData, "HT combine message to reduce is out of sync");
+      got[qi] = m.data_bytes;
+      size_t want = 0;
+      if (mk)
+        for (uint64_t w : *mk) want += ((w >> qi) & 1) * row;
+      if (m.data_bytes != want) good = false;
+    }
+    MsgHeader out = makeHeader(cur_op_, epSuccess, 0);
+    if (good) {
+      // A token that one rank of this host holds: its partial, 0 + x, is x exactly, so x goes as it is (row
+      // dtype; the owner widens it, the same value). Otherwise the fp32 partial, never rounded to the row dtype.
+      size_t bytes = 0;
+      for (size_t i = 0; i < n; ++i) bytes += __builtin_popcountll((*mk)[i]) == 1 ? row : H * sizeof(float);
+      keep.emplace_back(bytes);
+      uint8_t* dst = keep.back().data();
+      std::vector<float> acc(H);
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t w = (*mk)[i];
+        if (__builtin_popcountll(w) == 1) {
+          EPCHECK(recvInto(mine[__builtin_ctzll(w)], dst, row, epPhaseData, c));
+          dst += row;
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);  // ranks ascending
+        for (size_t qi = 0; qi < mine.size(); ++qi)
+          if ((w >> qi) & 1) EPCHECK(accumulateFrom(mine[qi], acc.data()));
+        memcpy(dst, acc.data(), H * sizeof(float));
+        dst += H * sizeof(float);
+      }
+      out.v[0] = static_cast<int64_t>(n);
+      post(s, out, nullptr, 0, {{keep.back().data(), bytes}}, c);
+    } else {
+      for (size_t qi = 0; qi < mine.size(); ++qi)
+        if (got[qi]) EPCHECK(skipIn(mine[qi], got[qi], epPhaseData, c));
+      out.status = epInvalidUsage;
+      out.v[0] = -1;
+      post(s, out, nullptr, 0, {}, c);
+      *forward_failed = true;
+    }
+  }
+
+  // 2. This rank's own tokens: its host's ranks directly, every other host's partial from its forwarder.
+  std::vector<int> fw(nhosts_, -1);
+  for (int hh = 0; hh < nhosts_; ++hh)
+    if (hh != my_host_) fw[hh] = forwarder(rank_, hh);
+  if (!st_ok) {  // consume and discard
+    std::vector<int> from;
+    for (int q : mine)
+      if (active(q) && in[q].h.status == epSuccess) from.push_back(q);
+    for (int f : fw)
+      if (f >= 0) from.push_back(f);
+    for (int r : from) {
+      MsgHeader m;
+      EPCHECK(recvInto(r, &m, sizeof(m), epPhaseData, c));
+      if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != r)
+        return fail(epInternalError, r, epPhaseData, "channel message out of sync");
+      EPCHECK(skipIn(r, m.extra_bytes + m.data_bytes, epPhaseData, c));
+    }
+    return flushSends(epPhaseData, c);
+  }
+  const int T = a->num_tokens, tb = chanBegin(T, c), te = chanBegin(T, c + 1);
+  const uint8_t* ir = h->in_rank.data();
+  auto hostHas = [&](int t, int hh) {  // how many ranks of host hh hold token t
+    int k = 0;
+    for (int r : host_ranks_[hh]) k += ir[static_cast<size_t>(t) * R + r];
+    return k;
+  };
+  for (int q : mine) {
+    if (!active(q)) continue;
+    int cnt = 0;
+    for (int t = tb; t < te; ++t) cnt += ir[static_cast<size_t>(t) * R + q];
+    EPCHECK(recvChannelHeader(q, c, cnt * row));
+  }
+  epResult_t bad = epSuccess;
+  std::vector<uint64_t> pbytes(nhosts_, 0);
+  for (int hh = 0; hh < nhosts_; ++hh) {
+    if (fw[hh] < 0) continue;
+    size_t want = 0;  // one row in the row dtype where one rank holds the token, else an fp32 row
+    for (int t = tb; t < te; ++t) {
+      const int k = hostHas(t, hh);
+      want += k == 0 ? 0 : k == 1 ? row : H * sizeof(float);
+    }
+    MsgHeader m;
+    EPCHECK(recvInto(fw[hh], &m, sizeof(m), epPhaseData, c));
+    if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != fw[hh] || m.extra_bytes != 0)
+      return fail(epInternalError, fw[hh], epPhaseData, "HT combine partial sum message is out of sync");
+    pbytes[hh] = m.data_bytes;
+    if (m.status != epSuccess || m.data_bytes != want)
+      bad = fail(epRemoteError, fw[hh], epPhaseData,
+                 "the forwarding rank of another host could not reduce its ranks' rows (its handle or arguments "
+                 "do not match this combine)");
+  }
+  if (bad != epSuccess) {  // keep the rings aligned: discard what was announced
+    for (int q : mine)
+      if (active(q))
+        for (int t = tb; t < te; ++t)
+          if (ir[static_cast<size_t>(t) * R + q]) EPCHECK(skipIn(q, row, epPhaseData, c));
+    for (int hh = 0; hh < nhosts_; ++hh)
+      if (fw[hh] >= 0) EPCHECK(skipIn(fw[hh], pbytes[hh], epPhaseData, c));
+    EPCHECK(flushSends(epPhaseData, c));
+    return bad;
+  }
+  std::vector<float> acc(H), part(H);
+  uint8_t* out = static_cast<uint8_t*>(a->combined_x);
+  for (int t = tb; t < te; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int hh = 0; hh < nhosts_; ++hh) {
+      if (!hostHas(t, hh)) continue;
+      if (hh == my_host_) {
+        std::fill(part.begin(), part.end(), 0.0f);
+        for (int q : mine)
+          if (ir[static_cast<size_t>(t) * R + q]) EPCHECK(accumulateFrom(q, part.data()));
+      } else if (hostHas(t, hh) == 1) {
+        EPCHECK(recvInto(fw[hh], tmp.data(), row, epPhaseData, c));
+        std::fill(part.begin(), part.end(), 0.0f);
+        accumulateRow(part.data(), tmp.data(), H, dt);
+      } else {
+        EPCHECK(recvInto(fw[hh], part.data(), H * sizeof(float), epPhaseData, c));
+      }
+      for (int j = 0; j < H; ++j) acc[j] = acc[j] + part[j];
+    }
+    host::storeRow(out + static_cast<size_t>(t) * row, acc.data(), H, dt);
+  }
+  return flushSends(epPhaseData, c);
 }
 
 }  // namespace epcomm

@@ -495,6 +495,7 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         const uint64_t v[4] = {p.sent[c], 0, 0, 0};
         queueFrame(p, kData, static_cast<uint16_t>(c), v, nullptr, n);
         p.sent[c] += n;
+        data_sent_.fetch_add(n, std::memory_order_relaxed);
         moved = true;
       }
       RingCtl* in = own_->ringCtl(p.rank, c);

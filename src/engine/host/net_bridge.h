@@ -70,6 +70,8 @@ class NetBridge {
   // hold, and a goodbye, for at most timeout_ms; then every connection is closed.
   void shutdown(bool flush, const uint8_t* live, int timeout_ms);
   const char* backendName() const;
+  // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits).
+  uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
 
  private:
   struct Peer;
@@ -94,6 +96,7 @@ class NetBridge {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> flush_{false};
+  std::atomic<uint64_t> data_sent_{0};
   std::vector<uint8_t> flush_live_;
   int64_t flush_deadline_ns_ = 0;
 };
