@@ -489,6 +489,59 @@ TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
   for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
+// Recovery without a death: rank 0 rejects an HT step the others launch (their notify times out; rank 0's HT epoch
+// falls behind theirs), every rank calls epCommSetActiveRanks with nobody masked, and HT is bit-exact against the
+// host engine again on the same communicator.
+TEST_P(GpuHt, RecoveryWithoutADeath) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    epConfig_t cfg = gpuConfig();
+    cfg.timeout_ms = 1500;
+    epComm_t g, h;
+    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
+    epConfig_t hc = EP_CONFIG_INIT;
+    hc.engine = EP_ENGINE_HOST;
+    hc.queue_bytes = 8 << 20;
+    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    {
+      Pipeline P(g, R, rank, 32, 256, 2, 2 * R);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 5 + rank, true);
+      CKE(P.run(s, P.out.p), g);
+      CKC(cudaStreamSynchronize(s));
+      if (rank != 0) {  // rank 0 sits this step out (as if its call had been refused)
+        CKE(P.run(s, P.out.p), g);
+        CKC(cudaStreamSynchronize(s));
+        epResult_t ae;
+        CKE(epCommGetAsyncError(g, &ae, nullptr), g);
+        CK(ae == epTimeout, "without rank 0 the step should time out, got %s", epGetErrorString(ae));
+      }
+    }
+    CKE(maskRanks(g, R, {}, s), g);
+    CK_CLEAN(g, "after the no-op mask");
+    const int E = 16 * R;
+    const Case cases[] = {
+        {64, 128, 4, E, epBfloat16, epBfloat16, -1, true},
+        {96, 256, 8, E, epBfloat16, epBfloat16, 5, false},
+    };
+    uint64_t seed_i = seed;
+    for (const Case& c : cases)
+      if (runCase(g, h, rank, R, c, ++seed_i, s)) return 1;
+    CK_CLEAN(g, "after the run");
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
+  expectAllRanksOk(codes, seed);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuHt, ::testing::ValuesIn(rankCounts()),
                          [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
 

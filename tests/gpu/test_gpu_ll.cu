@@ -735,6 +735,84 @@ TEST_P(GpuLl, KilledRankMaskedBitExactAgainstHostEngine) {
   for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
+// Recovery without a death. (1) Rank 0 rejects an LL call that the others launch: their waits time out and
+// rank 0's LL epochs fall one behind theirs. (2) Every rank calls epCommSetActiveRanks with nobody masked: the
+// survivors continue from the largest epochs and the communicator is usable again — LL and alltoallv bit-exact
+// against the host engine. (3) A rejected epCommSetActiveRanks (rank 0 masks itself) makes the others fail at
+// once, not at their deadline; a correct call afterwards succeeds everywhere.
+TEST_P(GpuLl, RecoveryWithoutADeath) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int E = 32 * R;
+    epConfig_t cfg = llConfig(128, E);
+    cfg.timeout_ms = 1500;
+    epComm_t g, h;
+    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
+    epConfig_t hc = EP_CONFIG_INIT;
+    hc.engine = EP_ENGINE_HOST;
+    hc.queue_bytes = 16 << 20;
+    hc.ll_max_tokens_per_rank = 128;
+    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    cudaStream_t s, s2;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    LlLayer P(g, R, rank, 32, 32, 512, 4, E, EP_LL_EXPERT_MAJOR);
+    DevBuf<uint16_t> first(static_cast<size_t>(32) * 512), again(static_cast<size_t>(32) * 512);
+    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
+    CKE(P.run(s, first.p), g);
+    CKC(cudaStreamSynchronize(s));
+    const auto want = first.host();
+    // (1)
+    if (rank == 0) {
+      epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV);
+      a.hidden = 2048;  // over config.ll_max_hidden: refused here, launched nothing
+      CK(epLlDispatch(g, &a, s) == epInvalidHidden, "rank 0's call was not refused");
+    } else {
+      CKE(P.run(s, again.p), g);
+      CKC(cudaStreamSynchronize(s));
+      epResult_t ae;
+      CKE(epCommGetAsyncError(g, &ae, nullptr), g);
+      CK(ae == epTimeout, "without rank 0 the step should time out, got %s", epGetErrorString(ae));
+    }
+    // (2)
+    CKE(maskRanks(g, R, {}, s), g);
+    CK_CLEAN(g, "after the no-op mask");
+    const LlCase cases[] = {{128, 7168, 8, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 1},
+                            {64, 2048, 8, E, epBfloat16, 1, EP_LL_RANK_MAJOR, 0}};
+    uint64_t seed_i = seed;
+    for (const LlCase& c : cases)
+      if (runLlCase(g, h, rank, R, c, ++seed_i, s, s2)) return 1;
+    for (int round = 0; round < 4; round += 2)
+      if (runA2aRound(g, h, rank, R, round, ++seed_i, s)) return 1;
+    // (3)
+    const auto t0 = std::chrono::steady_clock::now();
+    if (rank == 0) {
+      const epResult_t r = maskRanks(g, R, {0}, s);
+      CK(r == epInvalidArgument, "masking itself: %s", epGetErrorString(r));
+    } else {
+      const epResult_t r = maskRanks(g, R, {}, s);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      CK(r == epInvalidUsage, "a peer rejected the call: got %s (%s)", epGetErrorString(r), epGetLastError(g));
+      CK(ms < cfg.timeout_ms, "the rejection reached this rank after %.0f ms", ms);
+    }
+    CKE(maskRanks(g, R, {}, s), g);
+    CKE(P.run(s, again.p), g);
+    CKC(cudaStreamSynchronize(s));
+    CK(again.host() == want, "after the recoveries the step's result differs");
+    CK_CLEAN(g, "after the run");
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
+  expectAllRanksOk(codes, seed);
+}
+
 TEST_P(GpuLl, LateBlocksManyOperations) {
   const int R = GetParam();
   epUniqueId gid;
