@@ -141,6 +141,13 @@ HostEngine::~HostEngine() {
 
 void HostEngine::abort() {}
 
+epResult_t HostEngine::netBytesSent(uint64_t* bytes) {
+  uint64_t sum = 0;
+  for (int c = 0; net_pushed_ && c < nchan_; ++c) sum += net_pushed_[c].load(std::memory_order_relaxed);
+  *bytes = sum;
+  return epSuccess;
+}
+
 // This host's identity (DESIGN.md "host"): EPCOMM_HOSTID, else hostname + "/" + boot id.
 static void hostIdentity(char* out, size_t n) {
   if (const char* hid = paramString("EPCOMM_HOSTID")) {
@@ -289,6 +296,8 @@ epResult_t HostEngine::init() {
       in_[c][r] = RingEnd(own_.ringCtl(r, c), own_.ringData(r, c), ring_bytes_);
     }
   outq_.assign(C, std::vector<std::deque<OutMsg>>(nranks_));
+  net_pushed_ = std::make_unique<std::atomic<uint64_t>[]>(C);
+  for (int c = 0; c < C; ++c) net_pushed_[c].store(0, std::memory_order_relaxed);
   pool_ = std::make_unique<ChannelPool>(C);
   EP_INFO(kSubsysInit, "host engine ready: %d ranks on %d hosts, %d channels, queues of %zu bytes, %s%s%s", nranks_,
           nhosts_, C, ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues",
@@ -345,6 +354,7 @@ bool HostEngine::pushSends(int ch) {
           break;
         }
         moved = true;
+        if (remote_[p]) net_pushed_[ch].fetch_add(n, std::memory_order_relaxed);
         m.off += n;
         if (m.off == s.n) {
           ++m.seg;
