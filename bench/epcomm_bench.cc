@@ -58,6 +58,12 @@ double median(std::vector<double> v) {
 epComm_t comm = nullptr;
 int rank = 0, nranks = 1;
 
+// This rank's cumulative bytes to ranks of other hosts (host engine; 0 on one host or where not counted).
+double netBytes() {
+  uint64_t b = 0;
+  return epCommGetNetBytes(comm, &b) == epSuccess ? static_cast<double>(b) : 0.0;
+}
+
 // Aggregate memcpy bandwidth (bytes read + written per second, all ranks copying at once).
 double memcpyRoofline() {
   const size_t bytes = size_t{128} << 20;
@@ -140,6 +146,7 @@ struct Row {
   double deepep_gbs;    // mean over ranks
   double useful_bytes;  // summed over ranks
   double moved_bytes;   // summed over ranks; 0 where not measured
+  double xhost_bytes;   // bytes sent to ranks of other hosts per iteration, summed over ranks (host engine)
 };
 
 bool g_gpu = false;  // the communicator runs the GPU engine: gathers stage through device memory
@@ -174,14 +181,15 @@ std::vector<double> gatherToRank0(const double* mine, int n) {
 }
 
 Row reportRow(const std::string& op, int tokens, const std::vector<double>& times, double my_deepep_bytes,
-              double my_useful_bytes, double my_moved_bytes = 0) {
+              double my_useful_bytes, double my_moved_bytes = 0, double my_xhost_bytes = 0) {
   const double t = median(times);
-  const double mine[4] = {t, my_deepep_bytes, my_useful_bytes, my_moved_bytes};
-  const std::vector<double> all = gatherToRank0(mine, 4);
-  Row row{op, tokens, 0, 0, 0, 0};
+  const double mine[5] = {t, my_deepep_bytes, my_useful_bytes, my_moved_bytes, my_xhost_bytes};
+  const std::vector<double> all = gatherToRank0(mine, 5);
+  Row row{op, tokens, 0, 0, 0, 0, 0};
   if (rank == 0)
     for (int r = 0; r < nranks; ++r) {
-      const double* v = &all[4 * static_cast<size_t>(r)];
+      const double* v = &all[5 * static_cast<size_t>(r)];
+      row.xhost_bytes += v[4];
       row.median_s = std::max(row.median_s, v[0]);
       row.deepep_gbs += v[1] / v[0] / 1e9 / nranks;
       row.useful_bytes += v[2];
@@ -218,25 +226,32 @@ void benchHt(const Options& o, std::vector<Row>& rows) {
   c.combined_x = combined.data();
   c.combined_x_bytes = combined.size() * 2;
   std::vector<double> td, tc;
+  double xd = 0, xc = 0;  // bytes to other hosts over the timed iterations (dispatch = notify + dispatch)
   for (int i = 0; i < o.warmup + o.iters; ++i) {
     CHECK(epCommBarrier(comm, nullptr));
+    const double b0 = netBytes();
     double t0 = nowSec();
     CHECK(epHtDispatchNotify(comm, &a, h, &num_recv, per_expert.data(), nullptr));
     CHECK(epHtDispatch(comm, &a, h, nullptr));
     double t1 = nowSec();
+    const double b1 = netBytes();
     CHECK(epCommBarrier(comm, nullptr));
+    const double b2 = netBytes();
     double t2 = nowSec();
     CHECK(epHtCombine(comm, &c, h, nullptr));
     double t3 = nowSec();
+    const double b3 = netBytes();
     if (i >= o.warmup) {
       td.push_back(t1 - t0);
       tc.push_back(t3 - t2);
+      xd += b1 - b0;
+      xc += b3 - b2;
     }
   }
   const double row = 2.0 * H;
   const double recv_bytes = num_recv * row;
-  rows.push_back(reportRow("HT dispatch", T, td, recv_bytes, T * row + recv_bytes));
-  rows.push_back(reportRow("HT combine", T, tc, recv_bytes, recv_bytes + T * row));  // useful: read once, written once
+  rows.push_back(reportRow("HT dispatch", T, td, recv_bytes, T * row + recv_bytes, 0, xd / o.iters));
+  rows.push_back(reportRow("HT combine", T, tc, recv_bytes, recv_bytes + T * row, 0, xc / o.iters));  // useful: read once, written once
   epHtHandleDestroy(h);
 }
 
@@ -283,18 +298,25 @@ void benchLl(const Options& o, std::vector<Row>& rows) {
   c.out = out.data();
   c.out_bytes = out.size() * 2;
   std::vector<double> td, tc;
+  double xd = 0, xc = 0;  // bytes to other hosts over the timed iterations
   for (int i = 0; i < o.warmup + o.iters; ++i) {
     CHECK(epCommBarrier(comm, nullptr));
+    const double b0 = netBytes();
     double t0 = nowSec();
     CHECK(epLlDispatch(comm, &d, nullptr));
     double t1 = nowSec();
+    const double b1 = netBytes();
     CHECK(epCommBarrier(comm, nullptr));
+    const double b2 = netBytes();
     double t2 = nowSec();
     CHECK(epLlCombine(comm, &c, nullptr));
     double t3 = nowSec();
+    const double b3 = netBytes();
     if (i >= o.warmup) {
       td.push_back(t1 - t0);
       tc.push_back(t3 - t2);
+      xd += b1 - b0;
+      xc += b3 - b2;
     }
   }
   double pairs = 0;
@@ -302,8 +324,8 @@ void benchLl(const Options& o, std::vector<Row>& rows) {
   int recv_pairs = 0;
   for (int e = 0; e < L; ++e) recv_pairs += recv_count[e];
   const double row = 2.0 * H;
-  rows.push_back(reportRow("LL dispatch", T, td, pairs * row, T * row + recv_pairs * row));
-  rows.push_back(reportRow("LL combine", T, tc, pairs * row, recv_pairs * row + T * row));
+  rows.push_back(reportRow("LL dispatch", T, td, pairs * row, T * row + recv_pairs * row, 0, xd / o.iters));
+  rows.push_back(reportRow("LL combine", T, tc, pairs * row, recv_pairs * row + T * row, 0, xc / o.iters));
 }
 
 
@@ -703,11 +725,12 @@ void appendCsv(const Options& o, const char* engine, const std::vector<Row>& row
     return;
   }
   if (ftell(f) == 0)
-    fprintf(f, "op,engine,ranks,tokens,hidden,topk,experts,sms,median_us,deepep_gbs,useful_gbs,x_copy,moved_gbs\n");
+    fprintf(f, "op,engine,ranks,tokens,hidden,topk,experts,sms,median_us,deepep_gbs,useful_gbs,x_copy,moved_gbs,"
+               "xhost_bytes\n");
   for (const Row& r : rows)
-    fprintf(f, "%s,%s,%d,%d,%d,%d,%d,%d,%.3f,%.3f,%.3f,%.4f,%.3f\n", r.op.c_str(), engine, nranks, r.tokens,
+    fprintf(f, "%s,%s,%d,%d,%d,%d,%d,%d,%.3f,%.3f,%.3f,%.4f,%.3f,%.0f\n", r.op.c_str(), engine, nranks, r.tokens,
             o.hidden, o.topk, o.experts, o.sms, r.median_s * 1e6, r.deepep_gbs, r.useful_bytes / r.median_s / 1e9,
-            r.useful_bytes / r.median_s / roof, r.moved_bytes / r.median_s / 1e9);
+            r.useful_bytes / r.median_s / roof, r.moved_bytes / r.median_s / 1e9, r.xhost_bytes);
   fclose(f);
 }
 
@@ -787,7 +810,10 @@ int main(int argc, char** argv) {
            gpu ? "GPU" : "host", nranks, o.sms, o.iters, gpu ? "device-to-device copy" : "memcpy", roof / 1e9);
     printf("%-18s %5s %6s %6s %5s %7s %11s %14s %12s %8s", "operation", "ranks", "tokens", "hidden", "topk", "experts",
            "median_ms", "GB/s(DeepEP)", "useful_GB/s", "x_copy");
-    printf(gpu ? " %12s\n" : "\n", "moved_GB/s");
+    bool xhost = false;  // more than one host: bytes to other hosts per operation (all ranks, per iteration)
+    for (const Row& r : rows) xhost = xhost || r.xhost_bytes > 0;
+    if (gpu) printf(" %12s", "moved_GB/s");
+    printf(xhost ? " %12s %11s\n" : "\n", "xhost_MB/op", "xhost_GB/s");
     if (g_p2p > 0)
       printf("NVLink peer copy: %.2f GB/s per rank (all ranks copying to the next GPU at once); x_p2p below is "
              "GB/s(DeepEP) over it\n", g_p2p / 1e9);
@@ -796,6 +822,7 @@ int main(int argc, char** argv) {
       printf("%-18s %5d %6d %6d %5d %7d %11.3f %14.2f %12.2f %8.3f", r.op.c_str(), nranks, r.tokens, o.hidden,
              o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, useful / 1e9, useful / roof);
       if (gpu) printf(" %12.2f", r.moved_bytes / r.median_s / 1e9);
+      if (xhost) printf(" %12.3f %11.3f", r.xhost_bytes / 1e6, r.xhost_bytes / r.median_s / 1e9);
       if (g_p2p > 0) printf("   x_p2p %.3f", r.deepep_gbs * 1e9 / g_p2p);
       printf("\n");
     }

@@ -615,6 +615,14 @@ EPCOMM_API epResult_t epCommGetActiveRanks(epComm_t comm, int32_t* active);
 EPCOMM_API epResult_t epCommGetMaskedDrops(epComm_t comm, int64_t* token_rows, int64_t* alltoallv_elements,
                                            epStream_t stream);
 
+/* Bytes this rank has handed to the inter-host transport since creation (*bytes_sent, cumulative): everything
+ * its operations sent to ranks of other hosts — message headers, counts, routing and token rows, as the queues
+ * carry them, not the transport's own framing or flow control. Read it before and after an operation for that
+ * operation's inter-host traffic (an operation has pushed all its sends when it returns, except an LL receive
+ * half's later sends, see the LL section). 0 when every rank shares one host. Host engine; the GPU engine
+ * returns epNotSupported. Works on a broken communicator. */
+EPCOMM_API epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -443,6 +443,13 @@ epResult_t epCommGetMaskedDrops(epComm_t comm, int64_t* token_rows, int64_t* all
   });
 }
 
+epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent) {
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(bytes_sent != nullptr, epNullPointer, "bytes_sent is NULL");
+    return comm->engine->netBytesSent(bytes_sent);
+  });
+}
+
 epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx, int num_tokens, int topk, int num_experts,
                                int* num_tokens_per_rank, int* num_tokens_per_expert, uint8_t* is_token_in_rank,
                                epStream_t stream) {

@@ -70,6 +70,11 @@ class Engine {
     (void)stream;
     return EP_ERROR(epNotSupported, "masked-drop counters (epCommGetMaskedDrops) are not supported by this engine yet");
   }
+  // Cumulative bytes this rank handed to the inter-host transport (epCommGetNetBytes).
+  virtual epResult_t netBytesSent(uint64_t* bytes) {
+    (void)bytes;
+    return EP_ERROR(epNotSupported, "inter-host byte counts (epCommGetNetBytes) are not supported by this engine");
+  }
   // Makes waits in flight give up (they return epAborted); called before the communicator is freed.
   virtual void abort() {}
   // Moves errors recorded by device code into the communicator (epComm::recordAsyncError / violations).

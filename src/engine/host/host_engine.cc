@@ -141,6 +141,13 @@ HostEngine::~HostEngine() {
 
 void HostEngine::abort() {}
 
+epResult_t HostEngine::netBytesSent(uint64_t* bytes) {
+  uint64_t sum = 0;
+  for (int c = 0; net_pushed_ && c < nchan_; ++c) sum += net_pushed_[c].load(std::memory_order_relaxed);
+  *bytes = sum;
+  return epSuccess;
+}
+
 // This host's identity (DESIGN.md "host"): EPCOMM_HOSTID, else hostname + "/" + boot id.
 static void hostIdentity(char* out, size_t n) {
   if (const char* hid = paramString("EPCOMM_HOSTID")) {
@@ -173,24 +180,22 @@ epResult_t HostEngine::init() {
     char host[160];
     int64_t pid;
     uint64_t ring_bytes;
-    int32_t channels;
+    int32_t channels;     // explicit channel wish, 0 = derive from the cores
+    int32_t cores;        // online cores of this rank's host
     uint64_t probe_addr;  // cross-memory attach probe: a word peers try to read with process_vm_readv
   } me{};
   hostIdentity(me.host, sizeof(me.host));
   me.pid = getpid();
   me.ring_bytes = ring_bytes_;
   std::vector<HostInfo> all(nranks_);
-  // Channels (threads per rank): the config's, else EPCOMM_HOST_CHANNELS, else the cores of the host shared
-  // among its ranks (at most kMaxChannels; the default counts all ranks as sharing it, since the ranks of this
-  // host are known only after the exchange); all ranks then use the smallest wish.
-  auto channelWish = [&](int local_ranks) {
-    const int c = comm_->config.num_channels > 0 ? comm_->config.num_channels
-                  : epParamHostChannels() > 0     ? static_cast<int>(epParamHostChannels())
-                                                  : static_cast<int>(std::max<long>(1, std::min<long>(kMaxChannels, sysconf(_SC_NPROCESSORS_ONLN) /
-                                                                                            local_ranks)));
-    return std::min(c, kMaxChannels);
-  };
-  me.channels = channelWish(nranks_);
+  // Channels (threads per rank): the config's, else EPCOMM_HOST_CHANNELS, else the cores of the rank's host shared
+  // among the ranks of that host (at most kMaxChannels). The host's ranks are known only after the exchange, so
+  // each rank publishes its explicit wish (0: none) and its core count, and every rank derives every rank's wish
+  // from the same table; all ranks then use the smallest.
+  me.channels = comm_->config.num_channels > 0 ? comm_->config.num_channels
+                : epParamHostChannels() > 0     ? static_cast<int>(epParamHostChannels())
+                                                : 0;
+  me.cores = static_cast<int32_t>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
   cma_probe_ = 0x65704d4100000000ull | static_cast<uint64_t>(rank_);
   me.probe_addr = reinterpret_cast<uint64_t>(&cma_probe_);
   all[rank_] = me;
@@ -231,8 +236,12 @@ epResult_t HostEngine::init() {
   size_t widest = 0;
   for (const auto& hr : host_ranks_) widest = std::max(widest, hr.size());
   hier_ = nhosts_ > 1 && widest <= 64 && epParamHtHierarchical() != 0;
-  nchan_ = me.channels;
-  for (const HostInfo& i : all) nchan_ = std::min(nchan_, static_cast<int>(i.channels));
+  nchan_ = kMaxChannels;
+  for (int r = 0; r < nranks_; ++r) {
+    const int local_ranks = static_cast<int>(host_ranks_[host_of_[r]].size());
+    const int wish = all[r].channels > 0 ? all[r].channels : std::max(1, all[r].cores / local_ranks);
+    nchan_ = std::min(nchan_, wish);
+  }
   const int C = nchan_;
   // Cross-memory attach (process_vm_readv): HT dispatch receivers then copy rows straight out of the
   // senders' x, one copy instead of two through the queues. Used only if every rank can read every peer
@@ -287,6 +296,8 @@ epResult_t HostEngine::init() {
       in_[c][r] = RingEnd(own_.ringCtl(r, c), own_.ringData(r, c), ring_bytes_);
     }
   outq_.assign(C, std::vector<std::deque<OutMsg>>(nranks_));
+  net_pushed_ = std::make_unique<std::atomic<uint64_t>[]>(C);
+  for (int c = 0; c < C; ++c) net_pushed_[c].store(0, std::memory_order_relaxed);
   pool_ = std::make_unique<ChannelPool>(C);
   EP_INFO(kSubsysInit, "host engine ready: %d ranks on %d hosts, %d channels, queues of %zu bytes, %s%s%s", nranks_,
           nhosts_, C, ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues",
@@ -343,6 +354,7 @@ bool HostEngine::pushSends(int ch) {
           break;
         }
         moved = true;
+        if (remote_[p]) net_pushed_[ch].fetch_add(n, std::memory_order_relaxed);
         m.off += n;
         if (m.off == s.n) {
           ++m.seg;

@@ -95,6 +95,7 @@ class HostEngine final : public Engine {
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
+  epResult_t netBytesSent(uint64_t* bytes) override;
 
   // Operation kinds that may sit between an EP_LL_SEND and its EP_LL_RECV.
   bool llPending(int op) const;
@@ -207,6 +208,8 @@ class HostEngine final : public Engine {
   std::vector<int> local_idx_;              // [R] index of the rank among the ranks of its host
   std::vector<std::vector<int>> host_ranks_;  // [hosts] ranks, ascending
   std::unique_ptr<NetBridge> bridge_;
+  // [channel] bytes pushed into the outboxes toward other hosts (epCommGetNetBytes); one writer per channel.
+  std::unique_ptr<std::atomic<uint64_t>[]> net_pushed_;
   std::vector<std::vector<std::deque<OutMsg>>> outq_;  // [channel][peer]
   std::unique_ptr<class ChannelPool> pool_;
   uint64_t send_epoch_ = 0;  // operations this rank has sent

@@ -579,20 +579,29 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
     thread_.join();
   }
   if (!backend_) return;
+  // Close first, then deregister. A connection may still have receives posted (always: the progress thread keeps
+  // some waiting for the next frame) and, after a flush that ran out of time or a failed peer, sends in flight.
+  // Deregistering a region an operation still references is undefined for the providers that register memory
+  // (verbs, efa): close cancels every operation of the connection and drains its completions (net.h), and only
+  // then are the frame buffers' regions released. A handle's deregistration does not need its connection open.
   for (auto& pp : peers_) {
     if (!pp) continue;
-    if (pp->send) {
-      for (void* mh : pp->send_mh)
-        if (mh) backend_->deregMr(pp->send, mh);
-      backend_->closeSend(pp->send);
-      pp->send = nullptr;
-    }
-    if (pp->recv) {
-      for (void* mh : pp->recv_mh)
-        if (mh) backend_->deregMr(pp->recv, mh);
-      backend_->closeRecv(pp->recv);
-      pp->recv = nullptr;
-    }
+    if (pp->send) backend_->closeSend(pp->send);
+    if (pp->recv) backend_->closeRecv(pp->recv);
+    // The requests belonged to the closed connections (freed by close).
+    pp->inflight_reqs.clear();
+    pp->inflight_slots.clear();
+    pp->rx_reqs.clear();
+    pp->rx_slots.clear();
+  }
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    for (void* mh : pp->send_mh)
+      if (mh) backend_->deregMr(pp->send, mh);
+    for (void* mh : pp->recv_mh)
+      if (mh) backend_->deregMr(pp->recv, mh);
+    pp->send = nullptr;
+    pp->recv = nullptr;
     pp->send_mh.clear();
     pp->recv_mh.clear();
   }

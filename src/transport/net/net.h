@@ -10,7 +10,11 @@
 // - sends and receives match in posting order per connection; a receive buffer may be larger than the send;
 // - at least kNetMaxRequests requests in flight per comm (x kNetMaxRecvs on the send side);
 // - errors are results: a peer that dies or closes makes test() fail with a message that names the peer;
-// - close* releases everything, even with transfers in flight.
+// - close* releases everything, even with transfers in flight: it cancels the comm's posted sends and receives
+//   and drains their completions (ofi: within EPCOMM_OFI_CLOSE_MS) before it returns;
+// - deregMr(comm, mhandle) may also come after close of that comm (the handle keeps what it needs; `comm` is
+//   then not dereferenced). Close-then-deregister is the safe order when operations may still be posted: a
+//   region must not be deregistered while an operation references it (undefined for verbs and efa).
 #pragma once
 #include <cstddef>
 #include <cstdint>
