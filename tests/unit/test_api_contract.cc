@@ -227,6 +227,10 @@ TEST(NullPointers, AreEpNullPointerEverywhere) {
     CHECK(epCommSize(nullptr, &v) == epNullPointer, "epCommSize(NULL)");
     CHECK(epCommEngine(nullptr, &e) == epNullPointer, "epCommEngine(NULL)");
     CHECK(epHtHandleGetCounts(nullptr, &v, &v) == epNullPointer, "epHtHandleGetCounts(NULL)");
+    uint64_t net_bytes = 1;
+    CHECK(epCommGetNetBytes(nullptr, &net_bytes) == epNullPointer, "epCommGetNetBytes(NULL comm)");
+    CHECK_CODE(epCommGetNetBytes(comm, nullptr), epNullPointer, "bytes_sent");
+    CHECK(epCommGetNetBytes(comm, &net_bytes) == epSuccess && net_bytes == 0, "one host: no inter-host bytes");
     epHtDispatchArgs_t ha = EP_HT_DISPATCH_ARGS_INIT;
     epLlDispatchArgs_t la = EP_LL_DISPATCH_ARGS_INIT;
     epBufferSizes_t s = EP_BUFFER_SIZES_INIT;

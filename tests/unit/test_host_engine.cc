@@ -1210,9 +1210,15 @@ TEST_P(CrossHost, EveryOperation) {
       c.ok(epCommBarrier(comm, nullptr), "barrier", comm);
     }
     uint64_t cs = mix(seed, 77);
+    uint64_t before = 0, after = 0;
+    c.ok(epCommGetNetBytes(comm, &before), "get_net_bytes", comm);
     runHtCase(comm, handle, c, R, cs, randomHtCase(cs, R));
     cs = mix(seed, 78);
     runLlCase(comm, c, R, cs, randomLlCase(cs, R));
+    c.ok(epCommGetNetBytes(comm, &after), "get_net_bytes", comm);
+    // Every rank has peers on another host and every operation exchanges headers with them.
+    if (after <= before) c.fail("get_net_bytes", "did not grow across operations with other hosts (%llu, %llu)",
+                                static_cast<unsigned long long>(before), static_cast<unsigned long long>(after));
     c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
   });
 }
