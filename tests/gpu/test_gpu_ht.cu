@@ -234,8 +234,11 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
   return 0;
 }
 
-int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epComm_t* g, epComm_t* h) {
+// The GPU communicator under test and its host-engine reference; timeout_ms 0 keeps gpuConfig()'s deadline.
+int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epComm_t* g, epComm_t* h,
+             int timeout_ms = 0) {
   epConfig_t cfg = gpuConfig();
+  if (timeout_ms > 0) cfg.timeout_ms = timeout_ms;
   CKE(epCommInitRank(g, R, &gid, rank, &cfg), nullptr);
   epConfig_t hc = EP_CONFIG_INIT;
   hc.engine = EP_ENGINE_HOST;
@@ -439,14 +442,9 @@ TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
     CKC(selectDevice(rank));
-    epConfig_t cfg = gpuConfig();
-    cfg.timeout_ms = 3000;
+    const int timeout_ms = 3000;
     epComm_t g, h;
-    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
-    epConfig_t hc = EP_CONFIG_INIT;
-    hc.engine = EP_ENGINE_HOST;
-    hc.queue_bytes = 8 << 20;
-    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    if (initPair(rank, R, gid, hid, &g, &h, timeout_ms)) return 1;
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     {
@@ -480,7 +478,7 @@ TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
     CK_SAME_DROPS(g, h, R);
     CKE(epCommBarrier(g, s), g);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    CK(ms < 4 * cfg.timeout_ms, "recovery and the cases after it took %.0f ms: something waited", ms);
+    CK(ms < 4 * timeout_ms, "recovery and the cases after it took %.0f ms: something waited", ms);
     CK_CLEAN(g, "after the mask");
     CKE(epCommDestroy(g), g);
     CKE(epCommDestroy(h), h);
@@ -501,14 +499,8 @@ TEST_P(GpuHt, RecoveryWithoutADeath) {
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
     CKC(selectDevice(rank));
-    epConfig_t cfg = gpuConfig();
-    cfg.timeout_ms = 1500;
     epComm_t g, h;
-    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
-    epConfig_t hc = EP_CONFIG_INIT;
-    hc.engine = EP_ENGINE_HOST;
-    hc.queue_bytes = 8 << 20;
-    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    if (initPair(rank, R, gid, hid, &g, &h, 1500)) return 1;
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     {

@@ -240,8 +240,11 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
   return check("zero-copy");
 }
 
-int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int M, int E, epComm_t* g, epComm_t* h) {
+// The GPU communicator under test and its host-engine reference; timeout_ms 0 keeps llConfig()'s deadline.
+int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int M, int E, epComm_t* g, epComm_t* h,
+             int timeout_ms = 0) {
   epConfig_t cfg = llConfig(M, E);
+  if (timeout_ms > 0) cfg.timeout_ms = timeout_ms;
   CKE(epCommInitRank(g, R, &gid, rank, &cfg), nullptr);
   epConfig_t hc = EP_CONFIG_INIT;
   hc.engine = EP_ENGINE_HOST;
@@ -661,15 +664,8 @@ TEST_P(GpuLl, KilledRankMaskedBitExactAgainstHostEngine) {
     g_rank = rank;
     CKC(selectDevice(rank));
     const int E = 32 * R;
-    epConfig_t cfg = llConfig(128, E);
-    cfg.timeout_ms = 3000;
     epComm_t g, h;
-    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
-    epConfig_t hc = EP_CONFIG_INIT;
-    hc.engine = EP_ENGINE_HOST;
-    hc.queue_bytes = 16 << 20;
-    hc.ll_max_tokens_per_rank = 128;
-    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    if (initPair(rank, R, gid, hid, 128, E, &g, &h, 3000)) return 1;
     cudaStream_t s, s2;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
@@ -750,15 +746,9 @@ TEST_P(GpuLl, RecoveryWithoutADeath) {
     g_rank = rank;
     CKC(selectDevice(rank));
     const int E = 32 * R;
-    epConfig_t cfg = llConfig(128, E);
-    cfg.timeout_ms = 1500;
+    const int timeout_ms = 1500;
     epComm_t g, h;
-    CKE(epCommInitRank(&g, R, &gid, rank, &cfg), nullptr);
-    epConfig_t hc = EP_CONFIG_INIT;
-    hc.engine = EP_ENGINE_HOST;
-    hc.queue_bytes = 16 << 20;
-    hc.ll_max_tokens_per_rank = 128;
-    CKE(epCommInitRank(&h, R, &hid, rank, &hc), nullptr);
+    if (initPair(rank, R, gid, hid, 128, E, &g, &h, timeout_ms)) return 1;
     cudaStream_t s, s2;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
@@ -799,7 +789,7 @@ TEST_P(GpuLl, RecoveryWithoutADeath) {
       const epResult_t r = maskRanks(g, R, {}, s);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       CK(r == epInvalidUsage, "a peer rejected the call: got %s (%s)", epGetErrorString(r), epGetLastError(g));
-      CK(ms < cfg.timeout_ms, "the rejection reached this rank after %.0f ms", ms);
+      CK(ms < timeout_ms, "the rejection reached this rank after %.0f ms", ms);
     }
     CKE(maskRanks(g, R, {}, s), g);
     CKE(P.run(s, again.p), g);

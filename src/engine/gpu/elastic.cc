@@ -39,6 +39,8 @@ epResult_t GpuEngine::initElastic() {
   if (e != cudaSuccess) EP_FAIL(epCudaError, "initializing the elastic state: %s", cudaGetErrorString(e));
   e = cudaHostAlloc(reinterpret_cast<void**>(&sync_disagree_), sizeof(int), cudaHostAllocMapped);
   if (e == cudaSuccess) e = cudaHostAlloc(reinterpret_cast<void**>(&resync_out_), sizeof(GpuResyncOut), cudaHostAllocMapped);
+  if (e == cudaSuccess) e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&sync_disagree_dev_), sync_disagree_, 0);
+  if (e == cudaSuccess) e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&resync_out_dev_), resync_out_, 0);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc: %s", cudaGetErrorString(e));
   *sync_disagree_ = 0;
   memset(resync_out_, 0, sizeof(GpuResyncOut));
@@ -53,18 +55,21 @@ epResult_t GpuEngine::checkHandleMask(const epHtHandle* h, const char* what) con
   return epSuccess;
 }
 
-// One rendezvous of the ranks in `mask` on the device (entries of `kind`, round `round`); every one of them must
-// come within the deadline and hold the same mask.
-epResult_t GpuEngine::elasticSync(int kind, uint64_t mask, uint64_t round, cudaStream_t s, const char* what) {
-  int* disagree_dev = nullptr;
-  cudaHostGetDevicePointer(reinterpret_cast<void**>(&disagree_dev), sync_disagree_, 0);
-  *reinterpret_cast<volatile int*>(sync_disagree_) = 0;
+// The sync kernel with this rank's buffers: publishes to publish_to, then (wait) waits for the ranks in mask.
+cudaError_t GpuEngine::launchSync(int kind, uint64_t mask, uint64_t publish_to, uint64_t round, bool wait,
+                                  cudaStream_t s) {
   // Twice the deadline: a survivor may come up to one deadline late (its failed kernels end at theirs).
   HtParams p = baseParams(epOpBarrier);
   p.timeout_ns *= 2;
   const LlCtrl* ll_ctrl = ll_lay_.total > 0 ? static_cast<const LlCtrl*>(ll_bufs_.local()) : nullptr;
-  EPCHECK(checkLaunch(launchElasticSync(p, ll_ctrl, kind, mask, mask, round, true, disagree_dev, s),
-                      "the elastic sync kernel"));
+  return launchElasticSync(p, ll_ctrl, kind, mask, publish_to, round, wait, sync_disagree_dev_, s);
+}
+
+// One rendezvous of the ranks in `mask` on the device (entries of `kind`, round `round`); every one of them must
+// come within the deadline and hold the same mask.
+epResult_t GpuEngine::elasticSync(int kind, uint64_t mask, uint64_t round, cudaStream_t s, const char* what) {
+  *reinterpret_cast<volatile int*>(sync_disagree_) = 0;
+  EPCHECK(checkLaunch(launchSync(kind, mask, mask, round, true, s), "the elastic sync kernel"));
   cudaError_t e = cudaStreamSynchronize(s);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "%s: %s", what, cudaGetErrorString(e));
   volatile GpuErrorRecord* er = err_host_;
@@ -111,9 +116,8 @@ epResult_t GpuEngine::setActiveRanks(const uint8_t* active, epStream_t stream) {
   LlParams lp{};
   const bool has_ll = ll_lay_.total > 0;
   if (has_ll) lp = llParams(epOpBarrier);
-  GpuResyncOut* out_dev = nullptr;
-  cudaHostGetDevicePointer(reinterpret_cast<void**>(&out_dev), resync_out_, 0);
-  EPCHECK(checkLaunch(launchElasticResync(hp, has_ll ? &lp : nullptr, mask, out_dev, s), "the elastic resync kernel"));
+  EPCHECK(checkLaunch(launchElasticResync(hp, has_ll ? &lp : nullptr, mask, resync_out_dev_, s),
+                      "the elastic resync kernel"));
   // 3. No survivor starts the next operation before every other one is clean.
   epResult_t r = elasticSync(kSyncElastic, mask, round + 1, s, "epCommSetActiveRanks");
   if (r != epSuccess) {
@@ -136,13 +140,8 @@ epResult_t GpuEngine::setActiveRanksRejected(epResult_t local, epStream_t stream
   const uint64_t round = elastic_round_ + 1;
   elastic_round_ += 2;
   cudaError_t e = cudaDeviceSynchronize();
-  int* disagree_dev = nullptr;
-  cudaHostGetDevicePointer(reinterpret_cast<void**>(&disagree_dev), sync_disagree_, 0);
-  const LlCtrl* ll_ctrl = ll_lay_.total > 0 ? static_cast<const LlCtrl*>(ll_bufs_.local()) : nullptr;
   const uint64_t others = active_mask_ & ~(1ull << comm_->rank);
-  if (e == cudaSuccess)
-    e = launchElasticSync(baseParams(epOpBarrier), ll_ctrl, kSyncElastic, 0, others, round, false, disagree_dev,
-                          streamOf(stream));
+  if (e == cudaSuccess) e = launchSync(kSyncElastic, 0, others, round, false, streamOf(stream));
   if (e == cudaSuccess) e = cudaStreamSynchronize(streamOf(stream));
   if (e != cudaSuccess) EP_WARN("telling the other survivors of a rejected epCommSetActiveRanks failed: %s",
                                 cudaGetErrorString(e));

@@ -61,6 +61,7 @@ class GpuEngine final : public Engine {
   // Elastic ranks (elastic.cc): the survivors' rendezvous, and the check that a handle's layout predates no mask
   // change.
   epResult_t elasticSync(int kind, uint64_t mask, uint64_t round, cudaStream_t s, const char* what);
+  cudaError_t launchSync(int kind, uint64_t mask, uint64_t publish_to, uint64_t round, bool wait, cudaStream_t s);
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
   epResult_t initElastic();
 
@@ -80,8 +81,10 @@ class GpuEngine final : public Engine {
   uint64_t mask_gen_ = 0;
   uint64_t elastic_round_ = 0;  // rounds of epCommSetActiveRanks: two per call on every survivor, failed or not
   uint64_t barrier_round_ = 0;  // rounds of the barrier among survivors
-  int* sync_disagree_ = nullptr;       // host-mapped
-  GpuResyncOut* resync_out_ = nullptr;  // host-mapped
+  int* sync_disagree_ = nullptr;       // host-mapped, and its device address
+  int* sync_disagree_dev_ = nullptr;
+  GpuResyncOut* resync_out_ = nullptr;  // host-mapped, and its device address
+  GpuResyncOut* resync_out_dev_ = nullptr;
   // LL: a second buffer (present when config.ll_max_tokens_per_rank > 0), its fixed grid, and the halves this
   // rank issued per family (host-side call-order checks only; the kernels never read them).
   IpcBuffers ll_bufs_;
