@@ -881,7 +881,10 @@ class OfiBackend final : public NetBackend {
       }
       c->live.clear();
     }
-    if (!c->isSend) sinkStrays(c);
+    // Sinks only where strays block later traffic (shm). Under tcp;ofi_rxm a zero-byte sink that matches a
+    // rendezvous-size stray crashes inside the provider (seen in the close-in-flight test, about 1 run in 5), and
+    // a stray there blocks nothing.
+    if (!c->isSend && strcmp(d->info->fabric_attr->prov_name, "shm") == 0) sinkStrays(c);
     if (left > 0)
       NET_WARN("NET/epcomm: closing %s comm with peer %s: %zu operation(s) neither completed nor cancelled within "
                "%lld ms; the provider may still use their buffers",
