@@ -133,6 +133,14 @@ cudaError_t selectDevice(int rank) {
   return e != cudaSuccess ? e : cudaSetDevice(rank % n);
 }
 
+// The short deadlines that tests of timeouts and recovery set, times EPCOMM_GPU_TEST_DEADLINE_SCALE (default 1):
+// under compute-sanitizer every kernel and the rendezvous run many times slower, so those runs scale them up.
+inline int shortDeadlineMs(int ms) {
+  const char* s = getenv("EPCOMM_GPU_TEST_DEADLINE_SCALE");
+  const int scale = s ? atoi(s) : 1;
+  return ms * (scale > 1 ? scale : 1);
+}
+
 epConfig_t gpuConfig() {
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.engine = EP_ENGINE_GPU;

@@ -389,7 +389,7 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
     g_rank = rank;
     CKC(selectDevice(rank));
     epConfig_t cfg = gpuConfig();
-    cfg.timeout_ms = 1000;
+    cfg.timeout_ms = shortDeadlineMs(1000);
     epComm_t comm;
     CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
     cudaStream_t s;
@@ -408,7 +408,7 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
         epErrorInfo_t info = EP_ERROR_INFO_INIT;
         CKE(epCommGetAsyncError(comm, &ae, &info), comm);
         CK(ae == epTimeout && info.peer == R - 1, "async error %d peer %d (after %.0f ms)", ae, info.peer, ms);
-        CK(ms < 1000 * 3 + 2000, "timeout reported after %.0f ms", ms);
+        CK(ms < cfg.timeout_ms * 3 + shortDeadlineMs(2000), "timeout reported after %.0f ms", ms);
       }
     }
     CKE(epCommAbort(comm), comm);
@@ -442,7 +442,7 @@ TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
     CKC(selectDevice(rank));
-    const int timeout_ms = 3000;
+    const int timeout_ms = shortDeadlineMs(3000);
     epComm_t g, h;
     if (initPair(rank, R, gid, hid, &g, &h, timeout_ms)) return 1;
     cudaStream_t s;
@@ -500,7 +500,7 @@ TEST_P(GpuHt, RecoveryWithoutADeath) {
     g_rank = rank;
     CKC(selectDevice(rank));
     epComm_t g, h;
-    if (initPair(rank, R, gid, hid, &g, &h, 1500)) return 1;
+    if (initPair(rank, R, gid, hid, &g, &h, shortDeadlineMs(1500))) return 1;
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     {

@@ -746,7 +746,7 @@ TEST_P(GpuLl, RecoveryWithoutADeath) {
     g_rank = rank;
     CKC(selectDevice(rank));
     const int E = 32 * R;
-    const int timeout_ms = 1500;
+    const int timeout_ms = shortDeadlineMs(1500);
     epComm_t g, h;
     if (initPair(rank, R, gid, hid, 128, E, &g, &h, timeout_ms)) return 1;
     cudaStream_t s, s2;
@@ -761,8 +761,9 @@ TEST_P(GpuLl, RecoveryWithoutADeath) {
     // (1)
     if (rank == 0) {
       epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV);
-      a.hidden = 2048;  // over config.ll_max_hidden: refused here, launched nothing
-      CK(epLlDispatch(g, &a, s) == epInvalidHidden, "rank 0's call was not refused");
+      a.recv_x_bytes = 1;  // below what the size helper says: refused here, launched nothing
+      const epResult_t r = epLlDispatch(g, &a, s);
+      CK(r == epBufferTooSmall, "rank 0's call was not refused: %s", epGetErrorString(r));
     } else {
       CKE(P.run(s, again.p), g);
       CKC(cudaStreamSynchronize(s));
