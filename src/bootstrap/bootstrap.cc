@@ -1251,6 +1251,9 @@ class CallbackBootstrap final : public Bootstrap {
   epResult_t allgather(void* buf, size_t bytes_per_rank, int timeout_ms) override {
     (void)timeout_ms;  // the caller's all-gather keeps its own time
     if (aborted_.load()) EP_FAIL(epAborted, "rank %d: bootstrap allgather called after abort", rank_);
+    if (created_)
+      EP_FAIL(epInternalError, "rank %d: the caller's all-gather was needed after creation, which its contract "
+              "forbids (epcomm bug)", rank_);
     if (buf == nullptr && bytes_per_rank > 0)
       EP_FAIL(epNullPointer, "bootstrap allgather: buf is NULL with bytes_per_rank=%zu", bytes_per_rank);
     if (bytes_per_rank > SIZE_MAX / static_cast<size_t>(nranks_))
@@ -1274,12 +1277,14 @@ class CallbackBootstrap final : public Bootstrap {
   }
 
   void abort() override { aborted_.store(true); }
+  void creationDone() override { created_ = true; }
   void setSecret(const uint8_t* s) { memcpy(secret_, s, kSecretBytes); }
 
  private:
   epAllgatherFn_t fn_;
   void* ctx_;
   std::atomic<bool> aborted_{false};
+  bool created_ = false;
 };
 
 epResult_t initCallback(epAllgatherFn_t fn, void* ctx, int rank, int nranks, std::unique_ptr<Bootstrap>* out) {

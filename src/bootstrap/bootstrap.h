@@ -31,6 +31,9 @@ class Bootstrap {
   virtual epResult_t barrier(int timeout_ms);
   // Unblocks any wait in progress (it returns epAborted) and closes connections. Safe from another thread.
   virtual void abort() = 0;
+  // The communicator is created. The caller's all-gather may be called only during creation (the header's
+  // contract: its context may be gone afterwards), so the callback path refuses every later call.
+  virtual void creationDone() {}
 
  protected:
   int rank_ = 0;

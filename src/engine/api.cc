@@ -229,6 +229,7 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   EPCHECK(boot(cfg.timeout_ms, &comm->bootstrap));
   comm->engine = makeEngine(comm.get());
   EPCHECK(comm->engine->init());
+  comm->bootstrap->creationDone();
   EP_INFO(kSubsysInit, "communicator ready: rank %d of %d, host engine, timeout %d ms", rank, nranks,
           cfg.timeout_ms);
   live().add(comm.get(), Live::kComm);

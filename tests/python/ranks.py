@@ -4,6 +4,7 @@ run(world, fn, *args) starts the ranks with a FileStore rendezvous (no ports), w
 deadline, and raises with every failing rank's traceback. fn(rank, world, init_method, *args) must be a
 module-level function (the ranks import it by name).
 """
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -19,8 +20,15 @@ DEFAULT_ENV = {
 }
 
 
+def _fault_path(init_method, rank):
+    return init_method[len("file://"):] + f".rank{rank}.fault"
+
+
 def _entry(fn, rank, world, init_method, env, args, results):
     os.environ.update(env)
+    # A rank that crashes (SIGSEGV, SIGABRT) leaves its Python stack here for the failure message.
+    fault = open(_fault_path(init_method, rank), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(fault, all_threads=True)
     outcome = None
     try:
         fn(rank, world, init_method, *args)
@@ -58,9 +66,20 @@ def run(world, fn, *args, env=None, timeout=240, expect_exit=None):
             if p.is_alive():
                 p.kill()
                 p.join()
+        stacks = {}
+        for r in range(world):
+            try:
+                with open(_fault_path(init_method, r)) as f:
+                    stacks[r] = f.read().strip()
+            except FileNotFoundError:  # the rank died before it started
+                stacks[r] = ""
     missing = [r for r in range(world) if r not in outcomes and r not in expect_exit]
     failed = {r: o for r, o in outcomes.items() if o is not None}
     if missing or failed:
-        lines = [f"rank {r} did not finish (exit code {procs[r].exitcode})" for r in missing]
+        lines = []
+        for r in missing:
+            lines.append(f"rank {r} did not finish (exit code {procs[r].exitcode})")
+            if stacks[r]:
+                lines.append(stacks[r])
         lines += [f"--- rank {r} ---\n{o}" for r, o in sorted(failed.items())]
         raise AssertionError("\n".join(lines))

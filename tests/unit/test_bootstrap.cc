@@ -604,6 +604,12 @@ TEST(BootstrapCallback, SecretAllgatherAndFailure) {
   EXPECT_EQ(bss[2]->allgather(buf.data(), 8, 1000), epAborted);
   EXPECT_EQ(bss[2]->barrier(1000), epAborted);
   EXPECT_EQ(fake.calls.load(), before);
+  // Once the communicator is created the callback is never called again (its context may be gone).
+  bss[3]->creationDone();
+  EXPECT_EQ(bss[3]->allgather(buf.data(), 8, 1000), epInternalError);
+  EXPECT_NE(strstr(threadLastError(), "after creation"), nullptr) << threadLastError();
+  EXPECT_EQ(bss[3]->barrier(1000), epInternalError);
+  EXPECT_EQ(fake.calls.load(), before);
 }
 
 TEST(BootstrapCallback, FailingCallbackAtInit) {

@@ -82,6 +82,15 @@ epResult_t GpuEngine::elasticSync(int kind, uint64_t mask, uint64_t round, cudaS
   return epSuccess;
 }
 
+epResult_t GpuEngine::barrier(epStream_t stream) {
+  DeviceScope scope(device_);
+  cudaError_t e = cudaStreamSynchronize(streamOf(stream));
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "barrier: %s", cudaGetErrorString(e));
+  // The active ranks meet on the device, never through the bootstrap: it would need every rank (a masked one
+  // does not come), and a communicator made with the caller's all-gather may not call it after creation.
+  return elasticSync(kSyncBarrier, active_mask_, ++barrier_round_, streamOf(stream), "epCommBarrier");
+}
+
 epResult_t GpuEngine::setActiveRanks(const uint8_t* active, epStream_t stream) {
   DeviceScope scope(device_);
   const int R = comm_->nranks;

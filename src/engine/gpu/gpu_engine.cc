@@ -325,14 +325,4 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   return checkLaunch(launchHtCombine(p, s), "the combine kernel");
 }
 
-epResult_t GpuEngine::barrier(epStream_t stream) {
-  cudaError_t e = cudaStreamSynchronize(streamOf(stream));
-  if (e != cudaSuccess) EP_FAIL(epCudaError, "barrier: %s", cudaGetErrorString(e));
-  // With masked ranks the bootstrap (which needs every rank) is not an option: the survivors meet on the device.
-  const uint64_t all = comm_->nranks >= 64 ? ~0ull : (1ull << comm_->nranks) - 1;
-  if (active_mask_ != all)
-    return elasticSync(kSyncBarrier, active_mask_, ++barrier_round_, streamOf(stream), "epCommBarrier");
-  return comm_->bootstrap->barrier(comm_->config.timeout_ms);
-}
-
 }  // namespace epcomm
