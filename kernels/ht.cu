@@ -134,6 +134,13 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   }
   for (int i = tid; i < R * C; i += blockDim.x)
     p.h.recv_chan[i] = ((act >> (i / C)) & 1) ? countsOf(i / C)[R + L + i % C] : 0;
+  // Where this rank's rows start in r's receive order: the rows of the active sources before it (pull combine).
+  for (int r = tid; r < R; r += blockDim.x) {
+    int b = 0;
+    for (int s = 0; s < p.rank; ++s)
+      if ((act >> s) & 1) b += countsOf(s)[r];
+    p.h.peer_base[r] = b;
+  }
   if (tid == 0) {
     int acc = 0;
     p.h.prefix[0] = 0;
@@ -362,6 +369,105 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Pull combine (src/common/gpu_layout.h): block 2c copies, for every owner s, the rows of s's channel-c tokens
+// from x into this rank's staging (same row index as in x) and publishes them to s; block 2c+1 waits for every
+// active rank's rows of this rank's channel-c tokens, then reduces a token per warp straight from the peers'
+// staging, in ascending rank order, in fp32, rounded once (the same arithmetic as the push path), and
+// acknowledges.
+// ---------------------------------------------------------------------------------------------------------
+template <int kDtype>
+__global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
+  using V = Vec8<kDtype>;
+  constexpr int kBatch = 4;  // rows loaded before they are added, for memory-level parallelism
+  const uint64_t e = currentEpoch(p);
+  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int R = p.nranks, C = p.C, G = p.G;
+  uint8_t* const stage = p.base[p.rank] + p.lay.comb_stage;
+  if ((blockIdx.x & 1) == 0) {
+    const int s = warp / G, g = warp % G;
+    if (!rankActive(p.el, s)) return;  // a masked owner gets nothing, and nothing is waited for
+    const int n = p.h.recv_chan[s * C + c];
+    int first = p.h.prefix[s];
+    for (int cc = 0; cc < c; ++cc) first += p.h.recv_chan[s * C + cc];
+    // The rows this rank last published to s must have been read by s before they are overwritten.
+    bool ok = true;
+    if (lane == 0) {
+      const uint64_t last = ldAcquire(qCounter(p, p.rank, kPullSent, s, c));
+      ok = waitAtLeast(p, qCounter(p, p.rank, kPullAck, s, c), last, s, epPhaseData, e);
+    }
+    ok = __shfl_sync(kFull, ok, 0);
+    // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
+    // owner adds nothing for them.
+    const int have = min(*p.h.num_recv, p.recv_rows);
+    for (int i = g; ok && i < n; i += G) {
+      const int row = first + i;
+      uint8_t* dst = stage + static_cast<size_t>(row) * p.lay.x_stride;
+      if (row < have) {
+        warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
+      } else {
+        for (int ch = lane; ch < static_cast<int>(p.xrow / 16); ch += 32) reinterpret_cast<int4*>(dst)[ch] = int4{};
+      }
+    }
+    __threadfence_system();
+    groupSync(G, s);
+    if (g == 0 && lane == 0 && ok && noFailure(p)) {
+      stRelease(qCounter(p, s, kPullReady, p.rank, c), e);
+      stRelaxed(qCounter(p, p.rank, kPullSent, s, c), e);
+    }
+    return;
+  }
+  // Owner: every active rank's rows of this channel's tokens are in.
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += blockDim.x)
+    if (rankActive(p.el, r) && !waitAtLeast(p, qCounter(p, p.rank, kPullReady, r, c), e, r, epPhaseData, e))
+      s_ok = 0;
+  __syncthreads();
+  if (!s_ok) return;
+  // Per warp: the rows of its token, in ascending rank order.
+  __shared__ const int4* s_src[32][kGpuMaxRanks];
+  const int4** src = s_src[warp];
+  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
+  for (int t = tb + warp; t < te; t += nwarps) {
+    int n = 0;
+    for (int r0 = 0; r0 < R; r0 += 32) {
+      const int r = r0 + lane;
+      const size_t tr = static_cast<size_t>(t) * R + r;
+      const bool has = r < R && p.h.in_rank[tr] && rankActive(p.el, r);
+      const unsigned b = __ballot_sync(kFull, has);
+      if (has) {
+        const int row = p.h.peer_base[r] + p.h.pos[tr];
+        src[n + __popc(b & ((1u << lane) - 1))] =
+            reinterpret_cast<const int4*>(p.base[r] + p.lay.comb_stage + static_cast<size_t>(row) * p.lay.x_stride);
+      }
+      n += __popc(b);
+    }
+    __syncwarp();
+    for (int ch = lane; ch < chunks; ch += 32) {
+      float acc[V::kN];
+#pragma unroll
+      for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < n; i += kBatch) {
+        int4 v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (i + u < n) v[u] = src[i + u][ch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (i + u < n) V::add(acc, v[u]);
+      }
+      reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
+    }
+    __syncwarp();
+  }
+  // Every row of this channel is read: the copiers may overwrite them.
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += blockDim.x)
+    if (rankActive(p.el, r)) stRelease(qCounter(p, r, kPullAck, p.rank, c), e);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Layout (epGetDispatchLayout), local: outputs zeroed by the launcher, then counted with atomics.
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(256) layoutKernel(HtParams p, int* per_rank, int* per_expert, uint8_t* in_rank) {
@@ -409,6 +515,14 @@ cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
 }
 
 cudaError_t launchHtCombine(const HtParams& p, cudaStream_t s) {
+  if (p.pull) {
+    switch (p.dtype) {
+      case epBfloat16: htCombinePullKernel<epBfloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
+      case epFloat16: htCombinePullKernel<epFloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
+      default: htCombinePullKernel<epFloat32><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
+    }
+    return cudaGetLastError();
+  }
   switch (p.dtype) {
     case epBfloat16: htCombineKernel<epBfloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
     case epFloat16: htCombineKernel<epFloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;

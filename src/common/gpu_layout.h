@@ -13,8 +13,16 @@
 //                                  head (written here, read by src), combine tail, combine head
 //   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
 //   [combine queues: R x C x Q]    slots of one expert-output row
-//   [combine staging: R x max_tokens] where the receiving blocks move combine rows out of the queues, so that
-//                                  each source drains independently; the reduction then reads them here
+//   [combine staging: R x max_tokens] push combine: where the receiving blocks move combine rows out of the
+//                                  queues, so that each source drains independently; the reduction reads them
+//                                  here. Pull combine (the default): this rank's combine input, row i of x at
+//                                  row i (its receive order), which the token owners read straight from here
+//
+// Pull combine, per (owner s, channel c): this rank copies the rows of s's channel-c tokens into its staging
+// and publishes ready[this rank][c] = epoch in s's counters; s waits for ready from every active rank, reduces
+// each token from the peers' staging rows in ascending rank order, then acknowledges (ack[s][c] = epoch in the
+// copier's counters). A copier overwrites its rows for s only once s acknowledged the combine it last published
+// (sent[s][c], its own record), so the next combine never changes rows a slow owner still reads.
 //
 // An operation: a one-block kernel bumps ctrl.epoch first (so every block of the following kernels reads a
 // value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel
@@ -38,7 +46,10 @@ struct GpuCtrl {
   alignas(128) uint64_t epoch;   // written only by one-block begin/notify kernels
 };
 
-enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kNumQueueCounters };
+// Counter arrays [src][channel] in each rank's buffer. Pull combine: kPullReady[src][c] in the owner's buffer
+// (written by src), kPullAck[owner][c] and kPullSent[owner][c] in the copier's (written by the owner / itself).
+enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
+                       kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
@@ -228,6 +239,7 @@ struct GpuHandleDev {
   int32_t* num_recv;        // [1]
   int32_t* masked;          // [R] tokens of the layout not sent because r was masked (added to the drop
                             // counters by every dispatch that uses the layout)
+  int32_t* peer_base;       // [R] receive row at rank r of this rank's first token there (pull combine)
 };
 
 // Everything an HT kernel needs, passed by value.
@@ -243,6 +255,8 @@ struct HtParams {
   int C, Q, G;                       // channels, queue rows, warps per peer in a block
   // operation
   int T, H, K, E, L, dtype, worst;  // worst = num_worst_tokens (0 = exact)
+  int pull;                          // combine: pull (1) or push through the queues (0)
+  int recv_rows;                     // combine: rows of x (the handle's receive rows)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
   const void* x;
   const float* x_scales;

@@ -16,6 +16,9 @@ namespace epcomm {
 
 EP_PARAM(GpuSms, "NUM_SMS", 24);
 EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 64);
+// HT combine: 1 = the token owners pull the expert outputs from the peers' buffers (one copy of x into this
+// rank's buffer, one read by the owner); 0 = push through the bounded queues (a copy more per row).
+EP_PARAM(GpuHtCombinePull, "GPU_HT_COMBINE_PULL", 1);
 
 namespace {
 
@@ -104,6 +107,7 @@ epResult_t GpuEngine::init() {
   EP_REQUIRE(queue_rows >= 32 && queue_rows <= 4096, epInvalidArgument,
              "EPCOMM_GPU_QUEUE_ROWS = %d is outside [32, 4096]", queue_rows);
   lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank);
+  ht_pull_ = epParamGpuHtCombinePull() != 0;
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
@@ -186,7 +190,7 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  const size_t ints = tr + (R + 1) + 2 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + R;
+  const size_t ints = tr + (R + 1) + 2 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R;
   const size_t bytes = 4 * ints + tr + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
@@ -205,7 +209,8 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   g->dev.per_expert = g->dev.send_chan_base + R * C;
   g->dev.num_recv = g->dev.per_expert + kGpuMaxExperts;
   g->dev.masked = g->dev.num_recv + 1;
-  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.masked + R);
+  g->dev.peer_base = g->dev.masked + R;
+  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.peer_base + R);
   h->gpu = g.release();
   return epSuccess;
 }
@@ -320,6 +325,8 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.x = a->x;
   p.combined_x = a->combined_x;
   p.h = g->dev;
+  p.pull = ht_pull_ ? 1 : 0;
+  p.recv_rows = h->recv_rows;
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
   return checkLaunch(launchHtCombine(p, s), "the combine kernel");

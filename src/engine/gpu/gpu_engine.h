@@ -77,6 +77,7 @@ class GpuEngine final : public Engine {
   // Elastic ranks: the device-side mask and drop counters, the mask as this host last set it, how many masks
   // that masked someone new were set (HT handles filled before are stale), and the survivors' sync rounds.
   GpuElastic* el_dev_ = nullptr;
+  bool ht_pull_ = true;  // HT combine pulls from the peers' buffers (EPCOMM_GPU_HT_COMBINE_PULL)
   uint64_t active_mask_ = 0;
   uint64_t mask_gen_ = 0;
   uint64_t elastic_round_ = 0;  // rounds of epCommSetActiveRanks: two per call on every survivor, failed or not
@@ -94,8 +95,8 @@ class GpuEngine final : public Engine {
   bool ll_pdl_ = false, ll_fused_ = false;
   int gpu_sms_ = 1;
   uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
-  bool ll_zero_copy_ = false;
-  int ll_recv_zero_copy_ = 0;  // the mode of the combine whose receive half is outstanding  // a zero-copy region was handed out: dispatch receives guard its reuse
+  bool ll_zero_copy_ = false;  // a zero-copy region was handed out: dispatch receives guard its reuse
+  int ll_recv_zero_copy_ = 0;  // the mode of the combine whose receive half is outstanding
 };
 
 }  // namespace epcomm
