@@ -63,11 +63,13 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
     stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ldAcquire(qCounter(p, p.rank, kCombTail, s, c)));
   }
   __syncthreads();
-  // Pull combine: whatever a failed combine left unread, every active copier may overwrite its rows for this
-  // rank again (it waits for an acknowledgement no older than what it last published, which is <= s_max[0]).
+  // Pull combine and dispatch: whatever a failed operation left unread, every active copier may overwrite its
+  // rows for this rank again (it waits for an acknowledgement no older than what it last published, which is <= s_max[0]).
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int s = i / C, c = i % C;
-    if ((mask >> s) & 1) stRelease(qCounter(p, s, kPullAck, p.rank, c), s_max[0]);
+    if (!((mask >> s) & 1)) continue;
+    stRelease(qCounter(p, s, kPullAck, p.rank, c), s_max[0]);
+    stRelease(qCounter(p, s, kPullDAck, p.rank, c), s_max[0]);  // and pull dispatch's
   }
   if (has_ll) {
     LlCtrl* ctrl = reinterpret_cast<LlCtrl*>(ll.base[ll.rank]);

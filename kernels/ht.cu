@@ -154,6 +154,115 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   }
 }
 
+// Block 1 of a dispatch, after its rows: worst-token padding of the metadata and the counts.
+__device__ void dispatchTail(const HtParams& p, int num_recv, int rows) {
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, K = p.K;
+  for (int i = rows + warp; i < p.worst; i += nwarps)
+    if (lane < K) {
+      if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(i) * K + lane] = -1;
+      if (p.recv_topk_weights) p.recv_topk_weights[static_cast<size_t>(i) * K + lane] = 0.0f;
+    }
+  for (int l = threadIdx.x; l < p.L; l += blockDim.x)
+    if (p.recv_per_expert_out) p.recv_per_expert_out[l] = p.h.per_expert[l];
+  if (threadIdx.x == 0 && p.num_recv_out) *p.num_recv_out = num_recv;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Pull dispatch (src/common/gpu_layout.h): block 2c copies channel c's tokens once into this rank's dispatch
+// staging (x, scales, global expert ids, weights), writes the per-destination token lists, and publishes the
+// channel to every active receiver; block 2c+1 reads, for every active source s (G warps per source), s's
+// channel-c rows for this rank straight from s's staging into their final receive rows (source rank order,
+// then token order: the same rows as the push path), then acknowledges s.
+// ---------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
+  const uint64_t e = currentEpoch(p);
+  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int R = p.nranks, K = p.K, C = p.C, G = p.G;
+  if (blockIdx.x == 0 && threadIdx.x < R && p.h.masked[threadIdx.x] > 0)
+    atomicAdd(&p.el->drops[kDropTokenRows][threadIdx.x], static_cast<unsigned long long>(p.h.masked[threadIdx.x]));
+  uint8_t* const me = p.base[p.rank];
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  if ((blockIdx.x & 1) == 0) {
+    // Every receiver has read what this rank last published, on every channel: with another token count or
+    // routing, this channel's rows and list entries were another channel's before.
+    for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+      const int r = i / C, cc = i % C;
+      if (!rankActive(p.el, r)) continue;
+      const uint64_t last = ldAcquire(qCounter(p, p.rank, kPullDSent, r, cc));
+      if (!waitAtLeast(p, qCounter(p, p.rank, kPullDAck, r, cc), last, r, epPhaseData, e)) s_ok = 0;
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
+    int32_t* const list = reinterpret_cast<int32_t*>(me + p.lay.disp_list);
+    for (int t = tb + warp; t < te; t += nwarps) {
+      uint8_t* slot = me + p.lay.disp_stage + static_cast<size_t>(t) * p.lay.disp_slot;
+      warpCopy16(slot, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow, p.xrow, lane);
+      if (p.srow)
+        warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
+      uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+      if (p.topk_idx != nullptr && lane < K) {
+        reinterpret_cast<int64_t*>(meta)[lane] = p.topk_idx[static_cast<size_t>(t) * K + lane];
+        if (p.topk_weights != nullptr)
+          reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = p.topk_weights[static_cast<size_t>(t) * K + lane];
+      }
+      for (int r = lane; r < R; r += 32) {
+        const size_t tr = static_cast<size_t>(t) * R + r;
+        if (p.h.in_rank[tr]) list[static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]] = t;
+      }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (noFailure(p))
+      for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        if (!rankActive(p.el, r)) continue;
+        stRelease(qCounter(p, r, kPullDReady, p.rank, c), e);
+        stRelaxed(qCounter(p, p.rank, kPullDSent, r, c), e);
+      }
+    return;
+  }
+  const int num_recv = *p.h.num_recv;
+  const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
+  {
+    const int s = warp / G, g = warp % G;
+    const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
+    int before = 0;  // s's earlier channels' rows for this rank: where channel c starts in s's list for it
+    for (int cc = 0; cc < c; ++cc) before += p.h.recv_chan[s * C + cc];
+    const int dst = p.h.prefix[s] + before;
+    bool ok = true;
+    if (rankActive(p.el, s) && lane == 0) ok = waitAtLeast(p, qCounter(p, p.rank, kPullDReady, s, c), e, s, epPhaseData, e);
+    ok = __shfl_sync(kFull, ok, 0);
+    if (!ok && lane == 0) s_ok = 0;
+    const uint8_t* src_base = p.base[s];
+    const int32_t* list = reinterpret_cast<const int32_t*>(src_base + p.lay.disp_list) +
+                          static_cast<size_t>(p.rank) * p.lay.max_tokens + before;
+    for (int i = g; ok && i < n; i += G) {
+      const int row = dst + i;
+      if (row >= rows) break;  // worst-token overflow: never written past the capacity (recorded by notify)
+      const int t = list[i];
+      const uint8_t* slot = src_base + p.lay.disp_stage + static_cast<size_t>(t) * p.lay.disp_slot;
+      warpCopy16(static_cast<uint8_t*>(p.recv_x) + static_cast<size_t>(row) * p.xrow, slot, p.xrow, lane);
+      if (p.srow)
+        warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow, lane);
+      const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+      if (lane < K && p.topk_idx != nullptr) {
+        const int64_t x = reinterpret_cast<const int64_t*>(meta)[lane];
+        const bool here = x >= 0 && x < p.E && x / p.L == p.rank;
+        if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = here ? x % p.L : -1;
+        if (p.recv_topk_weights && p.topk_weights)
+          p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
+              here ? reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane] : 0.0f;
+      }
+    }
+    groupSync(G, s);
+    if (ok && g == 0 && lane == 0 && rankActive(p.el, s)) stRelease(qCounter(p, s, kPullDAck, p.rank, c), e);
+  }
+  if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Dispatch: block 2c sends channel c's tokens (G warps per destination, in token order, into the
 // destination's queue for this rank and channel); block 2c+1 receives channel c (G warps per source) and
@@ -257,18 +366,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n));
     }
   }
-  if (blockIdx.x == 1) {  // worst-token padding and the counts
-    __syncthreads();
-    const int nwarps = blockDim.x >> 5;
-    for (int i = rows + warp; i < p.worst; i += nwarps)
-      if (lane < K) {
-        if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(i) * K + lane] = -1;
-        if (p.recv_topk_weights) p.recv_topk_weights[static_cast<size_t>(i) * K + lane] = 0.0f;
-      }
-    for (int l = threadIdx.x; l < p.L; l += blockDim.x)
-      if (p.recv_per_expert_out) p.recv_per_expert_out[l] = p.h.per_expert[l];
-    if (threadIdx.x == 0 && p.num_recv_out) *p.num_recv_out = num_recv;
-  }
+  if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -384,18 +482,24 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   const int R = p.nranks, C = p.C, G = p.G;
   uint8_t* const stage = p.base[p.rank] + p.lay.comb_stage;
   if ((blockIdx.x & 1) == 0) {
+    // The rows this rank last published must have been read before they are overwritten: on every channel of
+    // every owner, since another layout puts other rows where this block writes.
+    __shared__ int s_acked;
+    if (threadIdx.x == 0) s_acked = 1;
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+      const int o = i / C, cc = i % C;
+      if (!rankActive(p.el, o)) continue;
+      const uint64_t last = ldAcquire(qCounter(p, p.rank, kPullSent, o, cc));
+      if (!waitAtLeast(p, qCounter(p, p.rank, kPullAck, o, cc), last, o, epPhaseData, e)) s_acked = 0;
+    }
+    __syncthreads();
+    const bool ok = s_acked != 0;
     const int s = warp / G, g = warp % G;
     if (!rankActive(p.el, s)) return;  // a masked owner gets nothing, and nothing is waited for
     const int n = p.h.recv_chan[s * C + c];
     int first = p.h.prefix[s];
     for (int cc = 0; cc < c; ++cc) first += p.h.recv_chan[s * C + cc];
-    // The rows this rank last published to s must have been read by s before they are overwritten.
-    bool ok = true;
-    if (lane == 0) {
-      const uint64_t last = ldAcquire(qCounter(p, p.rank, kPullSent, s, c));
-      ok = waitAtLeast(p, qCounter(p, p.rank, kPullAck, s, c), last, s, epPhaseData, e);
-    }
-    ok = __shfl_sync(kFull, ok, 0);
     // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
     // owner adds nothing for them.
     const int have = min(*p.h.num_recv, p.recv_rows);
@@ -510,7 +614,10 @@ cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s) {
 }
 
 cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
-  htDispatchKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+  if (p.pull_dispatch)
+    htDispatchPullKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+  else
+    htDispatchKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   return cudaGetLastError();
 }
 

@@ -18,6 +18,15 @@
 //                                  here. Pull combine (the default): this rank's combine input, row i of x at
 //                                  row i (its receive order), which the token owners read straight from here
 //
+//   [dispatch staging: max_tokens] pull dispatch only (EPCOMM_GPU_HT_DISPATCH_PULL): this rank's tokens, row t
+//                                  at t in the dispatch slot format (x, scales, global expert ids, weights)
+//   [dispatch lists: R x max_tokens] pull dispatch only: list[r][i] = the token this rank sends to r as its i-th
+//
+// Pull dispatch, per (source s, channel c): s copies its channel-c tokens once into its staging, fills the lists,
+// and publishes ready[s][c] = epoch in every active receiver's counters; receiver r reads s's rows for it
+// (list[r][...]) straight from s's staging into recv_x and acknowledges (ack[r][c] in s's counters). As for the
+// combine, s overwrites its staging only once every receiver acknowledged what s last published.
+//
 // Pull combine, per (owner s, channel c): this rank copies the rows of s's channel-c tokens into its staging
 // and publishes ready[this rank][c] = epoch in s's counters; s waits for ready from every active rank, reduces
 // each token from the peers' staging rows in ascending rank order, then acknowledges (ack[s][c] = epoch in the
@@ -48,8 +57,10 @@ struct GpuCtrl {
 
 // Counter arrays [src][channel] in each rank's buffer. Pull combine: kPullReady[src][c] in the owner's buffer
 // (written by src), kPullAck[owner][c] and kPullSent[owner][c] in the copier's (written by the owner / itself).
+// Pull dispatch: kPullDReady[src][c] in the receiver's buffer, kPullDAck[receiver][c] and kPullDSent in the
+// source's.
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
-                       kNumQueueCounters };
+                       kPullDReady, kPullDAck, kPullDSent, kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
@@ -58,6 +69,8 @@ struct GpuBufferLayout {
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
   size_t comb_q;                  // combine queues (slots of x_stride bytes)
   size_t comb_stage;              // combine rows moved out of the queues: [src][max_tokens][x_stride]
+  size_t disp_stage, disp_list;   // pull dispatch: [max_tokens][disp_slot], [R][max_tokens] int32 (0 bytes
+                                  // without pull dispatch: both offsets equal total)
   size_t x_stride, scale_stride;  // bytes of a row's x part and scale part in a slot
   size_t total;
   int nranks, channels, queue_rows, max_tokens;
@@ -96,7 +109,8 @@ struct MailboxHead {
   // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C] follow
 };
 
-EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens) {
+EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens,
+                                      bool pull_dispatch = false) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   GpuBufferLayout l{};
   l.nranks = nranks;
@@ -123,6 +137,10 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   off = up(off + slots * l.x_stride);
   l.comb_stage = off;
   off = up(off + static_cast<size_t>(nranks) * max_tokens * l.x_stride);
+  l.disp_stage = off;
+  if (pull_dispatch) off = up(off + static_cast<size_t>(max_tokens) * l.disp_slot);
+  l.disp_list = off;
+  if (pull_dispatch) off = up(off + static_cast<size_t>(nranks) * max_tokens * 4);
   l.total = off;
   return l;
 }
@@ -256,6 +274,7 @@ struct HtParams {
   // operation
   int T, H, K, E, L, dtype, worst;  // worst = num_worst_tokens (0 = exact)
   int pull;                          // combine: pull (1) or push through the queues (0)
+  int pull_dispatch;                 // dispatch: pull (1; the layout has a dispatch staging) or push (0)
   int recv_rows;                     // combine: rows of x (the handle's receive rows)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
   const void* x;

@@ -36,6 +36,16 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             EXPECT_LE(l.disp_q + static_cast<size_t>(R) * C * Q * l.disp_slot, l.comb_q);
             EXPECT_LE(l.comb_q + static_cast<size_t>(R) * C * Q * l.x_stride, l.comb_stage);
             EXPECT_LE(l.comb_stage + static_cast<size_t>(R) * T * l.x_stride, l.total);
+            // Without pull dispatch its regions are empty; with it they follow, sized for every token.
+            EXPECT_EQ(l.disp_stage, l.total);
+            EXPECT_EQ(l.disp_list, l.total);
+            const GpuBufferLayout p = gpuBufferLayout(R, C, Q, H, T, true);
+            EXPECT_EQ(p.comb_stage, l.comb_stage);
+            EXPECT_EQ(p.disp_stage % 256, 0u);
+            EXPECT_EQ(p.disp_list % 256, 0u);
+            EXPECT_LE(p.comb_stage + static_cast<size_t>(R) * T * p.x_stride, p.disp_stage);
+            EXPECT_LE(p.disp_stage + static_cast<size_t>(T) * p.disp_slot, p.disp_list);
+            EXPECT_LE(p.disp_list + static_cast<size_t>(R) * T * 4, p.total);
           }
 }
 

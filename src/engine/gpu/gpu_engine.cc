@@ -19,6 +19,10 @@ EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 64);
 // HT combine: 1 = the token owners pull the expert outputs from the peers' buffers (one copy of x into this
 // rank's buffer, one read by the owner); 0 = push through the bounded queues (a copy more per row).
 EP_PARAM(GpuHtCombinePull, "GPU_HT_COMBINE_PULL", 1);
+// HT dispatch: 1 = each rank copies its tokens once into its buffer and the receivers pull their rows straight
+// into recv_x (no queues; needs max_tokens dispatch slots more per rank); 0 = push through the bounded queues.
+// Off by default until it is verified on a GPU.
+EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 0);
 
 namespace {
 
@@ -106,8 +110,9 @@ epResult_t GpuEngine::init() {
   // The reducing block consumes one token per warp per round (up to 32 warps): a queue holds at least that.
   EP_REQUIRE(queue_rows >= 32 && queue_rows <= 4096, epInvalidArgument,
              "EPCOMM_GPU_QUEUE_ROWS = %d is outside [32, 4096]", queue_rows);
-  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank);
   ht_pull_ = epParamGpuHtCombinePull() != 0;
+  ht_pull_dispatch_ = epParamGpuHtDispatchPull() != 0;
+  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_);
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
@@ -167,6 +172,7 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_topk_idx = a->recv_topk_idx;
   p.recv_topk_weights = a->recv_topk_weights;
   p.recv_per_expert_out = a->recv_tokens_per_expert;
+  p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
   p.num_recv_out = a->num_recv_tokens;
   p.h = h;
   return p;
