@@ -14,11 +14,29 @@ namespace {
 
 using namespace dev;
 
+// Pull combine and dispatch: before any block of the operation overwrites this rank's staging, every active
+// reader has acknowledged what this rank last published there, on every (reader, channel): with another layout a
+// block's rows were another channel's. Done here, before the main kernel, because inside it a late block would
+// read the counters its own launch already advanced and wait for the operation it is part of (rule G2). A failed
+// wait is recorded, and the main kernel's copying blocks then write nothing.
+__device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, uint64_t e) {
+  for (int i = threadIdx.x; i < p.nranks * p.C; i += blockDim.x) {
+    const int r = i / p.C, c = i % p.C;
+    if (!rankActive(p.el, r)) continue;
+    const uint64_t last = ldAcquire(qCounter(p, p.rank, sent_kind, r, c));
+    if (!waitAtLeast(p, qCounter(p, p.rank, ack_kind, r, c), last, r, epPhaseData, e)) return;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Begin: bumps the epoch (one block, so no other block of this launch reads it).
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
-  if (threadIdx.x == 0) bumpEpoch(p.ctrl);
+  __shared__ uint64_t s_epoch;
+  if (threadIdx.x == 0) s_epoch = bumpEpoch(p.ctrl);
+  __syncwarp();
+  if (p.pull) waitPullAcks(p, kPullSent, kPullAck, s_epoch);
+  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, s_epoch);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -40,6 +58,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __syncthreads();
   const uint64_t e = s_epoch;
   const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
+  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, e);
 
   for (int base = 0; base < p.T; base += blockDim.x) {
     const int t = base + tid;
@@ -182,23 +201,16 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
   if (blockIdx.x == 0 && threadIdx.x < R && p.h.masked[threadIdx.x] > 0)
     atomicAdd(&p.el->drops[kDropTokenRows][threadIdx.x], static_cast<unsigned long long>(p.h.masked[threadIdx.x]));
   uint8_t* const me = p.base[p.rank];
-  __shared__ int s_ok;
-  if (threadIdx.x == 0) s_ok = 1;
-  __syncthreads();
   if ((blockIdx.x & 1) == 0) {
-    // Every receiver has read what this rank last published, on every channel: with another token count or
-    // routing, this channel's rows and list entries were another channel's before.
-    for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-      const int r = i / C, cc = i % C;
-      if (!rankActive(p.el, r)) continue;
-      const uint64_t last = ldAcquire(qCounter(p, p.rank, kPullDSent, r, cc));
-      if (!waitAtLeast(p, qCounter(p, p.rank, kPullDAck, r, cc), last, r, epPhaseData, e)) s_ok = 0;
-    }
-    __syncthreads();
-    if (!s_ok) return;
+    // The readers of what this rank last published have acknowledged it (the notify or begin kernel waited);
+    // after any failure nothing is written: a slow reader may still be reading.
+    if (!noFailure(p)) return;
     const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
     int32_t* const list = reinterpret_cast<int32_t*>(me + p.lay.disp_list);
     for (int t = tb + warp; t < te; t += nwarps) {
+      bool any = false;  // a token no active rank receives is not staged
+      for (int r = lane; r < R; r += 32) any |= p.h.in_rank[static_cast<size_t>(t) * R + r] != 0;
+      if (!__any_sync(kFull, any)) continue;
       uint8_t* slot = me + p.lay.disp_stage + static_cast<size_t>(t) * p.lay.disp_slot;
       warpCopy16(slot, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow, p.xrow, lane);
       if (p.srow)
@@ -235,7 +247,7 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
     bool ok = true;
     if (rankActive(p.el, s) && lane == 0) ok = waitAtLeast(p, qCounter(p, p.rank, kPullDReady, s, c), e, s, epPhaseData, e);
     ok = __shfl_sync(kFull, ok, 0);
-    if (!ok && lane == 0) s_ok = 0;
+    __syncwarp();  // lane 0's acquire orders the whole warp's reads of s's staging below
     const uint8_t* src_base = p.base[s];
     const int32_t* list = reinterpret_cast<const int32_t*>(src_base + p.lay.disp_list) +
                           static_cast<size_t>(p.rank) * p.lay.max_tokens + before;
@@ -401,8 +413,12 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
       }
       if (alive && i < n) {
         const uint64_t idx = base + i;
-        warpCopy16(q + (idx % Q) * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow,
-                   lane);
+        uint8_t* slot = q + (idx % Q) * p.lay.x_stride;
+        if (src + i < min(*p.h.num_recv, p.recv_rows)) {
+          warpCopy16(slot, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
+        } else {  // worst-token overflow (recorded by notify): x has no such row; the owner adds zeros
+          for (int ch = lane; ch < static_cast<int>(p.xrow / 16); ch += 32) reinterpret_cast<int4*>(slot)[ch] = int4{};
+        }
       }
       __threadfence_system();
       groupSync(G, s);
@@ -482,19 +498,9 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   const int R = p.nranks, C = p.C, G = p.G;
   uint8_t* const stage = p.base[p.rank] + p.lay.comb_stage;
   if ((blockIdx.x & 1) == 0) {
-    // The rows this rank last published must have been read before they are overwritten: on every channel of
-    // every owner, since another layout puts other rows where this block writes.
-    __shared__ int s_acked;
-    if (threadIdx.x == 0) s_acked = 1;
-    __syncthreads();
-    for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-      const int o = i / C, cc = i % C;
-      if (!rankActive(p.el, o)) continue;
-      const uint64_t last = ldAcquire(qCounter(p, p.rank, kPullSent, o, cc));
-      if (!waitAtLeast(p, qCounter(p, p.rank, kPullAck, o, cc), last, o, epPhaseData, e)) s_acked = 0;
-    }
-    __syncthreads();
-    const bool ok = s_acked != 0;
+    // The owners have read what this rank last published (the begin kernel waited); after any failure
+    // nothing is written: a slow owner may still be reading.
+    const bool ok = noFailure(p);
     const int s = warp / G, g = warp % G;
     if (!rankActive(p.el, s)) return;  // a masked owner gets nothing, and nothing is waited for
     const int n = p.h.recv_chan[s * C + c];

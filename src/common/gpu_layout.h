@@ -9,8 +9,9 @@
 //                                  among survivors (separate rounds: a barrier one rank fails fast on must not
 //                                  shift the rounds of the next epCommSetActiveRanks)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
-//   [queue counters: 4 x R x C]    cumulative rows per (src, channel): dispatch tail (written by src), dispatch
-//                                  head (written here, read by src), combine tail, combine head
+//   [queue counters: 10 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
+//                                  src), dispatch head (written here, read by src), combine tail, combine head —
+//                                  and the epochs of the pull combine and pull dispatch (GpuQueueCounter)
 //   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
 //   [combine queues: R x C x Q]    slots of one expert-output row
 //   [combine staging: R x max_tokens] push combine: where the receiving blocks move combine rows out of the

@@ -113,6 +113,28 @@ epResult_t GpuEngine::init() {
   ht_pull_ = epParamGpuHtCombinePull() != 0;
   ht_pull_dispatch_ = epParamGpuHtDispatchPull() != 0;
   lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_);
+  // Peers index each other's buffers with this layout and follow one protocol: every rank must have the same
+  // (a different EPCOMM_NUM_SMS / GPU_QUEUE_ROWS / GPU_HT_*_PULL on one rank would hang or read out of bounds).
+  struct Shape {
+    uint64_t total;
+    int32_t channels, queue_rows, pull, pull_dispatch;
+  };
+  std::vector<Shape> shapes(R);
+  shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0, ht_pull_dispatch_ ? 1 : 0};
+  EPCHECK(comm_->bootstrap->allgather(shapes.data(), sizeof(Shape), c.timeout_ms));
+  for (int r = 0; r < R; ++r) {
+    const Shape& a = shapes[r];
+    const Shape& b = shapes[comm_->rank];
+    EP_REQUIRE(a.total == b.total && a.channels == b.channels && a.queue_rows == b.queue_rows && a.pull == b.pull &&
+                   a.pull_dispatch == b.pull_dispatch,
+               epInvalidUsage,
+               "rank %d's GPU engine differs from this rank's (channels %d / %d, queue rows %d / %d, pull combine "
+               "%d / %d, pull dispatch %d / %d, buffer %llu / %llu bytes): EPCOMM_NUM_SMS (or config.num_sms), "
+               "EPCOMM_GPU_QUEUE_ROWS, EPCOMM_GPU_HT_COMBINE_PULL and EPCOMM_GPU_HT_DISPATCH_PULL must agree on "
+               "every rank",
+               r, a.channels, b.channels, a.queue_rows, b.queue_rows, a.pull, b.pull, a.pull_dispatch,
+               b.pull_dispatch, static_cast<unsigned long long>(a.total), static_cast<unsigned long long>(b.total));
+  }
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
