@@ -1037,12 +1037,10 @@ TEST_P(NetPlugin, StalledSenderTimesOut) {
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 
-// The other direction: the receiver stops after posting one receive; the sender's second message, which no
-// receive matches, fails within the deadline (ofi: the stopped receiver's heartbeats cease). The socket backend
-// keeps a send that the peer does not drain waiting (a late receiver is not an error there; its peer death and
-// unreachable-peer errors come from EOF/RST and TCP_USER_TIMEOUT).
+// The other direction: the receiver stops after posting one receive; the sender's send that it does not drain
+// (the first one once the sockets are full, or the second, which no receive matches) fails within the deadline:
+// the stopped receiver's heartbeats cease (ofi: on the side channel; socket: on the connection's liveness socket).
 TEST_P(NetPlugin, StalledReceiverTimesOut) {
-  if (!GetParam().provider) GTEST_SKIP() << "ofi only: the socket backend bounds stalled receives, not sends";
   setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
   auto codes = runCodes(2, [](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr;
@@ -1117,6 +1115,110 @@ TEST_P(NetPlugin, IdlePeerIsNoStall) {
     }
     return 0;
   });
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// A live receiver that posts its receives late is no stall either, however long the sender's sends wait with
+// full sockets and nothing accepted by the kernel (NCCL posts a receive when its rank reaches the collective,
+// which may be long after the sender did): each receive comes 3 deadlines after the previous one completed.
+TEST_P(NetPlugin, LateReceiverIsNoStall) {
+  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  run(2, [this](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    constexpr int kMsgs = 2;
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);  // more than the sockets buffer
+    char* buf = static_cast<char*>(malloc(kSz));
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
+    void* reqs[kMsgs] = {};
+    int got;
+    if (rank == 0) {
+      fill(buf, kSz, 21);
+      for (auto& r : reqs)
+        if (int e = postSend(net, sc, buf, kSz, 0, mh, &r)) return e;
+      for (int i = 0; i < kMsgs; ++i) {
+        ncclResult_t r = waitReq(net, reqs[i], &got, 30000);
+        REQ(r == ncclSuccess, "send %d to a live, late receiver: test -> %d", i, r);
+      }
+      barrier();
+      CK(net->closeSend(sc));
+    } else {
+      for (int i = 0; i < kMsgs; ++i) {
+        usleep(1500 * 1000);  // 3 deadlines without a plugin call: busy elsewhere, not stalled
+        memset(buf, 0, kSz);
+        void* d = buf;
+        size_t cap = kSz;
+        int tag = 0;
+        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &reqs[i])) return e;
+        CK(waitReq(net, reqs[i], &got, 30000));
+        size_t bad = 0;
+        REQ(got == static_cast<int>(kSz) && check(buf, kSz, 21, &bad), "message %d: %d bytes, bad at %zu", i, got, bad);
+      }
+      barrier();
+      CK(net->closeRecv(rc));
+    }
+    free(buf);
+    return 0;
+  }, 60000);
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// A reader that is slow but progressing is no stall: the receiver runs in short bursts (the sender stops it for
+// 300 ms, lets it run for 50 ms, again and again, with EPCOMM_TIMEOUT_MS=1000), so the sender's send waits on
+// full sockets most of the time, but never a whole deadline without a sign of life from the peer.
+TEST_P(NetPlugin, SlowReaderIsNoStall) {
+  setenv("EPCOMM_TIMEOUT_MS", "1000", 1);
+  run(2, [this](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);
+    char* buf = static_cast<char*>(malloc(kSz));
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
+    void* req = nullptr;
+    int got;
+    if (rank == 1) {
+      memset(buf, 0, kSz);
+      void* d = buf;
+      size_t cap = kSz;
+      int tag = 0;
+      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      gShared->flag[4].store(1);
+      CK(waitReq(net, req, &got, 60000));
+      size_t bad = 0;
+      REQ(got == static_cast<int>(kSz) && check(buf, kSz, 22, &bad), "%d bytes, bad at %zu", got, bad);
+      barrier();
+      CK(net->closeRecv(rc));
+    } else {
+      fill(buf, kSz, 22);
+      while (!gShared->flag[4].load()) usleep(100);
+      std::atomic<bool> stop{false};
+      std::atomic<int> bursts{0};
+      std::thread throttle([&] {
+        const pid_t peer = gShared->pid[1].load();
+        while (!stop.load()) {
+          kill(peer, SIGSTOP);
+          usleep(300 * 1000);
+          kill(peer, SIGCONT);
+          usleep(50 * 1000);
+          bursts.fetch_add(1);
+        }
+      });
+      auto t0 = std::chrono::steady_clock::now();
+      ncclResult_t r = ncclSuccess;
+      if (postSend(net, sc, buf, kSz, 0, mh, &req)) r = ncclInternalError;
+      else r = waitReq(net, req, &got, 60000);
+      double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stop.store(true);
+      throttle.join();
+      REQ(r == ncclSuccess, "send to a slow reader: test -> %d after %.1f s (%d bursts)", r, sec, bursts.load());
+      barrier();
+      CK(net->closeSend(sc));
+    }
+    free(buf);
+    return 0;
+  }, 90000);
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 

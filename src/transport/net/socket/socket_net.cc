@@ -1,18 +1,32 @@
 // The socket backend: epcomm's own TCP transport.
 //
 // A connection is one control socket plus S = NTHREADS x NSOCKS data sockets, owned by NTHREADS helper
-// threads on each side. Every message sends a 16-byte header {magic, tag, size} on the control socket, in
-// posting order; that is what makes matching ordered and lets the receiver bounds-check the size against
-// the buffer it posted before a single payload byte lands. Small payloads (<= inline) follow the header on
-// the control socket and are moved by the caller's thread (no hand-off latency). Larger ones are cut into
-// chunks dealt round-robin over the data sockets; both sides compute the same plan from the size and a
-// per-connection socket cursor, so per-socket FIFO order is all the framing the data sockets need.
+// threads on each side, and a liveness socket (see "Stall deadline"). Every message sends a 16-byte header
+// {magic, tag, size} on the control socket, in posting order; that is what makes matching ordered and lets the
+// receiver bounds-check the size against the buffer it posted before a single payload byte lands. Small
+// payloads (<= inline) follow the header on the control socket and are moved by the caller's thread (no
+// hand-off latency). Larger ones are cut into chunks dealt round-robin over the data sockets; both sides
+// compute the same plan from the size and a per-connection socket cursor, so per-socket FIFO order is all the
+// framing the data sockets need.
+//
+// Stall deadline. A receiver that is alive may leave the sockets full for any time (NCCL posts a receive when
+// its rank reaches the collective), so "no byte accepted by the kernel for EPCOMM_TIMEOUT_MS" alone would fail
+// live peers; so would TCP_USER_TIMEOUT, which current Linux (seen on 6.18) also applies to a window that stays
+// closed, even while the peer's kernel answers every probe. Instead the receiver's helper thread 0 writes one
+// byte every min(EPCOMM_TIMEOUT_MS / 4, 1 s) on the liveness socket (as the ofi backend beats on its side
+// channel): a peer that is alive keeps beating whether or not it reads, one that is stopped, frozen or cut off
+// does not. A send that waits fails with a timeout once neither a byte was accepted nor a heartbeat came for
+// EPCOMM_TIMEOUT_MS. Heartbeats get a socket of their own: closing a socket with unread bytes in its receive
+// queue makes the kernel reset it, which would throw away what the sender had handed to it and not yet sent.
 //
 // Wire (little-endian host order; both ends are the same build):
-//   every socket, first: Hello {magic, version, secret, connId, index (0 = control), nsocks, chunk params}
+//   every socket, first: Hello {magic, version, secret, connId, index, nsocks, chunk params}
+//                        (index 0 = control, 1..nsocks = data, nsocks + 1 = liveness)
 //   control socket:      MsgHeader {magic, tag, size} [+ payload when size <= inline]
 //   data socket k:       raw chunk bytes
+//   liveness socket:     heartbeat bytes, receiver to sender
 #include <errno.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/uio.h>
@@ -55,7 +69,7 @@ int64_t helperThreads() {
 constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
 constexpr uint32_t kHelloMagic = 0x4550484c;   // "EPHL"
 constexpr uint32_t kMsgMagic = 0x45504d47;     // "EPMG"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the liveness socket (a version-1 receiver would never beat)
 constexpr int kMaxDataSocks = 64;
 constexpr size_t kStage = 16 << 10;  // receiver's control-stream read-ahead (see SockComm::stage)
 
@@ -128,6 +142,9 @@ struct SockComm {
   bool isSend = false;
   std::string peer;
   int ctrlFd = -1;
+  int liveFd = -1;  // heartbeats: written by the receiver's helper 0, read by the sender's helper 0 (and test())
+  std::atomic<bool> liveOpen{true};
+  std::atomic<int64_t> lastHeardNs{0};  // sender: last heartbeat read
   std::vector<std::unique_ptr<DataSock>> data;
   std::vector<std::unique_ptr<Helper>> helpers;
   std::atomic<bool> stop{false};
@@ -174,12 +191,44 @@ struct SockComm {
   const char* side() const { return isSend ? "send" : "recv"; }
 };
 
+// Sender: reads what heartbeats arrived; false once the peer closed its end (then there is nothing to watch).
+bool drainLiveness(SockComm* c) {
+  char b[64];
+  for (;;) {
+    ssize_t k = recv(c->liveFd, b, sizeof(b), MSG_DONTWAIT);
+    if (k > 0) {
+      c->lastHeardNs.store(nowNs(), std::memory_order_relaxed);
+      continue;
+    }
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    c->liveOpen.store(false, std::memory_order_relaxed);
+    return false;
+  }
+}
+
 void helperLoop(SockComm* c, Helper* h) {
   std::vector<pollfd> pfds;
   std::string err;
+  // Helper 0 keeps the liveness socket: beats on the receiver, listens on the sender.
+  const bool live = h == c->helpers[0].get();
+  const int64_t beatNs = netHeartbeatMs() * 1000000LL;
+  int64_t nextBeatNs = 0;
   while (!c->stop.load(std::memory_order_acquire)) {
     bool progressed = false;
+    int timeoutMs = 1000;
     pfds.clear();
+    if (live && !c->isSend && c->liveOpen.load(std::memory_order_relaxed)) {
+      int64_t now = nowNs();
+      if (now >= nextBeatNs) {
+        char b = 'h';
+        ssize_t k = send(c->liveFd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
+        if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+          c->liveOpen.store(false, std::memory_order_relaxed);  // the sender closed: its errors come elsewhere
+        nextBeatNs = now + beatNs;
+      }
+      timeoutMs = static_cast<int>(std::clamp<int64_t>((nextBeatNs - now) / 1000000LL + 1, 1, 1000));
+    }
     for (int si : h->socks) {
       DataSock& ds = *c->data[si];
       for (;;) {
@@ -202,6 +251,9 @@ void helperLoop(SockComm* c, Helper* h) {
         }
         ch->done += r;
         progressed = true;
+        // Stamped per call, not per pass: a socket that stays ready (a slow reader the sender keeps ahead of)
+        // holds this thread in this loop, possibly for longer than the stall deadline.
+        c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
         if (ch->done == ch->len) {
           ch->req->pending.fetch_sub(1, std::memory_order_release);
           std::lock_guard<std::mutex> g(ds.mu);
@@ -209,18 +261,18 @@ void helperLoop(SockComm* c, Helper* h) {
         }
       }
     }
-    if (progressed) {
-      c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
-      continue;
-    }
-    // Nothing moved: sleep until a socket is ready or new chunks are queued (eventfd).
+    if (progressed) continue;
+    // Nothing moved: sleep until a socket is ready, new chunks are queued (eventfd) or a heartbeat is due/comes.
+    const bool listen = live && c->isSend && c->liveOpen.load(std::memory_order_relaxed);
+    if (listen) pfds.push_back({c->liveFd, POLLIN, 0});
     pfds.push_back({h->efd, POLLIN, 0});
-    int pr = poll(pfds.data(), pfds.size(), 1000);
+    int pr = poll(pfds.data(), pfds.size(), timeoutMs);
     if (pr > 0 && (pfds.back().revents & POLLIN)) {
       uint64_t v;
       ssize_t rr = read(h->efd, &v, sizeof(v));
       (void)rr;
     }
+    if (pr > 0 && listen && pfds[pfds.size() - 2].revents != 0) drainLiveness(c);
   }
 }
 
@@ -263,19 +315,27 @@ void destroyComm(SockComm* c) {
   for (auto& d : c->data)
     if (d->fd >= 0) close(d->fd);
   if (c->ctrlFd >= 0) close(c->ctrlFd);
+  if (c->liveFd >= 0) close(c->liveFd);
   delete c;
 }
 
-// fds[0] = control, fds[1..] = data sockets. Takes ownership of the fds.
+// fds[0] = control, fds[1..S] = data sockets, fds[S + 1] = liveness. Takes ownership of the fds.
 SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, const std::string& peer) {
   auto* c = new SockComm();
   c->isSend = isSend;
   c->peer = peer;
   c->ctrlFd = fds[0];
+  c->liveFd = fds.back();
   c->chunk = h.chunk;
   c->minChunk = h.minChunk;
   c->inlineMax = h.inlineMax;
-  int S = static_cast<int>(fds.size()) - 1;
+  int S = static_cast<int>(fds.size()) - 2;
+  // No TCP_USER_TIMEOUT once connected: it would abort the connection of a live receiver that keeps its window
+  // closed (has not posted its receive) for that long, and the liveness socket of a sender that was stopped
+  // with unread heartbeats. Heartbeats bound the sender's waits instead; keepalive still turns an idle
+  // connection to a vanished peer into an error.
+  unsigned int none = 0;
+  for (int fd : fds) setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &none, sizeof(none));
   int T = static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, S));
   if (!isSend) c->stage.reset(new char[kStage]);
   c->pool.reset(new SockRequest[kNetRequestPool]);
@@ -296,6 +356,7 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
     c->data.push_back(std::move(d));
   }
   c->lastProgressNs.store(nowNs());
+  c->lastHeardNs.store(nowNs());
   for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
   NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
            c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
@@ -543,8 +604,8 @@ class SocketBackend final : public NetBackend {
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetMinChunk(), 4096, 1 << 30)),
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetInline(), 0, 1 << 30)), 0};
       st->peer = h->addr;
-      st->conns.resize(S + 1);
-      st->sent.assign(S + 1, 0);
+      st->conns.resize(S + 2);  // control, S data, liveness
+      st->sent.assign(S + 2, 0);
       h->stage = st;
     }
     bool all = true;
@@ -622,7 +683,7 @@ class SocketBackend final : public NetBackend {
         const Hello& h = p.h;
         if (h.magic != kHelloMagic || h.version != kVersion) drop = "is not an epcomm peer of this version";
         else if (!constantTimeEq(h.secret, l->secret)) drop = "presented a wrong secret";
-        else if (h.nsocks < 1 || h.nsocks > kMaxDataSocks || h.index > h.nsocks) drop = "sent bad socket counts";
+        else if (h.nsocks < 1 || h.nsocks > kMaxDataSocks || h.index > h.nsocks + 1) drop = "sent bad socket counts";
         else if (h.chunk < 4096 || h.minChunk < 4096 || h.inlineMax > (1u << 30)) drop = "sent bad chunk sizes";
       }
       if (drop) {
@@ -636,7 +697,7 @@ class SocketBackend final : public NetBackend {
       for (auto& gg : l->groups)
         if (gg.connId == p.h.connId) g = &gg;
       if (g == nullptr) {
-        l->groups.push_back({p.h.connId, p.h, std::vector<int>(p.h.nsocks + 1, -1), 0, now, p.from});
+        l->groups.push_back({p.h.connId, p.h, std::vector<int>(p.h.nsocks + 2, -1), 0, now, p.from});
         g = &l->groups.back();
       }
       if (g->h.nsocks != p.h.nsocks || g->h.chunk != p.h.chunk || g->h.minChunk != p.h.minChunk ||
@@ -747,7 +808,8 @@ class SocketBackend final : public NetBackend {
     }
     // Errors are results, never hangs: a receive whose payload has started but stopped flowing fails after
     // EPCOMM_TIMEOUT_MS. (An idle peer is no error: NCCL may post receives long before the sender reaches
-    // the collective. Dead peers show up at once as EOF/RST, unreachable ones through TCP_USER_TIMEOUT.)
+    // the collective. Dead peers show up at once as EOF/RST, unreachable ones through keepalive.)
+    if (c->isSend) return sendStalled(c);
     bool midMessage = !c->isSend && (r->pending.load() > 0 || (c->inlineIdx >= 0 && c->ctrlQ.front() == r));
     if (midMessage) {
       int64_t idleMs = (nowNs() - c->lastProgressNs.load(std::memory_order_relaxed)) / 1000000LL;
@@ -758,6 +820,29 @@ class SocketBackend final : public NetBackend {
       }
     }
     return epSuccess;
+  }
+
+  // A waiting send fails once, for EPCOMM_TIMEOUT_MS, the kernel took none of its bytes and the peer sent no
+  // heartbeat (see "Stall deadline" at the top).
+  static epResult_t sendStalled(SockComm* c) {
+    const int64_t tmo = netTimeoutMs();
+    auto quietMs = [c] {
+      int64_t last = std::max(c->lastProgressNs.load(std::memory_order_relaxed),
+                              c->lastHeardNs.load(std::memory_order_relaxed));
+      return (nowNs() - last) / 1000000LL;
+    };
+    if (quietMs() <= tmo) return epSuccess;
+    // Read the socket here too before deciding: after this process itself was stopped, its helper thread may
+    // not have run yet.
+    if (c->liveOpen.load(std::memory_order_relaxed)) drainLiveness(c);
+    int64_t q = quietMs();
+    if (q <= tmo) return epSuccess;
+    c->fail(epTimeout,
+            "NET/epcomm: send connection with peer %s: no byte accepted and no heartbeat from the peer for %lld ms "
+            "(EPCOMM_TIMEOUT_MS=%lld)%s: the peer is stopped, hung or cut off",
+            c->peer.c_str(), static_cast<long long>(q), static_cast<long long>(tmo),
+            c->liveOpen.load(std::memory_order_relaxed) ? "" : ", and it closed its liveness socket");
+    return c->error();
   }
 
   epResult_t closeSend(void* comm) override {
