@@ -1085,6 +1085,40 @@ TEST_P(NetPlugin, StalledReceiverTimesOut) {
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 
+// A receive still waiting for its message, from a peer that stopped before sending anything, fails within the
+// deadline as well: the stopped process's heartbeats cease.
+TEST_P(NetPlugin, StoppedPeerFailsPostedReceive) {
+  setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
+  auto codes = runCodes(2, [](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    if (rank == 0) {
+      gShared->flag[4].store(1);
+      raise(SIGSTOP);  // the receiver kills us once it has seen the timeout
+      return 0;
+    }
+    uint64_t v = 0;
+    void* mh = nullptr;
+    CK(net->regMr(rc, &v, sizeof(v), NCCL_PTR_HOST, &mh));
+    while (!gShared->flag[4].load()) usleep(100);
+    void* req = nullptr;
+    void* d = &v;
+    size_t cap = sizeof(v);
+    int tag = 0, got = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    ncclResult_t r = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
+    double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    kill(gShared->pid[0].load(), SIGKILL);
+    REQ(r == ncclRemoteError, "test -> %d after %.1fs", r, sec);
+    REQ(sec < 6, "timeout took %.1f s (EPCOMM_TIMEOUT_MS=2000)", sec);
+    CK(net->closeRecv(rc));
+    return 0;
+  });
+  EXPECT_EQ(codes[0], 128 + SIGKILL) << "the stopped sender";
+  EXPECT_EQ(codes[1], 0) << "receiver";
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
 // An idle peer is no stall: a receive posted long (several deadlines) before the peer sends completes.
 TEST_P(NetPlugin, IdlePeerIsNoStall) {
   setenv("EPCOMM_TIMEOUT_MS", "500", 1);
@@ -1219,6 +1253,84 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
     free(buf);
     return 0;
   }, 90000);
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// Both peers stopped together and continued later (a suspended job) is no stall either: neither heard from the
+// other while it was stopped itself. Rank 1 waits on a receive (its peer has not sent yet) and on a send that
+// fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
+TEST_P(NetPlugin, SuspendedJobIsNoStall) {
+  if (GetParam().provider)
+    GTEST_SKIP() << "socket only: ofi counts the time it was stopped itself against its peer (a waiting receive "
+                    "fails right after the resume), and its sends need the peer's progress calls to start";
+  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  run(3, [this](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr, *sc2 = nullptr, *rc2 = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;   // 0 -> 1: rank 1's receive waits
+    if (int e = pairConnect(net, rank, 1, 0, &sc2, &rc2)) return e;  // 1 -> 0: rank 1's send waits
+    if (rank == 2) {
+      while (gShared->flag[4].load() < 2) usleep(100);
+      usleep(200 * 1000);
+      const pid_t a = gShared->pid[0].load(), b = gShared->pid[1].load();
+      kill(a, SIGSTOP);
+      kill(b, SIGSTOP);
+      usleep(2000 * 1000);
+      kill(b, SIGCONT);  // the waiting side first: it must not judge its peer before the peer had a turn
+      usleep(50 * 1000);
+      kill(a, SIGCONT);
+      gShared->flag[5].store(1);
+      barrier();
+      return 0;
+    }
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);
+    char* buf = static_cast<char*>(malloc(kSz));
+    uint64_t v = rank == 0 ? 42 : 0;
+    void *mh = nullptr, *mhv = nullptr;
+    CK(net->regMr(rank == 0 ? rc2 : sc2, buf, kSz, NCCL_PTR_HOST, &mh));
+    CK(net->regMr(rank == 0 ? sc : rc, &v, sizeof(v), NCCL_PTR_HOST, &mhv));
+    void *reqBig = nullptr, *reqSmall = nullptr;
+    int got;
+    if (rank == 1) {
+      fill(buf, kSz, 23);
+      void* d = &v;
+      size_t cap = sizeof(v);
+      int tag = 0;
+      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mhv, &reqSmall)) return e;
+      if (int e = postSend(net, sc2, buf, kSz, 0, mh, &reqBig)) return e;
+      gShared->flag[4].fetch_add(1);
+      int doneSmall = 0, doneBig = 0;
+      auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!(doneSmall && doneBig)) {
+        if (!doneSmall) CK(net->test(reqSmall, &doneSmall, &got));
+        if (!doneBig) CK(net->test(reqBig, &doneBig, &got));
+        REQ(std::chrono::steady_clock::now() < end, "requests did not complete");
+      }
+      REQ(v == 42, "got %llu", static_cast<unsigned long long>(v));
+    } else {
+      gShared->flag[4].fetch_add(1);
+      while (!gShared->flag[5].load()) usleep(1000);  // busy elsewhere: no plugin call until well after the resume
+      usleep(300 * 1000);
+      void* d = buf;
+      size_t cap = kSz;
+      int tag = 0;
+      if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh, &reqBig)) return e;
+      if (int e = postSend(net, sc, &v, sizeof(v), 0, mhv, &reqSmall)) return e;
+      CK(waitReq(net, reqSmall, &got, 30000));
+      CK(waitReq(net, reqBig, &got, 30000));
+      size_t bad = 0;
+      REQ(got == static_cast<int>(kSz) && check(buf, kSz, 23, &bad), "%d bytes, bad at %zu", got, bad);
+    }
+    barrier();
+    if (rank == 0) {
+      CK(net->closeSend(sc));
+      CK(net->closeRecv(rc2));
+    } else {
+      CK(net->closeRecv(rc));
+      CK(net->closeSend(sc2));
+    }
+    free(buf);
+    return 0;
+  }, 60000);
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 

@@ -12,19 +12,22 @@
 // Stall deadline. A receiver that is alive may leave the sockets full for any time (NCCL posts a receive when
 // its rank reaches the collective), so "no byte accepted by the kernel for EPCOMM_TIMEOUT_MS" alone would fail
 // live peers; so would TCP_USER_TIMEOUT, which current Linux (seen on 6.18) also applies to a window that stays
-// closed, even while the peer's kernel answers every probe. Instead the receiver's helper thread 0 writes one
-// byte every min(EPCOMM_TIMEOUT_MS / 4, 1 s) on the liveness socket (as the ofi backend beats on its side
-// channel): a peer that is alive keeps beating whether or not it reads, one that is stopped, frozen or cut off
-// does not. A send that waits fails with a timeout once neither a byte was accepted nor a heartbeat came for
-// EPCOMM_TIMEOUT_MS. Heartbeats get a socket of their own: closing a socket with unread bytes in its receive
-// queue makes the kernel reset it, which would throw away what the sender had handed to it and not yet sent.
+// closed, even while the peer's kernel answers every probe. Instead helper thread 0 of each side writes one
+// byte every min(EPCOMM_TIMEOUT_MS / 4, 1 s) on the liveness socket and reads the peer's (as the ofi backend
+// beats on its side channel): a peer that is alive keeps beating whether or not it reads or sends, one that is
+// stopped, frozen or cut off does not. A request that waits fails with a timeout once, for EPCOMM_TIMEOUT_MS,
+// no byte moved and no heartbeat came (a receive in the middle of a message already when no byte came). Time this
+// process was stopped itself does not count (a suspended job: the peer could not beat either); helper 0 notices
+// the gap in its own turns. Heartbeats get a socket of their own: closing a socket with unread bytes in its
+// receive queue makes the kernel reset it, which would throw away what the closing side had handed to it and
+// not yet sent.
 //
 // Wire (little-endian host order; both ends are the same build):
 //   every socket, first: Hello {magic, version, secret, connId, index, nsocks, chunk params}
 //                        (index 0 = control, 1..nsocks = data, nsocks + 1 = liveness)
 //   control socket:      MsgHeader {magic, tag, size} [+ payload when size <= inline]
 //   data socket k:       raw chunk bytes
-//   liveness socket:     heartbeat bytes, receiver to sender
+//   liveness socket:     heartbeat bytes, both ways
 #include <errno.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -69,7 +72,7 @@ int64_t helperThreads() {
 constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
 constexpr uint32_t kHelloMagic = 0x4550484c;   // "EPHL"
 constexpr uint32_t kMsgMagic = 0x45504d47;     // "EPMG"
-constexpr uint32_t kVersion = 2;  // 2: the liveness socket (a version-1 receiver would never beat)
+constexpr uint32_t kVersion = 2;  // 2: the liveness socket (a version-1 peer would never beat)
 constexpr int kMaxDataSocks = 64;
 constexpr size_t kStage = 16 << 10;  // receiver's control-stream read-ahead (see SockComm::stage)
 
@@ -142,9 +145,11 @@ struct SockComm {
   bool isSend = false;
   std::string peer;
   int ctrlFd = -1;
-  int liveFd = -1;  // heartbeats: written by the receiver's helper 0, read by the sender's helper 0 (and test())
-  std::atomic<bool> liveOpen{true};
-  std::atomic<int64_t> lastHeardNs{0};  // sender: last heartbeat read
+  int liveFd = -1;  // heartbeats, both ways: written and read by helper 0 (read by test() too)
+  std::atomic<bool> liveOpen{true};     // false once the peer closed its end
+  std::atomic<int64_t> lastHeardNs{0};  // last heartbeat read
+  std::atomic<int64_t> turnNs{0};       // helper 0's last turn
+  std::atomic<int64_t> resumedNs{0};    // helper 0 missed turns (this process was stopped): stall clocks restart
   std::vector<std::unique_ptr<DataSock>> data;
   std::vector<std::unique_ptr<Helper>> helpers;
   std::atomic<bool> stop{false};
@@ -191,7 +196,11 @@ struct SockComm {
   const char* side() const { return isSend ? "send" : "recv"; }
 };
 
-// Sender: reads what heartbeats arrived; false once the peer closed its end (then there is nothing to watch).
+// Helper 0 takes a turn at least once per heartbeat period; a longer gap means this process was stopped (a
+// suspended job: the peer too, so it could not beat) or starved, and heard nothing meanwhile.
+int64_t missedTurnNs() { return (2 * netHeartbeatMs() + 50) * 1000000LL; }
+
+// Reads the heartbeats that arrived; false once the peer closed its end (then there is nothing to watch).
 bool drainLiveness(SockComm* c) {
   char b[64];
   for (;;) {
@@ -210,7 +219,7 @@ bool drainLiveness(SockComm* c) {
 void helperLoop(SockComm* c, Helper* h) {
   std::vector<pollfd> pfds;
   std::string err;
-  // Helper 0 keeps the liveness socket: beats on the receiver, listens on the sender.
+  // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
   const int64_t beatNs = netHeartbeatMs() * 1000000LL;
   int64_t nextBeatNs = 0;
@@ -218,13 +227,18 @@ void helperLoop(SockComm* c, Helper* h) {
     bool progressed = false;
     int timeoutMs = 1000;
     pfds.clear();
-    if (live && !c->isSend && c->liveOpen.load(std::memory_order_relaxed)) {
+    if (live) {
       int64_t now = nowNs();
+      if (now - c->turnNs.load(std::memory_order_relaxed) > missedTurnNs())
+        c->resumedNs.store(now, std::memory_order_relaxed);
+      c->turnNs.store(now, std::memory_order_relaxed);
       if (now >= nextBeatNs) {
-        char b = 'h';
-        ssize_t k = send(c->liveFd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
-        if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-          c->liveOpen.store(false, std::memory_order_relaxed);  // the sender closed: its errors come elsewhere
+        if (c->liveOpen.load(std::memory_order_relaxed)) {
+          char b = 'h';
+          ssize_t k = send(c->liveFd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
+          if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+            c->liveOpen.store(false, std::memory_order_relaxed);  // the peer closed: its errors come elsewhere
+        }
         nextBeatNs = now + beatNs;
       }
       timeoutMs = static_cast<int>(std::clamp<int64_t>((nextBeatNs - now) / 1000000LL + 1, 1, 1000));
@@ -263,7 +277,7 @@ void helperLoop(SockComm* c, Helper* h) {
     }
     if (progressed) continue;
     // Nothing moved: sleep until a socket is ready, new chunks are queued (eventfd) or a heartbeat is due/comes.
-    const bool listen = live && c->isSend && c->liveOpen.load(std::memory_order_relaxed);
+    const bool listen = live && c->liveOpen.load(std::memory_order_relaxed);
     if (listen) pfds.push_back({c->liveFd, POLLIN, 0});
     pfds.push_back({h->efd, POLLIN, 0});
     int pr = poll(pfds.data(), pfds.size(), timeoutMs);
@@ -331,9 +345,8 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
   c->inlineMax = h.inlineMax;
   int S = static_cast<int>(fds.size()) - 2;
   // No TCP_USER_TIMEOUT once connected: it would abort the connection of a live receiver that keeps its window
-  // closed (has not posted its receive) for that long, and the liveness socket of a sender that was stopped
-  // with unread heartbeats. Heartbeats bound the sender's waits instead; keepalive still turns an idle
-  // connection to a vanished peer into an error.
+  // closed (has not posted its receive) for that long. Heartbeats bound the waits instead; keepalive still
+  // turns an idle connection to a vanished peer into an error.
   unsigned int none = 0;
   for (int fd : fds) setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &none, sizeof(none));
   int T = static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, S));
@@ -357,6 +370,7 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
   }
   c->lastProgressNs.store(nowNs());
   c->lastHeardNs.store(nowNs());
+  c->turnNs.store(nowNs());
   for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
   NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
            c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
@@ -807,40 +821,48 @@ class SocketBackend final : public NetBackend {
       return epSuccess;
     }
     // Errors are results, never hangs: a receive whose payload has started but stopped flowing fails after
-    // EPCOMM_TIMEOUT_MS. (An idle peer is no error: NCCL may post receives long before the sender reaches
-    // the collective. Dead peers show up at once as EOF/RST, unreachable ones through keepalive.)
-    if (c->isSend) return sendStalled(c);
+    // EPCOMM_TIMEOUT_MS, and any request whose peer went silent (see "Stall deadline" at the top). An idle peer
+    // is no error: NCCL may post receives long before the sender reaches the collective. Dead peers show up at
+    // once as EOF/RST.
     bool midMessage = !c->isSend && (r->pending.load() > 0 || (c->inlineIdx >= 0 && c->ctrlQ.front() == r));
-    if (midMessage) {
-      int64_t idleMs = (nowNs() - c->lastProgressNs.load(std::memory_order_relaxed)) / 1000000LL;
+    if (midMessage && ownTurns(c)) {
+      int64_t idleMs = (nowNs() - std::max(c->lastProgressNs.load(std::memory_order_relaxed),
+                                           c->resumedNs.load(std::memory_order_relaxed))) / 1000000LL;
       if (idleMs > netTimeoutMs()) {
         c->fail(epTimeout, "NET/epcomm: recv connection with peer %s: no data for %lld ms in the middle of a message",
                 c->peer.c_str(), static_cast<long long>(idleMs));
         return c->error();
       }
     }
-    return epSuccess;
+    return peerSilent(c);
   }
 
-  // A waiting send fails once, for EPCOMM_TIMEOUT_MS, the kernel took none of its bytes and the peer sent no
-  // heartbeat (see "Stall deadline" at the top).
-  static epResult_t sendStalled(SockComm* c) {
+  // Whether this side was awake to hear its peer: helper 0 has had its turns. Right after this process was
+  // stopped, the thread calling test() may run first; no verdict until helper 0 noticed and restarted the clocks.
+  static bool ownTurns(SockComm* c) {
+    return nowNs() - c->turnNs.load(std::memory_order_relaxed) <= missedTurnNs();
+  }
+
+  // A waiting request fails once, for EPCOMM_TIMEOUT_MS, no byte moved on the connection and the peer sent no
+  // heartbeat.
+  static epResult_t peerSilent(SockComm* c) {
     const int64_t tmo = netTimeoutMs();
     auto quietMs = [c] {
-      int64_t last = std::max(c->lastProgressNs.load(std::memory_order_relaxed),
-                              c->lastHeardNs.load(std::memory_order_relaxed));
+      int64_t last = std::max({c->lastProgressNs.load(std::memory_order_relaxed),
+                               c->lastHeardNs.load(std::memory_order_relaxed),
+                               c->resumedNs.load(std::memory_order_relaxed)});
       return (nowNs() - last) / 1000000LL;
     };
-    if (quietMs() <= tmo) return epSuccess;
-    // Read the socket here too before deciding: after this process itself was stopped, its helper thread may
-    // not have run yet.
+    if (quietMs() <= tmo || !ownTurns(c)) return epSuccess;
+    // Read the socket here too before deciding: a beat may be waiting that helper 0 has not read yet.
     if (c->liveOpen.load(std::memory_order_relaxed)) drainLiveness(c);
     int64_t q = quietMs();
     if (q <= tmo) return epSuccess;
     c->fail(epTimeout,
-            "NET/epcomm: send connection with peer %s: no byte accepted and no heartbeat from the peer for %lld ms "
+            "NET/epcomm: %s connection with peer %s: no byte %s and no heartbeat from the peer for %lld ms "
             "(EPCOMM_TIMEOUT_MS=%lld)%s: the peer is stopped, hung or cut off",
-            c->peer.c_str(), static_cast<long long>(q), static_cast<long long>(tmo),
+            c->side(), c->peer.c_str(), c->isSend ? "accepted" : "received", static_cast<long long>(q),
+            static_cast<long long>(tmo),
             c->liveOpen.load(std::memory_order_relaxed) ? "" : ", and it closed its liveness socket");
     return c->error();
   }
