@@ -988,10 +988,10 @@ TEST_P(NetPlugin, ShmRegionNameIsUnique) {
 }
 
 // A peer that stops (alive, sockets open, SIGSTOP) while the other side waits: the waiting side's request fails
-// with a timeout within EPCOMM_TIMEOUT_MS instead of hanging. socket: a receive stalled mid-message. ofi: the
-// stopped process's heartbeats cease; every waiting request of its peer fails (the receiver's below; shm's CMA
-// may pull the first message out of the stopped sender, so a second receive, which no send will ever match,
-// has to fail as well).
+// with a timeout within EPCOMM_TIMEOUT_MS instead of hanging. The stopped process's heartbeats cease; every
+// waiting request of its peer fails (the receiver's below; socket: mostly as a receive stalled mid-message, which
+// fails on the missing bytes alone; shm's CMA may pull the first message out of the stopped sender, so a second
+// receive, which no send will ever match, has to fail as well).
 TEST_P(NetPlugin, StalledSenderTimesOut) {
   setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
   auto codes = runCodes(2, [this](int rank, Net* net) {
