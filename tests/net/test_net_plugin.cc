@@ -988,10 +988,10 @@ TEST_P(NetPlugin, ShmRegionNameIsUnique) {
 }
 
 // A peer that stops (alive, sockets open, SIGSTOP) while the other side waits: the waiting side's request fails
-// with a timeout within EPCOMM_TIMEOUT_MS instead of hanging. socket: a receive stalled mid-message. ofi: the
-// stopped process's heartbeats cease; every waiting request of its peer fails (the receiver's below; shm's CMA
-// may pull the first message out of the stopped sender, so a second receive, which no send will ever match,
-// has to fail as well).
+// with a timeout within EPCOMM_TIMEOUT_MS instead of hanging. The stopped process's heartbeats cease; every
+// waiting request of its peer fails (the receiver's below; socket: mostly as a receive stalled mid-message, which
+// fails on the missing bytes alone; shm's CMA may pull the first message out of the stopped sender, so a second
+// receive, which no send will ever match, has to fail as well).
 TEST_P(NetPlugin, StalledSenderTimesOut) {
   setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
   auto codes = runCodes(2, [this](int rank, Net* net) {
@@ -1037,12 +1037,10 @@ TEST_P(NetPlugin, StalledSenderTimesOut) {
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 
-// The other direction: the receiver stops after posting one receive; the sender's second message, which no
-// receive matches, fails within the deadline (ofi: the stopped receiver's heartbeats cease). The socket backend
-// keeps a send that the peer does not drain waiting (a late receiver is not an error there; its peer death and
-// unreachable-peer errors come from EOF/RST and TCP_USER_TIMEOUT).
+// The other direction: the receiver stops after posting one receive; the sender's send that it does not drain
+// (the first one once the sockets are full, or the second, which no receive matches) fails within the deadline:
+// the stopped receiver's heartbeats cease (ofi: on the side channel; socket: on the connection's liveness socket).
 TEST_P(NetPlugin, StalledReceiverTimesOut) {
-  if (!GetParam().provider) GTEST_SKIP() << "ofi only: the socket backend bounds stalled receives, not sends";
   setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
   auto codes = runCodes(2, [](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr;
@@ -1087,6 +1085,40 @@ TEST_P(NetPlugin, StalledReceiverTimesOut) {
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 
+// A receive still waiting for its message, from a peer that stopped before sending anything, fails within the
+// deadline as well: the stopped process's heartbeats cease.
+TEST_P(NetPlugin, StoppedPeerFailsPostedReceive) {
+  setenv("EPCOMM_TIMEOUT_MS", "2000", 1);
+  auto codes = runCodes(2, [](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    if (rank == 0) {
+      gShared->flag[4].store(1);
+      raise(SIGSTOP);  // the receiver kills us once it has seen the timeout
+      return 0;
+    }
+    uint64_t v = 0;
+    void* mh = nullptr;
+    CK(net->regMr(rc, &v, sizeof(v), NCCL_PTR_HOST, &mh));
+    while (!gShared->flag[4].load()) usleep(100);
+    void* req = nullptr;
+    void* d = &v;
+    size_t cap = sizeof(v);
+    int tag = 0, got = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    ncclResult_t r = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
+    double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    kill(gShared->pid[0].load(), SIGKILL);
+    REQ(r == ncclRemoteError, "test -> %d after %.1fs", r, sec);
+    REQ(sec < 6, "timeout took %.1f s (EPCOMM_TIMEOUT_MS=2000)", sec);
+    CK(net->closeRecv(rc));
+    return 0;
+  });
+  EXPECT_EQ(codes[0], 128 + SIGKILL) << "the stopped sender";
+  EXPECT_EQ(codes[1], 0) << "receiver";
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
 // An idle peer is no stall: a receive posted long (several deadlines) before the peer sends completes.
 TEST_P(NetPlugin, IdlePeerIsNoStall) {
   setenv("EPCOMM_TIMEOUT_MS", "500", 1);
@@ -1117,6 +1149,188 @@ TEST_P(NetPlugin, IdlePeerIsNoStall) {
     }
     return 0;
   });
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// A live receiver that posts its receives late is no stall either, however long the sender's sends wait with
+// full sockets and nothing accepted by the kernel (NCCL posts a receive when its rank reaches the collective,
+// which may be long after the sender did): each receive comes 3 deadlines after the previous one completed.
+TEST_P(NetPlugin, LateReceiverIsNoStall) {
+  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  run(2, [this](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    constexpr int kMsgs = 2;
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);  // more than the sockets buffer
+    char* buf = static_cast<char*>(malloc(kSz));
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
+    void* reqs[kMsgs] = {};
+    int got;
+    if (rank == 0) {
+      fill(buf, kSz, 21);
+      for (auto& r : reqs)
+        if (int e = postSend(net, sc, buf, kSz, 0, mh, &r)) return e;
+      for (int i = 0; i < kMsgs; ++i) {
+        ncclResult_t r = waitReq(net, reqs[i], &got, 30000);
+        REQ(r == ncclSuccess, "send %d to a live, late receiver: test -> %d", i, r);
+      }
+      barrier();
+      CK(net->closeSend(sc));
+    } else {
+      for (int i = 0; i < kMsgs; ++i) {
+        usleep(1500 * 1000);  // 3 deadlines without a plugin call: busy elsewhere, not stalled
+        memset(buf, 0, kSz);
+        void* d = buf;
+        size_t cap = kSz;
+        int tag = 0;
+        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &reqs[i])) return e;
+        CK(waitReq(net, reqs[i], &got, 30000));
+        size_t bad = 0;
+        REQ(got == static_cast<int>(kSz) && check(buf, kSz, 21, &bad), "message %d: %d bytes, bad at %zu", i, got, bad);
+      }
+      barrier();
+      CK(net->closeRecv(rc));
+    }
+    free(buf);
+    return 0;
+  }, 60000);
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// A reader that is slow but progressing is no stall: the receiver runs in short bursts (the sender stops it for
+// 300 ms, lets it run for 50 ms, again and again, with EPCOMM_TIMEOUT_MS=1000), so the sender's send waits on
+// full sockets most of the time, but never a whole deadline without a sign of life from the peer.
+TEST_P(NetPlugin, SlowReaderIsNoStall) {
+  setenv("EPCOMM_TIMEOUT_MS", "1000", 1);
+  run(2, [this](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);
+    char* buf = static_cast<char*>(malloc(kSz));
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
+    void* req = nullptr;
+    int got;
+    if (rank == 1) {
+      memset(buf, 0, kSz);
+      void* d = buf;
+      size_t cap = kSz;
+      int tag = 0;
+      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      gShared->flag[4].store(1);
+      CK(waitReq(net, req, &got, 60000));
+      size_t bad = 0;
+      REQ(got == static_cast<int>(kSz) && check(buf, kSz, 22, &bad), "%d bytes, bad at %zu", got, bad);
+      barrier();
+      CK(net->closeRecv(rc));
+    } else {
+      fill(buf, kSz, 22);
+      while (!gShared->flag[4].load()) usleep(100);
+      std::atomic<bool> stop{false};
+      std::atomic<int> bursts{0};
+      std::thread throttle([&] {
+        const pid_t peer = gShared->pid[1].load();
+        while (!stop.load()) {
+          kill(peer, SIGSTOP);
+          usleep(300 * 1000);
+          kill(peer, SIGCONT);
+          usleep(50 * 1000);
+          bursts.fetch_add(1);
+        }
+      });
+      auto t0 = std::chrono::steady_clock::now();
+      ncclResult_t r = ncclSuccess;
+      if (postSend(net, sc, buf, kSz, 0, mh, &req)) r = ncclInternalError;
+      else r = waitReq(net, req, &got, 60000);
+      double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stop.store(true);
+      throttle.join();
+      REQ(r == ncclSuccess, "send to a slow reader: test -> %d after %.1f s (%d bursts)", r, sec, bursts.load());
+      barrier();
+      CK(net->closeSend(sc));
+    }
+    free(buf);
+    return 0;
+  }, 90000);
+  unsetenv("EPCOMM_TIMEOUT_MS");
+}
+
+// Both peers stopped together and continued later (a suspended job) is no stall either: neither heard from the
+// other while it was stopped itself. Rank 1 waits on a receive (its peer has not sent yet) and on a send that
+// fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
+TEST_P(NetPlugin, SuspendedJobIsNoStall) {
+  if (GetParam().provider)
+    GTEST_SKIP() << "socket only: ofi counts the time it was stopped itself against its peer (a waiting receive "
+                    "fails right after the resume), and its sends need the peer's progress calls to start";
+  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  run(3, [this](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr, *sc2 = nullptr, *rc2 = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;   // 0 -> 1: rank 1's receive waits
+    if (int e = pairConnect(net, rank, 1, 0, &sc2, &rc2)) return e;  // 1 -> 0: rank 1's send waits
+    if (rank == 2) {
+      while (gShared->flag[4].load() < 2) usleep(100);
+      usleep(200 * 1000);
+      const pid_t a = gShared->pid[0].load(), b = gShared->pid[1].load();
+      kill(a, SIGSTOP);
+      kill(b, SIGSTOP);
+      usleep(2000 * 1000);
+      kill(b, SIGCONT);  // the waiting side first: it must not judge its peer before the peer had a turn
+      usleep(50 * 1000);
+      kill(a, SIGCONT);
+      gShared->flag[5].store(1);
+      barrier();
+      return 0;
+    }
+    const size_t kSz = GetParam().provider ? (64 << 20) : (256 << 20);
+    char* buf = static_cast<char*>(malloc(kSz));
+    uint64_t v = rank == 0 ? 42 : 0;
+    void *mh = nullptr, *mhv = nullptr;
+    CK(net->regMr(rank == 0 ? rc2 : sc2, buf, kSz, NCCL_PTR_HOST, &mh));
+    CK(net->regMr(rank == 0 ? sc : rc, &v, sizeof(v), NCCL_PTR_HOST, &mhv));
+    void *reqBig = nullptr, *reqSmall = nullptr;
+    int got;
+    if (rank == 1) {
+      fill(buf, kSz, 23);
+      void* d = &v;
+      size_t cap = sizeof(v);
+      int tag = 0;
+      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mhv, &reqSmall)) return e;
+      if (int e = postSend(net, sc2, buf, kSz, 0, mh, &reqBig)) return e;
+      gShared->flag[4].fetch_add(1);
+      int doneSmall = 0, doneBig = 0;
+      auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!(doneSmall && doneBig)) {
+        if (!doneSmall) CK(net->test(reqSmall, &doneSmall, &got));
+        if (!doneBig) CK(net->test(reqBig, &doneBig, &got));
+        REQ(std::chrono::steady_clock::now() < end, "requests did not complete");
+      }
+      REQ(v == 42, "got %llu", static_cast<unsigned long long>(v));
+    } else {
+      gShared->flag[4].fetch_add(1);
+      while (!gShared->flag[5].load()) usleep(1000);  // busy elsewhere: no plugin call until well after the resume
+      usleep(300 * 1000);
+      void* d = buf;
+      size_t cap = kSz;
+      int tag = 0;
+      if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh, &reqBig)) return e;
+      if (int e = postSend(net, sc, &v, sizeof(v), 0, mhv, &reqSmall)) return e;
+      CK(waitReq(net, reqSmall, &got, 30000));
+      CK(waitReq(net, reqBig, &got, 30000));
+      size_t bad = 0;
+      REQ(got == static_cast<int>(kSz) && check(buf, kSz, 23, &bad), "%d bytes, bad at %zu", got, bad);
+    }
+    barrier();
+    if (rank == 0) {
+      CK(net->closeSend(sc));
+      CK(net->closeRecv(rc2));
+    } else {
+      CK(net->closeRecv(rc));
+      CK(net->closeSend(sc2));
+    }
+    free(buf);
+    return 0;
+  }, 60000);
   unsetenv("EPCOMM_TIMEOUT_MS");
 }
 

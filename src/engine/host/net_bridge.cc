@@ -360,8 +360,10 @@ bool NetBridge::pumpSends(Peer& p) {
   bool moved = false;
   while (!p.send_failed && !p.inflight_reqs.empty()) {
     int done = 0;
-    if (backend_->test(p.inflight_reqs.front(), &done, nullptr) != epSuccess) {
-      p.send_failed = true;  // the peer closed its end: nothing more goes to it
+    const epResult_t r = backend_->test(p.inflight_reqs.front(), &done, nullptr);
+    if (r != epSuccess) {
+      p.send_failed = true;  // the peer closed its end, or stopped taking frames: nothing more goes to it
+      if (r == epTimeout) markDead(p, net::netLastError());  // stalled (the backend's deadline), if still open
       break;
     }
     if (!done) break;
@@ -383,8 +385,10 @@ bool NetBridge::pumpSends(Peer& p) {
       if (first < d.len) memcpy(buf + sizeof(h) + first, ring, d.len - first);
     }
     void* req = nullptr;
-    if (backend_->isend(p.send, buf, sizeof(h) + d.len, 0, p.send_mh[slot], &req) != epSuccess) {
+    const epResult_t r = backend_->isend(p.send, buf, sizeof(h) + d.len, 0, p.send_mh[slot], &req);
+    if (r != epSuccess) {
       p.send_failed = true;
+      if (r == epTimeout) markDead(p, net::netLastError());
       break;
     }
     if (!req) break;

@@ -25,8 +25,10 @@
 //
 // Failures. A connection error on the receive side (EOF, reset, the backend's stall deadline) makes the peer
 // dead for the engine's liveness checks, unless the peer said goodbye first (BYE: it destroyed its communicator
-// after sending everything). Send-side errors only stop sending: the peer closed its end. Every length, channel
-// and stream offset received is checked before use (R5); a violation counts as a dead peer.
+// after sending everything). A send-side error stops sending: the peer closed its end, or, when it is the
+// backend's stall deadline (a peer that took no frame and showed no sign of life for EPCOMM_TIMEOUT_MS), the peer
+// is dead as well. Every length, channel and stream offset received is checked before use (R5); a violation
+// counts as a dead peer.
 //
 // Threads. Setup (connect) runs on the creating thread; afterwards one progress thread per communicator makes
 // every net call. The engine touches only ring ends and mirror headers (atomics), and dead().

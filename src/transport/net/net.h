@@ -10,6 +10,8 @@
 // - sends and receives match in posting order per connection; a receive buffer may be larger than the send;
 // - at least kNetMaxRequests requests in flight per comm (x kNetMaxRecvs on the send side);
 // - errors are results: a peer that dies or closes makes test() fail with a message that names the peer;
+// - stall deadline: a request that waits on a peer that stopped (SIGSTOP, a frozen host, a cut link) fails within
+//   EPCOMM_TIMEOUT_MS; a live peer that is idle, late to post or slow never makes it fail (heartbeats);
 // - close* releases everything, even with transfers in flight: it cancels the comm's posted sends and receives
 //   and drains their completions (ofi: within EPCOMM_OFI_CLOSE_MS) before it returns;
 // - deregMr(comm, mhandle) may also come after close of that comm (the handle keeps what it needs; `comm` is

@@ -33,6 +33,10 @@ int64_t netTimeoutMs() {
   return t > 0 ? t : 30000;
 }
 
+// A quarter of the stall deadline: a peer that misses a beat or two (scheduling, a busy host) is still heard from
+// well within it.
+int64_t netHeartbeatMs() { return std::clamp<int64_t>(netTimeoutMs() / 4, 5, 1000); }
+
 std::string addrToString(const NetAddr& a) {
   char host[INET6_ADDRSTRLEN] = "?";
   char out[INET6_ADDRSTRLEN + 16];

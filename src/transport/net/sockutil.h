@@ -38,8 +38,10 @@ bool ifnameMatches(const char* spec, const char* ifname);
 
 // Socket tuning applied to every data socket: TCP_NODELAY, large buffers when the kernel allows them,
 // keepalive + TCP_USER_TIMEOUT so that an unreachable peer turns into an error within EPCOMM_TIMEOUT_MS.
+// (The socket backend clears TCP_USER_TIMEOUT once a connection is up: socket_net.cc says why.)
 void tuneSocket(int fd);
-int64_t netTimeoutMs();  // EPCOMM_TIMEOUT_MS (default 30000)
+int64_t netTimeoutMs();    // EPCOMM_TIMEOUT_MS (default 30000)
+int64_t netHeartbeatMs();  // stall heartbeats: min(EPCOMM_TIMEOUT_MS / 4, 1 s), at least 5 ms
 
 // Listening socket bound to `ifc` (port 0 = any); fills *bound with the address peers must use.
 epResult_t tcpListen(const NetIf& ifc, int* fd, NetAddr* bound);

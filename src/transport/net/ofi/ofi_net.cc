@@ -221,9 +221,6 @@ struct OfiConnectStage {
 EP_PARAM(OfiMaxDevs, "OFI_MAX_DEVS", kNetMaxDevs);
 EP_PARAM(OfiCloseMs, "OFI_CLOSE_MS", 1000);  // longest wait for cancelled operations at close
 
-// Heartbeat period: a quarter of the stall deadline, at most one second, at least 5 ms.
-int64_t heartbeatMs() { return std::clamp<int64_t>(netTimeoutMs() / 4, 5, 1000); }
-
 uint64_t makeTag(uint32_t comm, int tag, uint32_t seq) {
   return (static_cast<uint64_t>(comm) << (kTagBits + kSeqBits)) |
          (static_cast<uint64_t>(static_cast<uint32_t>(tag) & ((1u << kTagBits) - 1)) << kSeqBits) |
@@ -753,7 +750,7 @@ class OfiBackend final : public NetBackend {
         ssize_t k = send(c->fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
         (void)k;
       }
-      hbCv_.wait_for(lk, std::chrono::milliseconds(heartbeatMs()));
+      hbCv_.wait_for(lk, std::chrono::milliseconds(netHeartbeatMs()));
     }
   }
   void startHeartbeat(OfiComm* c) {

@@ -1,18 +1,35 @@
 // The socket backend: epcomm's own TCP transport.
 //
 // A connection is one control socket plus S = NTHREADS x NSOCKS data sockets, owned by NTHREADS helper
-// threads on each side. Every message sends a 16-byte header {magic, tag, size} on the control socket, in
-// posting order; that is what makes matching ordered and lets the receiver bounds-check the size against
-// the buffer it posted before a single payload byte lands. Small payloads (<= inline) follow the header on
-// the control socket and are moved by the caller's thread (no hand-off latency). Larger ones are cut into
-// chunks dealt round-robin over the data sockets; both sides compute the same plan from the size and a
-// per-connection socket cursor, so per-socket FIFO order is all the framing the data sockets need.
+// threads on each side, and a liveness socket (see "Stall deadline"). Every message sends a 16-byte header
+// {magic, tag, size} on the control socket, in posting order; that is what makes matching ordered and lets the
+// receiver bounds-check the size against the buffer it posted before a single payload byte lands. Small
+// payloads (<= inline) follow the header on the control socket and are moved by the caller's thread (no
+// hand-off latency). Larger ones are cut into chunks dealt round-robin over the data sockets; both sides
+// compute the same plan from the size and a per-connection socket cursor, so per-socket FIFO order is all the
+// framing the data sockets need.
+//
+// Stall deadline. A receiver that is alive may leave the sockets full for any time (NCCL posts a receive when
+// its rank reaches the collective), so "no byte accepted by the kernel for EPCOMM_TIMEOUT_MS" alone would fail
+// live peers; so would TCP_USER_TIMEOUT, which current Linux (seen on 6.18) also applies to a window that stays
+// closed, even while the peer's kernel answers every probe. Instead helper thread 0 of each side writes one
+// byte every min(EPCOMM_TIMEOUT_MS / 4, 1 s) on the liveness socket and reads the peer's (as the ofi backend
+// beats on its side channel): a peer that is alive keeps beating whether or not it reads or sends, one that is
+// stopped, frozen or cut off does not. A request that waits fails with a timeout once, for EPCOMM_TIMEOUT_MS,
+// no byte moved and no heartbeat came (a receive in the middle of a message already when no byte came). Time this
+// process was stopped itself does not count (a suspended job: the peer could not beat either); helper 0 notices
+// the gap in its own turns. Heartbeats get a socket of their own: closing a socket with unread bytes in its
+// receive queue makes the kernel reset it, which would throw away what the closing side had handed to it and
+// not yet sent.
 //
 // Wire (little-endian host order; both ends are the same build):
-//   every socket, first: Hello {magic, version, secret, connId, index (0 = control), nsocks, chunk params}
+//   every socket, first: Hello {magic, version, secret, connId, index, nsocks, chunk params}
+//                        (index 0 = control, 1..nsocks = data, nsocks + 1 = liveness)
 //   control socket:      MsgHeader {magic, tag, size} [+ payload when size <= inline]
 //   data socket k:       raw chunk bytes
+//   liveness socket:     heartbeat bytes, both ways
 #include <errno.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/uio.h>
@@ -55,7 +72,7 @@ int64_t helperThreads() {
 constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
 constexpr uint32_t kHelloMagic = 0x4550484c;   // "EPHL"
 constexpr uint32_t kMsgMagic = 0x45504d47;     // "EPMG"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the liveness socket (a version-1 peer would never beat)
 constexpr int kMaxDataSocks = 64;
 constexpr size_t kStage = 16 << 10;  // receiver's control-stream read-ahead (see SockComm::stage)
 
@@ -128,6 +145,11 @@ struct SockComm {
   bool isSend = false;
   std::string peer;
   int ctrlFd = -1;
+  int liveFd = -1;  // heartbeats, both ways: written and read by helper 0 (read by test() too)
+  std::atomic<bool> liveOpen{true};     // false once the peer closed its end
+  std::atomic<int64_t> lastHeardNs{0};  // last heartbeat read
+  std::atomic<int64_t> turnNs{0};       // helper 0's last turn
+  std::atomic<int64_t> resumedNs{0};    // helper 0 missed turns (this process was stopped): stall clocks restart
   std::vector<std::unique_ptr<DataSock>> data;
   std::vector<std::unique_ptr<Helper>> helpers;
   std::atomic<bool> stop{false};
@@ -174,12 +196,53 @@ struct SockComm {
   const char* side() const { return isSend ? "send" : "recv"; }
 };
 
+// Helper 0 takes a turn at least once per heartbeat period; a longer gap means this process was stopped (a
+// suspended job: the peer too, so it could not beat) or starved, and heard nothing meanwhile.
+int64_t missedTurnNs() { return (2 * netHeartbeatMs() + 50) * 1000000LL; }
+
+// Reads the heartbeats that arrived; false once the peer closed its end (then there is nothing to watch).
+bool drainLiveness(SockComm* c) {
+  char b[64];
+  for (;;) {
+    ssize_t k = recv(c->liveFd, b, sizeof(b), MSG_DONTWAIT);
+    if (k > 0) {
+      c->lastHeardNs.store(nowNs(), std::memory_order_relaxed);
+      continue;
+    }
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    c->liveOpen.store(false, std::memory_order_relaxed);
+    return false;
+  }
+}
+
 void helperLoop(SockComm* c, Helper* h) {
   std::vector<pollfd> pfds;
   std::string err;
+  // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
+  const bool live = h == c->helpers[0].get();
+  const int64_t beatNs = netHeartbeatMs() * 1000000LL;
+  int64_t nextBeatNs = 0;
   while (!c->stop.load(std::memory_order_acquire)) {
     bool progressed = false;
+    int timeoutMs = 1000;
     pfds.clear();
+    if (live) {
+      int64_t now = nowNs();
+      if (now - c->turnNs.load(std::memory_order_relaxed) > missedTurnNs())
+        c->resumedNs.store(now, std::memory_order_relaxed);
+      c->turnNs.store(now, std::memory_order_relaxed);
+      if (now >= nextBeatNs) {
+        if (c->liveOpen.load(std::memory_order_relaxed)) {
+          char b = 'h';
+          ssize_t k = send(c->liveFd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
+          if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+            c->liveOpen.store(false, std::memory_order_relaxed);  // the peer closed: its errors come elsewhere
+        }
+        nextBeatNs = now + beatNs;
+      }
+      timeoutMs = static_cast<int>(std::clamp<int64_t>((nextBeatNs - now) / 1000000LL + 1, 1, 1000));
+    }
     for (int si : h->socks) {
       DataSock& ds = *c->data[si];
       for (;;) {
@@ -202,6 +265,9 @@ void helperLoop(SockComm* c, Helper* h) {
         }
         ch->done += r;
         progressed = true;
+        // Stamped per call, not per pass: a socket that stays ready (a slow reader the sender keeps ahead of)
+        // holds this thread in this loop, possibly for longer than the stall deadline.
+        c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
         if (ch->done == ch->len) {
           ch->req->pending.fetch_sub(1, std::memory_order_release);
           std::lock_guard<std::mutex> g(ds.mu);
@@ -209,18 +275,18 @@ void helperLoop(SockComm* c, Helper* h) {
         }
       }
     }
-    if (progressed) {
-      c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
-      continue;
-    }
-    // Nothing moved: sleep until a socket is ready or new chunks are queued (eventfd).
+    if (progressed) continue;
+    // Nothing moved: sleep until a socket is ready, new chunks are queued (eventfd) or a heartbeat is due/comes.
+    const bool listen = live && c->liveOpen.load(std::memory_order_relaxed);
+    if (listen) pfds.push_back({c->liveFd, POLLIN, 0});
     pfds.push_back({h->efd, POLLIN, 0});
-    int pr = poll(pfds.data(), pfds.size(), 1000);
+    int pr = poll(pfds.data(), pfds.size(), timeoutMs);
     if (pr > 0 && (pfds.back().revents & POLLIN)) {
       uint64_t v;
       ssize_t rr = read(h->efd, &v, sizeof(v));
       (void)rr;
     }
+    if (pr > 0 && listen && pfds[pfds.size() - 2].revents != 0) drainLiveness(c);
   }
 }
 
@@ -263,19 +329,26 @@ void destroyComm(SockComm* c) {
   for (auto& d : c->data)
     if (d->fd >= 0) close(d->fd);
   if (c->ctrlFd >= 0) close(c->ctrlFd);
+  if (c->liveFd >= 0) close(c->liveFd);
   delete c;
 }
 
-// fds[0] = control, fds[1..] = data sockets. Takes ownership of the fds.
+// fds[0] = control, fds[1..S] = data sockets, fds[S + 1] = liveness. Takes ownership of the fds.
 SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, const std::string& peer) {
   auto* c = new SockComm();
   c->isSend = isSend;
   c->peer = peer;
   c->ctrlFd = fds[0];
+  c->liveFd = fds.back();
   c->chunk = h.chunk;
   c->minChunk = h.minChunk;
   c->inlineMax = h.inlineMax;
-  int S = static_cast<int>(fds.size()) - 1;
+  int S = static_cast<int>(fds.size()) - 2;
+  // No TCP_USER_TIMEOUT once connected: it would abort the connection of a live receiver that keeps its window
+  // closed (has not posted its receive) for that long. Heartbeats bound the waits instead; keepalive still
+  // turns an idle connection to a vanished peer into an error.
+  unsigned int none = 0;
+  for (int fd : fds) setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &none, sizeof(none));
   int T = static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, S));
   if (!isSend) c->stage.reset(new char[kStage]);
   c->pool.reset(new SockRequest[kNetRequestPool]);
@@ -296,6 +369,8 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
     c->data.push_back(std::move(d));
   }
   c->lastProgressNs.store(nowNs());
+  c->lastHeardNs.store(nowNs());
+  c->turnNs.store(nowNs());
   for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
   NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
            c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
@@ -543,8 +618,8 @@ class SocketBackend final : public NetBackend {
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetMinChunk(), 4096, 1 << 30)),
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetInline(), 0, 1 << 30)), 0};
       st->peer = h->addr;
-      st->conns.resize(S + 1);
-      st->sent.assign(S + 1, 0);
+      st->conns.resize(S + 2);  // control, S data, liveness
+      st->sent.assign(S + 2, 0);
       h->stage = st;
     }
     bool all = true;
@@ -622,7 +697,7 @@ class SocketBackend final : public NetBackend {
         const Hello& h = p.h;
         if (h.magic != kHelloMagic || h.version != kVersion) drop = "is not an epcomm peer of this version";
         else if (!constantTimeEq(h.secret, l->secret)) drop = "presented a wrong secret";
-        else if (h.nsocks < 1 || h.nsocks > kMaxDataSocks || h.index > h.nsocks) drop = "sent bad socket counts";
+        else if (h.nsocks < 1 || h.nsocks > kMaxDataSocks || h.index > h.nsocks + 1) drop = "sent bad socket counts";
         else if (h.chunk < 4096 || h.minChunk < 4096 || h.inlineMax > (1u << 30)) drop = "sent bad chunk sizes";
       }
       if (drop) {
@@ -636,7 +711,7 @@ class SocketBackend final : public NetBackend {
       for (auto& gg : l->groups)
         if (gg.connId == p.h.connId) g = &gg;
       if (g == nullptr) {
-        l->groups.push_back({p.h.connId, p.h, std::vector<int>(p.h.nsocks + 1, -1), 0, now, p.from});
+        l->groups.push_back({p.h.connId, p.h, std::vector<int>(p.h.nsocks + 2, -1), 0, now, p.from});
         g = &l->groups.back();
       }
       if (g->h.nsocks != p.h.nsocks || g->h.chunk != p.h.chunk || g->h.minChunk != p.h.minChunk ||
@@ -746,18 +821,50 @@ class SocketBackend final : public NetBackend {
       return epSuccess;
     }
     // Errors are results, never hangs: a receive whose payload has started but stopped flowing fails after
-    // EPCOMM_TIMEOUT_MS. (An idle peer is no error: NCCL may post receives long before the sender reaches
-    // the collective. Dead peers show up at once as EOF/RST, unreachable ones through TCP_USER_TIMEOUT.)
+    // EPCOMM_TIMEOUT_MS, and any request whose peer went silent (see "Stall deadline" at the top). An idle peer
+    // is no error: NCCL may post receives long before the sender reaches the collective. Dead peers show up at
+    // once as EOF/RST.
     bool midMessage = !c->isSend && (r->pending.load() > 0 || (c->inlineIdx >= 0 && c->ctrlQ.front() == r));
-    if (midMessage) {
-      int64_t idleMs = (nowNs() - c->lastProgressNs.load(std::memory_order_relaxed)) / 1000000LL;
+    if (midMessage && ownTurns(c)) {
+      int64_t idleMs = (nowNs() - std::max(c->lastProgressNs.load(std::memory_order_relaxed),
+                                           c->resumedNs.load(std::memory_order_relaxed))) / 1000000LL;
       if (idleMs > netTimeoutMs()) {
         c->fail(epTimeout, "NET/epcomm: recv connection with peer %s: no data for %lld ms in the middle of a message",
                 c->peer.c_str(), static_cast<long long>(idleMs));
         return c->error();
       }
     }
-    return epSuccess;
+    return peerSilent(c);
+  }
+
+  // Whether this side was awake to hear its peer: helper 0 has had its turns. Right after this process was
+  // stopped, the thread calling test() may run first; no verdict until helper 0 noticed and restarted the clocks.
+  static bool ownTurns(SockComm* c) {
+    return nowNs() - c->turnNs.load(std::memory_order_relaxed) <= missedTurnNs();
+  }
+
+  // A waiting request fails once, for EPCOMM_TIMEOUT_MS, no byte moved on the connection and the peer sent no
+  // heartbeat.
+  static epResult_t peerSilent(SockComm* c) {
+    const int64_t tmo = netTimeoutMs();
+    auto quietMs = [c] {
+      int64_t last = std::max({c->lastProgressNs.load(std::memory_order_relaxed),
+                               c->lastHeardNs.load(std::memory_order_relaxed),
+                               c->resumedNs.load(std::memory_order_relaxed)});
+      return (nowNs() - last) / 1000000LL;
+    };
+    if (quietMs() <= tmo || !ownTurns(c)) return epSuccess;
+    // Read the socket here too before deciding: a beat may be waiting that helper 0 has not read yet.
+    if (c->liveOpen.load(std::memory_order_relaxed)) drainLiveness(c);
+    int64_t q = quietMs();
+    if (q <= tmo) return epSuccess;
+    c->fail(epTimeout,
+            "NET/epcomm: %s connection with peer %s: no byte %s and no heartbeat from the peer for %lld ms "
+            "(EPCOMM_TIMEOUT_MS=%lld)%s: the peer is stopped, hung or cut off",
+            c->side(), c->peer.c_str(), c->isSend ? "accepted" : "received", static_cast<long long>(q),
+            static_cast<long long>(tmo),
+            c->liveOpen.load(std::memory_order_relaxed) ? "" : ", and it closed its liveness socket");
+    return c->error();
   }
 
   epResult_t closeSend(void* comm) override {
