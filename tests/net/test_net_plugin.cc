@@ -1156,7 +1156,9 @@ TEST_P(NetPlugin, IdlePeerIsNoStall) {
 // full sockets and nothing accepted by the kernel (NCCL posts a receive when its rank reaches the collective,
 // which may be long after the sender did): each receive comes 3 deadlines after the previous one completed.
 TEST_P(NetPlugin, LateReceiverIsNoStall) {
-  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  // 1 s, not 0.5 s: on a loaded 2-core machine a heartbeat thread can be off the CPU for half a second (one
+  // false stall in a full run beside a benchmark).
+  setenv("EPCOMM_TIMEOUT_MS", "1000", 1);
   run(2, [this](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr;
     if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
@@ -1179,7 +1181,7 @@ TEST_P(NetPlugin, LateReceiverIsNoStall) {
       CK(net->closeSend(sc));
     } else {
       for (int i = 0; i < kMsgs; ++i) {
-        usleep(1500 * 1000);  // 3 deadlines without a plugin call: busy elsewhere, not stalled
+        usleep(3000 * 1000);  // 3 deadlines without a plugin call: busy elsewhere, not stalled
         memset(buf, 0, kSz);
         void* d = buf;
         size_t cap = kSz;
