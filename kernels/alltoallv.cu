@@ -1,5 +1,6 @@
 // alltoallv kernels of the GPU engine: a notify step exchanges the byte counts through the HT mailboxes, then
-// the bytes stream through the HT dispatch queues (kernels/queues.cuh), whose slots serve as byte chunks. The
+// the bytes stream through the HT dispatch queues (kernels/queues.cuh), whose slots serve as byte chunks (a
+// rank's bytes to itself are copied directly). The
 // queue counters are cumulative and shared with HT dispatch: each operation drains what it queued, so the
 // counters stay consistent across the two.
 #include <cuda_runtime.h>
@@ -86,8 +87,30 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
   if (dropped > 0) recordViolation(p.ht, epCapacityExceeded);
 }
 
+// Where this rank's bytes from source s go: the offset in recvbuf, the bytes s sends and the part of them kept.
+struct A2aRecvRange {
+  uint64_t off, bytes, keep;
+};
+__device__ __forceinline__ A2aRecvRange recvRange(const A2aParams& p, uint64_t e, int s) {
+  A2aRecvRange r{0, 0, 0};
+  if (p.dev_send_counts == nullptr) {
+    r.bytes = min(recvBytesFrom(p, e, s), p.recv_bytes[s]);
+    r.off = p.recv_off[s];
+    r.keep = r.bytes;
+    return r;
+  }
+  r.bytes = recvBytesFrom(p, e, s);
+  for (int q = 0; q < s; ++q) {
+    const uint64_t nq = recvBytesFrom(p, e, q);
+    r.off += r.off < p.capacity_bytes ? min(nq, p.capacity_bytes - r.off) : 0;
+  }
+  r.keep = r.off < p.capacity_bytes ? min(r.bytes, p.capacity_bytes - r.off) : 0;
+  return r;
+}
+
 // Block 2c sends channel c's chunks to every peer (G warps per peer), block 2c + 1 receives channel c's chunks
-// from every source and copies the bytes that fit to their place in recvbuf.
+// from every source and copies the bytes that fit to their place in recvbuf. The bytes a rank sends itself skip
+// the queues: the sending warps copy them straight to their place in recvbuf.
 __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   const HtParams& h = p.ht;
   const uint64_t e = currentEpoch(h);
@@ -95,6 +118,8 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   const int Q = h.Q, C = h.C, G = h.G, me = h.rank;
   const int peer = warp / G, g = warp % G;
   const uint64_t CH = h.lay.disp_slot;
+  const int RC = h.round;
+  __shared__ int s_ok[32];  // per peer group: its last wait succeeded (groupWait)
   if ((blockIdx.x & 1) == 0) {
     const int r = peer;
     uint64_t bytes, off = 0;
@@ -110,63 +135,55 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
     }
     const int n = static_cast<int>((bytes + CH - 1) / CH);
     const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
+    if (r == me) {  // to itself: straight into recvbuf, what fits; nothing after a failure (as a receiver)
+      if (!noFailure(h)) return;
+      const A2aRecvRange to = recvRange(p, e, me);
+      for (int i = cb + g; i < ce; i += G) {
+        const uint64_t from = static_cast<uint64_t>(i) * CH;
+        if (from < to.keep) warpCopyAny(p.recvbuf + to.off + from, p.sendbuf + off + from, min(CH, to.keep - from), lane);
+      }
+      return;
+    }
     uint64_t* tail = qCounter(h, r, kDispTail, me, c);
     const uint64_t* head = qCounter(h, r, kDispHead, me, c);
     const uint64_t base = rankActive(h.el, r) ? ldAcquire(tail) : 0;
     uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
     bool alive = true;
-    for (int k = cb; k < ce; k += G) {
-      const int i = k + g;
-      if (alive && i < ce) {
-        const uint64_t idx = base + (i - cb);
-        bool ok = true;
-        if (lane == 0 && idx + 1 > static_cast<uint64_t>(Q)) ok = waitAtLeast(h, head, idx + 1 - Q, r, epPhaseData, e);
-        alive = __shfl_sync(kFull, ok, 0);
-        if (alive) {
-          const uint64_t from = static_cast<uint64_t>(i) * CH;
-          warpCopyAny(q + (idx % Q) * h.lay.disp_slot, p.sendbuf + off + from, min(CH, bytes - from), lane);
-        }
+    for (int k = cb; k < ce; k += RC) {
+      const int kend = min(k + RC, ce);
+      const uint64_t end = base + (kend - cb);  // room for the round's chunks
+      alive = groupWait(h, G, r, g, head, end > static_cast<uint64_t>(Q) ? end - Q : 0, epPhaseData, e, alive, s_ok);
+      for (int i = k + g; alive && i < kend; i += G) {
+        const uint64_t idx = base + (i - cb), from = static_cast<uint64_t>(i) * CH;
+        warpCopyAny(q + (idx % Q) * h.lay.disp_slot, p.sendbuf + off + from, min(CH, bytes - from), lane);
       }
       __threadfence_system();
       groupSync(G, r);
-      if (g == 0 && lane == 0 && noFailure(h)) stRelease(tail, base + min(k + G, ce) - cb);
+      if (g == 0 && lane == 0 && noFailure(h)) stRelease(tail, end);
     }
     return;
   }
   const int s = peer;
-  uint64_t bytes, off = 0, keep;
-  if (p.dev_send_counts == nullptr) {
-    bytes = min(recvBytesFrom(p, e, s), p.recv_bytes[s]);
-    off = p.recv_off[s];
-    keep = bytes;
-  } else {
-    bytes = recvBytesFrom(p, e, s);
-    for (int q = 0; q < s; ++q) {
-      const uint64_t nq = recvBytesFrom(p, e, q);
-      off += off < p.capacity_bytes ? min(nq, p.capacity_bytes - off) : 0;
-    }
-    keep = off < p.capacity_bytes ? min(bytes, p.capacity_bytes - off) : 0;
-  }
-  const int n = static_cast<int>((bytes + CH - 1) / CH);
+  if (s == me) return;  // its own bytes were copied by the sending block
+  const A2aRecvRange from_s = recvRange(p, e, s);
+  const int n = static_cast<int>((from_s.bytes + CH - 1) / CH);
   const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
   uint64_t* tail = qCounter(h, me, kDispTail, s, c);
   uint64_t* head = qCounter(h, me, kDispHead, s, c);
   const uint64_t base = ldAcquire(head);
   const uint8_t* q = h.base[me] + h.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * h.lay.disp_slot;
   bool alive = true;
-  for (int k = cb; k < ce; k += G) {
-    const int i = k + g;
-    if (alive && i < ce) {
+  for (int k = cb; k < ce; k += RC) {
+    const int kend = min(k + RC, ce);
+    alive = groupWait(h, G, s, g, tail, base + (kend - cb), epPhaseData, e, alive, s_ok);  // the round is in
+    for (int i = k + g; alive && i < kend; i += G) {
       const uint64_t idx = base + (i - cb);
-      bool ok = true;
-      if (lane == 0) ok = waitAtLeast(h, tail, idx + 1, s, epPhaseData, e);
-      alive = __shfl_sync(kFull, ok, 0);
       const uint64_t from = static_cast<uint64_t>(i) * CH;
-      if (alive && from < keep)
-        warpCopyAny(p.recvbuf + off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, keep - from), lane);
+      if (alive && from < from_s.keep)
+        warpCopyAny(p.recvbuf + from_s.off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, from_s.keep - from), lane);
     }
     groupSync(G, s);
-    if (g == 0 && lane == 0) stRelease(head, base + min(k + G, ce) - cb);
+    if (g == 0 && lane == 0) stRelease(head, base + kend - cb);
   }
 }
 

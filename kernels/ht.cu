@@ -275,71 +275,107 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
 }
 
+// A token's top-k metadata as the receiver keeps it: expert ids local to rank r (-1 for the other ranks' experts)
+// and their weights (0 there). Lane l < K handles column l.
+__device__ __forceinline__ void tokenMeta(const HtParams& p, int t, int r, int lane, int64_t* idx, float* w) {
+  const int64_t x = p.topk_idx[static_cast<size_t>(t) * p.K + lane];
+  const bool here = x >= 0 && x < p.E && x / p.L == r;
+  *idx = here ? x % p.L : -1;
+  *w = here && p.topk_weights != nullptr ? p.topk_weights[static_cast<size_t>(t) * p.K + lane] : 0.0f;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Dispatch: block 2c sends channel c's tokens (G warps per destination, in token order, into the
-// destination's queue for this rank and channel); block 2c+1 receives channel c (G warps per source) and
-// copies each row to its final receive row: source rank order, then token order.
+// destination's queue for this rank and channel; its own rows straight to their final receive rows); block
+// 2c+1 receives channel c (G warps per source) and copies each row to its final receive row: source rank
+// order, then token order.
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
   const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int R = p.nranks, K = p.K, Q = p.Q, C = p.C, G = p.G;
   const int peer = warp / G, g = warp % G;  // G warps serve each peer
+  const int RT = p.round;
+  __shared__ int s_ok[32];  // per peer group: its last wait succeeded (groupWait)
   // Rows the layout did not send because their rank is masked: counted once per dispatch.
   if (blockIdx.x == 0 && threadIdx.x < R && p.h.masked[threadIdx.x] > 0)
     atomicAdd(&p.el->drops[kDropTokenRows][threadIdx.x], static_cast<unsigned long long>(p.h.masked[threadIdx.x]));
+  const int num_recv = *p.h.num_recv;
+  const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
   if ((blockIdx.x & 1) == 0) {
-    // Send: rounds of G tokens; warp g writes token tb + k*G + g into its slot (its position among this
-    // channel's tokens to the peer), then the group publishes the tail.
     const int r = peer;
     const int tb = chanBegin(p.T, C, c), te = rankActive(p.el, r) ? chanBegin(p.T, C, c + 1) : tb;
+    const int chan_base = p.h.send_chan_base[r * C + c];
+    if (r == p.rank) {
+      // To itself: straight to the final receive row (the receiving block's rule: source prefix, the channels
+      // before this one, the token's position in the channel), no queue. After a failure nothing is written, as
+      // a receiver writes nothing the sender did not publish.
+      if (!noFailure(p)) return;
+      int dst = p.h.prefix[r];
+      for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[r * C + cc];
+      for (int t = tb + g; t < te; t += G) {
+        if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
+        const int row = dst + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
+        if (row >= rows) continue;  // worst-token overflow, recorded by notify
+        warpCopy16(static_cast<uint8_t*>(p.recv_x) + row * p.xrow, static_cast<const uint8_t*>(p.x) + t * p.xrow,
+                   p.xrow, lane);
+        if (p.srow)
+          warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow,
+                    reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
+        if (p.topk_idx != nullptr && lane < K) {
+          int64_t idx;
+          float w;
+          tokenMeta(p, t, r, lane, &idx, &w);
+          if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = idx;
+          if (p.recv_topk_weights && p.topk_weights) p.recv_topk_weights[static_cast<size_t>(row) * K + lane] = w;
+        }
+      }
+      return;
+    }
+    // To a peer: rounds of RT tokens; once the queue has room for the round's rows, warp g writes tokens k + g,
+    // k + g + G, ... into their slots (their positions among this channel's tokens to the peer), then the group
+    // publishes the tail.
     uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
     const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
     const uint64_t base = rankActive(p.el, r) ? ldAcquire(tail) : 0;  // this rank is the only writer; a masked
                                                                        // rank's memory is not touched
-    const int chan_base = p.h.send_chan_base[r * C + c];
     uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
-    uint64_t sent = 0;
-    bool alive = true;  // after a failed wait the warp keeps meeting its group's barriers, doing nothing
-    for (int k = tb; k < te; k += G) {
-      const int t = k + g;
-      if (alive && t < te && p.h.in_rank[static_cast<size_t>(t) * R + r]) {
-        const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
-        bool ok = true;
-        if (lane == 0 && idx + 1 > static_cast<uint64_t>(Q)) ok = waitAtLeast(p, head, idx + 1 - Q, r, epPhaseData, e);
-        alive = __shfl_sync(kFull, ok, 0);
+    uint64_t sent = 0;  // rows published so far (kept by lane 0 of warp 0, the group's publisher)
+    bool alive = true;  // after a failed wait the group keeps meeting its barriers, doing nothing
+    for (int k = tb; k < te; k += RT) {
+      const int kend = min(k + RT, te);
+      uint64_t want = 0;  // room for the round's rows
+      if (g == 0 && lane == 0) {
+        for (int u = k; u < kend; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
+        want = base + sent > static_cast<uint64_t>(Q) ? base + sent - Q : 0;
       }
-      if (alive && t < te && p.h.in_rank[static_cast<size_t>(t) * R + r]) {
+      alive = groupWait(p, G, r, g, head, want, epPhaseData, e, alive, s_ok);
+      for (int t = k + g; alive && t < kend; t += G) {
+        if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
         const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
         uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
         warpCopy16(slot, static_cast<const uint8_t*>(p.x) + t * p.xrow, p.xrow, lane);
         if (p.srow)
           warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
         if (p.topk_idx != nullptr && lane < K) {
-          int64_t x = p.topk_idx[static_cast<size_t>(t) * K + lane];
-          bool here = x >= 0 && x < p.E && x / p.L == r;
+          int64_t idx_l;
+          float w;
+          tokenMeta(p, t, r, lane, &idx_l, &w);
           uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
-          reinterpret_cast<int64_t*>(meta)[lane] = here ? x % p.L : -1;
-          if (p.topk_weights != nullptr)
-            reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] =
-                here ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
+          reinterpret_cast<int64_t*>(meta)[lane] = idx_l;
+          if (p.topk_weights != nullptr) reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = w;
         }
       }
       __threadfence_system();
       groupSync(G, r);
-      if (g == 0 && lane == 0) {
-        for (int u = k; u < k + G && u < te; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
-        if (noFailure(p)) stRelease(tail, base + sent);
-      }
+      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + sent);
     }
     return;
   }
-  // Receive: rows of source s in rounds of G; warp g copies row k*G + g to its final receive row, then the
-  // group publishes the head (room for the sender).
-  const int num_recv = *p.h.num_recv;
-  const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
+  // Receive: rows of source s in rounds of RT; warp g copies rows k + g, k + g + G, ... to their final receive
+  // rows, then the group publishes the head (room for the sender). This rank's own rows were written directly.
   const uint8_t* me = p.base[p.rank];
-  {
+  if (peer != p.rank) {
     const int s = peer;
     const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
     int dst = p.h.prefix[s];
@@ -349,14 +385,10 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     const uint64_t base = ldAcquire(head);
     const uint8_t* q = me + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
     bool alive = true;
-    for (int k = 0; k < n; k += G) {
-      const int i = k + g;
-      if (alive && i < n) {
-        bool ok = true;
-        if (lane == 0) ok = waitAtLeast(p, tail, base + i + 1, s, epPhaseData, e);
-        alive = __shfl_sync(kFull, ok, 0);
-      }
-      if (alive && i < n) {
+    for (int k = 0; k < n; k += RT) {
+      const int kend = min(k + RT, n);
+      alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok);  // the round's rows are in
+      for (int i = k + g; alive && i < kend; i += G) {
         const uint64_t idx = base + i;
         const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
         const int row = dst + i;
@@ -375,7 +407,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
         }
       }
       groupSync(G, s);
-      if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n));
+      if (g == 0 && lane == 0) stRelease(head, base + kend);
     }
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);

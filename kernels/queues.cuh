@@ -26,6 +26,23 @@ __device__ __forceinline__ void groupSync(int G, int peer) {
   }
 }
 
+// One warp of a peer's group waits for a queue counter (lane 0 of warp 0 polls) and the others meet it at the
+// group's barrier: one poller per group instead of one per warp, since many warps polling neighbouring counters
+// delay the very stores they wait for. `s_ok` is a shared int per peer (read only when G > 1); false after a
+// failed wait, or when the group already failed (`alive` false), for the whole group. want = 0: no wait.
+__device__ __forceinline__ bool groupWait(const HtParams& p, int G, int peer, int g, const uint64_t* flag,
+                                          uint64_t want, int phase, uint64_t epoch, bool alive, volatile int* s_ok) {
+  const int lane = threadIdx.x & 31;
+  int ok = alive;
+  if (g == 0) {
+    if (lane == 0 && ok && want > 0) ok = waitAtLeast(p, flag, want, peer, phase, epoch);
+    ok = __shfl_sync(kFull, ok, 0);
+    if (G > 1 && lane == 0) s_ok[peer] = ok;
+  }
+  groupSync(G, peer);
+  return G > 1 ? s_ok[peer] != 0 : ok != 0;
+}
+
 __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoch, int src) {
   return p.lay.mailbox + ((epoch & 1) * p.nranks + src) * p.lay.mailbox_entry;
 }

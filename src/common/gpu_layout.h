@@ -272,6 +272,7 @@ struct HtParams {
   GpuElastic* el;
   uint64_t timeout_ns;
   int C, Q, G;                       // channels, queue rows, warps per peer in a block
+  int round;                         // queue rows moved between two publications of a counter (<= Q / 2)
   // operation
   int T, H, K, E, L, dtype, worst;  // worst = num_worst_tokens (0 = exact)
   int pull;                          // combine: pull (1) or push through the queues (0)

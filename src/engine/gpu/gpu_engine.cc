@@ -21,8 +21,12 @@ EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 64);
 EP_PARAM(GpuHtCombinePull, "GPU_HT_COMBINE_PULL", 1);
 // HT dispatch: 1 = each rank copies its tokens once into its buffer and the receivers pull their rows straight
 // into recv_x (no queues; needs max_tokens dispatch slots more per rank); 0 = push through the bounded queues.
-// Off by default until it is verified on a GPU.
+// Passes the GPU suite but measured 4-5x slower than push on one H200 (bench/results/h200-ht-pull-s3.log): off.
 EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 0);
+// Warps that serve one peer in an HT or alltoallv block (0 = as many as fit: 32 / ranks, at most 16).
+EP_PARAM(GpuWarpsPerPeer, "GPU_WARPS_PER_PEER", 0);
+// Queue rows a sender moves before it publishes them (0 = by the in-flight budget below, at most half a queue).
+EP_PARAM(GpuQueueRound, "GPU_QUEUE_ROUND", 0);
 
 namespace {
 
@@ -170,7 +174,26 @@ HtParams GpuEngine::baseParams(int op) const {
   p.C = lay_.channels;
   p.Q = lay_.queue_rows;
   // G warps per peer, R * G warps per block (at most 32); named barriers 1..15 need R < 16 when G > 1.
-  p.G = comm_->nranks >= 16 ? 1 : std::max(1, std::min(8, 32 / comm_->nranks));
+  const int g_max = comm_->nranks >= 16 ? 1 : std::max(1, std::min(16, 32 / comm_->nranks));
+  const int g_want = static_cast<int>(epParamGpuWarpsPerPeer());
+  p.G = g_want > 0 ? std::min(g_want, g_max) : g_max;
+  // A sender publishes its queue rows in rounds: each publication costs a system fence that waits for the round's
+  // remote stores. Across NVLink that wait is long, and rounds of one row per warp left the link idle between
+  // them; rounds of at most half a queue let the receiver drain one half while the sender fills the other. Ranks
+  // that share a GPU fence cheaply, and there rounds of one row per warp measured best. Measured (one H200 under
+  // MPS, and two H200s): bench/results/h200-ht-rounds-s3.log. Across NVLink the default keeps a rank's rounds,
+  // all channels and peers together, near 6 MiB.
+  const int half = std::max(1, lay_.queue_rows / 2);
+  const int r_want = static_cast<int>(epParamGpuQueueRound());
+  if (r_want > 0) {
+    p.round = r_want;
+  } else if (gpu_sharing_ > 1) {
+    p.round = p.G;
+  } else {
+    const uint64_t queues = static_cast<uint64_t>(lay_.channels) * std::max(1, comm_->nranks - 1);
+    p.round = static_cast<int>(std::min<uint64_t>((6ull << 20) / (queues * lay_.disp_slot), half));
+  }
+  p.round = std::min(std::max(p.round, p.G), half);  // fewer rows than warps would leave warps idle
   return p;
 }
 
