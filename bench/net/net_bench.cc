@@ -297,11 +297,13 @@ void pluginSide(bool a, int ctl, int out, const std::vector<size_t>& sizes, cons
 }
 
 // ---- plain blocking TCP ------------------------------------------------------------------------------------------
-void tcpSide(bool a, int ctl, int out, const std::vector<size_t>& sizes, const Opts& o) {
+// One loopback TCP connection, set up over the control pipe: the listening side sends its address, the other
+// connects. TCP_NODELAY on, as NCCL's Socket transport sets it.
+int tcpConnect(bool listens, int ctl) {
   int fd;
-  if (!a) {
+  sockaddr_in ad{};
+  if (listens) {
     int l = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in ad{};
     ad.sin_family = AF_INET;
     ad.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     bind(l, reinterpret_cast<sockaddr*>(&ad), sizeof(ad));
@@ -312,36 +314,19 @@ void tcpSide(bool a, int ctl, int out, const std::vector<size_t>& sizes, const O
     fd = accept(l, nullptr, nullptr);
     close(l);
   } else {
-    sockaddr_in ad;
     readAll(ctl, &ad, sizeof(ad));
     fd = socket(AF_INET, SOCK_STREAM, 0);
     if (connect(fd, reinterpret_cast<sockaddr*>(&ad), sizeof(ad)) != 0) { perror("connect"); _exit(1); }
   }
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+void tcpSide(bool a, int ctl, int out, const std::vector<size_t>& sizes, const Opts& o) {
+  const int fd = tcpConnect(!a, ctl);
   // bidir: a second connection, B -> A (the first carries A -> B), as NCCL has one connection per direction.
-  int fd2 = -1;
-  if (o.bidir) {
-    if (a) {
-      int l = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in ad{};
-      ad.sin_family = AF_INET;
-      ad.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      bind(l, reinterpret_cast<sockaddr*>(&ad), sizeof(ad));
-      listen(l, 1);
-      socklen_t al = sizeof(ad);
-      getsockname(l, reinterpret_cast<sockaddr*>(&ad), &al);
-      writeAll(ctl, &ad, sizeof(ad));
-      fd2 = accept(l, nullptr, nullptr);
-      close(l);
-    } else {
-      sockaddr_in ad;
-      readAll(ctl, &ad, sizeof(ad));
-      fd2 = socket(AF_INET, SOCK_STREAM, 0);
-      if (connect(fd2, reinterpret_cast<sockaddr*>(&ad), sizeof(ad)) != 0) { perror("connect"); _exit(1); }
-    }
-    setsockopt(fd2, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  }
+  const int fd2 = o.bidir ? tcpConnect(a, ctl) : -1;
   // As many distinct buffers as the plugin side has (window x comms, each way), used in turn: one reused buffer
   // would stay in cache and make the copies look cheaper than the plugin's, which cycle through all of theirs.
   int W = std::max(1, o.window) * std::max(1, o.comms);
