@@ -1260,14 +1260,14 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
 }
 
 // Both peers stopped together and continued later (a suspended job) is no stall either: neither heard from the
-// other while it was stopped itself. Rank 1 waits on a receive (its peer has not sent yet) and on a send that
-// fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
+// other while it was stopped itself. Rank 1 waits on a receive (its peer has not sent yet) and, over socket, on a
+// send that fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
 TEST_P(NetPlugin, SuspendedJobIsNoStall) {
-  if (GetParam().provider)
-    GTEST_SKIP() << "socket only: ofi counts the time it was stopped itself against its peer (a waiting receive "
-                    "fails right after the resume), and its sends need the peer's progress calls to start";
   setenv("EPCOMM_TIMEOUT_MS", "500", 1);
-  run(3, [this](int rank, Net* net) {
+  // ofi: the receive only. A provider starts a send only with the peer's progress calls, which the stopped-
+  // elsewhere peer does not make before the stop, so the big send could not be posted in time.
+  const bool bigToo = GetParam().provider == nullptr;
+  run(3, [this, bigToo](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr, *sc2 = nullptr, *rc2 = nullptr;
     if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;   // 0 -> 1: rank 1's receive waits
     if (int e = pairConnect(net, rank, 1, 0, &sc2, &rc2)) return e;  // 1 -> 0: rank 1's send waits
@@ -1299,9 +1299,11 @@ TEST_P(NetPlugin, SuspendedJobIsNoStall) {
       size_t cap = sizeof(v);
       int tag = 0;
       if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mhv, &reqSmall)) return e;
-      if (int e = postSend(net, sc2, buf, kSz, 0, mh, &reqBig)) return e;
+      if (bigToo) {
+        if (int e = postSend(net, sc2, buf, kSz, 0, mh, &reqBig)) return e;
+      }
       gShared->flag[4].fetch_add(1);
-      int doneSmall = 0, doneBig = 0;
+      int doneSmall = 0, doneBig = bigToo ? 0 : 1;
       auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       while (!(doneSmall && doneBig)) {
         if (!doneSmall) CK(net->test(reqSmall, &doneSmall, &got));
@@ -1316,12 +1318,16 @@ TEST_P(NetPlugin, SuspendedJobIsNoStall) {
       void* d = buf;
       size_t cap = kSz;
       int tag = 0;
-      if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh, &reqBig)) return e;
+      if (bigToo) {
+        if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh, &reqBig)) return e;
+      }
       if (int e = postSend(net, sc, &v, sizeof(v), 0, mhv, &reqSmall)) return e;
       CK(waitReq(net, reqSmall, &got, 30000));
-      CK(waitReq(net, reqBig, &got, 30000));
-      size_t bad = 0;
-      REQ(got == static_cast<int>(kSz) && check(buf, kSz, 23, &bad), "%d bytes, bad at %zu", got, bad);
+      if (bigToo) {
+        CK(waitReq(net, reqBig, &got, 30000));
+        size_t bad = 0;
+        REQ(got == static_cast<int>(kSz) && check(buf, kSz, 23, &bad), "%d bytes, bad at %zu", got, bad);
+      }
     }
     barrier();
     if (rank == 0) {

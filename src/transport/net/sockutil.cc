@@ -37,6 +37,8 @@ int64_t netTimeoutMs() {
 // well within it.
 int64_t netHeartbeatMs() { return std::clamp<int64_t>(netTimeoutMs() / 4, 5, 1000); }
 
+int64_t netMissedTurnNs() { return (2 * netHeartbeatMs() + 50) * 1000000LL; }
+
 std::string addrToString(const NetAddr& a) {
   char host[INET6_ADDRSTRLEN] = "?";
   char out[INET6_ADDRSTRLEN + 16];

@@ -42,6 +42,9 @@ bool ifnameMatches(const char* spec, const char* ifname);
 void tuneSocket(int fd);
 int64_t netTimeoutMs();    // EPCOMM_TIMEOUT_MS (default 30000)
 int64_t netHeartbeatMs();  // stall heartbeats: min(EPCOMM_TIMEOUT_MS / 4, 1 s), at least 5 ms
+// A heartbeat thread takes a turn at least once per heartbeat period; a gap longer than this means the process
+// was stopped (a suspended job: its peers too, so they could not beat) or starved, and heard nothing meanwhile.
+int64_t netMissedTurnNs();
 
 // Listening socket bound to `ifc` (port 0 = any); fills *bound with the address peers must use.
 epResult_t tcpListen(const NetIf& ifc, int* fd, NetAddr* bound);

@@ -14,7 +14,8 @@
 // - Stall deadline: a per-process heartbeat thread writes one byte on every side channel each
 //   min(EPCOMM_TIMEOUT_MS / 4, 1 s); a process that is alive but idle (computing, no collective posted) keeps
 //   beating, one that is stopped, frozen or cut off does not. A request that waits while its peer has shown no
-//   sign of life (heartbeat or completion) for EPCOMM_TIMEOUT_MS fails with a timeout instead of hanging.
+//   sign of life (heartbeat or completion) for EPCOMM_TIMEOUT_MS fails with a timeout instead of hanging. Time
+//   this process was stopped itself (the heartbeat thread missed its turns) does not count.
 // - Close cancels every operation of the comm (fi_cancel, sends too) and drains the CQ until each has completed
 //   or been cancelled, for at most EPCOMM_OFI_CLOSE_MS: memory the caller frees after close is then no longer
 //   in the provider's hands. Operations the provider neither finishes nor cancels in time (a peer that never
@@ -724,8 +725,11 @@ class OfiBackend final : public NetBackend {
       return c->fail(epRemoteError, std::string("NET/epcomm: ") + (c->isSend ? "send" : "recv") +
                                         " connection with peer " + c->peer +
                                         ": peer closed or died with transfers outstanding");
-    int64_t silentMs = (now - c->lastHeardNs) / 1000000LL;
-    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs())
+    // Time this process spent stopped does not count (a suspended job: the peer could not beat either); right
+    // after a resume the heartbeat thread may not have had its turn yet, and until it has there is no verdict.
+    int64_t silentMs = (now - std::max(c->lastHeardNs, hbResumedNs_.load(std::memory_order_relaxed))) / 1000000LL;
+    const bool ownTurns = now - hbTurnNs_.load(std::memory_order_relaxed) <= netMissedTurnNs();
+    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs() && ownTurns)
       return c->fail(epTimeout, std::string("NET/epcomm: ") + (c->isSend ? "send" : "recv") +
                                     " connection with peer " + c->peer + ": no sign of life from the peer for " +
                                     std::to_string(silentMs) + " ms with transfers outstanding (stopped or hung?)");
@@ -741,10 +745,16 @@ class OfiBackend final : public NetBackend {
   std::condition_variable hbCv_;
   std::vector<OfiComm*> hbComms_;
   std::unique_ptr<Heartbeat> hb_;
+  std::atomic<int64_t> hbTurnNs_{0};     // the heartbeat thread's last turn
+  std::atomic<int64_t> hbResumedNs_{0};  // when it last found that it had missed turns: stall clocks restart
 
   void heartbeatLoop(Heartbeat* h) {
     std::unique_lock<std::mutex> lk(hbMu_);
     while (!h->stop) {
+      const int64_t now = nowNs();
+      if (now - hbTurnNs_.load(std::memory_order_relaxed) > netMissedTurnNs())
+        hbResumedNs_.store(now, std::memory_order_relaxed);
+      hbTurnNs_.store(now, std::memory_order_relaxed);
       for (OfiComm* c : hbComms_) {
         char b = 'h';
         ssize_t k = send(c->fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
@@ -758,6 +768,7 @@ class OfiBackend final : public NetBackend {
     std::lock_guard<std::mutex> g(hbMu_);
     hbComms_.push_back(c);
     if (!hb_) {
+      hbTurnNs_.store(nowNs(), std::memory_order_relaxed);
       hb_ = std::make_unique<Heartbeat>();
       hb_->th = std::thread(&OfiBackend::heartbeatLoop, this, hb_.get());
     }

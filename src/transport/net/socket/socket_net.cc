@@ -196,10 +196,6 @@ struct SockComm {
   const char* side() const { return isSend ? "send" : "recv"; }
 };
 
-// Helper 0 takes a turn at least once per heartbeat period; a longer gap means this process was stopped (a
-// suspended job: the peer too, so it could not beat) or starved, and heard nothing meanwhile.
-int64_t missedTurnNs() { return (2 * netHeartbeatMs() + 50) * 1000000LL; }
-
 // Reads the heartbeats that arrived; false once the peer closed its end (then there is nothing to watch).
 bool drainLiveness(SockComm* c) {
   char b[64];
@@ -229,7 +225,7 @@ void helperLoop(SockComm* c, Helper* h) {
     pfds.clear();
     if (live) {
       int64_t now = nowNs();
-      if (now - c->turnNs.load(std::memory_order_relaxed) > missedTurnNs())
+      if (now - c->turnNs.load(std::memory_order_relaxed) > netMissedTurnNs())
         c->resumedNs.store(now, std::memory_order_relaxed);
       c->turnNs.store(now, std::memory_order_relaxed);
       if (now >= nextBeatNs) {
@@ -840,7 +836,7 @@ class SocketBackend final : public NetBackend {
   // Whether this side was awake to hear its peer: helper 0 has had its turns. Right after this process was
   // stopped, the thread calling test() may run first; no verdict until helper 0 noticed and restarted the clocks.
   static bool ownTurns(SockComm* c) {
-    return nowNs() - c->turnNs.load(std::memory_order_relaxed) <= missedTurnNs();
+    return nowNs() - c->turnNs.load(std::memory_order_relaxed) <= netMissedTurnNs();
   }
 
   // A waiting request fails once, for EPCOMM_TIMEOUT_MS, no byte moved on the connection and the peer sent no
