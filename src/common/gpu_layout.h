@@ -37,8 +37,11 @@
 // An operation: a one-block kernel bumps ctrl.epoch first (so every block of the following kernels reads a
 // value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel
 // whose even blocks send and odd blocks receive: channel c of a rank carries its tokens
-// [T*c/C, T*(c+1)/C), pipelined through a bounded per-peer queue of Q rows. The counters only grow, so no
-// per-operation reset exists (graph replays need none) and a sender waits for room by reading the peer's head.
+// [T*c/C, T*(c+1)/C), pipelined through a bounded per-peer queue of Q rows (a rank's rows to itself skip the
+// queue and go straight to their final rows). The counters only grow, so no per-operation reset exists (graph
+// replays need none) and a sender waits for room by reading the peer's head. Senders publish the tail in rounds
+// of `round` rows (HtParams, at most Q/2, so the receiver drains one half while the sender fills the other) and
+// receivers the head per round; one warp per peer group polls (kernels/queues.cuh groupWait).
 #pragma once
 #include <cstddef>
 #include <cstdint>
