@@ -339,6 +339,10 @@ int postRecv(Net* net, void* rc, int k, void** d, size_t* sizes, int* tags, void
     usleep(50);
   }
 }
+// One receive of up to `size` bytes into `data`: the common case of postRecv.
+int postRecvOne(Net* net, void* rc, void* data, size_t size, int tag, void* mh, void** req) {
+  return postRecv(net, rc, 1, &data, &size, &tag, &mh, req);
+}
 
 // ---- cases -------------------------------------------------------------------------------------------------------
 class NetPlugin : public ::testing::TestWithParam<Backend> {
@@ -478,10 +482,7 @@ TEST_P(NetPluginAbi, ConnectAcceptAndSizes) {
         CK(waitReq(net, req, &got));
       } else {
         memset(buf, 0, sz + 64);
-        size_t cap = sz + 64;  // receive buffers larger than the send
-        void* d = buf;
-        int tag = 7;
-        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+        if (int e = postRecvOne(net, rc, buf, sz + 64, 7, mh, &req)) return e;  // a buffer larger than the send
         int got = -1;
         CK(waitReq(net, req, &got));
         REQ(got == static_cast<int>(sz), "size %zu reported as %d", sz, got);
@@ -518,9 +519,7 @@ TEST_P(NetPlugin, InflightOrderingAndTags) {
         fill(bufs[i].data(), sz, 1000 + i);
         if (int e = postSend(net, sc, bufs[i].data(), sz, tag, mh, &reqs[i])) return e;
       } else {
-        void* d = bufs[i].data();
-        size_t cap = bufs[i].size();
-        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &reqs[i])) return e;
+        if (int e = postRecvOne(net, rc, bufs[i].data(), bufs[i].size(), tag, mh, &reqs[i])) return e;
       }
     }
     // Complete in reverse order: completion order is free, matching order is not.
@@ -646,9 +645,7 @@ TEST_P(NetPlugin, BackPressureAndRegistration) {
       for (int i = 0; i < kMsgs; ++i) {
         void* req = nullptr;
         void* d = big.data() + (i % 8) * kSz;
-        size_t cap = kSz;
-        int tag = 1;
-        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+        if (int e = postRecvOne(net, rc, d, kSz, 1, mh, &req)) return e;
         int got;
         CK(waitReq(net, req, &got));
         REQ(got == static_cast<int>(kSz) && check(d, kSz, 500 + (i % 8)), "back-pressure msg %d wrong", i);
@@ -710,11 +707,7 @@ TEST_P(NetPlugin, FourRanksAllPairs) {
       }
     for (int i = 0; i < 3; ++i) {
       void* r;
-      void* d = &who[i];
-      (void)0;
-      size_t cap = sizeof(int);
-      int tag = 0;
-      if (int e = postRecv(net, rcs[i], 1, &d, &cap, &tag, &mh, &r)) return e;
+      if (int e = postRecvOne(net, rcs[i], &who[i], sizeof(int), 0, mh, &r)) return e;
       int s;
       CK(waitReq(net, r, &s));
       REQ(who[i] >= 0 && who[i] < 4 && who[i] != rank, "bad peer id %d", who[i]);
@@ -736,10 +729,7 @@ TEST_P(NetPlugin, FourRanksAllPairs) {
       void* r;
       if (int e = postSend(net, sc[p], out[p].data(), kSz, 3, mhOut[p], &r)) return e;
       all.push_back(r);
-      void* d = in[p].data();
-      size_t cap = kSz;
-      int tag = 3;
-      if (int e = postRecv(net, byPeer[p], 1, &d, &cap, &tag, &mhIn[p], &r)) return e;
+      if (int e = postRecvOne(net, byPeer[p], in[p].data(), kSz, 3, mhIn[p], &r)) return e;
       all.push_back(r);
     }
     for (void* r : all) {
@@ -781,13 +771,10 @@ TEST_P(NetPlugin, WrongSecretIsDropped) {
         REQ(std::chrono::steady_clock::now() < end, "real peer not accepted after the impostor");
       }
       int v = 0;
-      void* d = &v;
-      size_t cap = sizeof(v);
-      int tag = 0;
       void* req;
       void* mh = nullptr;
       CK(net->regMr(rc, &v, sizeof(v), NCCL_PTR_HOST, &mh));
-      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      if (int e = postRecvOne(net, rc, &v, sizeof(v), 0, mh, &req)) return e;
       int s;
       CK(waitReq(net, req, &s));
       REQ(v == 4242, "got %d", v);
@@ -897,10 +884,7 @@ void killedPeer(int victim, const std::function<void(const std::function<int(int
       // Post once (NULL = not now is acceptable; the survivor then retries in its wait loop below).
       CK(net->isend(sc, buf, kSz, 0, mh, &req));
     } else {
-      void* d = buf;
-      size_t cap = kSz;
-      int tag = 0;
-      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      if (int e = postRecvOne(net, rc, buf, kSz, 0, mh, &req)) return e;
     }
     if (rank == victim) {
       // Let the transfer start, then die without closing anything. A killed sender stops driving its
@@ -1012,10 +996,7 @@ TEST_P(NetPlugin, StalledSenderTimesOut) {
       raise(SIGSTOP);  // the receiver kills us once it has seen the timeout
       return 0;
     }
-    void* d = buf;
-    size_t cap = kSz;
-    int tag = 0;
-    if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+    if (int e = postRecvOne(net, rc, buf, kSz, 0, mh, &req)) return e;
     // Progress while the sender starts (libfabric providers connect on first use and need both sides).
     int got = 0, early = 0;
     ncclResult_t r = ncclSuccess;
@@ -1024,7 +1005,7 @@ TEST_P(NetPlugin, StalledSenderTimesOut) {
     auto t0 = std::chrono::steady_clock::now();
     if (r == ncclSuccess && !early) r = waitReq(net, req, &got, 20000);
     if (r == ncclSuccess && GetParam().provider) {  // pulled whole from the stopped sender (shm): wait for more
-      r = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
+      r = postRecvOne(net, rc, buf, kSz, 0, mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
     }
     double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     kill(gShared->pid[0].load(), SIGKILL);
@@ -1053,10 +1034,7 @@ TEST_P(NetPlugin, StalledReceiverTimesOut) {
     CK(net->regMr(rank == 0 ? sc : rc, buf, kSz, NCCL_PTR_HOST, &mh));
     void* req = nullptr;
     if (rank == 1) {
-      void* d = buf;
-      size_t cap = kSz;
-      int tag = 0;
-      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      if (int e = postRecvOne(net, rc, buf, kSz, 0, mh, &req)) return e;
       int done, s;
       CK(net->test(req, &done, &s));
       gShared->flag[4].store(1);
@@ -1103,11 +1081,9 @@ TEST_P(NetPlugin, StoppedPeerFailsPostedReceive) {
     CK(net->regMr(rc, &v, sizeof(v), NCCL_PTR_HOST, &mh));
     while (!gShared->flag[4].load()) usleep(100);
     void* req = nullptr;
-    void* d = &v;
-    size_t cap = sizeof(v);
-    int tag = 0, got = 0;
+    int got = 0;
     auto t0 = std::chrono::steady_clock::now();
-    ncclResult_t r = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
+    ncclResult_t r = postRecvOne(net, rc, &v, sizeof(v), 0, mh, &req) ? ncclInternalError : waitReq(net, req, &got, 20000);
     double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     kill(gShared->pid[0].load(), SIGKILL);
     REQ(r == ncclRemoteError, "test -> %d after %.1fs", r, sec);
@@ -1133,10 +1109,7 @@ TEST_P(NetPlugin, IdlePeerIsNoStall) {
     int got;
     if (rank == 1) {
       v = 0;
-      void* d = &v;
-      size_t cap = sizeof(v);
-      int tag = 3;
-      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      if (int e = postRecvOne(net, rc, &v, sizeof(v), 3, mh, &req)) return e;
       CK(waitReq(net, req, &got, 20000));
       REQ(v == 42 && got == sizeof(v), "got %llu (%d bytes)", static_cast<unsigned long long>(v), got);
       barrier();
@@ -1184,10 +1157,7 @@ TEST_P(NetPlugin, LateReceiverIsNoStall) {
       for (int i = 0; i < kMsgs; ++i) {
         usleep(3000 * 1000);  // 3 deadlines without a plugin call: busy elsewhere, not stalled
         memset(buf, 0, kSz);
-        void* d = buf;
-        size_t cap = kSz;
-        int tag = 0;
-        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &reqs[i])) return e;
+        if (int e = postRecvOne(net, rc, buf, kSz, 0, mh, &reqs[i])) return e;
         CK(waitReq(net, reqs[i], &got, 30000));
         size_t bad = 0;
         REQ(got == static_cast<int>(kSz) && check(buf, kSz, 21, &bad), "message %d: %d bytes, bad at %zu", i, got, bad);
@@ -1217,10 +1187,7 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
     int got;
     if (rank == 1) {
       memset(buf, 0, kSz);
-      void* d = buf;
-      size_t cap = kSz;
-      int tag = 0;
-      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &req)) return e;
+      if (int e = postRecvOne(net, rc, buf, kSz, 0, mh, &req)) return e;
       gShared->flag[4].store(1);
       CK(waitReq(net, req, &got, 60000));
       size_t bad = 0;
@@ -1295,10 +1262,7 @@ TEST_P(NetPlugin, SuspendedJobIsNoStall) {
     int got;
     if (rank == 1) {
       fill(buf, kSz, 23);
-      void* d = &v;
-      size_t cap = sizeof(v);
-      int tag = 0;
-      if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mhv, &reqSmall)) return e;
+      if (int e = postRecvOne(net, rc, &v, sizeof(v), 0, mhv, &reqSmall)) return e;
       if (bigToo) {
         if (int e = postSend(net, sc2, buf, kSz, 0, mh, &reqBig)) return e;
       }
@@ -1315,11 +1279,8 @@ TEST_P(NetPlugin, SuspendedJobIsNoStall) {
       gShared->flag[4].fetch_add(1);
       while (!gShared->flag[5].load()) usleep(1000);  // busy elsewhere: no plugin call until well after the resume
       usleep(300 * 1000);
-      void* d = buf;
-      size_t cap = kSz;
-      int tag = 0;
       if (bigToo) {
-        if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh, &reqBig)) return e;
+        if (int e = postRecvOne(net, rc2, buf, kSz, 0, mh, &reqBig)) return e;
       }
       if (int e = postSend(net, sc, &v, sizeof(v), 0, mhv, &reqSmall)) return e;
       CK(waitReq(net, reqSmall, &got, 30000));
@@ -1385,10 +1346,7 @@ TEST_P(NetPlugin, CloseDrainsInFlightAndUnmaps) {
       // Post the first half; the rest of the sends have no receive when the sender closes.
       size_t off = 0;
       for (int i = 0; i < kMsgs / 2; ++i) {
-        void* d = buf + off;
-        size_t cap = sizes[i];
-        int tag = 0;
-        if (int e = postRecv(net, rc, 1, &d, &cap, &tag, &mh, &reqs[i])) return e;
+        if (int e = postRecvOne(net, rc, buf + off, sizes[i], 0, mh, &reqs[i])) return e;
         off += sizes[i];
       }
       gShared->flag[1].store(1);
@@ -1439,10 +1397,7 @@ TEST_P(NetPlugin, CloseDrainsInFlightAndUnmaps) {
       if (rank == 0) {
         if (int e = postSend(net, sc2, b2.data(), b2.size(), 2, mh2, &q)) return e;
       } else {
-        void* d = b2.data();
-        size_t cap = b2.size();
-        int tag = 2;
-        if (int e = postRecv(net, rc2, 1, &d, &cap, &tag, &mh2, &q)) return e;
+        if (int e = postRecvOne(net, rc2, b2.data(), b2.size(), 2, mh2, &q)) return e;
       }
       CK(waitReq(net, q, &got, 20000));
     }
