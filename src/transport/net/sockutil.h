@@ -4,6 +4,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,6 +47,22 @@ int64_t netHeartbeatMs();  // stall heartbeats: min(EPCOMM_TIMEOUT_MS / 4, 1 s),
 // A heartbeat thread takes a turn at least once per heartbeat period; a gap longer than this means the process
 // was stopped (a suspended job: its peers too, so they could not beat) or starved, and heard nothing meanwhile.
 int64_t netMissedTurnNs();
+
+// The turns of a backend's heartbeat thread, for the stall deadline: time this process spent stopped does not
+// count against its peers (the clocks restart at the first turn after missed ones), and right after a resume,
+// before the thread's first turn, no peer is judged.
+struct NetTurnClock {
+  std::atomic<int64_t> turnNs{0};     // the thread's last turn
+  std::atomic<int64_t> resumedNs{0};  // its first turn after missed ones
+  void turn(int64_t now) {
+    if (now - turnNs.load(std::memory_order_relaxed) > netMissedTurnNs())
+      resumedNs.store(now, std::memory_order_relaxed);
+    turnNs.store(now, std::memory_order_relaxed);
+  }
+  bool awake(int64_t now) const { return now - turnNs.load(std::memory_order_relaxed) <= netMissedTurnNs(); }
+  // The last sign of life from a peer last heard at `heardNs`, a resume counting as one.
+  int64_t lastSign(int64_t heardNs) const { return std::max(heardNs, resumedNs.load(std::memory_order_relaxed)); }
+};
 
 // Listening socket bound to `ifc` (port 0 = any); fills *bound with the address peers must use.
 epResult_t tcpListen(const NetIf& ifc, int* fd, NetAddr* bound);

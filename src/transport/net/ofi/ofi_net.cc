@@ -727,9 +727,8 @@ class OfiBackend final : public NetBackend {
                                         ": peer closed or died with transfers outstanding");
     // Time this process spent stopped does not count (a suspended job: the peer could not beat either); right
     // after a resume the heartbeat thread may not have had its turn yet, and until it has there is no verdict.
-    int64_t silentMs = (now - std::max(c->lastHeardNs, hbResumedNs_.load(std::memory_order_relaxed))) / 1000000LL;
-    const bool ownTurns = now - hbTurnNs_.load(std::memory_order_relaxed) <= netMissedTurnNs();
-    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs() && ownTurns)
+    int64_t silentMs = (now - hbTurns_.lastSign(c->lastHeardNs)) / 1000000LL;
+    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs() && hbTurns_.awake(now))
       return c->fail(epTimeout, std::string("NET/epcomm: ") + (c->isSend ? "send" : "recv") +
                                     " connection with peer " + c->peer + ": no sign of life from the peer for " +
                                     std::to_string(silentMs) + " ms with transfers outstanding (stopped or hung?)");
@@ -745,16 +744,12 @@ class OfiBackend final : public NetBackend {
   std::condition_variable hbCv_;
   std::vector<OfiComm*> hbComms_;
   std::unique_ptr<Heartbeat> hb_;
-  std::atomic<int64_t> hbTurnNs_{0};     // the heartbeat thread's last turn
-  std::atomic<int64_t> hbResumedNs_{0};  // when it last found that it had missed turns: stall clocks restart
+  NetTurnClock hbTurns_;  // the heartbeat thread's turns
 
   void heartbeatLoop(Heartbeat* h) {
     std::unique_lock<std::mutex> lk(hbMu_);
     while (!h->stop) {
-      const int64_t now = nowNs();
-      if (now - hbTurnNs_.load(std::memory_order_relaxed) > netMissedTurnNs())
-        hbResumedNs_.store(now, std::memory_order_relaxed);
-      hbTurnNs_.store(now, std::memory_order_relaxed);
+      hbTurns_.turn(nowNs());
       for (OfiComm* c : hbComms_) {
         char b = 'h';
         ssize_t k = send(c->fd, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);  // a full buffer just skips a beat
@@ -768,7 +763,7 @@ class OfiBackend final : public NetBackend {
     std::lock_guard<std::mutex> g(hbMu_);
     hbComms_.push_back(c);
     if (!hb_) {
-      hbTurnNs_.store(nowNs(), std::memory_order_relaxed);
+      hbTurns_.turnNs.store(nowNs(), std::memory_order_relaxed);
       hb_ = std::make_unique<Heartbeat>();
       hb_->th = std::thread(&OfiBackend::heartbeatLoop, this, hb_.get());
     }

@@ -148,8 +148,7 @@ struct SockComm {
   int liveFd = -1;  // heartbeats, both ways: written and read by helper 0 (read by test() too)
   std::atomic<bool> liveOpen{true};     // false once the peer closed its end
   std::atomic<int64_t> lastHeardNs{0};  // last heartbeat read
-  std::atomic<int64_t> turnNs{0};       // helper 0's last turn
-  std::atomic<int64_t> resumedNs{0};    // helper 0 missed turns (this process was stopped): stall clocks restart
+  NetTurnClock turns;                   // helper 0's (stall clocks restart after this process was stopped)
   std::vector<std::unique_ptr<DataSock>> data;
   std::vector<std::unique_ptr<Helper>> helpers;
   std::atomic<bool> stop{false};
@@ -225,9 +224,7 @@ void helperLoop(SockComm* c, Helper* h) {
     pfds.clear();
     if (live) {
       int64_t now = nowNs();
-      if (now - c->turnNs.load(std::memory_order_relaxed) > netMissedTurnNs())
-        c->resumedNs.store(now, std::memory_order_relaxed);
-      c->turnNs.store(now, std::memory_order_relaxed);
+      c->turns.turn(now);
       if (now >= nextBeatNs) {
         if (c->liveOpen.load(std::memory_order_relaxed)) {
           char b = 'h';
@@ -366,7 +363,7 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
   }
   c->lastProgressNs.store(nowNs());
   c->lastHeardNs.store(nowNs());
-  c->turnNs.store(nowNs());
+  c->turns.turnNs.store(nowNs());
   for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
   NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
            c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
@@ -822,8 +819,7 @@ class SocketBackend final : public NetBackend {
     // once as EOF/RST.
     bool midMessage = !c->isSend && (r->pending.load() > 0 || (c->inlineIdx >= 0 && c->ctrlQ.front() == r));
     if (midMessage && ownTurns(c)) {
-      int64_t idleMs = (nowNs() - std::max(c->lastProgressNs.load(std::memory_order_relaxed),
-                                           c->resumedNs.load(std::memory_order_relaxed))) / 1000000LL;
+      int64_t idleMs = (nowNs() - c->turns.lastSign(c->lastProgressNs.load(std::memory_order_relaxed))) / 1000000LL;
       if (idleMs > netTimeoutMs()) {
         c->fail(epTimeout, "NET/epcomm: recv connection with peer %s: no data for %lld ms in the middle of a message",
                 c->peer.c_str(), static_cast<long long>(idleMs));
@@ -836,7 +832,7 @@ class SocketBackend final : public NetBackend {
   // Whether this side was awake to hear its peer: helper 0 has had its turns. Right after this process was
   // stopped, the thread calling test() may run first; no verdict until helper 0 noticed and restarted the clocks.
   static bool ownTurns(SockComm* c) {
-    return nowNs() - c->turnNs.load(std::memory_order_relaxed) <= netMissedTurnNs();
+    return c->turns.awake(nowNs());
   }
 
   // A waiting request fails once, for EPCOMM_TIMEOUT_MS, no byte moved on the connection and the peer sent no
@@ -844,9 +840,8 @@ class SocketBackend final : public NetBackend {
   static epResult_t peerSilent(SockComm* c) {
     const int64_t tmo = netTimeoutMs();
     auto quietMs = [c] {
-      int64_t last = std::max({c->lastProgressNs.load(std::memory_order_relaxed),
-                               c->lastHeardNs.load(std::memory_order_relaxed),
-                               c->resumedNs.load(std::memory_order_relaxed)});
+      int64_t last = c->turns.lastSign(std::max(c->lastProgressNs.load(std::memory_order_relaxed),
+                                                c->lastHeardNs.load(std::memory_order_relaxed)));
       return (nowNs() - last) / 1000000LL;
     };
     if (quietMs() <= tmo || !ownTurns(c)) return epSuccess;
