@@ -50,11 +50,13 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __shared__ int s_masked[kGpuMaxRanks];  // tokens not sent to r because r is masked
   __shared__ int s_warp[32];
   __shared__ int s_total;
+  __shared__ int s_chan[kGpuMaxRanks * kGpuMaxChannels];  // tokens to r in channel c (r * C + c)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int R = p.nranks, L = p.L, K = p.K, C = p.C;
   if (tid == 0) s_epoch = bumpEpoch(p.ctrl);
   for (int i = tid; i < p.E; i += blockDim.x) s_expert[i] = 0;
   for (int r = tid; r < R; r += blockDim.x) s_count[r] = s_masked[r] = 0;
+  for (int i = tid; i < R * C; i += blockDim.x) s_chan[i] = 0;
   __syncthreads();
   const uint64_t e = s_epoch;
   const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
@@ -97,18 +99,23 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
         if (lane == 31) s_total = incl;
       }
       __syncthreads();
-      if (bit) p.h.pos[static_cast<size_t>(t) * R + r] = s_count[r] + s_warp[warp] + in_warp;
+      if (bit) {
+        p.h.pos[static_cast<size_t>(t) * R + r] = s_count[r] + s_warp[warp] + in_warp;
+        atomicAdd(&s_chan[r * C + chanOf(t, p.T, C)], 1);
+      }
       __syncthreads();
       if (tid == 0) s_count[r] += s_total;
       __syncthreads();
     }
   }
-  // Tokens sent to r before channel c's first token (in_rank is complete: written by this block above).
-  for (int i = tid; i < R * C; i += blockDim.x) {
-    const int r = i / C, c = i % C, tb = chanBegin(p.T, C, c);
-    int n = 0;
-    for (int t = 0; t < tb; ++t) n += p.h.in_rank[static_cast<size_t>(t) * R + r];
-    p.h.send_chan_base[i] = n;
+  // Tokens sent to r before channel c's first token: the per-channel counts above, scanned over the channels
+  // (the last __syncthreads of the token loop ordered every count before this).
+  for (int r = tid; r < R; r += blockDim.x) {
+    int acc = 0;
+    for (int c = 0; c < C; ++c) {
+      p.h.send_chan_base[r * C + c] = acc;
+      acc += s_chan[r * C + c];
+    }
   }
   __syncthreads();
 

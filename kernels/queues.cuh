@@ -53,6 +53,10 @@ __device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int 
 __device__ __forceinline__ int chanBegin(int T, int C, int c) {
   return static_cast<int>(static_cast<int64_t>(T) * c / C);
 }
+// The channel of token t < T: the c with chanBegin(T, C, c) <= t < chanBegin(T, C, c + 1).
+__device__ __forceinline__ int chanOf(int t, int T, int C) {
+  return static_cast<int>((static_cast<int64_t>(t + 1) * C - 1) / T);
+}
 
 }  // namespace dev
 }  // namespace epcomm
