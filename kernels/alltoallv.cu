@@ -1,8 +1,7 @@
 // alltoallv kernels of the GPU engine: a notify step exchanges the byte counts through the HT mailboxes, then
 // the bytes stream through the HT dispatch queues (kernels/queues.cuh), whose slots serve as byte chunks (a
-// rank's bytes to itself are copied directly). The
-// queue counters are cumulative and shared with HT dispatch: each operation drains what it queued, so the
-// counters stay consistent across the two.
+// rank's bytes to itself are copied directly). The queue counters are cumulative and shared with HT dispatch:
+// each operation drains what it queued, so the counters stay consistent across the two.
 #include <cuda_runtime.h>
 
 #include "kernels/alltoallv.h"
@@ -179,7 +178,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
     for (int i = k + g; alive && i < kend; i += G) {
       const uint64_t idx = base + (i - cb);
       const uint64_t from = static_cast<uint64_t>(i) * CH;
-      if (alive && from < from_s.keep)
+      if (from < from_s.keep)
         warpCopyAny(p.recvbuf + from_s.off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, from_s.keep - from), lane);
     }
     groupSync(G, s);

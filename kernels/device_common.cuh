@@ -135,6 +135,12 @@ __device__ __forceinline__ void warpCopy16(void* dst, const void* src, size_t by
   }
 }
 
+// Zeros `bytes` (a multiple of 16) at 16-byte aligned `dst`, the warp's lanes striding over it.
+__device__ __forceinline__ void warpZero16(void* dst, size_t bytes, int lane) {
+  int4* d = static_cast<int4*>(dst);
+  for (int i = lane; i < static_cast<int>(bytes / 16); i += 32) d[i] = int4{};
+}
+
 __device__ __forceinline__ void warpCopy4(void* dst, const void* src, size_t bytes, int lane) {
   const uint32_t* s = static_cast<const uint32_t*>(src);
   uint32_t* d = static_cast<uint32_t*>(dst);

@@ -194,6 +194,17 @@ __device__ void dispatchTail(const HtParams& p, int num_recv, int rows) {
   if (threadIdx.x == 0 && p.num_recv_out) *p.num_recv_out = num_recv;
 }
 
+// The receiver's view of global expert id x: its local id on rank r, or -1 for another rank's expert.
+__device__ __forceinline__ int64_t localExpert(const HtParams& p, int64_t x, int r) {
+  return x >= 0 && x < p.E && x / p.L == r ? x % p.L : -1;
+}
+// A token's top-k metadata as the receiver keeps it: expert ids local to rank r (-1 for the other ranks' experts)
+// and their weights (0 there). Lane l < K handles column l.
+__device__ __forceinline__ void tokenMeta(const HtParams& p, int t, int r, int lane, int64_t* idx, float* w) {
+  *idx = localExpert(p, p.topk_idx[static_cast<size_t>(t) * p.K + lane], r);
+  *w = *idx >= 0 && p.topk_weights != nullptr ? p.topk_weights[static_cast<size_t>(t) * p.K + lane] : 0.0f;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Pull dispatch (src/common/gpu_layout.h): block 2c copies channel c's tokens once into this rank's dispatch
 // staging (x, scales, global expert ids, weights), writes the per-destination token lists, and publishes the
@@ -268,27 +279,17 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
         warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow, lane);
       const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
       if (lane < K && p.topk_idx != nullptr) {
-        const int64_t x = reinterpret_cast<const int64_t*>(meta)[lane];
-        const bool here = x >= 0 && x < p.E && x / p.L == p.rank;
-        if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = here ? x % p.L : -1;
+        const int64_t l = localExpert(p, reinterpret_cast<const int64_t*>(meta)[lane], p.rank);
+        if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = l;
         if (p.recv_topk_weights && p.topk_weights)
           p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
-              here ? reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane] : 0.0f;
+              l >= 0 ? reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane] : 0.0f;
       }
     }
     groupSync(G, s);
     if (ok && g == 0 && lane == 0 && rankActive(p.el, s)) stRelease(qCounter(p, s, kPullDAck, p.rank, c), e);
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
-}
-
-// A token's top-k metadata as the receiver keeps it: expert ids local to rank r (-1 for the other ranks' experts)
-// and their weights (0 there). Lane l < K handles column l.
-__device__ __forceinline__ void tokenMeta(const HtParams& p, int t, int r, int lane, int64_t* idx, float* w) {
-  const int64_t x = p.topk_idx[static_cast<size_t>(t) * p.K + lane];
-  const bool here = x >= 0 && x < p.E && x / p.L == r;
-  *idx = here ? x % p.L : -1;
-  *w = here && p.topk_weights != nullptr ? p.topk_weights[static_cast<size_t>(t) * p.K + lane] : 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -456,7 +457,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
         if (src + i < min(*p.h.num_recv, p.recv_rows)) {
           warpCopy16(slot, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
         } else {  // worst-token overflow (recorded by notify): x has no such row; the owner adds zeros
-          for (int ch = lane; ch < static_cast<int>(p.xrow / 16); ch += 32) reinterpret_cast<int4*>(slot)[ch] = int4{};
+          warpZero16(slot, p.xrow, lane);
         }
       }
       __threadfence_system();
@@ -554,7 +555,7 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       if (row < have) {
         warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
       } else {
-        for (int ch = lane; ch < static_cast<int>(p.xrow / 16); ch += 32) reinterpret_cast<int4*>(dst)[ch] = int4{};
+        warpZero16(dst, p.xrow, lane);
       }
     }
     __threadfence_system();
