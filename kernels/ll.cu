@@ -79,10 +79,12 @@ __device__ __forceinline__ int64_t expertAt(const LlParams& p, int t, int k) {
   return x < -1 || x >= p.E ? -1 : x;
 }
 
-// Rows are split into parts so that several warps copy one row: part p of P covers units [n*p/P, n*(p+1)/P)
-// of a row of n units (16-byte chunks, or 128-column blocks with fp8). A part of at least ~2 KiB.
-__device__ __forceinline__ int partsOf(size_t row_bytes) {
-  const int p = static_cast<int>(row_bytes / 2048);
+// Rows are split into parts only when there are fewer rows than warps: part p of P covers units
+// [n*p/P, n*(p+1)/P) of a row of n units (16-byte chunks, or 128-column blocks with fp8). P = warps / rows
+// (1 to 8), so no warp copies two parts of a phase one after the other: each copy is a chain of memory latencies
+// (metadata, then the row), and those chains, not bandwidth, are what an LL phase takes.
+__device__ __forceinline__ int partsOf(int rows, int warps) {
+  const int p = rows > 0 ? warps / rows : 8;
   return p < 1 ? 1 : p > 8 ? 8 : p;
 }
 __device__ __forceinline__ int partBegin(int n, int P, int p) { return static_cast<int>(static_cast<int64_t>(n) * p / P); }
@@ -220,7 +222,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
       for (int r = lane; r < R; r += 32)
         if ((act >> r) & 1) countEntry(p, r, par, p.rank)[0] = p.T;
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
-    const int P = partsOf(p.xrow);
+    const int P = partsOf(p.T, NW);
     for (int item = gw; item < p.T * P; item += NW) {
       const int t = item / P, part = item % P;
       const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
@@ -316,7 +318,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
         if (blockIdx.x == 0) p.recv_count[l] = acc;
       }
     __syncthreads();
-    const int units = static_cast<int>(p.drow / 16), P = partsOf(p.drow);
+    const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
     for (int item = gw; item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const uint8_t* slot = slotPtr(p, p.rank, par, s, t);
@@ -385,7 +387,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
   const size_t RM = static_cast<size_t>(R) * M;
   const uint8_t* y = static_cast<const uint8_t*>(p.y);
   const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlCombine, e - 2, e);
-  const int units = static_cast<int>(p.xrow / 16), P = partsOf(p.xrow);
+  const int units = static_cast<int>(p.xrow / 16);
   if (ok && p.zero_copy) {
     // Nothing moves: publish where the rows are and the layout they follow; the peers read them.
     if (blockIdx.x == 0) {
@@ -406,6 +408,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
       s_pre[L] = acc;
     }
     __syncthreads();
+    const int P = partsOf(s_pre[L], NW);
     for (int item = gw; item < s_pre[L] * P; item += NW) {
       const int i = item / P, part = item % P;
       int lo = 0, hi = L - 1;  // the expert whose rows hold i: last l with s_pre[l] <= i
@@ -434,6 +437,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
                      partBegin(units, P, part + 1), lane);
     }
   } else if (ok) {
+    const int P = partsOf(R * M, NW);
     for (int item = gw; item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const int n = p.recv_count[s];
@@ -461,6 +465,34 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
   }
 }
 
+// Chunk `ch` of one output row: the sum over k in order of w_k * row_k[ch], where rowOf(k) is expert k's row
+// (nullptr when absent) and lane k holds w_k in `wl`. The rows' chunks are loaded eight at a time and only then
+// added in k order: one memory latency per eight experts instead of one per expert, and the same sum.
+template <int kDtype, typename RowOf>
+__device__ __forceinline__ int4 reduceChunk(int K, int ch, float wl, const RowOf& rowOf) {
+  using V = Vec8<kDtype>;
+  float acc[V::kN];
+#pragma unroll
+  for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    int4 v[8];
+    float w[8];
+    bool use[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int k = k0 + u < K ? k0 + u : K - 1;  // every lane shuffles (rowOf does too), so no early exit
+      const int4* r = rowOf(k);
+      w[u] = __shfl_sync(kFull, wl, k);
+      use[u] = k0 + u < K && r != nullptr;
+      if (use[u]) v[u] = r[ch];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (use[u]) V::addWeighted(acc, v[u], w[u]);
+  }
+  return V::pack(acc);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Combine, receive half: out[t] = sum over k (in order) of topk_weights[t, k] * row(expert k, t), in fp32, the
 // product and the sum rounded separately, rounded once to the output type. A warp handles 32 16-byte chunks of
@@ -468,13 +500,13 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
 __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
-  using V = Vec8<kDtype>;
   extern __shared__ int32_t s_dyn[];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlCombine]);
   const int par = static_cast<int>(e & 1), R = p.nranks, K = p.K, L = p.L, M = p.M;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  const uint64_t act = p.el->active;  // set between operations only: one read per kernel
   if (p.zero_copy) {
     // Read each expert output straight from the expert rank's region: row begin(l, this rank) + the token's
     // index among this rank's tokens of that expert (expert-major), or l * R * M + rank * M + t (rank-major).
@@ -492,14 +524,10 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
           if (lane < K && j < lane && xj == xl && m.idx[t * K + lane] < 0) pl = pj;
         }
         const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
-        float acc[V::kN];
-#pragma unroll
-        for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
-        for (int k = 0; k < K; ++k) {
+        const int4 v = reduceChunk<kDtype>(K, ch, wl, [&](int k) -> const int4* {
           const int32_t x = __shfl_sync(kFull, xl, k);
           const int32_t pos = __shfl_sync(kFull, pl, k);
-          const float w = __shfl_sync(kFull, wl, k);
-          if (x < 0 || ch >= chunks || !rankActive(p.el, x / L)) continue;  // masked: contribution absent
+          if (x < 0 || ch >= chunks || !((act >> (x / L)) & 1)) return nullptr;  // masked: contribution absent
           const int A = x / L, l = x % L;
           const LlZcHeader* h = zcHeader(p, A, par);
           size_t row;
@@ -507,27 +535,23 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
             row = static_cast<size_t>(l) * RM + layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank]) + pos;
           else
             row = static_cast<size_t>(l) * RM + static_cast<size_t>(p.rank) * M + t;
-          V::addWeighted(acc, reinterpret_cast<const int4*>(p.base[A] + h->y_off + row * p.xrow)[ch], w);
-        }
-        if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = V::pack(acc);
+          return reinterpret_cast<const int4*>(p.base[A] + h->y_off + row * p.xrow);
+        });
+        if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = v;
       }
     }
   } else if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
     const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
     for (int i = gw; i < p.T * groups; i += NW) {
       const int t = i / groups, ch = (i % groups) * 32 + lane;
-      float acc[V::kN];
-#pragma unroll
-      for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
       const int64_t xl = lane < K ? expertAt(p, t, lane) : -1;
       const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
-      for (int k = 0; k < K; ++k) {
+      const int4 v = reduceChunk<kDtype>(K, ch, wl, [&](int k) -> const int4* {
         const int64_t x = __shfl_sync(kFull, xl, k);
-        const float w = __shfl_sync(kFull, wl, k);
-        if (x < 0 || ch >= chunks || !rankActive(p.el, static_cast<int>(x / L))) continue;
-        V::addWeighted(acc, reinterpret_cast<const int4*>(combPtr(p, p.rank, par, static_cast<int>(x), t))[ch], w);
-      }
-      if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = V::pack(acc);
+        if (x < 0 || ch >= chunks || !((act >> (x / L)) & 1)) return nullptr;
+        return reinterpret_cast<const int4*>(combPtr(p, p.rank, par, static_cast<int>(x), t));
+      });
+      if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = v;
     }
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x)) {
