@@ -106,14 +106,21 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
 // writes (peer memory included) before the count, and the other blocks' before what the last block writes next,
 // at a fraction of the cost, which LL latency feels.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ bool lastBlockDone(uint64_t* done, uint64_t target) {
+__device__ __forceinline__ void fenceAcqRelGpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// `gpu_scope`: every rank this block wrote to runs on this GPU (ranks under MPS), so GPU-scope fences order the
+// writes for them; they cost about half a microsecond less each than system-scope ones (measured on an H200).
+__device__ __forceinline__ bool lastBlockDone(uint64_t* done, uint64_t target, bool gpu_scope = false) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    fenceAcqRelSys();
+    if (gpu_scope) fenceAcqRelGpu();
+    else fenceAcqRelSys();
     const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(done), 1ull);
     s_last = old + 1 == target;
-    if (s_last) fenceAcqRelSys();
+    if (s_last) {
+      if (gpu_scope) fenceAcqRelGpu();
+      else fenceAcqRelSys();
+    }
   }
   __syncthreads();
   return s_last != 0;

@@ -89,20 +89,22 @@ __device__ __forceinline__ int partsOf(int rows, int warps) {
 }
 __device__ __forceinline__ int partBegin(int n, int P, int p) { return static_cast<int>(static_cast<int64_t>(n) * p / P); }
 
-// A warp copies 16-byte chunks [b, e) of `src` to up to kMaxDst destinations, eight loads in flight per lane.
+// A warp copies 16-byte chunks [b, e) of `src` to up to kMaxDst destinations, eight loads in flight per lane
+// (sixteen measured no faster on an H200).
 constexpr int kMaxDst = kGpuMaxTopk;
 __device__ __forceinline__ void warpCopyChunks(uint8_t* const* dst, int ndst, const uint8_t* src, int b, int e,
                                                int lane) {
+  constexpr int kU = 8;
   const int4* s = reinterpret_cast<const int4*>(src);
-  for (int i = b + lane; i < e; i += 32 * 8) {
-    int4 v[8];
+  for (int i = b + lane; i < e; i += 32 * kU) {
+    int4 v[kU];
 #pragma unroll
-    for (int u = 0; u < 8; ++u)
+    for (int u = 0; u < kU; ++u)
       if (i + u * 32 < e) v[u] = s[i + u * 32];
     for (int d = 0; d < ndst; ++d) {
       int4* o = reinterpret_cast<int4*>(dst[d]);
 #pragma unroll
-      for (int u = 0; u < 8; ++u)
+      for (int u = 0; u < kU; ++u)
         if (i + u * 32 < e) o[i + u * 32] = v[u];
     }
   }
@@ -145,22 +147,26 @@ __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, co
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Dispatch, send half. Every block first stages this rank's routing in shared memory and numbers the
-// (token, expert) pairs: the index of token t among this rank's tokens of expert x, in token order (pairs are
-// taken in rounds of one per thread; within a round warps add to the per-expert counters in warp order, lanes by
-// __match_any_sync), which also yields the per-expert counts. Then the counts go to the experts' ranks, and per
-// (token, part of its row) a warp writes the part once to every rank that hosts one of the token's experts, into
-// slot [this rank][t] there, with the token's local expert ids and indices on that rank (part 0).
+// Dispatch, send half. Every block first stages this rank's routing in shared memory (repeats of an expert
+// within a token removed) and counts the pairs per expert; the counts go to the experts' ranks. Then per (token,
+// part of its row) a warp writes the part once to every rank that hosts one of the token's experts, into slot
+// [this rank][t] there; the warp of part 0 adds the token's local expert ids and, per expert, the index of t
+// among this rank's tokens of that expert (tokenPositions), which fixes the token's row on the receiver.
+// The zero-copy combine's receive half needs those indices for every token: it stages them in one pass
+// (stageRouting with positions: pairs in rounds of one per thread; within a round warps add to the per-expert
+// counters in warp order, lanes by __match_any_sync).
 // fp8: each 128-column block is quantized once, in registers, and written to every destination.
 // ---------------------------------------------------------------------------------------------------------
 struct SendSmem {
   int32_t* idx;  // [T, K] expert ids, -1 for none, out of range, or a repeat within the token
   int32_t* raw;  // [T, K] expert ids as given (-1 for out of range): what the receiver's rank-major rows show
-  int32_t* pos;  // [T, K] index of t among this rank's tokens of idx[t, k]
+  int32_t* pos;  // [T, K] index of t among this rank's tokens of idx[t, k] (staged only with positions)
   int32_t* cnt;  // [E] pairs per expert
 };
 
-__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem) {
+// With `positions` false only idx, raw and cnt are staged (cnt by shared atomics, in any order); pos is then left
+// to tokenPositions, per token, by the warps that need it.
+__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool positions) {
   SendSmem m{smem, smem + p.T * p.K, smem + 2 * p.T * p.K, smem + 3 * p.T * p.K};
   const int TK = p.T * p.K;
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
@@ -179,8 +185,10 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem) {
     for (int j = 0; j < k && x >= 0; ++j)
       if (m.raw[t * p.K + j] == x) x = -1;
     m.idx[i] = x;
+    if (!positions && x >= 0) atomicAdd(&m.cnt[x], 1);
   }
   __syncthreads();
+  if (!positions) return m;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (int base = 0; base < TK; base += blockDim.x) {
     const int i = base + threadIdx.x;
@@ -199,6 +207,32 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem) {
   return m;
 }
 
+// Lane k < K of the calling warp gets the index of token t among this rank's tokens of expert x = idx[t, k] (the
+// entries of earlier tokens that name x): the same numbers as stageRouting's serial count, found by one warp
+// without waiting for the others. Eight experts at a time, each held by every lane in registers; the warp reads
+// 32 earlier entries at a time and counts each expert's matches with one ballot.
+__device__ __forceinline__ int32_t tokenPositions(const int32_t* idx, int t, int K, int32_t x, int lane) {
+  int32_t r = -1;
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    int32_t xs[8], n[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      xs[u] = __shfl_sync(kFull, x, (k0 + u) & 31);
+      if (k0 + u >= K) xs[u] = -1;
+      n[u] = 0;
+    }
+    for (int c = 0; c < t * K; c += 32) {
+      const int32_t y = c + lane < t * K ? idx[c + lane] : -1;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) n[u] += __popc(__ballot_sync(kFull, y >= 0 && y == xs[u]));
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (lane == k0 + u) r = n[u];
+  }
+  return r;
+}
+
 // Lets the receive half launched after this kernel start now (programmatic dependent launch): it waits on device
 // flags, not on this kernel's completion, and every block of this kernel is already resident.
 __device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
@@ -213,7 +247,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
   // Every receiver must have read operation e - 2, which used the same parity.
   const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlDispatch, e - 2, e);
-  const SendSmem m = stageRouting(p, s_dyn);
+  const SendSmem m = stageRouting(p, s_dyn, false);
   const uint64_t act = p.el->active;  // masked ranks get nothing; their pairs are counted as dropped
   if (ok) {
     for (int x = gw; x < p.E; x += NW)
@@ -240,19 +274,21 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
         dst[nd] = slotPtr(p, dr[nd], par, p.rank, t);
         ++nd;
       }
-      if (part == 0)
+      if (part == 0) {
+        const int32_t pos = tokenPositions(m.idx, t, K, xk, lane);
         for (int d = 0; d < nd; ++d) {
           LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(dst[d]);
           if (lane < K) {
             const int32_t raw = m.raw[t * K + lane];
             meta->expert[2 * lane] = raw >= 0 && raw / L == dr[d] ? raw % L : -1;
-            meta->expert[2 * lane + 1] = rk == dr[d] ? m.pos[t * K + lane] : -1;
+            meta->expert[2 * lane + 1] = rk == dr[d] ? pos : -1;
           }
           if (lane == 0) {
             meta->token = t;
             meta->epoch = e;
           }
         }
+      }
       for (int d = 0; d < nd; ++d) dst[d] += p.lay.slot_row;
       const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
@@ -264,7 +300,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
       else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
     }
   }
-  if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x)) {
+  if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
       if (rankActive(p.el, r) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
@@ -364,7 +400,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
       warpCopyChunks(dsts, nd, slot + p.lay.slot_row, ub, ue, lane);
     }
   }
-  if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x)) {
+  if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
       if (rankActive(p.el, s)) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
@@ -458,7 +494,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
       }
     }
   }
-  if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x)) {
+  if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
       if (rankActive(p.el, s) && noFailure(p)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
@@ -510,7 +546,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
   if (p.zero_copy) {
     // Read each expert output straight from the expert rank's region: row begin(l, this rank) + the token's
     // index among this rank's tokens of that expert (expert-major), or l * R * M + rank * M + t (rank-major).
-    const SendSmem m = stageRouting(p, s_dyn);
+    const SendSmem m = stageRouting(p, s_dyn, true);
     if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
       const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
       const size_t RM = static_cast<size_t>(R) * M;
@@ -554,7 +590,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p) {
       if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = v;
     }
   }
-  if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x)) {
+  if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
       if (rankActive(p.el, s)) stRelease(ackPtr(p, s, kLlCombine, p.rank), e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlCombine], e);

@@ -323,6 +323,7 @@ struct LlParams {
   int zero_copy;     // combine: y is a region of this rank's LL buffer at y_off; peers read the rows from it
   int zc_guard;      // dispatch receive: wait until peers have read every earlier zero-copy combine's rows
   int pdl;           // receive kernels may start while the send kernel before them runs (one rank per GPU)
+  int gpu_scope;     // every rank runs on this GPU (ranks under MPS): GPU-scope fences suffice
   uint64_t y_off;
 };
 

@@ -79,6 +79,7 @@ LlParams GpuEngine::llParams(int op) const {
   p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.pdl = ll_pdl_;
+  p.gpu_scope = gpu_sharing_ == comm_->nranks;
   return p;
 }
 
