@@ -540,6 +540,75 @@ TEST_P(NetPlugin, InflightOrderingAndTags) {
   });
 }
 
+// Sizes around the socket backend's lone-message limit (EPCOMM_NET_ASSIST_MAX, 512 KiB: moved by the caller, no
+// helper woken) and above it, as a ping-pong (every message alone on its connection); some rounds post the
+// receive late, so the sender's message waits in the sockets; and a lone message completed after a small one
+// posted behind it (the caller tests the later request first).
+TEST_P(NetPlugin, LoneMessagesAroundTheAssistLimit) {
+  run(2, [](int rank, Net* net) {
+    void *s01 = nullptr, *r01 = nullptr, *s10 = nullptr, *r10 = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &s01, &r01)) return e;
+    if (int e = pairConnect(net, rank, 1, 0, &s10, &r10)) return e;
+    void* sc = rank == 0 ? s01 : s10;
+    void* rc = rank == 0 ? r10 : r01;
+    const size_t sizes[] = {(64 << 10) + 1, 256 << 10, 512 << 10, (512 << 10) + 1, 2 << 20};
+    std::vector<char> out(2 << 20), in((2 << 20) + 64);
+    void *mo, *mi;
+    CK(net->regMr(sc, out.data(), out.size(), NCCL_PTR_HOST, &mo));
+    CK(net->regMr(rc, in.data(), in.size(), NCCL_PTR_HOST, &mi));
+    for (size_t sz : sizes)
+      for (int round = 0; round < 12; ++round) {
+        const bool late = round % 4 == 3;
+        const uint32_t seed = static_cast<uint32_t>(sz) + round;
+        void* req = nullptr;
+        int got = -1;
+        if (rank == (round & 1)) {  // this rank pings
+          fill(out.data(), sz, seed);
+          if (int e = postSend(net, sc, out.data(), sz, 3, mo, &req)) return e;
+          CK(waitReq(net, req, &got));
+          if (int e = postRecvOne(net, rc, in.data(), in.size(), 3, mi, &req)) return e;
+          CK(waitReq(net, req, &got));
+          REQ(got == static_cast<int>(sz) && check(in.data(), sz, seed + 1), "pong of %zu bytes: size %d or data wrong", sz, got);
+        } else {
+          if (late) usleep(20000);
+          if (int e = postRecvOne(net, rc, in.data(), in.size(), 3, mi, &req)) return e;
+          CK(waitReq(net, req, &got));
+          REQ(got == static_cast<int>(sz) && check(in.data(), sz, seed), "ping of %zu bytes: size %d or data wrong", sz, got);
+          fill(out.data(), sz, seed + 1);
+          if (int e = postSend(net, sc, out.data(), sz, 3, mo, &req)) return e;
+          CK(waitReq(net, req, &got));
+        }
+      }
+    // A lone 300 KiB message, then a 100-byte one; both sides complete the small one first.
+    std::vector<char> small(128);
+    void* ms;
+    CK(net->regMr(rank == 0 ? sc : rc, small.data(), small.size(), NCCL_PTR_HOST, &ms));
+    void *rbig = nullptr, *rsmall = nullptr;
+    int gb = -1, gs = -1;
+    if (rank == 0) {
+      fill(out.data(), 300 << 10, 91);
+      fill(small.data(), 100, 92);
+      if (int e = postSend(net, sc, out.data(), 300 << 10, 5, mo, &rbig)) return e;
+      if (int e = postSend(net, sc, small.data(), 100, 6, ms, &rsmall)) return e;
+    } else {
+      if (int e = postRecvOne(net, rc, in.data(), in.size(), 5, mi, &rbig)) return e;
+      if (int e = postRecvOne(net, rc, small.data(), small.size(), 6, ms, &rsmall)) return e;
+    }
+    CK(waitReq(net, rsmall, &gs));
+    CK(waitReq(net, rbig, &gb));
+    if (rank == 1)
+      REQ(gs == 100 && gb == (300 << 10) && check(small.data(), 100, 92) && check(in.data(), 300 << 10, 91),
+          "lone message completed second: sizes %d / %d or data wrong", gb, gs);
+    CK(net->deregMr(rank == 0 ? sc : rc, ms));
+    CK(net->deregMr(sc, mo));
+    CK(net->deregMr(rc, mi));
+    barrier();
+    CK(net->closeSend(sc));
+    CK(net->closeRecv(rc));
+    return 0;
+  });
+}
+
 TEST_P(NetPluginAbi, GroupedReceives) {
   run(2, [](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr;
