@@ -1299,7 +1299,9 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
 // other while it was stopped itself. Rank 1 waits on a receive (its peer has not sent yet) and, over socket, on a
 // send that fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
 TEST_P(NetPlugin, SuspendedJobIsNoStall) {
-  setenv("EPCOMM_TIMEOUT_MS", "500", 1);
+  // A deadline well below the stop, with room for a slow machine: under ASAN on a loaded 2-core CI host, 500 ms
+  // once passed before the resumed peer's first heartbeat was scheduled (ofi shm), a false verdict of the test.
+  setenv("EPCOMM_TIMEOUT_MS", "1500", 1);
   // ofi: the receive only. A provider starts a send only with the peer's progress calls, which the stopped-
   // elsewhere peer does not make before the stop, so the big send could not be posted in time.
   const bool bigToo = GetParam().provider == nullptr;
@@ -1313,7 +1315,7 @@ TEST_P(NetPlugin, SuspendedJobIsNoStall) {
       const pid_t a = gShared->pid[0].load(), b = gShared->pid[1].load();
       kill(a, SIGSTOP);
       kill(b, SIGSTOP);
-      usleep(2000 * 1000);
+      usleep(4000 * 1000);
       kill(b, SIGCONT);  // the waiting side first: it must not judge its peer before the peer had a turn
       usleep(50 * 1000);
       kill(a, SIGCONT);
