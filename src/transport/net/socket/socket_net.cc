@@ -220,20 +220,19 @@ bool drainLiveness(SockComm* c) {
   }
 }
 
-// Moves the queued chunks of data socket si, front first, until the socket would block, the queue is empty or
-// `budget` bytes moved. Both the socket's helper and the thread calling test() do this (a message that test()
-// finds waiting moves at once, without the helper's wake-up latency, about 80 us per message on a 2-core VM);
-// `busy` lets one of them at a time, so a socket's bytes stay in queue order. Returns 1 if bytes moved, 0 if
+// Moves the queued chunks of data socket si, front first, until the socket would block or the queue is empty
+// (for the caller: until the front chunk is not a lone message's). Both the socket's helper and the thread
+// calling test() do this (a lone message then moves at once, without the helper's wake-up latency, about 80 us
+// per message on a 2-core VM); `busy` lets one of them at a time, so a socket's bytes stay in queue order. Returns 1 if bytes moved, 0 if
 // none did (the socket would block, the queue is empty, or the other side holds it), -1 after a failure (recorded
 // in c).
-int moveChunks(SockComm* c, int si, size_t budget, bool caller) {
+int moveChunks(SockComm* c, int si, bool caller) {
   DataSock& ds = *c->data[si];
   if ((caller ? ds.assistQueued : ds.queued).load(std::memory_order_acquire) == 0) return 0;
   if (ds.busy.exchange(true, std::memory_order_acquire)) return 0;
   std::string err;
   int moved = 0;
-  size_t total = 0;
-  while (total < budget) {
+  for (;;) {
     Chunk* ch;
     {
       std::lock_guard<std::mutex> g(ds.mu);
@@ -250,7 +249,6 @@ int moveChunks(SockComm* c, int si, size_t budget, bool caller) {
     }
     if (r == 0) break;
     ch->done += r;
-    total += r;
     moved = 1;
     // Stamped per call, not per pass: a socket that stays ready (a slow reader the sender keeps ahead of)
     // holds this thread in this loop, possibly for longer than the stall deadline.
@@ -297,7 +295,7 @@ void helperLoop(SockComm* c, Helper* h) {
       timeoutMs = static_cast<int>(std::clamp<int64_t>((nextBeatNs - now) / 1000000LL + 1, 1, 1000));
     }
     for (int si : h->socks) {
-      const int m = moveChunks(c, si, SIZE_MAX, false);
+      const int m = moveChunks(c, si, false);
       if (m < 0) return;
       if (m > 0) progressed = true;
       if (m == 0 && c->data[si]->queued.load(std::memory_order_acquire) > 0)
@@ -362,7 +360,7 @@ void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
 // the caller stops calling).
 epResult_t assist(SockComm* c) {
   for (size_t si = 0; si < c->data.size(); ++si)
-    if (moveChunks(c, static_cast<int>(si), SIZE_MAX, true) < 0) return c->error();
+    if (moveChunks(c, static_cast<int>(si), true) < 0) return c->error();
   return epSuccess;
 }
 
