@@ -13,8 +13,9 @@ namespace {
 
 using namespace dev;
 
-__device__ __forceinline__ GpuSyncEntry* syncEntry(const HtParams& p, int owner, int kind, int src) {
-  return reinterpret_cast<GpuSyncEntry*>(p.base[owner] + p.lay.sync) + kind * p.nranks + src;
+__device__ __forceinline__ GpuSyncEntry* syncEntry(const HtParams& p, int owner, int kind, uint64_t round, int src) {
+  const int slot = kind * kGpuSyncSlots + static_cast<int>(round % kGpuSyncSlots);
+  return reinterpret_cast<GpuSyncEntry*>(p.base[owner] + p.lay.sync) + slot * p.nranks + src;
 }
 
 // Thread r publishes to rank r, then (with wait) waits for rank r's entry here. Only plain stores reach the
@@ -25,7 +26,7 @@ __global__ void __launch_bounds__(kGpuMaxRanks) elasticSyncKernel(HtParams p, co
   const int r = threadIdx.x;
   if (r >= p.nranks) return;
   if ((publish_to >> r) & 1) {
-    GpuSyncEntry* out = syncEntry(p, r, kind, p.rank);
+    GpuSyncEntry* out = syncEntry(p, r, kind, round, p.rank);
     stRelaxed(&out->mask, mask);
     stRelaxed(&out->ht_epoch, ldAcquire(&p.ctrl->epoch));
     for (int f = 0; f < 2; ++f) {
@@ -36,20 +37,20 @@ __global__ void __launch_bounds__(kGpuMaxRanks) elasticSyncKernel(HtParams p, co
     stRelease(&out->round, round);
   }
   if (!wait || !((mask >> r) & 1)) return;
-  const GpuSyncEntry* in = syncEntry(p, p.rank, kind, r);
+  const GpuSyncEntry* in = syncEntry(p, p.rank, kind, round, r);
   if (!waitAtLeast(p, &in->round, round, r, epPhaseHeader, round)) return;
   if (ldAcquire(&in->mask) != mask) *reinterpret_cast<volatile int*>(disagree) = r + 1;
 }
 
 __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams ll, int has_ll, uint64_t mask,
-                                                           GpuResyncOut* out) {
+                                                           uint64_t round, GpuResyncOut* out) {
   const int R = p.nranks, C = p.C;
   __shared__ uint64_t s_max[3];  // HT epoch, LL epoch per family: the largest any survivor published
   if (threadIdx.x == 0) {
     uint64_t m[3] = {0, 0, 0};
     for (int r = 0; r < R; ++r) {
       if (!((mask >> r) & 1)) continue;
-      const GpuSyncEntry* e = syncEntry(p, p.rank, kSyncElastic, r);
+      const GpuSyncEntry* e = syncEntry(p, p.rank, kSyncElastic, round, r);
       m[0] = max(m[0], ldAcquire(&e->ht_epoch));
       m[1] = max(m[1], ldAcquire(&e->ll_epoch[0]));
       m[2] = max(m[2], ldAcquire(&e->ll_epoch[1]));
@@ -102,9 +103,9 @@ cudaError_t launchElasticSync(const HtParams& p, const LlCtrl* ll_ctrl, int kind
   return cudaGetLastError();
 }
 
-cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t mask, GpuResyncOut* out,
-                                cudaStream_t s) {
-  elasticResyncKernel<<<1, 256, 0, s>>>(p, ll ? *ll : LlParams{}, ll != nullptr, mask, out);
+cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t mask, uint64_t round,
+                                GpuResyncOut* out, cudaStream_t s) {
+  elasticResyncKernel<<<1, 256, 0, s>>>(p, ll ? *ll : LlParams{}, ll != nullptr, mask, round, out);
   return cudaGetLastError();
 }
 

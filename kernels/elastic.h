@@ -16,8 +16,9 @@ cudaError_t launchElasticSync(const HtParams& p, const LlCtrl* ll_ctrl, int kind
 // Run between two syncs of epCommSetActiveRanks, when no kernel of any survivor runs: the survivors continue from
 // the largest HT and LL epochs any of them published; every HT/alltoallv queue of this rank drops what is in it
 // (head := tail); LL receive halves left outstanding count as done and every active peer is told that this rank
-// read all of its LL operations. What was settled goes to `out` (host-mapped). ll may be null (no LL buffer).
-cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t mask, GpuResyncOut* out,
-                                cudaStream_t s);
+// read all of its LL operations. The epochs are those published in sync round `round`. What was settled goes to
+// `out` (host-mapped). ll may be null (no LL buffer).
+cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t mask, uint64_t round,
+                                GpuResyncOut* out, cudaStream_t s);
 
 }  // namespace epcomm

@@ -5,7 +5,7 @@
 // by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
 // Layout (offsets in GpuBufferLayout):
 //   [GpuCtrl]                      the epoch
-//   [elastic sync: 2 x R entries]  [kind][src] GpuSyncEntry: kind 0 for epCommSetActiveRanks, 1 for the barrier
+//   [elastic sync: 2 x 4 x R]      [kind][round % 4][src] GpuSyncEntry: kind 0 for epCommSetActiveRanks, 1 for the barrier
 //                                  among survivors (separate rounds: a barrier one rank fails fast on must not
 //                                  shift the rounds of the next epCommSetActiveRanks)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
@@ -81,8 +81,12 @@ struct GpuBufferLayout {
 };
 
 // Written by survivor src into every kept peer's sync area: the payload first, then the round (a host-side count
-// that every survivor advances alike, failures included), so a reader that sees the round sees the payload. A
-// writer's next round comes only after every kept peer passed this one, so no reader sees a torn entry.
+// that every survivor advances alike, failures included), so a reader that sees the round sees the payload.
+// Rounds use kGpuSyncSlots entries in turn. A rank rejecting epCommSetActiveRanks publishes its round and returns
+// without waiting, so its next call's round may arrive before a slow peer has read this one: with one entry that
+// round's mask replaced the rejection and the slow peer agreed to a call the others refused (seen at R = 8). The
+// next call waits for every kept peer, so a writer is at most two rounds ahead of a reader: round r + 4, which
+// reuses round r's entry, comes only after every kept peer passed round r.
 struct alignas(64) GpuSyncEntry {
   uint64_t mask;         // the mask src holds (0: src rejected the call)
   uint64_t round;
@@ -91,6 +95,7 @@ struct alignas(64) GpuSyncEntry {
   uint64_t pad[3];
 };
 enum GpuSyncKind { kSyncElastic = 0, kSyncBarrier = 1 };
+constexpr int kGpuSyncSlots = 4;  // entries per (kind, source), used by rounds in turn
 // What the resync settled on (host-mapped; written by the resync kernel).
 struct GpuResyncOut {
   uint64_t ht_epoch;
@@ -125,7 +130,7 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   l.scale_stride = (static_cast<size_t>(max_hidden) / 128 * 4 + 15) & ~size_t{15};
   size_t off = up(sizeof(GpuCtrl));
   l.sync = off;
-  off = up(off + 2 * static_cast<size_t>(nranks) * 64);
+  off = up(off + 2 * kGpuSyncSlots * static_cast<size_t>(nranks) * sizeof(GpuSyncEntry));
   l.mailbox = off;
   l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
                      15) & ~size_t{15};

@@ -125,7 +125,7 @@ epResult_t GpuEngine::setActiveRanks(const uint8_t* active, epStream_t stream) {
   LlParams lp{};
   const bool has_ll = ll_lay_.total > 0;
   if (has_ll) lp = llParams(epOpBarrier);
-  EPCHECK(checkLaunch(launchElasticResync(hp, has_ll ? &lp : nullptr, mask, resync_out_dev_, s),
+  EPCHECK(checkLaunch(launchElasticResync(hp, has_ll ? &lp : nullptr, mask, round, resync_out_dev_, s),
                       "the elastic resync kernel"));
   // 3. No survivor starts the next operation before every other one is clean.
   epResult_t r = elasticSync(kSyncElastic, mask, round + 1, s, "epCommSetActiveRanks");
