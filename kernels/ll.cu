@@ -414,8 +414,8 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
 // (the source reduces from its own routing). Expert-major rows are found from recv_count / recv_layout_range /
 // recv_src_info, rank-major rows from recv_count / recv_topk_idx.
 // ---------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void combineSendBody(const LlParams& p) {
-  extern __shared__ int s_pre[];  // [L + 1] prefix of recv_count (expert-major)
+// s_pre: shared memory for [L + 1] ints, the prefix of recv_count (expert-major).
+__device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlCombine]);
@@ -503,93 +503,137 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p) {
   }
 }
 
-// Chunk `ch` of one output row: the sum over k in order of w_k * row_k[ch], where rowOf(k) is expert k's row
-// (nullptr when absent) and lane k holds w_k in `wl`. The rows' chunks are loaded eight at a time and only then
-// added in k order: one memory latency per eight experts instead of one per expert, and the same sum.
+// Chunks ch and ch + 32 of one output row (the two halves of a 1 KiB span): the sum over k in order of
+// w_k * row_k[chunk], where rowOf(k) is expert k's row (nullptr when absent) and lane k holds w_k in `wl`. The rows'
+// chunks are loaded eight experts at a time and only then added in k order: sixteen loads in flight per lane, one
+// memory latency per eight experts, and the same sum.
 template <int kDtype, typename RowOf>
-__device__ __forceinline__ int4 reduceChunk(int K, int ch, float wl, const RowOf& rowOf) {
+__device__ __forceinline__ void reduceSpan(int K, int chunks, int ch, float wl, const RowOf& rowOf, int4* out) {
   using V = Vec8<kDtype>;
-  float acc[V::kN];
+  constexpr int kG = 2;
+  bool in[kG];
+  float acc[kG][V::kN];
 #pragma unroll
-  for (int u = 0; u < V::kN; ++u) acc[u] = 0.0f;
+  for (int g = 0; g < kG; ++g) {
+    in[g] = ch + 32 * g < chunks;
+#pragma unroll
+    for (int u = 0; u < V::kN; ++u) acc[g][u] = 0.0f;
+  }
   for (int k0 = 0; k0 < K; k0 += 8) {
-    int4 v[8];
+    int4 v[8][kG];
     float w[8];
     bool use[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int k = k0 + u < K ? k0 + u : K - 1;  // every lane shuffles (rowOf does too), so no early exit
+      const int k = k0 + u < K ? k0 + u : K - 1;  // every lane shuffles, so no early exit
       const int4* r = rowOf(k);
       w[u] = __shfl_sync(kFull, wl, k);
       use[u] = k0 + u < K && r != nullptr;
-      if (use[u]) v[u] = r[ch];
+#pragma unroll
+      for (int g = 0; g < kG; ++g)
+        if (use[u] && in[g]) v[u][g] = r[ch + 32 * g];
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u)
-      if (use[u]) V::addWeighted(acc, v[u], w[u]);
+#pragma unroll
+      for (int g = 0; g < kG; ++g)
+        if (use[u] && in[g]) V::addWeighted(acc[g], v[u][g], w[u]);
   }
-  return V::pack(acc);
+#pragma unroll
+  for (int g = 0; g < kG; ++g)
+    if (in[g]) out[ch + 32 * g] = V::pack(acc[g]);
+}
+
+// What the receive half reads for each (token, k), staged in shared memory before it waits for the peers (the
+// fused kernel stages before its send half), so that a warp's row loads depend on no other global load.
+struct CombStage {
+  const int32_t* x;  // [T, K] expert; -1: none, out of range, or (plain combine) on a masked rank
+  int32_t* row;      // [T, K] zero-copy: the row's index among this rank's rows of expert x (a repeat: its first's)
+  uint64_t* first;   // [E] zero-copy: address of this rank's first row of expert x, 0 if masked (after the wait)
+};
+
+__host__ __device__ __forceinline__ size_t combStageBytes(int T, int K, int E, bool zero_copy) {
+  const size_t tk = static_cast<size_t>(T) * K;
+  if (!zero_copy) return sizeof(int32_t) * tk;
+  return (sizeof(int32_t) * (3 * tk + E) + 7) / 8 * 8 + sizeof(uint64_t) * E;  // stageRouting's arrays, then first
+}
+
+__device__ CombStage stageCombine(const LlParams& p, int32_t* smem) {
+  const int TK = p.T * p.K;
+  if (!p.zero_copy) {
+    const uint64_t act = p.el->active;  // set between operations only
+    for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+      const int64_t x = expertAt(p, i / p.K, i % p.K);
+      smem[i] = x >= 0 && ((act >> (x / p.L)) & 1) ? static_cast<int32_t>(x) : -1;
+    }
+    __syncthreads();
+    return CombStage{smem, nullptr, nullptr};
+  }
+  // Expert-major rows of one expert follow the token order of each source (positions); rank-major rows sit at t.
+  const bool em = p.layout == EP_LL_EXPERT_MAJOR;
+  const SendSmem m = stageRouting(p, smem, em);
+  for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+    const int t = i / p.K, k = i % p.K;
+    if (!em) {
+      m.pos[i] = t;
+    } else if (m.idx[i] < 0 && m.raw[i] >= 0) {  // a repeat reads its first occurrence's row (pos not rewritten)
+      for (int j = 0; j < k; ++j)
+        if (m.raw[t * p.K + j] == m.raw[i]) {
+          m.pos[i] = m.pos[t * p.K + j];
+          break;
+        }
+    }
+  }
+  __syncthreads();
+  const size_t off = combStageBytes(p.T, p.K, p.E, true) - sizeof(uint64_t) * p.E;
+  return CombStage{m.raw, m.pos, reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem) + off)};
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Combine, receive half: out[t] = sum over k (in order) of topk_weights[t, k] * row(expert k, t), in fp32, the
-// product and the sum rounded separately, rounded once to the output type. A warp handles 32 16-byte chunks of
-// one token's row.
+// product and the sum rounded separately, rounded once to the output type. A warp handles a 1 KiB span (two
+// 16-byte chunks per lane) of one token's row.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
-__device__ __forceinline__ void combineRecvBody(const LlParams& p) {
-  extern __shared__ int32_t s_dyn[];
+__device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombStage& st) {
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlCombine]);
-  const int par = static_cast<int>(e & 1), R = p.nranks, K = p.K, L = p.L, M = p.M;
+  const int par = static_cast<int>(e & 1), R = p.nranks, K = p.K, L = p.L;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
-  const uint64_t act = p.el->active;  // set between operations only: one read per kernel
-  if (p.zero_copy) {
-    // Read each expert output straight from the expert rank's region: row begin(l, this rank) + the token's
-    // index among this rank's tokens of that expert (expert-major), or l * R * M + rank * M + t (rank-major).
-    const SendSmem m = stageRouting(p, s_dyn, true);
-    if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
-      const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
-      const size_t RM = static_cast<size_t>(R) * M;
-      for (int i = gw; i < p.T * groups; i += NW) {
-        const int t = i / groups, ch = (i % groups) * 32 + lane;
-        const int32_t xl = lane < K ? m.raw[t * K + lane] : -1;
-        // Repeats of an expert in a token read the row of its first occurrence (its index is that one's).
-        int32_t pl = lane < K ? m.pos[t * K + lane] : -1;
-        for (int j = 0; j < K; ++j) {
-          const int32_t xj = __shfl_sync(kFull, xl, j), pj = __shfl_sync(kFull, pl, j);
-          if (lane < K && j < lane && xj == xl && m.idx[t * K + lane] < 0) pl = pj;
-        }
-        const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
-        const int4 v = reduceChunk<kDtype>(K, ch, wl, [&](int k) -> const int4* {
-          const int32_t x = __shfl_sync(kFull, xl, k);
-          const int32_t pos = __shfl_sync(kFull, pl, k);
-          if (x < 0 || ch >= chunks || !((act >> (x / L)) & 1)) return nullptr;  // masked: contribution absent
-          const int A = x / L, l = x % L;
+  const size_t RM = static_cast<size_t>(R) * p.M;
+  if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
+    if (p.zero_copy) {
+      // Each expert rank published where its rows are (LlZcHeader): rows begin(l, this rank) + index
+      // (expert-major) or l * R * M + rank * M + t (rank-major) of its region.
+      const uint64_t act = p.el->active;
+      for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
+        const int A = x / L, l = x % L;
+        uint64_t a = 0;
+        if ((act >> A) & 1) {
           const LlZcHeader* h = zcHeader(p, A, par);
-          size_t row;
-          if (p.layout == EP_LL_EXPERT_MAJOR)
-            row = static_cast<size_t>(l) * RM + layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank]) + pos;
-          else
-            row = static_cast<size_t>(l) * RM + static_cast<size_t>(p.rank) * M + t;
-          return reinterpret_cast<const int4*>(p.base[A] + h->y_off + row * p.xrow);
-        });
-        if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = v;
+          const size_t r0 = p.layout == EP_LL_EXPERT_MAJOR
+                                ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
+                                : static_cast<size_t>(p.rank) * p.M;
+          a = reinterpret_cast<uint64_t>(p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow);
+        }
+        st.first[x] = a;
       }
+      __syncthreads();
     }
-  } else if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
-    const int chunks = static_cast<int>(p.xrow / 16), groups = (chunks + 31) / 32;
-    for (int i = gw; i < p.T * groups; i += NW) {
-      const int t = i / groups, ch = (i % groups) * 32 + lane;
-      const int64_t xl = lane < K ? expertAt(p, t, lane) : -1;
+    const int chunks = static_cast<int>(p.xrow / 16), spans = (chunks + 63) / 64;
+    for (int i = gw; i < p.T * spans; i += NW) {
+      const int t = i / spans, ch = (i % spans) * 64 + lane;
       const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
-      const int4 v = reduceChunk<kDtype>(K, ch, wl, [&](int k) -> const int4* {
-        const int64_t x = __shfl_sync(kFull, xl, k);
-        if (x < 0 || ch >= chunks || !((act >> (x / L)) & 1)) return nullptr;
-        return reinterpret_cast<const int4*>(combPtr(p, p.rank, par, static_cast<int>(x), t));
-      });
-      if (ch < chunks) reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow)[ch] = v;
+      const int32_t* xs = st.x + t * K;
+      int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow);
+      reduceSpan<kDtype>(K, chunks, ch, wl, [&](int k) -> const int4* {
+        const int32_t x = xs[k];  // the same shared-memory word for every lane: a broadcast
+        if (x < 0) return nullptr;
+        if (!p.zero_copy) return reinterpret_cast<const int4*>(combPtr(p, p.rank, par, x, t));
+        const uint64_t a = st.first[x];
+        return a ? reinterpret_cast<const int4*>(a + static_cast<size_t>(st.row[t * K + k]) * p.xrow) : nullptr;
+      }, out);
     }
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
@@ -611,14 +655,22 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   __syncthreads();  // the dynamic shared memory changes hands
   dispatchRecvBody(p);
 }
-__global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) { combineSendBody(p); }
+__global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
+  extern __shared__ int32_t s_dyn[];
+  combineSendBody(p, s_dyn);
+}
 template <int kDtype>
-__global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) { combineRecvBody<kDtype>(p); }
+__global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
+  extern __shared__ int32_t s_dyn[];
+  combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
+}
+// The receive half's staging comes first: it needs no peer, so it overlaps the send half's waits.
 template <int kDtype>
 __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
-  combineSendBody(p);
-  __syncthreads();
-  combineRecvBody<kDtype>(p);
+  extern __shared__ int32_t s_dyn[];
+  const CombStage st = stageCombine(p, s_dyn);
+  combineSendBody(p, s_dyn + combStageBytes(p.T, p.K, p.E, p.zero_copy) / sizeof(int32_t));
+  combineRecvBody<kDtype>(p, st);
 }
 
 }  // namespace
@@ -660,7 +712,10 @@ size_t dispatchRecvSmem(const LlParams& p) {
 size_t combineSendSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1) : 0;
 }
-size_t combineRecvSmem(const LlParams& p) { return p.zero_copy ? llSendSmemBytes(p.T, p.K, p.E) : 0; }
+size_t combineRecvSmem(const LlParams& p) { return combStageBytes(p.T, p.K, p.E, p.zero_copy); }
+size_t llCombineSmemBytes(int T, int K, int E, int L, bool zero_copy) {
+  return combStageBytes(T, K, E, zero_copy) + sizeof(int) * (static_cast<size_t>(L) + 1);
+}
 
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
   const size_t smem = std::max(llSendSmemBytes(p.T, p.K, p.E), dispatchRecvSmem(p));
@@ -702,7 +757,7 @@ cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
 }
 
 cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s) {
-  return launchCombineTyped<CombineOf>(p, std::max(combineSendSmem(p), combineRecvSmem(p)), Launch::kCooperative, s);
+  return launchCombineTyped<CombineOf>(p, combineRecvSmem(p) + combineSendSmem(p), Launch::kCooperative, s);
 }
 
 }  // namespace epcomm

@@ -10,6 +10,9 @@ namespace epcomm {
 // Shared memory the dispatch send kernel stages its routing in; the engine rejects calls above kLlMaxSmem.
 constexpr size_t kLlMaxSmem = 200 * 1024;
 size_t llSendSmemBytes(int T, int K, int E);
+// Shared memory of the fused combine (the receive half's staging and the send half's prefix), the most any
+// combine kernel takes.
+size_t llCombineSmemBytes(int T, int K, int E, int L, bool zero_copy);
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s);
 // Both halves in one cooperative launch: p.blocks must not exceed the device's SMs.

@@ -202,14 +202,17 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
     p.zero_copy = 1;
     p.y_off = static_cast<uint64_t>(y - static_cast<const uint8_t*>(ll_bufs_.local()));
   }
-  if ((a->phases & EP_LL_RECV) && ll_zero_copy_)
-    EP_REQUIRE(llSendSmemBytes(a->num_tokens, a->topk, a->num_experts) <= kLlMaxSmem, epCapacityExceeded,
-               "num_tokens x topk = %d x %d is more routing than a zero-copy LL combine stages", a->num_tokens, a->topk);
   // The receive half must know the mode too: it is the send half's (one combine per kind between halves).
   if (a->phases == EP_LL_RECV) {
     p.zero_copy = ll_recv_zero_copy_;
     p.y_off = 0;
   }
+  // Checked on both halves, so that a send half is never accepted whose receive half would be refused.
+  EP_REQUIRE(llCombineSmemBytes(a->num_tokens, a->topk, a->num_experts, p.L, p.zero_copy) <= kLlMaxSmem,
+             epCapacityExceeded,
+             "num_tokens x topk = %d x %d is more routing than the GPU engine's %sLL combine stages (%zu bytes of "
+             "shared memory)",
+             a->num_tokens, a->topk, p.zero_copy ? "zero-copy " : "", kLlMaxSmem);
   if (a->phases & EP_LL_SEND) ll_recv_zero_copy_ = p.zero_copy;
   return llLaunch(kLlCombine, a->phases, p, stream);
 }
