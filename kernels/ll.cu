@@ -46,6 +46,16 @@ __device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int pa
          ((static_cast<size_t>(par) * p.lay.max_experts + expert) * p.lay.max_tokens + t) * p.lay.comb_row;
 }
 
+// Expert-major combines pack the rows that expert rank A returns to this rank into A's block of M * min(K, L)
+// rows (a token sends at most min(K, L) experts to one rank): expert by expert, each expert's rows in token order.
+// Packed, the rows of one operation fill a few pages instead of one page per (expert, rank): sparse writes over
+// E x M slots measured 3-5x slower at R = 8 (one H200, MPS), the GPU's address translation being the suspect.
+__device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, int par, int A, size_t q) {
+  const size_t block = static_cast<size_t>(p.lay.max_tokens) * (p.K < p.L ? p.K : p.L);
+  return p.base[owner] + p.lay.comb +
+         ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
+}
+
 __device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
   return reinterpret_cast<LlZcHeader*>(p.base[owner] + p.lay.zc + par * p.lay.zc_entry);
 }
@@ -60,6 +70,21 @@ __device__ __forceinline__ uint64_t launchEpoch(const uint64_t* completed) {
   return s_e;
 }
 
+// The calling warp replaces a[0], a[stride], ... a[(n - 1) * stride] (shared memory) by their exclusive prefix sums.
+__device__ __forceinline__ void warpExclusiveScan(int* a, int n, int stride, int lane) {
+  int carry = 0;
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    const int i = i0 + lane, c = i < n ? a[i * stride] : 0;
+    int v = c;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int u = __shfl_up_sync(kFull, v, d);
+      if (lane >= d) v += u;
+    }
+    if (i < n) a[i * stride] = carry + v - c;
+    carry += __shfl_sync(kFull, v, 31);
+  }
+}
+
 // Threads 0..R-1 each wait for one active peer's flag to reach `want` (masked peers are not waited for); false
 // in every thread if one failed.
 __device__ bool waitPeers(const LlParams& p, uint64_t* (*flag)(const LlParams&, int, int), int arg, uint64_t want,
@@ -71,12 +96,6 @@ __device__ bool waitPeers(const LlParams& p, uint64_t* (*flag)(const LlParams&, 
 __device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackPtr(p, p.rank, fam, peer); }
 __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
-}
-
-// An expert id of the combine's routing: a value outside [-1, E) is treated as -1 (dispatch counted it).
-__device__ __forceinline__ int64_t expertAt(const LlParams& p, int t, int k) {
-  const int64_t x = p.topk_idx[static_cast<size_t>(t) * p.K + k];
-  return x < -1 || x >= p.E ? -1 : x;
 }
 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
@@ -152,9 +171,8 @@ __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, co
 // part of its row) a warp writes the part once to every rank that hosts one of the token's experts, into slot
 // [this rank][t] there; the warp of part 0 adds the token's local expert ids and, per expert, the index of t
 // among this rank's tokens of that expert (tokenPositions), which fixes the token's row on the receiver.
-// The zero-copy combine's receive half needs those indices for every token: it stages them in one pass
-// (stageRouting with positions: pairs in rounds of one per thread; within a round warps add to the per-expert
-// counters in warp order, lanes by __match_any_sync).
+// The combine's receive half (expert-major) needs those indices for every token: it stages them in one pass
+// (stageRouting with positions: per chunk of 32 pairs, lanes by __match_any_sync, chunks by a table of counts).
 // fp8: each 128-column block is quantized once, in registers, and written to every destination.
 // ---------------------------------------------------------------------------------------------------------
 struct SendSmem {
@@ -165,19 +183,24 @@ struct SendSmem {
 };
 
 // With `positions` false only idx, raw and cnt are staged (cnt by shared atomics, in any order); pos is then left
-// to tokenPositions, per token, by the warps that need it.
-__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool positions) {
+// to tokenPositions, per token, by the warps that need it. An expert id outside [-1, E) is taken as -1; the
+// dispatch counts it as a violation, the combine (same routing) does not count it again. `table`: scratch for
+// positions, one byte per (chunk of 32 pairs, expert), or nullptr (a slower count without it).
+__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool positions, uint8_t* table = nullptr) {
   SendSmem m{smem, smem + p.T * p.K, smem + 2 * p.T * p.K, smem + 3 * p.T * p.K};
   const int TK = p.T * p.K;
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
     int64_t x = p.topk_idx[i];
     if (x < -1 || x >= p.E) {
-      if (blockIdx.x == 0) recordViolation(p, epExpertOutOfRange);
+      if (blockIdx.x == 0 && p.op == epOpLlDispatch) recordViolation(p, epExpertOutOfRange);
       x = -1;
     }
     m.raw[i] = static_cast<int32_t>(x);
   }
   for (int i = threadIdx.x; i < p.E; i += blockDim.x) m.cnt[i] = 0;
+  if (positions && table != nullptr)  // whole words: the table's size is a multiple of 16 bytes
+    for (size_t i = threadIdx.x; i < (static_cast<size_t>((TK + 31) / 32) * p.E + 3) / 4; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(table)[i] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
     const int t = i / p.K, k = i % p.K;
@@ -190,6 +213,36 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool position
   __syncthreads();
   if (!positions) return m;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (table != nullptr) {
+    // Each chunk of 32 pairs counts its experts into its row of the table (one __match_any_sync per chunk, all
+    // chunks at once); a pair's position is the lanes before it in its chunk plus its expert's counts in the
+    // earlier chunks, and an expert's total the sum of its column.
+    const int C = (TK + 31) / 32;
+    for (int c = warp; c < C; c += nwarps) {
+      const int i = c * 32 + lane;
+      const int32_t x = i < TK ? m.idx[i] : -1;
+      const unsigned same = __match_any_sync(kFull, x);
+      const int before = __popc(same & ((1u << lane) - 1));
+      if (x >= 0) m.pos[i] = before;
+      if (x >= 0 && before == 0) table[static_cast<size_t>(c) * p.E + x] = static_cast<uint8_t>(__popc(same));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+      const int32_t x = m.idx[i];
+      int n = 0;
+      for (int c = 0; x >= 0 && c < i / 32; ++c) n += table[static_cast<size_t>(c) * p.E + x];
+      if (x >= 0) m.pos[i] += n;
+    }
+    for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
+      int n = 0;
+      for (int c = 0; c < C; ++c) n += table[static_cast<size_t>(c) * p.E + x];
+      m.cnt[x] = n;
+    }
+    __syncthreads();
+    return m;
+  }
+  // Without room for the table: rounds of one pair per thread; within a round the warps add to the per-expert
+  // counters in warp order.
   for (int base = 0; base < TK; base += blockDim.x) {
     const int i = base + threadIdx.x;
     const int32_t x = i < TK ? m.idx[i] : -1;
@@ -208,11 +261,11 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool position
 }
 
 // Lane k < K of the calling warp gets the index of token t among this rank's tokens of expert x = idx[t, k] (the
-// entries of earlier tokens that name x): the same numbers as stageRouting's serial count, found by one warp
-// without waiting for the others. Eight experts at a time, each held by every lane in registers; the warp reads
-// 32 earlier entries at a time and counts each expert's matches with one ballot. The zero-copy combine's receive
-// half keeps the serial count: it needs every token's indices, and per token (per item, or a warp per token
-// before the wait) this measured slower there at 128 tokens (R = 2: 55 us serial, 57-64 us per token).
+// entries of earlier tokens that name x): the same numbers as stageRouting's count, found by one warp without
+// waiting for the others. Eight experts at a time, each held by every lane in registers; the warp reads 32
+// earlier entries at a time and counts each expert's matches with one ballot. The combine's receive half stages
+// every token's indices instead (stageRouting): per token (per item, or a warp per token before the wait) this
+// measured slower there at 128 tokens (R = 2 zero-copy: 55 us staged, 57-64 us per token).
 __device__ __forceinline__ int32_t tokenPositions(const int32_t* idx, int t, int K, int32_t x, int lane) {
   int32_t r = -1;
   for (int k0 = 0; k0 < K; k0 += 8) {
@@ -414,7 +467,8 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
 // (the source reduces from its own routing). Expert-major rows are found from recv_count / recv_layout_range /
 // recv_src_info, rank-major rows from recv_count / recv_topk_idx.
 // ---------------------------------------------------------------------------------------------------------
-// s_pre: shared memory for [L + 1] ints, the prefix of recv_count (expert-major).
+// s_pre: shared memory for L + 1 + L * R ints (expert-major): the prefix of recv_count, then per (l, source) the
+// rows of that source's earlier local experts (where expert l's rows start in the source's packed block).
 __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -436,6 +490,11 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
       if (threadIdx.x == 0) h->y_off = p.y_off;
     }
   } else if (ok && p.layout == EP_LL_EXPERT_MAJOR) {
+    int* s_at = s_pre + L + 1;  // [l * R + s]
+    for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+      const int c = layoutRangeCount(p.recv_layout_range[i]);
+      s_at[i] = c > 0 && c <= M ? c : 0;
+    }
     if (threadIdx.x == 0) {
       int acc = 0;
       for (int l = 0; l < L; ++l) {
@@ -446,6 +505,9 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
       s_pre[L] = acc;
     }
     __syncthreads();
+    for (int s = threadIdx.x >> 5; s < R; s += nwarps) warpExclusiveScan(s_at + s, L, R, lane);  // a warp per source
+    __syncthreads();
+    const size_t block = static_cast<size_t>(M) * (K < L ? K : L);
     const int P = partsOf(s_pre[L], NW);
     for (int item = gw; item < s_pre[L] * P; item += NW) {
       const int i = item / P, part = item % P;
@@ -456,21 +518,23 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
         else hi = mid - 1;
       }
       const int l = lo, j = i - s_pre[l];
-      int src = -1;
+      int src = -1, b = 0;
       if (lane < R) {
         const int64_t lr = p.recv_layout_range[static_cast<size_t>(l) * R + lane];
-        const int b = layoutRangeBegin(lr), c = layoutRangeCount(lr);
+        const int c = layoutRangeCount(lr);
+        b = layoutRangeBegin(lr);
         if (j >= b && j < b + c) src = lane;
       }
       const unsigned hit = __ballot_sync(kFull, src >= 0);
       const int s = hit ? __ffs(hit) - 1 : -1;
       const int t = p.recv_src_info[static_cast<size_t>(l) * RM + j];
-      if (s < 0 || t < 0 || t >= M) {
+      const size_t q = s >= 0 ? static_cast<size_t>(s_at[l * R + s]) + (j - __shfl_sync(kFull, b, s)) : block;
+      if (s < 0 || t < 0 || t >= M || q >= block) {
         if (lane == 0) recordViolation(p, epInvalidUsage);
         continue;
       }
       if (!rankActive(p.el, s)) continue;  // the token's rank was masked after the dispatch
-      uint8_t* d = combPtr(p, s, par, p.rank * L + l, t);
+      uint8_t* d = combPackedPtr(p, s, par, p.rank, q);
       warpCopyChunks(&d, 1, y + (static_cast<size_t>(l) * RM + j) * p.xrow, partBegin(units, P, part),
                      partBegin(units, P, part + 1), lane);
     }
@@ -545,33 +609,34 @@ __device__ __forceinline__ void reduceSpan(int K, int chunks, int ch, float wl, 
 }
 
 // What the receive half reads for each (token, k), staged in shared memory before it waits for the peers (the
-// fused kernel stages before its send half), so that a warp's row loads depend on no other global load.
+// fused kernel stages before its send half), so that a warp's row loads depend on no other global load. After the
+// wait, the address of every pair's row: first[x[i]] + row[i] * stride.
 struct CombStage {
-  const int32_t* x;  // [T, K] expert; -1: none, out of range, or (plain combine) on a masked rank
-  int32_t* row;      // [T, K] zero-copy: the row's index among this rank's rows of expert x (a repeat: its first's)
-  uint64_t* first;   // [E] zero-copy: address of this rank's first row of expert x, 0 if masked (after the wait)
+  const int32_t* x;    // [T, K] expert, -1 for none or out of range
+  const int32_t* row;  // [T, K] the row's index among this rank's rows of expert x (a repeat: its first's), or t
+  const int32_t* at;   // [E] expert-major: this rank's rows of the same expert rank's earlier experts
+  uint64_t* first;     // [E] address of this rank's first row of expert x, 0 if x's rank is masked
+  uint64_t* addr;      // [T, K] address of the pair's row, 0 if absent
 };
 
-__host__ __device__ __forceinline__ size_t combStageBytes(int T, int K, int E, bool zero_copy) {
+// stageRouting's table for positions, when it takes at most 32 KiB (else positions are counted without it).
+__host__ __device__ __forceinline__ size_t combTableBytes(int T, int K, int E) {
+  const size_t bytes = (static_cast<size_t>(T) * K + 31) / 32 * E;
+  return bytes <= 32 * 1024 ? (bytes + 15) / 16 * 16 : 0;
+}
+
+__host__ __device__ __forceinline__ size_t combStageBytes(int T, int K, int E) {
   const size_t tk = static_cast<size_t>(T) * K;
-  if (!zero_copy) return sizeof(int32_t) * tk;
-  return (sizeof(int32_t) * (3 * tk + E) + 7) / 8 * 8 + sizeof(uint64_t) * E;  // stageRouting's arrays, then first
+  return (sizeof(int32_t) * (3 * tk + E) + 15) / 16 * 16 + sizeof(uint64_t) * (E + tk) + combTableBytes(T, K, E);
 }
 
 __device__ CombStage stageCombine(const LlParams& p, int32_t* smem) {
-  const int TK = p.T * p.K;
-  if (!p.zero_copy) {
-    const uint64_t act = p.el->active;  // set between operations only
-    for (int i = threadIdx.x; i < TK; i += blockDim.x) {
-      const int64_t x = expertAt(p, i / p.K, i % p.K);
-      smem[i] = x >= 0 && ((act >> (x / p.L)) & 1) ? static_cast<int32_t>(x) : -1;
-    }
-    __syncthreads();
-    return CombStage{smem, nullptr, nullptr};
-  }
   // Expert-major rows of one expert follow the token order of each source (positions); rank-major rows sit at t.
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
-  const SendSmem m = stageRouting(p, smem, em);
+  const int TK = p.T * p.K;
+  uint64_t* first = reinterpret_cast<uint64_t*>(smem) + (sizeof(int32_t) * (3 * TK + p.E) + 15) / 16 * 2;
+  uint8_t* table = combTableBytes(p.T, p.K, p.E) ? reinterpret_cast<uint8_t*>(first + p.E + TK) : nullptr;
+  const SendSmem m = stageRouting(p, smem, em, table);
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
     const int t = i / p.K, k = i % p.K;
     if (!em) {
@@ -584,9 +649,11 @@ __device__ CombStage stageCombine(const LlParams& p, int32_t* smem) {
         }
     }
   }
+  if (em && !p.zero_copy)  // packed blocks (combPackedPtr): a warp per expert rank, over its experts
+    for (int A = threadIdx.x >> 5; A < p.nranks; A += blockDim.x >> 5)
+      warpExclusiveScan(m.cnt + A * p.L, p.L, 1, threadIdx.x & 31);
   __syncthreads();
-  const size_t off = combStageBytes(p.T, p.K, p.E, true) - sizeof(uint64_t) * p.E;
-  return CombStage{m.raw, m.pos, reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem) + off)};
+  return CombStage{m.raw, m.pos, m.cnt, first, first + p.E};
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -603,37 +670,38 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
   const size_t RM = static_cast<size_t>(R) * p.M;
   if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
-    if (p.zero_copy) {
-      // Each expert rank published where its rows are (LlZcHeader): rows begin(l, this rank) + index
-      // (expert-major) or l * R * M + rank * M + t (rank-major) of its region.
-      const uint64_t act = p.el->active;
-      for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
-        const int A = x / L, l = x % L;
-        uint64_t a = 0;
-        if ((act >> A) & 1) {
-          const LlZcHeader* h = zcHeader(p, A, par);
-          const size_t r0 = p.layout == EP_LL_EXPERT_MAJOR
-                                ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
-                                : static_cast<size_t>(p.rank) * p.M;
-          a = reinterpret_cast<uint64_t>(p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow);
-        }
-        st.first[x] = a;
+    // Zero-copy: each expert rank published where its rows are (LlZcHeader), rows begin(l, this rank) + index
+    // (expert-major) or l * R * M + rank * M + t (rank-major) of its region. Plain: this rank's slots.
+    const uint64_t act = p.el->active;  // set between operations only
+    const bool em = p.layout == EP_LL_EXPERT_MAJOR;
+    for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
+      const int A = x / L, l = x % L;
+      const uint8_t* a = nullptr;  // masked: its contributions are absent
+      if (((act >> A) & 1) && p.zero_copy) {
+        const LlZcHeader* h = zcHeader(p, A, par);
+        const size_t r0 = em ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
+                             : static_cast<size_t>(p.rank) * p.M;
+        a = p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow;
+      } else if ((act >> A) & 1) {
+        a = em ? combPackedPtr(p, p.rank, par, A, st.at[x]) : combPtr(p, p.rank, par, x, 0);
       }
-      __syncthreads();
+      st.first[x] = reinterpret_cast<uint64_t>(a);
     }
+    __syncthreads();
+    const size_t stride = p.zero_copy ? p.xrow : p.lay.comb_row;
+    for (int i = threadIdx.x; i < p.T * K; i += blockDim.x) {
+      const uint64_t a = st.x[i] >= 0 ? st.first[st.x[i]] : 0;
+      st.addr[i] = a ? a + static_cast<size_t>(st.row[i]) * stride : 0;
+    }
+    __syncthreads();
     const int chunks = static_cast<int>(p.xrow / 16), spans = (chunks + 63) / 64;
     for (int i = gw; i < p.T * spans; i += NW) {
       const int t = i / spans, ch = (i % spans) * 64 + lane;
       const float wl = lane < K ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
-      const int32_t* xs = st.x + t * K;
+      const uint64_t* rows = st.addr + t * K;
       int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.out) + static_cast<size_t>(t) * p.xrow);
-      reduceSpan<kDtype>(K, chunks, ch, wl, [&](int k) -> const int4* {
-        const int32_t x = xs[k];  // the same shared-memory word for every lane: a broadcast
-        if (x < 0) return nullptr;
-        if (!p.zero_copy) return reinterpret_cast<const int4*>(combPtr(p, p.rank, par, x, t));
-        const uint64_t a = st.first[x];
-        return a ? reinterpret_cast<const int4*>(a + static_cast<size_t>(st.row[t * K + k]) * p.xrow) : nullptr;
-      }, out);
+      // The same shared-memory word for every lane: a broadcast.
+      reduceSpan<kDtype>(K, chunks, ch, wl, [&](int k) { return reinterpret_cast<const int4*>(rows[k]); }, out);
     }
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
@@ -669,7 +737,7 @@ template <int kDtype>
 __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
   extern __shared__ int32_t s_dyn[];
   const CombStage st = stageCombine(p, s_dyn);
-  combineSendBody(p, s_dyn + combStageBytes(p.T, p.K, p.E, p.zero_copy) / sizeof(int32_t));
+  combineSendBody(p, s_dyn + combStageBytes(p.T, p.K, p.E) / sizeof(int32_t));
   combineRecvBody<kDtype>(p, st);
 }
 
@@ -710,11 +778,11 @@ size_t dispatchRecvSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
 }
 size_t combineSendSmem(const LlParams& p) {
-  return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1) : 0;
+  return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1 + p.E) : 0;
 }
-size_t combineRecvSmem(const LlParams& p) { return combStageBytes(p.T, p.K, p.E, p.zero_copy); }
-size_t llCombineSmemBytes(int T, int K, int E, int L, bool zero_copy) {
-  return combStageBytes(T, K, E, zero_copy) + sizeof(int) * (static_cast<size_t>(L) + 1);
+size_t combineRecvSmem(const LlParams& p) { return combStageBytes(p.T, p.K, p.E); }
+size_t llCombineSmemBytes(int T, int K, int E, int L) {
+  return combStageBytes(T, K, E) + sizeof(int) * (static_cast<size_t>(L) + 1 + E);
 }
 
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {

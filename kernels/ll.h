@@ -12,7 +12,7 @@ constexpr size_t kLlMaxSmem = 200 * 1024;
 size_t llSendSmemBytes(int T, int K, int E);
 // Shared memory of the fused combine (the receive half's staging and the send half's prefix), the most any
 // combine kernel takes.
-size_t llCombineSmemBytes(int T, int K, int E, int L, bool zero_copy);
+size_t llCombineSmemBytes(int T, int K, int E, int L);
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s);
 // Both halves in one cooperative launch: p.blocks must not exceed the device's SMs.

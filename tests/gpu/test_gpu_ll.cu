@@ -279,6 +279,8 @@ TEST_P(GpuLl, BitExactAgainstHostEngine) {
         {1, 256, 4, E, epBfloat16, 1, RM, 0},     {2, 2048, 6, E, epFloat16, 0, EM, 1},
         {64, 256, 9, 9 * R, epFloat32, 0, EM, 0}, {64, 256, 9, 9 * R, epFloat32, 0, RM, 1},
         {96, 2048, 8, E, epFloat16, 1, EM, 0},
+        // Fewer local experts than top-k: a token sends up to L rows to one rank (the packed combine blocks).
+        {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 0}, {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 1},
     };
     uint64_t seed_i = seed;
     for (const LlCase& c : cases) {

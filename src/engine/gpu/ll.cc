@@ -208,11 +208,10 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
     p.y_off = 0;
   }
   // Checked on both halves, so that a send half is never accepted whose receive half would be refused.
-  EP_REQUIRE(llCombineSmemBytes(a->num_tokens, a->topk, a->num_experts, p.L, p.zero_copy) <= kLlMaxSmem,
-             epCapacityExceeded,
-             "num_tokens x topk = %d x %d is more routing than the GPU engine's %sLL combine stages (%zu bytes of "
-             "shared memory)",
-             a->num_tokens, a->topk, p.zero_copy ? "zero-copy " : "", kLlMaxSmem);
+  EP_REQUIRE(llCombineSmemBytes(a->num_tokens, a->topk, a->num_experts, p.L) <= kLlMaxSmem, epCapacityExceeded,
+             "num_tokens x topk = %d x %d with %d experts is more routing than the GPU engine's LL combine stages "
+             "(%zu bytes of shared memory)",
+             a->num_tokens, a->topk, a->num_experts, kLlMaxSmem);
   if (a->phases & EP_LL_SEND) ll_recv_zero_copy_ = p.zero_copy;
   return llLaunch(kLlCombine, a->phases, p, stream);
 }
