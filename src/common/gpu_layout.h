@@ -165,9 +165,12 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //   [dispatch counts: 2 par x R] LlCountEntry T of src and its (token, expert) pairs per local expert
 //   [dispatch slots:  2 par x R x M] slot     token t of src at [src][t]: LlSlotMeta, row, scales; a token
 //                                              goes once to each rank that hosts one of its experts
-//   [combine slots:   2 par x E x M] row       expert output for (expert x, token t) of this rank's tokens;
-//                                              with zero-copy combines, the regions the expert outputs are
-//                                              written to (epLlCombineBuffer) and the peers read from
+//   [combine slots:   2 par x E x M] row       expert outputs for this rank's tokens: rank-major at
+//                                              [expert x][t]; expert-major packed, expert rank A's rows in
+//                                              block A of M x min(K, L) rows, expert by expert, token order
+//                                              (kernels/ll.cu combPackedPtr); with zero-copy combines, the
+//                                              regions the expert outputs are written to (epLlCombineBuffer)
+//                                              and the peers read from
 //   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
 //                                              row layout (recv_layout_range) they follow
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
