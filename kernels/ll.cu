@@ -608,9 +608,9 @@ __device__ __forceinline__ void reduceSpan(int K, int chunks, int ch, float wl, 
     if (in[g]) out[ch + 32 * g] = V::pack(acc[g]);
 }
 
-// What the receive half reads for each (token, k), staged in shared memory before it waits for the peers (the
-// fused kernel stages before its send half), so that a warp's row loads depend on no other global load. After the
-// wait, the address of every pair's row: first[x[i]] + row[i] * stride.
+// What the receive half reads for each (token, k), staged in shared memory before it waits for the peers, so
+// that a warp's row loads depend on no other global load. After the wait, the address of every pair's row:
+// first[x[i]] + row[i] * stride.
 struct CombStage {
   const int32_t* x;    // [T, K] expert, -1 for none or out of range
   const int32_t* row;  // [T, K] the row's index among this rank's rows of expert x (a repeat: its first's), or t
@@ -732,13 +732,13 @@ __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
   extern __shared__ int32_t s_dyn[];
   combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
 }
-// The receive half's staging comes first: it needs no peer, so it overlaps the send half's waits.
+// The receive half's staging follows the send half (its own shared memory): a block stages while the last
+// block publishes the tags and the peers finish their sends.
 template <int kDtype>
 __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
   extern __shared__ int32_t s_dyn[];
-  const CombStage st = stageCombine(p, s_dyn);
   combineSendBody(p, s_dyn + combStageBytes(p.T, p.K, p.E) / sizeof(int32_t));
-  combineRecvBody<kDtype>(p, st);
+  combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
 }
 
 }  // namespace
