@@ -4,7 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "common/dtype.h"
-#include "engine/routing.h"
+#include "common/routing.h"
 #include "kernels/device_common.cuh"
 #include "kernels/ht.h"
 #include "kernels/queues.cuh"

@@ -11,7 +11,7 @@
 #include <algorithm>
 
 #include "common/dtype.h"
-#include "engine/routing.h"
+#include "common/routing.h"
 #include "kernels/device_common.cuh"
 #include "kernels/ll.h"
 

@@ -24,7 +24,7 @@
 #include "gpu_test.h"
 #include "../unit/multiproc.h"
 #include "common/dtype.h"
-#include "engine/routing.h"
+#include "common/routing.h"
 #include "epcomm/epcomm.h"
 
 namespace {

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "gpu_test.h"
-#include "engine/routing.h"
+#include "common/routing.h"
 
 namespace {
 

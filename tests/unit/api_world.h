@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "engine/routing.h"
+#include "common/routing.h"
 #include "epcomm/epcomm.h"
 
 namespace epcomm::test {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "common/gpu_layout.h"
-#include "engine/routing.h"
+#include "common/routing.h"
 
 namespace epcomm {
 namespace {

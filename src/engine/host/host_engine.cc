@@ -16,8 +16,8 @@
 #include "common/dtype.h"
 #include "common/log.h"
 #include "common/param.h"
+#include "common/routing.h"
 #include "common/time.h"
-#include "engine/routing.h"
 #include "engine/validate.h"
 
 namespace epcomm {

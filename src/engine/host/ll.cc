@@ -9,9 +9,9 @@
 
 #include "common/checks.h"
 #include "common/dtype.h"
+#include "common/routing.h"
 #include "engine/host/host_engine.h"
 #include "engine/host/rows.h"
-#include "engine/routing.h"
 #include "engine/validate.h"
 
 namespace epcomm {
