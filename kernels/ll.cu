@@ -463,9 +463,10 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Combine, send half: every expert-output row goes back to its token's rank, into slot [expert][t] there
-// (the source reduces from its own routing). Expert-major rows are found from recv_count / recv_layout_range /
-// recv_src_info, rank-major rows from recv_count / recv_topk_idx.
+// Combine, send half: every expert-output row goes back to its token's rank (the source reduces from its own
+// routing): expert-major rows, found from recv_count / recv_layout_range, into this rank's packed block there
+// (combPackedPtr; recv_src_info only validates the token index); rank-major rows, found from recv_count /
+// recv_topk_idx, into slot [expert][t] there.
 // ---------------------------------------------------------------------------------------------------------
 // s_pre: shared memory for L + 1 + L * R ints (expert-major): the prefix of recv_count, then per (l, source) the
 // rows of that source's earlier local experts (where expert l's rows start in the source's packed block).
