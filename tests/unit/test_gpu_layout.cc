@@ -7,6 +7,9 @@
 
 #include "common/gpu_layout.h"
 #include "common/routing.h"
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+#include "kernels/ll.h"
+#endif
 
 namespace epcomm {
 namespace {
@@ -95,6 +98,30 @@ TEST(Routing, ExpertMapLayoutRangeAndRepeats) {
   EXPECT_FALSE(isRepeatedExpert(row, 3));
   EXPECT_TRUE(isRepeatedExpert(row, 4));  // a repeated -1 is skipped anyway
 }
+
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+// The LL kernels' shared-memory staging, as include/epcomm/epcomm.h states it: dispatch 12 T K + 4 E bytes,
+// combine 20 T K + 16 E + 4 L plus the positions table (ceil(T K / 32) E bytes up to 32 KiB), at most
+// kLlMaxSmem; with top-8 and 256 experts about 2100 tokens per dispatch and 1250 per combine.
+TEST(GpuLayout, LlSharedMemoryIsWhatTheHeaderStates) {
+  for (int T : {1, 64, 128, 1000, 2048})
+    for (int K : {1, 8, 9})
+      for (int E : {8, 256, 4096}) {
+        SCOPED_TRACE(testing::Message() << "T " << T << " K " << K << " E " << E);
+        const size_t tk = static_cast<size_t>(T) * K, L = E / 8;
+        EXPECT_EQ(llSendSmemBytes(T, K, E), 12 * tk + 4 * E);
+        const size_t table = (tk + 31) / 32 * E <= 32 * 1024 ? (tk + 31) / 32 * E : 0;
+        const size_t stated = 20 * tk + 16 * E + 4 * L + table;
+        const size_t got = llCombineSmemBytes(T, K, E, static_cast<int>(L));
+        EXPECT_GE(got, stated);
+        EXPECT_LE(got, stated + 32);  // alignment padding and the prefix's one extra entry
+      }
+  EXPECT_LE(llSendSmemBytes(2100, 8, 256), kLlMaxSmem);
+  EXPECT_GT(llSendSmemBytes(2200, 8, 256), kLlMaxSmem);
+  EXPECT_LE(llCombineSmemBytes(1250, 8, 256, 32), kLlMaxSmem);
+  EXPECT_GT(llCombineSmemBytes(1300, 8, 256, 32), kLlMaxSmem);
+}
+#endif
 
 }  // namespace
 }  // namespace epcomm
