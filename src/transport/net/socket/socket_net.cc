@@ -268,8 +268,6 @@ int moveChunks(SockComm* c, int si, bool caller) {
   return moved;
 }
 
-void wake(Helper* h);
-
 void helperLoop(SockComm* c, Helper* h) {
   std::vector<pollfd> pfds;
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
