@@ -1301,7 +1301,9 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
 TEST_P(NetPlugin, SuspendedJobIsNoStall) {
   // Over libfabric's shm provider this case failed in 2 of 4 fresh-clone CI runs (2026-11-30: the waiting rank's
   // receive got a remote error after the resume, its peer's send too), and passed in every one of 8 local runs
-  // of the same binary with CI's environment. Until that is understood it does not run there; tcp and net do.
+  // of the same binary with CI's environment, and of 31 more on 2026-12-01 (alone and with all shm cases under a
+  // 2-core load, and the whole binary through meson test). Until that is understood it does not run there; tcp
+  // and net do.
   if (GetParam().provider && strcmp(GetParam().provider, "shm") == 0)
     GTEST_SKIP() << "ofi shm: intermittent false verdict after the resume in CI, under investigation";
   // A deadline well below the stop, with room for a slow machine: under ASAN on a loaded 2-core CI host, 500 ms
