@@ -46,12 +46,13 @@ __device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int pa
          ((static_cast<size_t>(par) * p.lay.max_experts + expert) * p.lay.max_tokens + t) * p.lay.comb_row;
 }
 
-// Expert-major combines pack the rows that expert rank A returns to this rank into A's block of M * min(K, L)
-// rows (a token sends at most min(K, L) experts to one rank): expert by expert, each expert's rows in token order.
+// Expert-major combines pack the rows that expert rank A returns to this rank into A's block of M * L rows (a
+// token sends at most L experts to one rank; the blocks of all R ranks fill E x M): expert by expert, each
+// expert's rows in token order. The block does not depend on the call's top-k.
 // Packed, the rows of one operation fill a few pages instead of one page per (expert, rank): sparse writes over
 // E x M slots measured 3-5x slower at R = 8 (one H200, MPS), the GPU's address translation being the suspect.
 __device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, int par, int A, size_t q) {
-  const size_t block = static_cast<size_t>(p.lay.max_tokens) * (p.K < p.L ? p.K : p.L);
+  const size_t block = static_cast<size_t>(p.lay.max_tokens) * p.L;
   return p.base[owner] + p.lay.comb +
          ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
 }
@@ -293,7 +294,7 @@ __device__ __forceinline__ int32_t tokenPositions(const int32_t* idx, int t, int
 __device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
-  extern __shared__ int32_t s_dyn[];
+  extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlDispatch]);
@@ -368,7 +369,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
-  extern __shared__ int s_begin[];  // [L][R + 1] first row of each source, then the total (expert-major)
+  extern __shared__ __align__(16) int s_begin[];  // [L][R + 1] first row of each source, then the total (expert-major)
   __shared__ int s_T[kGpuMaxRanks];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlDispatch]);
@@ -508,7 +509,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
     __syncthreads();
     for (int s = threadIdx.x >> 5; s < R; s += nwarps) warpExclusiveScan(s_at + s, L, R, lane);  // a warp per source
     __syncthreads();
-    const size_t block = static_cast<size_t>(M) * (K < L ? K : L);
+    const size_t block = static_cast<size_t>(M) * L;
     const int P = partsOf(s_pre[L], NW);
     for (int item = gw; item < s_pre[L] * P; item += NW) {
       const int i = item / P, part = item % P;
@@ -725,19 +726,19 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   dispatchRecvBody(p);
 }
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
-  extern __shared__ int32_t s_dyn[];
+  extern __shared__ __align__(16) int32_t s_dyn[];
   combineSendBody(p, s_dyn);
 }
 template <int kDtype>
 __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
-  extern __shared__ int32_t s_dyn[];
+  extern __shared__ __align__(16) int32_t s_dyn[];
   combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
 }
 // The receive half's staging follows the send half (its own shared memory): a block stages while the last
 // block publishes the tags and the peers finish their sends.
 template <int kDtype>
 __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
-  extern __shared__ int32_t s_dyn[];
+  extern __shared__ __align__(16) int32_t s_dyn[];
   combineSendBody(p, s_dyn + combStageBytes(p.T, p.K, p.E) / sizeof(int32_t));
   combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
 }

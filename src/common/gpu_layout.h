@@ -167,7 +167,7 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //                                              goes once to each rank that hosts one of its experts
 //   [combine slots:   2 par x E x M] row       expert outputs for this rank's tokens: rank-major at
 //                                              [expert x][t]; expert-major packed, expert rank A's rows in
-//                                              block A of M x min(K, L) rows, expert by expert, token order
+//                                              block A of M x L rows, expert by expert, token order
 //                                              (kernels/ll.cu combPackedPtr); with zero-copy combines, the
 //                                              regions the expert outputs are written to (epLlCombineBuffer)
 //                                              and the peers read from

@@ -256,8 +256,8 @@ int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int 
 
 class GpuLl : public ::testing::TestWithParam<int> {};
 
-TEST_P(GpuLl, BitExactAgainstHostEngine) {
-  const int R = GetParam();
+// Every rank runs `cases` (fresh seeds) on a GPU / host communicator pair with capacity M and E experts.
+void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
@@ -265,23 +265,11 @@ TEST_P(GpuLl, BitExactAgainstHostEngine) {
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
     CKC(selectDevice(rank));
-    const int E = 32 * R;  // a multiple of top-8 blocks and of R
     epComm_t g, h;
-    if (initPair(rank, R, gid, hid, 128, E, &g, &h)) return 1;
+    if (initPair(rank, R, gid, hid, M, E, &g, &h)) return 1;
     cudaStream_t s, s2;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-    const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
-    const LlCase cases[] = {
-        {1, 7168, 8, E, epBfloat16, 0, EM, 0},    {2, 7168, 8, E, epBfloat16, 1, EM, 1},
-        {128, 7168, 8, E, epBfloat16, 0, EM, 0},  {128, 7168, 8, E, epBfloat16, 1, EM, 1},
-        {128, 7168, 8, E, epBfloat16, 0, RM, 1},  {128, 2048, 8, E, epBfloat16, 1, RM, 0},
-        {1, 256, 4, E, epBfloat16, 1, RM, 0},     {2, 2048, 6, E, epFloat16, 0, EM, 1},
-        {64, 256, 9, 9 * R, epFloat32, 0, EM, 0}, {64, 256, 9, 9 * R, epFloat32, 0, RM, 1},
-        {96, 2048, 8, E, epFloat16, 1, EM, 0},
-        // Fewer local experts than top-k: a token sends up to L rows to one rank (the packed combine blocks).
-        {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 0}, {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 1},
-    };
     uint64_t seed_i = seed;
     for (const LlCase& c : cases) {
       if (rank == 0 && getenv("EPCOMM_GPU_TEST_VERBOSE"))
@@ -294,6 +282,33 @@ TEST_P(GpuLl, BitExactAgainstHostEngine) {
     return 0;
   }, 600000);
   expectAllRanksOk(codes, seed);
+}
+
+TEST_P(GpuLl, BitExactAgainstHostEngine) {
+  const int R = GetParam();
+  const int E = 32 * R;  // a multiple of top-8 blocks and of R
+  const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+  runCasesOnBothEngines(R, 128, E, {
+      {1, 7168, 8, E, epBfloat16, 0, EM, 0},    {2, 7168, 8, E, epBfloat16, 1, EM, 1},
+      {128, 7168, 8, E, epBfloat16, 0, EM, 0},  {128, 7168, 8, E, epBfloat16, 1, EM, 1},
+      {128, 7168, 8, E, epBfloat16, 0, RM, 1},  {128, 2048, 8, E, epBfloat16, 1, RM, 0},
+      {1, 256, 4, E, epBfloat16, 1, RM, 0},     {2, 2048, 6, E, epFloat16, 0, EM, 1},
+      {64, 256, 9, 9 * R, epFloat32, 0, EM, 0}, {64, 256, 9, 9 * R, epFloat32, 0, RM, 1},
+      {96, 2048, 8, E, epFloat16, 1, EM, 0},
+      // Fewer local experts than top-k: a token sends up to L rows to one rank (the packed combine blocks).
+      {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 0}, {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 1},
+  });
+}
+
+// 128 tokens x top-16 over 528 experts: the combine's table for positions would take 64 chunks x 528 bytes,
+// over its 32 KiB, so the expert-major receive half counts positions without it (stageRouting's fallback).
+TEST_P(GpuLl, CombinePositionsWithoutTheTable) {
+  const int R = GetParam();
+  const int E = 528;  // a multiple of 2, 4 and 8
+  runCasesOnBothEngines(R, 128, E, {
+      {128, 2048, 16, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 0},
+      {128, 2048, 16, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 1},
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
