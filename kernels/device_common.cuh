@@ -20,13 +20,18 @@ __device__ __forceinline__ uint64_t globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-__device__ __forceinline__ uint64_t ldAcquire(const uint64_t* p) {
+// Flags are acquired and released at system scope, or at GPU scope when every rank that touches them runs on
+// this GPU (ranks under MPS): a system-scope release or acquire waits for the system's ordering, which on one GPU
+// only adds latency to every LL phase.
+__device__ __forceinline__ uint64_t ldAcquire(const uint64_t* p, bool gpu_scope = false) {
   uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  if (gpu_scope) asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  else asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void stRelease(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void stRelease(uint64_t* p, uint64_t v, bool gpu_scope = false) {
+  if (gpu_scope) asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -74,15 +79,16 @@ __device__ void recordViolation(const P& p, int code) {
 
 // Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.
 template <class P>
-__device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch) {
-  if (ldAcquire(flag) >= want) return true;
+__device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch,
+                            bool gpu_scope = false) {
+  if (ldAcquire(flag, gpu_scope) >= want) return true;
   // %globaltimer can step backwards or jump when the driver resynchronizes it (seen in a VM): elapsed time is
   // the sum of the forward steps between checks, each capped, so a jump never fakes a timeout.
   constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;
   uint64_t last = globaltimer(), elapsed = 0;
   volatile GpuErrorRecord* err = p.err;
   for (uint32_t it = 1;; ++it) {
-    if (ldAcquire(flag) >= want) return true;
+    if (ldAcquire(flag, gpu_scope) >= want) return true;
     if ((it & 127) == 0) {
       if (err->code != 0 || err->abort != 0) return false;
       const uint64_t now = globaltimer();

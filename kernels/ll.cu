@@ -86,12 +86,21 @@ __device__ __forceinline__ void warpExclusiveScan(int* a, int n, int stride, int
   }
 }
 
-// Threads 0..R-1 each wait for one active peer's flag to reach `want` (masked peers are not waited for); false
-// in every thread if one failed.
-__device__ bool waitPeers(const LlParams& p, uint64_t* (*flag)(const LlParams&, int, int), int arg, uint64_t want,
-                          uint64_t e) {
-  const bool ok = threadIdx.x >= p.nranks || !rankActive(p.el, threadIdx.x) ||
-                  waitAtLeast(p, flag(p, threadIdx.x, arg), want, threadIdx.x, epPhaseData, e);
+// The active-ranks mask, read once per half at its start (it changes between operations only), so that no wait
+// or loop pays a dependent load for it.
+__device__ __forceinline__ uint64_t activeMask(const LlParams& p) { return p.el->active; }
+
+// Threads 0..R-1 each wait for one active peer's flag to reach `want` (masked peers, not in `act`, are not waited
+// for); false in every thread if one failed. The flag is loaded before the mask is looked at (one latency, not
+// two, when the flag is already there).
+__device__ bool waitPeers(const LlParams& p, uint64_t act, uint64_t* (*flag)(const LlParams&, int, int), int arg,
+                          uint64_t want, uint64_t e) {
+  bool ok = true;
+  if (threadIdx.x < p.nranks) {
+    const uint64_t* f = flag(p, threadIdx.x, arg);
+    ok = ldAcquire(f, p.gpu_scope) >= want || !((act >> threadIdx.x) & 1) ||
+         waitAtLeast(p, f, want, threadIdx.x, epPhaseData, e, p.gpu_scope);
+  }
   return __syncthreads_and(ok) != 0;  // no shared flag: a kernel may call this twice in a row
 }
 __device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackPtr(p, p.rank, fam, peer); }
@@ -182,6 +191,16 @@ struct SendSmem {
   int32_t* pos;  // [T, K] index of t among this rank's tokens of idx[t, k] (staged only with positions)
   int32_t* cnt;  // [E] pairs per expert
 };
+
+// stageRouting's table for positions, when it takes at most 32 KiB (else positions are counted without it).
+__host__ __device__ __forceinline__ size_t positionTableBytes(int T, int K, int E) {
+  const size_t bytes = (static_cast<size_t>(T) * K + 31) / 32 * E;
+  return bytes <= 32 * 1024 ? (bytes + 15) / 16 * 16 : 0;
+}
+// SendSmem's arrays (3 T K + E ints), rounded up to 16 bytes: what follows them (a table, addresses) is aligned.
+__host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int E) {
+  return (sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E) + 15) / 16 * 16;
+}
 
 // With `positions` false only idx, raw and cnt are staged (cnt by shared atomics, in any order); pos is then left
 // to tokenPositions, per token, by the warps that need it. An expert id outside [-1, E) is taken as -1; the
@@ -301,10 +320,17 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
+  const uint64_t act = activeMask(p);  // masked ranks get nothing; their pairs are counted as dropped
   // Every receiver must have read operation e - 2, which used the same parity.
-  const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlDispatch, e - 2, e);
-  const SendSmem m = stageRouting(p, s_dyn, false);
-  const uint64_t act = p.el->active;  // masked ranks get nothing; their pairs are counted as dropped
+  const bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlDispatch, e - 2, e);
+  // Expert-major rows need each token's index among this rank's tokens of each expert: staged by every block with
+  // the table where it fits (one pass; per token it took the send's slowest warps about 3 us at 64 tokens, one
+  // H200), else counted per token by the warp that sends it. Rank-major rows sit at the token's slot: none needed.
+  const bool em = p.layout == EP_LL_EXPERT_MAJOR;
+  uint8_t* table = em && positionTableBytes(p.T, K, p.E) > 0
+                       ? reinterpret_cast<uint8_t*>(s_dyn) + sendSmemArrayBytes(p.T, K, p.E)
+                       : nullptr;
+  const SendSmem m = stageRouting(p, s_dyn, table != nullptr, table);
   if (ok) {
     for (int x = gw; x < p.E; x += NW)
       if (lane == 0 && ((act >> (x / L)) & 1)) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
@@ -331,7 +357,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
         ++nd;
       }
       if (part == 0) {
-        const int32_t pos = tokenPositions(m.idx, t, K, xk, lane);
+        const int32_t pos = !em ? -1 : table ? (lane < K ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
         for (int d = 0; d < nd; ++d) {
           LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(dst[d]);
           if (lane < K) {
@@ -358,7 +384,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
-      if (rankActive(p.el, r) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e);
+      if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
   }
 }
@@ -378,13 +404,20 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   const size_t RM = static_cast<size_t>(R) * M;
+  const uint64_t act = activeMask(p);
   // Zero-copy combines: the expert outputs of the next combine are written after this receive half, into a
   // region peers may still be reading from; every combine this rank sent must have been read by every peer.
   const bool guard = !p.zc_guard ||
-                     waitPeers(p, ackFlag, kLlCombine, *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]), e);
-  if (guard && waitPeers(p, tagFlag, kLlDispatch * 2 + par, e, e)) {
+                     waitPeers(p, act, ackFlag, kLlCombine, *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]), e);
+  if (guard && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
+    // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
+    if (em)
+      for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+        const int l = i / R, s = i % R;
+        s_begin[l * (R + 1) + s] = countEntry(p, p.rank, par, s)[4 + l];
+      }
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
-      int T = rankActive(p.el, s) ? countEntry(p, p.rank, par, s)[0] : 0;  // a masked source sends nothing
+      int T = (act >> s) & 1 ? countEntry(p, p.rank, par, s)[0] : 0;  // a masked source sends nothing
       if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
         recordViolation(p, epInternalError);
         T = 0;
@@ -397,7 +430,8 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
       for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int acc = 0;
         for (int s = 0; s < R; ++s) {
-          int c = s_T[s] > 0 ? countEntry(p, p.rank, par, s)[4 + l] : 0;
+          // An entry of a source that sent no token is stale (a count of an earlier operation): not read.
+          int c = s_T[s] > 0 ? s_begin[l * (R + 1) + s] : 0;
           if (c < 0 || c > s_T[s]) {
             recordViolation(p, epInternalError);
             c = 0;
@@ -458,7 +492,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   }
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if (rankActive(p.el, s)) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e);
+      if ((act >> s) & 1) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
   }
 }
@@ -480,7 +514,8 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
   const size_t RM = static_cast<size_t>(R) * M;
   const uint8_t* y = static_cast<const uint8_t*>(p.y);
-  const bool ok = e <= 2 || waitPeers(p, ackFlag, kLlCombine, e - 2, e);
+  const uint64_t act = activeMask(p);
+  const bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlCombine, e - 2, e);
   const int units = static_cast<int>(p.xrow / 16);
   if (ok && p.zero_copy) {
     // Nothing moves: publish where the rows are and the layout they follow; the peers read them.
@@ -535,7 +570,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
         if (lane == 0) recordViolation(p, epInvalidUsage);
         continue;
       }
-      if (!rankActive(p.el, s)) continue;  // the token's rank was masked after the dispatch
+      if (!((act >> s) & 1)) continue;  // the token's rank was masked after the dispatch
       uint8_t* d = combPackedPtr(p, s, par, p.rank, q);
       warpCopyChunks(&d, 1, y + (static_cast<size_t>(l) * RM + j) * p.xrow, partBegin(units, P, part),
                      partBegin(units, P, part + 1), lane);
@@ -545,7 +580,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
     for (int item = gw; item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const int n = p.recv_count[s];
-      if (t >= n || !rankActive(p.el, s)) continue;
+      if (t >= n || !((act >> s) & 1)) continue;
       const int64_t* ti = p.recv_topk_idx + (static_cast<size_t>(s) * M + t) * K;
       int64_t l = lane < K ? ti[lane] : -1;
       if (l >= L || l < -1) {
@@ -564,7 +599,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
   }
   if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if (rankActive(p.el, s) && noFailure(p)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e);
+      if (((act >> s) & 1) && noFailure(p)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
   }
 }
@@ -621,23 +656,17 @@ struct CombStage {
   uint64_t* addr;      // [T, K] address of the pair's row, 0 if absent
 };
 
-// stageRouting's table for positions, when it takes at most 32 KiB (else positions are counted without it).
-__host__ __device__ __forceinline__ size_t combTableBytes(int T, int K, int E) {
-  const size_t bytes = (static_cast<size_t>(T) * K + 31) / 32 * E;
-  return bytes <= 32 * 1024 ? (bytes + 15) / 16 * 16 : 0;
-}
-
 __host__ __device__ __forceinline__ size_t combStageBytes(int T, int K, int E) {
   const size_t tk = static_cast<size_t>(T) * K;
-  return (sizeof(int32_t) * (3 * tk + E) + 15) / 16 * 16 + sizeof(uint64_t) * (E + tk) + combTableBytes(T, K, E);
+  return sendSmemArrayBytes(T, K, E) + sizeof(uint64_t) * (E + tk) + positionTableBytes(T, K, E);
 }
 
 __device__ CombStage stageCombine(const LlParams& p, int32_t* smem) {
   // Expert-major rows of one expert follow the token order of each source (positions); rank-major rows sit at t.
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   const int TK = p.T * p.K;
-  uint64_t* first = reinterpret_cast<uint64_t*>(smem) + (sizeof(int32_t) * (3 * TK + p.E) + 15) / 16 * 2;
-  uint8_t* table = combTableBytes(p.T, p.K, p.E) ? reinterpret_cast<uint8_t*>(first + p.E + TK) : nullptr;
+  uint64_t* first = reinterpret_cast<uint64_t*>(smem) + sendSmemArrayBytes(p.T, p.K, p.E) / sizeof(uint64_t);
+  uint8_t* table = positionTableBytes(p.T, p.K, p.E) ? reinterpret_cast<uint8_t*>(first + p.E + TK) : nullptr;
   const SendSmem m = stageRouting(p, smem, em, table);
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
     const int t = i / p.K, k = i % p.K;
@@ -671,10 +700,10 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
   const size_t RM = static_cast<size_t>(R) * p.M;
-  if (waitPeers(p, tagFlag, kLlCombine * 2 + par, e, e)) {
+  const uint64_t act = activeMask(p);
+  if (waitPeers(p, act, tagFlag, kLlCombine * 2 + par, e, e)) {
     // Zero-copy: each expert rank published where its rows are (LlZcHeader), rows begin(l, this rank) + index
     // (expert-major) or l * R * M + rank * M + t (rank-major) of its region. Plain: this rank's slots.
-    const uint64_t act = p.el->active;  // set between operations only
     const bool em = p.layout == EP_LL_EXPERT_MAJOR;
     for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
       const int A = x / L, l = x % L;
@@ -708,7 +737,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if (rankActive(p.el, s)) stRelease(ackPtr(p, s, kLlCombine, p.rank), e);
+      if ((act >> s) & 1) stRelease(ackPtr(p, s, kLlCombine, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlCombine], e);
   }
 }
@@ -774,7 +803,7 @@ cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, La
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-size_t llSendSmemBytes(int T, int K, int E) { return sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E); }
+size_t llSendSmemBytes(int T, int K, int E) { return sendSmemArrayBytes(T, K, E) + positionTableBytes(T, K, E); }
 
 size_t dispatchRecvSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
