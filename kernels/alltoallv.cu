@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
     int64_t* ent = a2aEntry(p, r, e, me);
     ent[0] = sendBytesTo(p, r);
     ent[1] = p.dev_send_counts ? -1 : static_cast<int64_t>(p.recv_bytes[r]);
-    __threadfence_system();
-    stRelease(&reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me))->tag, e);
+    fenceForPeers(p.ht.gpu_scope);
+    stRelease(&reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me))->tag, e, p.ht.gpu_scope);
   }
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
     }
     uint64_t* tail = qCounter(h, r, kDispTail, me, c);
     const uint64_t* head = qCounter(h, r, kDispHead, me, c);
-    const uint64_t base = rankActive(h.el, r) ? ldAcquire(tail) : 0;
+    const uint64_t base = rankActive(h.el, r) ? ldAcquire(tail, h.gpu_scope) : 0;
     uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
     bool alive = true;
     for (int k = cb; k < ce; k += RC) {
@@ -156,9 +156,9 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
         const uint64_t idx = base + (i - cb), from = static_cast<uint64_t>(i) * CH;
         warpCopyAny(q + (idx % Q) * h.lay.disp_slot, p.sendbuf + off + from, min(CH, bytes - from), lane);
       }
-      __threadfence_system();
+      fenceForPeers(h.gpu_scope);
       groupSync(G, r);
-      if (g == 0 && lane == 0 && noFailure(h)) stRelease(tail, end);
+      if (g == 0 && lane == 0 && noFailure(h)) stRelease(tail, end, h.gpu_scope);
     }
     return;
   }
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
   uint64_t* tail = qCounter(h, me, kDispTail, s, c);
   uint64_t* head = qCounter(h, me, kDispHead, s, c);
-  const uint64_t base = ldAcquire(head);
+  const uint64_t base = ldAcquire(head, h.gpu_scope);
   const uint8_t* q = h.base[me] + h.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * h.lay.disp_slot;
   bool alive = true;
   for (int k = cb; k < ce; k += RC) {
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
         warpCopyAny(p.recvbuf + from_s.off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, from_s.keep - from), lane);
     }
     groupSync(G, s);
-    if (g == 0 && lane == 0) stRelease(head, base + kend - cb);
+    if (g == 0 && lane == 0) stRelease(head, base + kend - cb, h.gpu_scope);
   }
 }
 

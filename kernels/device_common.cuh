@@ -78,9 +78,10 @@ __device__ void recordViolation(const P& p, int code) {
 }
 
 // Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.
+// Acquires at the scope of the operation's ranks (P::gpu_scope).
 template <class P>
-__device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch,
-                            bool gpu_scope = false) {
+__device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch) {
+  const bool gpu_scope = p.gpu_scope != 0;
   if (ldAcquire(flag, gpu_scope) >= want) return true;
   // %globaltimer can step backwards or jump when the driver resynchronizes it (seen in a VM): elapsed time is
   // the sum of the forward steps between checks, each capped, so a jump never fakes a timeout.
@@ -113,6 +114,12 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
 // at a fraction of the cost, which LL latency feels.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ void fenceAcqRelGpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// Orders this thread's writes to peers' memory before what it (or its block, after a barrier) publishes next: a
+// sequentially consistent fence at system scope, or at GPU scope when every rank runs on this GPU.
+__device__ __forceinline__ void fenceForPeers(bool gpu_scope) {
+  if (gpu_scope) __threadfence();
+  else __threadfence_system();
+}
 // `gpu_scope`: every rank this block wrote to runs on this GPU (ranks under MPS), so GPU-scope fences order the
 // writes for them; they cost about half a microsecond less each than system-scope ones (measured on an H200).
 __device__ __forceinline__ bool lastBlockDone(uint64_t* done, uint64_t target, bool gpu_scope = false) {

@@ -23,7 +23,7 @@ __device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, uin
   for (int i = threadIdx.x; i < p.nranks * p.C; i += blockDim.x) {
     const int r = i / p.C, c = i % p.C;
     if (!rankActive(p.el, r)) continue;
-    const uint64_t last = ldAcquire(qCounter(p, p.rank, sent_kind, r, c));
+    const uint64_t last = ldAcquire(qCounter(p, p.rank, sent_kind, r, c), p.gpu_scope);
     if (!waitAtLeast(p, qCounter(p, p.rank, ack_kind, r, c), last, r, epPhaseData, e)) return;
   }
 }
@@ -131,12 +131,12 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
       ent[R + L + c] = next - p.h.send_chan_base[r * C + c];
     }
   }
-  __threadfence_system();
+  fenceForPeers(p.gpu_scope);
   __syncthreads();
   for (int r = tid; r < R; r += blockDim.x) {
     if (!((act >> r) & 1)) continue;
     MailboxHead* head = reinterpret_cast<MailboxHead*>(p.base[r] + mailboxOffset(p, e, p.rank));
-    stRelease(&head->tag, e);
+    stRelease(&head->tag, e, p.gpu_scope);
   }
   uint8_t* me = p.base[p.rank];
   __shared__ int s_ok;
@@ -244,12 +244,12 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
         if (p.h.in_rank[tr]) list[static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]] = t;
       }
     }
-    __threadfence_system();
+    fenceForPeers(p.gpu_scope);
     __syncthreads();
     if (noFailure(p))
       for (int r = threadIdx.x; r < R; r += blockDim.x) {
         if (!rankActive(p.el, r)) continue;
-        stRelease(qCounter(p, r, kPullDReady, p.rank, c), e);
+        stRelease(qCounter(p, r, kPullDReady, p.rank, c), e, p.gpu_scope);
         stRelaxed(qCounter(p, p.rank, kPullDSent, r, c), e);
       }
     return;
@@ -287,7 +287,8 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
       }
     }
     groupSync(G, s);
-    if (ok && g == 0 && lane == 0 && rankActive(p.el, s)) stRelease(qCounter(p, s, kPullDAck, p.rank, c), e);
+    if (ok && g == 0 && lane == 0 && rankActive(p.el, s))
+      stRelease(qCounter(p, s, kPullDAck, p.rank, c), e, p.gpu_scope);
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
 }
@@ -345,8 +346,8 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     // publishes the tail.
     uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
     const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
-    const uint64_t base = rankActive(p.el, r) ? ldAcquire(tail) : 0;  // this rank is the only writer; a masked
-                                                                       // rank's memory is not touched
+    // This rank is the only writer of the tail; a masked rank's memory is not touched.
+    const uint64_t base = rankActive(p.el, r) ? ldAcquire(tail, p.gpu_scope) : 0;
     uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
     uint64_t sent = 0;  // rows published so far (kept by lane 0 of warp 0, the group's publisher)
     bool alive = true;  // after a failed wait the group keeps meeting its barriers, doing nothing
@@ -374,9 +375,9 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
           if (p.topk_weights != nullptr) reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = w;
         }
       }
-      __threadfence_system();
+      fenceForPeers(p.gpu_scope);
       groupSync(G, r);
-      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + sent);
+      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + sent, p.gpu_scope);
     }
     return;
   }
@@ -390,7 +391,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
     uint64_t* tail = qCounter(p, p.rank, kDispTail, s, c);
     uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
-    const uint64_t base = ldAcquire(head);
+    const uint64_t base = ldAcquire(head, p.gpu_scope);
     const uint8_t* q = me + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
     bool alive = true;
     for (int k = 0; k < n; k += RT) {
@@ -415,7 +416,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
         }
       }
       groupSync(G, s);
-      if (g == 0 && lane == 0) stRelease(head, base + kend);
+      if (g == 0 && lane == 0) stRelease(head, base + kend, p.gpu_scope);
     }
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
     uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
     const uint64_t* head = qCounter(p, s, kCombHead, p.rank, c);
-    const uint64_t base = rankActive(p.el, s) ? ldAcquire(tail) : 0;
+    const uint64_t base = rankActive(p.el, s) ? ldAcquire(tail, p.gpu_scope) : 0;
     uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
     bool alive = true;
     for (int k = 0; k < n; k += G) {
@@ -460,9 +461,9 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
           warpZero16(slot, p.xrow, lane);
         }
       }
-      __threadfence_system();
+      fenceForPeers(p.gpu_scope);
       groupSync(G, s);
-      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + min(k + G, n));
+      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + min(k + G, n), p.gpu_scope);
     }
     return;
   }
@@ -484,7 +485,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     n = rankActive(p.el, r) ? warpSum(n) : 0;
     uint64_t* tail = qCounter(p, p.rank, kCombTail, r, c);
     uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
-    const uint64_t base = ldAcquire(head);
+    const uint64_t base = ldAcquire(head, p.gpu_scope);
     const int first = p.h.send_chan_base[r * C + c];
     const uint8_t* q = me + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * Q * p.lay.x_stride;
     bool alive = true;
@@ -500,7 +501,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
         warpCopy16(stage + (static_cast<size_t>(r) * p.lay.max_tokens + first + i) * p.lay.x_stride,
                    q + ((base + i) % Q) * p.lay.x_stride, p.xrow, lane);
       groupSync(G, r);
-      if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n));
+      if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n), p.gpu_scope);
     }
   }
   __syncthreads();
@@ -558,10 +559,10 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
         warpZero16(dst, p.xrow, lane);
       }
     }
-    __threadfence_system();
+    fenceForPeers(p.gpu_scope);
     groupSync(G, s);
     if (g == 0 && lane == 0 && ok && noFailure(p)) {
-      stRelease(qCounter(p, s, kPullReady, p.rank, c), e);
+      stRelease(qCounter(p, s, kPullReady, p.rank, c), e, p.gpu_scope);
       stRelaxed(qCounter(p, p.rank, kPullSent, s, c), e);
     }
     return;
@@ -614,7 +615,7 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   // Every row of this channel is read: the copiers may overwrite them.
   __syncthreads();
   for (int r = threadIdx.x; r < R; r += blockDim.x)
-    if (rankActive(p.el, r)) stRelease(qCounter(p, r, kPullAck, p.rank, c), e);
+    if (rankActive(p.el, r)) stRelease(qCounter(p, r, kPullAck, p.rank, c), e, p.gpu_scope);
 }
 
 // ---------------------------------------------------------------------------------------------------------

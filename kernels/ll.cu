@@ -99,7 +99,7 @@ __device__ bool waitPeers(const LlParams& p, uint64_t act, uint64_t* (*flag)(con
   if (threadIdx.x < p.nranks) {
     const uint64_t* f = flag(p, threadIdx.x, arg);
     ok = ldAcquire(f, p.gpu_scope) >= want || !((act >> threadIdx.x) & 1) ||
-         waitAtLeast(p, f, want, threadIdx.x, epPhaseData, e, p.gpu_scope);
+         waitAtLeast(p, f, want, threadIdx.x, epPhaseData, e);
   }
   return __syncthreads_and(ok) != 0;  // no shared flag: a kernel may call this twice in a row
 }

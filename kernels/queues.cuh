@@ -14,7 +14,7 @@ __device__ __forceinline__ uint64_t bumpEpoch(GpuCtrl* c) {
   __threadfence();
   return e;
 }
-__device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) { return ldAcquire(&p.ctrl->epoch); }
+__device__ __forceinline__ uint64_t currentEpoch(const HtParams& p) { return ldAcquire(&p.ctrl->epoch, p.gpu_scope); }
 
 // The G warps that serve one peer in a block synchronize among themselves only (named barrier 1 + peer), so
 // peers never wait for each other. With one warp per peer a warp barrier suffices.

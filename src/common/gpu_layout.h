@@ -282,6 +282,7 @@ struct HtParams {
   GpuErrorClaims* claims;
   GpuElastic* el;
   uint64_t timeout_ns;
+  int gpu_scope;                     // every rank runs on this GPU (ranks under MPS): GPU-scope fences suffice
   int C, Q, G;                       // channels, queue rows, warps per peer in a block
   int round;                         // queue rows moved between two publications of a counter (<= Q / 2)
   // operation

@@ -171,6 +171,7 @@ HtParams GpuEngine::baseParams(int op) const {
   p.claims = claims_;
   p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
+  p.gpu_scope = gpu_sharing_ == comm_->nranks;
   p.C = lay_.channels;
   p.Q = lay_.queue_rows;
   // G warps per peer, R * G warps per block (at most 32); named barriers 1..15 need R < 16 when G > 1.
