@@ -178,10 +178,11 @@ HtParams GpuEngine::baseParams(int op) const {
   const int g_max = comm_->nranks >= 16 ? 1 : std::max(1, std::min(16, 32 / comm_->nranks));
   const int g_want = static_cast<int>(epParamGpuWarpsPerPeer());
   p.G = g_want > 0 ? std::min(g_want, g_max) : g_max;
-  // A sender publishes its queue rows in rounds: each publication costs a system fence that waits for the round's
-  // remote stores. Across NVLink that wait is long, and rounds of one row per warp left the link idle between
-  // them; rounds of at most half a queue let the receiver drain one half while the sender fills the other. Ranks
-  // that share a GPU fence cheaply, and there rounds of one row per warp measured best. Measured (one H200 under
+  // A sender publishes its queue rows in rounds: each publication costs a fence that waits for the round's remote
+  // stores (system scope; GPU scope when every rank runs on this GPU). Across NVLink that wait is long, and rounds
+  // of one row per warp left the link idle between them; rounds of at most half a queue let the receiver drain one
+  // half while the sender fills the other. Ranks that share a GPU fence cheaply, and there rounds of one row per
+  // warp measured best (with system-scope fences). Measured (one H200 under
   // MPS, and two H200s): bench/results/h200-ht-rounds-s3.log. Across NVLink the default keeps a rank's rounds,
   // all channels and peers together, near 6 MiB.
   const int half = std::max(1, lay_.queue_rows / 2);
