@@ -2,6 +2,7 @@
 #include "engine/host/net_bridge.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -38,7 +39,7 @@ constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
 
 struct NetBridge::Peer {
   int rank = -1;
-  uint8_t handle[net::kNetHandleSize] = {};  // the peer's listen handle (connect keeps its progress in it)
+  uint8_t handle[net::kNetHandleSize] = {};  // the peer's listen handle as exchanged (establish connects with a copy)
   void* send = nullptr;
   void* recv = nullptr;
   // Outboxes toward this peer, one per channel: the producer ends the engine pushes into.
@@ -183,8 +184,46 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
 
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) memcpy(peers_[r]->handle, all[r].handle, net::kNetHandleSize);
-  // Connect to every remote peer and accept one connection from each; the first frame on a connection is a
-  // HELLO naming the sender's rank and presenting the communicator's secret.
+  std::vector<void*> send, recv;
+  EPCHECK(establish(remote_, 0, send, recv, timeout_ms));
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    pp->send = send[pp->rank];
+    pp->recv = recv[pp->rank];
+    EPCHECK(regSlots(pp->send, pp->send_buf, pp->send_mh, pp->free_send, kSendSlots));
+    EPCHECK(regSlots(pp->recv, pp->recv_buf, pp->recv_mh, pp->free_recv, kRecvSlots));
+  }
+  // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
+  // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
+  thread_ = std::thread([this] { progressLoop(); });
+  EP_INFO(kSubsysInit, "host engine: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
+          backend_->name());
+  return epSuccess;
+}
+
+// Connects to the listener of every rank r with to[r] (the handles exchanged at creation) and accepts one
+// connection from each on this rank's listener. The first message on a connection is a HELLO naming the sender's
+// rank and presenting the communicator's secret and `gen` (0 for the engine's own connections; a later set-up on
+// the same listener uses another), so that a stranger or a stale connection is dropped without disturbing the
+// others (R5).
+epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
+                                std::vector<void*>& recv, int timeout_ms) {
+  int nremote = 0;
+  for (int r = 0; r < nranks_; ++r) {
+    if (to[r] && !peers_[r]) return EP_ERROR(epInternalError, "rank %d is not on another host", r);
+    nremote += to[r] ? 1 : 0;
+  }
+  send.assign(nranks_, nullptr);
+  recv.assign(nranks_, nullptr);
+  // connect() keeps its progress in the caller's copy of the handle: a fresh copy for every call.
+  std::vector<std::array<uint8_t, net::kNetHandleSize>> handle(nranks_);
+  for (int r = 0; r < nranks_; ++r)
+    if (to[r]) memcpy(handle[r].data(), peers_[r]->handle, net::kNetHandleSize);
+  std::vector<FrameHdr> hello(nranks_);  // registered with send[r] while the greeting is out
+  std::vector<void*> hello_mh(nranks_, nullptr), hello_req(nranks_, nullptr);
+  std::vector<uint8_t> hello_sent(nranks_, 0);
+  std::vector<std::vector<uint8_t>> greet_buf(nranks_);  // the greeting received on recv[r], and its registration
+  std::vector<void*> greet_mh(nranks_, nullptr);
   struct Accepted {
     void* comm;
     void* mh;
@@ -195,34 +234,30 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
   int connected = 0, identified = 0;
   const int64_t deadline = nowNs() + static_cast<int64_t>(timeout_ms) * 1000000LL;
   Backoff backoff;
-  std::vector<void*> hello_req(nranks_, nullptr);
-  std::vector<FrameHdr> hello(nranks_);
-  std::vector<void*> hello_mh(nranks_, nullptr);
   epResult_t res = epSuccess;
   while (res == epSuccess && (connected < nremote || identified < nremote)) {
     bool moved = false;
     for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
-      Peer* p = peers_[r].get();
-      if (!p) continue;
-      if (!p->send) {
-        if (backend_->connect(0, p->handle, &p->send) != epSuccess) {
+      if (!to[r]) continue;
+      if (!send[r]) {
+        if (backend_->connect(0, handle[r].data(), &send[r]) != epSuccess) {
           res = EP_ERROR(epRemoteError, "rank %d: connecting to rank %d over the net transport: %s", rank_, r,
                          net::netLastError());
           break;
         }
-        if (!p->send) continue;
+        if (!send[r]) continue;
         moved = true;
-        res = regSlots(p->send, p->send_buf, p->send_mh, p->free_send, kSendSlots);
-        if (res != epSuccess) break;
         FrameHdr& h = hello[r];
-        h = FrameHdr{kFrameMagic, kHello, 0, 0, rank_, {0, 0, 0, 0}};
+        h = FrameHdr{kFrameMagic, kHello, 0, 0, rank_, {0, 0, gen, 0}};
         memcpy(h.v, secret_, kSecretBytes);
-        memcpy(p->send_buf[0].data(), &h, sizeof(h));
+        if (backend_->regMr(send[r], &h, sizeof(h), net::kNetPtrHost, &hello_mh[r]) != epSuccess) {
+          res = EP_ERROR(epSystemError, "registering a greeting with the net transport: %s", net::netLastError());
+          break;
+        }
       }
-      if (!p->hello_sent) {
+      if (!hello_sent[r]) {
         if (!hello_req[r]) {
-          if (backend_->isend(p->send, p->send_buf[0].data(), sizeof(FrameHdr), 0, p->send_mh[0], &hello_req[r]) !=
-              epSuccess) {
+          if (backend_->isend(send[r], &hello[r], sizeof(FrameHdr), 0, hello_mh[r], &hello_req[r]) != epSuccess) {
             res = EP_ERROR(epRemoteError, "rank %d: greeting rank %d over the net transport: %s", rank_, r,
                            net::netLastError());
             break;
@@ -237,7 +272,8 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
           break;
         }
         if (done) {
-          p->hello_sent = true;
+          hello_sent[r] = 1;
+          hello_req[r] = nullptr;
           ++connected;
           moved = true;
         }
@@ -280,25 +316,24 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
         break;
       }
       if (!done) continue;
+      a.req = nullptr;
       moved = true;
       FrameHdr h{};
       if (got == sizeof(h)) memcpy(&h, a.buf.data(), sizeof(h));
       const bool good = got == sizeof(h) && h.magic == kFrameMagic && h.type == kHello && h.src >= 0 &&
-                        h.src < nranks_ && remote_[h.src] && peers_[h.src]->recv == nullptr &&
-                        memcmp(h.v, secret_, kSecretBytes) == 0;
-      if (!good) {  // a stranger, or a peer of another communicator: dropped without disturbing this one (R5)
-        EP_WARN("rank %d: dropping a net connection that did not present this communicator's secret "
-                "and a rank of another host", rank_);
-        backend_->deregMr(a.comm, a.mh);
+                        h.src < nranks_ && to[h.src] && recv[h.src] == nullptr &&
+                        memcmp(h.v, secret_, kSecretBytes) == 0 && h.v[2] == gen;
+      if (!good) {  // a stranger, a peer of another communicator or of an earlier set-up: dropped (R5)
+        EP_WARN("rank %d: dropping a net connection that did not present this communicator's secret, a rank of "
+                "another host and the current set-up", rank_);
         backend_->closeRecv(a.comm);
+        backend_->deregMr(a.comm, a.mh);
         a.comm = nullptr;
         continue;
       }
-      Peer& p = *peers_[h.src];
-      p.recv = a.comm;
-      p.recv_buf.push_back(std::move(a.buf));
-      p.recv_mh.push_back(a.mh);
-      p.free_recv.push_back(0);
+      recv[h.src] = a.comm;
+      greet_buf[h.src] = std::move(a.buf);
+      greet_mh[h.src] = a.mh;
       a.comm = nullptr;
       ++identified;
     }
@@ -318,29 +353,25 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
     }
     backoff.pause();
   }
+  // Close before deregistering (net.h): a failed set-up may leave greetings in flight.
   for (Accepted& a : accepted) {
-    if (a.mh) backend_->deregMr(a.comm, a.mh);
     backend_->closeRecv(a.comm);
+    if (a.mh) backend_->deregMr(a.comm, a.mh);
   }
-  if (res != epSuccess) return res;
-  for (auto& pp : peers_) {
-    if (!pp) continue;
-    // The greeting's buffer 0 on the receive side is already registered; add the rest.
-    for (int i = 1; i < kRecvSlots; ++i) {
-      pp->recv_buf.emplace_back(kFrameBytes);
-      pp->recv_mh.push_back(nullptr);
-      if (backend_->regMr(pp->recv, pp->recv_buf[i].data(), kFrameBytes, net::kNetPtrHost, &pp->recv_mh[i]) !=
-          epSuccess)
-        EP_FAIL(epSystemError, "registering host engine frame buffers: %s", net::netLastError());
-      pp->free_recv.push_back(i);
+  if (res != epSuccess)
+    for (int r = 0; r < nranks_; ++r) {
+      if (send[r]) backend_->closeSend(send[r]);
+      if (recv[r]) backend_->closeRecv(recv[r]);
     }
+  for (int r = 0; r < nranks_; ++r) {
+    if (hello_mh[r]) backend_->deregMr(send[r], hello_mh[r]);
+    if (greet_mh[r]) backend_->deregMr(recv[r], greet_mh[r]);
   }
-  // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
-  // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
-  thread_ = std::thread([this] { progressLoop(); });
-  EP_INFO(kSubsysInit, "host engine: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
-          backend_->name());
-  return epSuccess;
+  if (res != epSuccess) {
+    send.assign(nranks_, nullptr);
+    recv.assign(nranks_, nullptr);
+  }
+  return res;
 }
 
 // ------------------------------------------------------------------------------------------------------

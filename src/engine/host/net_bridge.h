@@ -77,6 +77,10 @@ class NetBridge {
 
  private:
   struct Peer;
+  // Connects to and accepts from every rank r with to[r], each connection greeted with the secret and `gen`;
+  // send[r]/recv[r] get the comms (on failure all are closed and null).
+  epResult_t establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
+                       std::vector<void*>& recv, int timeout_ms);
   void progressLoop();
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
