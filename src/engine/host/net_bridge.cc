@@ -203,9 +203,8 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
 
 // Connects to the listener of every rank r with to[r] (the handles exchanged at creation) and accepts one
 // connection from each on this rank's listener. The first message on a connection is a HELLO naming the sender's
-// rank and presenting the communicator's secret and `gen` (0 for the engine's own connections; a later set-up on
-// the same listener uses another), so that a stranger or a stale connection is dropped without disturbing the
-// others (R5).
+// rank and presenting the communicator's secret and `gen` (0 for the engine's own connections, rawStream's call
+// count for its), so that a stranger or a stale connection is dropped without disturbing the others (R5).
 epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
                                 std::vector<void*>& recv, int timeout_ms) {
   int nremote = 0;
@@ -642,6 +641,151 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
   }
   if (listen_) backend_->closeListen(listen_);
   listen_ = nullptr;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Raw throughput (epCommNetRawBandwidth)
+// ------------------------------------------------------------------------------------------------------
+
+epResult_t NetBridge::rawStream(const std::vector<uint8_t>& to, size_t bytes_per_peer, size_t msg_bytes,
+                                int window, int timeout_ms, const std::function<epResult_t()>& sync,
+                                RawResult* out) {
+  *out = RawResult{};
+  EP_REQUIRE(backend_ != nullptr && listen_ != nullptr, epInvalidUsage,
+             "rank %d has no net connections to measure (every rank on one host?)", rank_);
+  EP_REQUIRE(bytes_per_peer > 0 && msg_bytes > 0 && window > 0, epInvalidArgument,
+             "bytes_per_peer, msg_bytes and window must be positive");
+  const uint64_t gen = ++raw_gen_;
+  std::vector<void*> send, recv;
+  EPCHECK(establish(to, gen, send, recv, timeout_ms));
+  // One direction toward (tx) or from (rx) one peer: `window` buffers of msg_bytes, message i in buffer
+  // i % window (at most `window` in flight, completed in posting order, so that buffer is free again).
+  struct Dir {
+    void* comm = nullptr;
+    std::vector<std::vector<uint8_t>> buf;
+    std::vector<void*> mh;
+    std::deque<void*> reqs;
+    size_t posted = 0, done = 0;
+  };
+  std::vector<Dir> tx(nranks_), rx(nranks_);
+  const size_t n = (bytes_per_peer + msg_bytes - 1) / msg_bytes;
+  auto sizeOf = [&](size_t i) { return i + 1 < n ? msg_bytes : bytes_per_peer - (n - 1) * msg_bytes; };
+  const size_t W = static_cast<size_t>(window);
+  epResult_t res = epSuccess;
+  for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
+    if (!to[r]) continue;
+    tx[r].comm = send[r];
+    rx[r].comm = recv[r];
+    for (Dir* d : {&tx[r], &rx[r]}) {
+      d->buf.assign(std::min(W, n), std::vector<uint8_t>(msg_bytes, d == &tx[r] ? 0x5a : 0));
+      d->mh.assign(d->buf.size(), nullptr);
+      for (size_t i = 0; i < d->buf.size() && res == epSuccess; ++i)
+        if (backend_->regMr(d->comm, d->buf[i].data(), msg_bytes, net::kNetPtrHost, &d->mh[i]) != epSuccess)
+          res = EP_ERROR(epSystemError, "registering raw stream buffers with the net transport: %s",
+                         net::netLastError());
+    }
+  }
+  bool moved = false;
+  // Posts receives (up to `window`) from peer r; then completes sends and receives, oldest first, and posts sends.
+  auto postRecvs = [&](int r) -> epResult_t {
+    Dir& d = rx[r];
+    while (d.posted < n && d.reqs.size() < W) {
+      void* data = d.buf[d.posted % W].data();
+      size_t size = msg_bytes;
+      int tag = 0;
+      void* req = nullptr;
+      if (backend_->irecv(d.comm, 1, &data, &size, &tag, &d.mh[d.posted % W], &req) != epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream receive from rank %d: %s", rank_, r, net::netLastError());
+      if (!req) break;
+      d.reqs.push_back(req);
+      ++d.posted;
+      moved = true;
+    }
+    return epSuccess;
+  };
+  auto progress = [&](int r) -> epResult_t {
+    Dir& s = tx[r];
+    while (!s.reqs.empty()) {
+      int done = 0;
+      if (backend_->test(s.reqs.front(), &done, nullptr) != epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream send to rank %d: %s", rank_, r, net::netLastError());
+      if (!done) break;
+      s.reqs.pop_front();
+      out->bytes_sent += sizeOf(s.done++);
+      moved = true;
+    }
+    while (s.posted < n && s.reqs.size() < W) {
+      void* req = nullptr;
+      if (backend_->isend(s.comm, s.buf[s.posted % W].data(), sizeOf(s.posted), 0, s.mh[s.posted % W], &req) !=
+          epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream send to rank %d: %s", rank_, r, net::netLastError());
+      if (!req) break;
+      s.reqs.push_back(req);
+      ++s.posted;
+      moved = true;
+    }
+    Dir& d = rx[r];
+    while (!d.reqs.empty()) {
+      int done = 0;
+      size_t got = 0;
+      if (backend_->test(d.reqs.front(), &done, &got) != epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream receive from rank %d: %s", rank_, r, net::netLastError());
+      if (!done) break;
+      if (got != sizeOf(d.done))
+        return EP_ERROR(epRemoteError, "rank %d: raw stream message %zu from rank %d has %zu bytes, not %zu", rank_,
+                        d.done, r, got, sizeOf(d.done));
+      d.reqs.pop_front();
+      out->bytes_received += got;
+      ++d.done;
+      moved = true;
+    }
+    return postRecvs(r);
+  };
+  // Receives in place before anyone starts; then every rank starts together (sync) and streams to all at once.
+  for (int r = 0; r < nranks_ && res == epSuccess; ++r)
+    if (to[r]) res = postRecvs(r);
+  if (res == epSuccess) res = sync();
+  const int64_t t0 = nowNs();
+  int64_t t1 = t0, last = t0;
+  Backoff backoff;
+  while (res == epSuccess) {
+    moved = false;
+    bool all = true;
+    for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
+      if (!to[r]) continue;
+      res = progress(r);
+      all = all && tx[r].done == n && rx[r].done == n;
+    }
+    if (res != epSuccess) break;
+    const int64_t now = nowNs();
+    if (all) {
+      t1 = now;
+      break;
+    }
+    if (moved) {
+      last = now;
+      backoff.reset();
+    } else if (now - last > static_cast<int64_t>(timeout_ms) * 1000000LL) {
+      res = EP_ERROR(epTimeout, "rank %d: raw stream over the net transport made no progress for %d ms", rank_,
+                     timeout_ms);
+    } else {
+      backoff.pause();
+    }
+  }
+  out->seconds = static_cast<double>(t1 - t0) * 1e-9;
+  // Nobody closes before every rank has everything: a backend may report a closed connection instead of the
+  // messages that arrived just before it.
+  if (res == epSuccess) res = sync();
+  // Close first (cancels what is still posted after a failure), then deregister (net.h).
+  for (int r = 0; r < nranks_; ++r) {
+    if (tx[r].comm) backend_->closeSend(tx[r].comm);
+    if (rx[r].comm) backend_->closeRecv(rx[r].comm);
+  }
+  for (int r = 0; r < nranks_; ++r)
+    for (Dir* d : {&tx[r], &rx[r]})
+      for (void* mh : d->mh)
+        if (mh) backend_->deregMr(d->comm, mh);
+  return res;
 }
 
 }  // namespace epcomm
