@@ -2,7 +2,7 @@
 //
 //   epcomm-run -n 4 -- epcomm-bench [--ht-tokens 4096] [--ll-tokens 128] [--hidden 7168] [--topk 8]
 //                                   [--experts 256] [--iters 5] [--warmup 2] [--ops ht,ll,a2a] [--sms 24]
-//                                   [--csv FILE]
+//                                   [--csv FILE] [--net-raw-mb 16] [--net-raw-msg-kb 1024] [--net-raw-window 4]
 //
 // Prints one table on rank 0: operation, ranks, tokens, hidden, top-k, experts, SM budget, median time (the
 // slowest rank's), GB/s per rank by DeepEP's accounting (bytes of token rows a rank receives (HT) or sends (LL)
@@ -12,6 +12,14 @@
 // ranks: a ratio that extra passes cannot raise. GPU rows also show moved_GB/s, the bytes the kernels actually
 // move (a diagnostic: it grows with extra passes). --csv appends every row to FILE (scripts/plot_bench.py draws
 // it; scripts/bench_sweep.sh sweeps SMs and tokens).
+//
+// Across hosts (host engine, epcomm-run --hosts H) the rows also show the bytes all ranks handed to the
+// inter-host transport per operation (xhost_MB/op, epCommGetNetBytes) and per second (xhost_GB/s), and, measured
+// in the same run between the same processes before the operations, the raw net throughput (epCommNetRawBandwidth:
+// every rank streams --net-raw-mb MiB to every rank of other hosts at once over the same EPCOMM_NET backend, in
+// --net-raw-msg-kb KiB messages, --net-raw-window in flight per peer and direction; median of --iters after
+// --warmup): a "net raw" row (GB/s summed over ranks like xhost_GB/s) and xhost/raw = xhost_GB/s over it for
+// every operation. --net-raw-mb 0 leaves the raw measurement out; with every rank on one host it is off.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -33,6 +41,7 @@ namespace {
 
 struct Options {
   int ht_tokens = 4096, ll_tokens = 128, hidden = 7168, topk = 8, experts = 256, iters = 5, warmup = 2, sms = 24;
+  int net_raw_mb = 16, net_raw_msg_kb = 1024, net_raw_window = 4;  // raw net stream: MiB per peer, message, window
   bool ht = true, ll = true, a2a = false;
   std::string csv;
 };
@@ -88,6 +97,37 @@ double memcpyRoofline() {
   CHECK(epAlltoallv(comm, &mine, sc.data(), sd.data(), all.data(), rc.data(), rd.data(), epInt64, nullptr));
   double worst = *std::max_element(all.begin(), all.end());
   return rank == 0 ? 2.0 * bytes * nranks / worst : 0.0;
+}
+
+// Raw net throughput across hosts (host engine), in the same run and between the same processes as the operations:
+// every rank streams to every rank of other hosts at once (epCommNetRawBandwidth). bytes: all ranks' bytes of one
+// repetition; seconds: the slowest rank's median. {0, 0} on one host or with --net-raw-mb 0.
+struct NetRaw {
+  double bytes = 0, seconds = 0;
+  double gbs() const { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
+};
+
+std::vector<double> gatherToRank0(const double* mine, int n);
+
+NetRaw netRaw(const Options& o) {
+  NetRaw raw;
+  if (o.net_raw_mb <= 0) return raw;
+  const size_t per_peer = static_cast<size_t>(o.net_raw_mb) << 20, msg = static_cast<size_t>(o.net_raw_msg_kb) << 10;
+  std::vector<double> t;
+  uint64_t sent = 0;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    double s = 0;
+    CHECK(epCommNetRawBandwidth(comm, per_peer, msg, o.net_raw_window, &sent, &s));  // one host: 0 at once
+    if (i >= o.warmup) t.push_back(s);
+  }
+  const double mine[2] = {median(t), static_cast<double>(sent)};
+  const std::vector<double> all = gatherToRank0(mine, 2);
+  if (rank == 0)
+    for (int r = 0; r < nranks; ++r) {
+      raw.seconds = std::max(raw.seconds, all[2 * r]);
+      raw.bytes += all[2 * r + 1];
+    }
+  return raw;
 }
 
 // Random distinct experts per token.
@@ -712,25 +752,48 @@ int usage(const char* argv0, const std::string& why) {
   fprintf(stderr,
           "epcomm-bench (rank %s): %s\n"
           "usage: epcomm-run -n R -- %s [--ht-tokens N] [--ll-tokens N] [--hidden H] [--topk K] [--experts E]\n"
-          "                                [--iters N] [--warmup N] [--ops ht,ll,a2a] [--sms N] [--csv FILE]\n",
+          "                                [--iters N] [--warmup N] [--ops ht,ll,a2a] [--sms N] [--csv FILE]\n"
+          "                                [--net-raw-mb MiB] [--net-raw-msg-kb KiB] [--net-raw-window N]\n",
           getenv("EPCOMM_RANK") ? getenv("EPCOMM_RANK") : "?", why.c_str(), argv0);
   return 2;
 }
 
 // One CSV line per row (header when the file is new), for scripts/plot_bench.py.
-void appendCsv(const Options& o, const char* engine, const std::vector<Row>& rows, double roof) {
+// Across hosts: net_raw_gbs is the run's raw net throughput (the same on every row; 0 where not measured) and
+// xhost_raw the row's xhost GB/s over it; a "net raw" row carries the raw stream itself (xhost_bytes: all ranks'
+// bytes of one repetition).
+void appendCsv(const Options& o, const char* engine, const std::vector<Row>& rows, double roof,
+               const NetRaw& raw = NetRaw{}) {
+  static const char* kHeader =
+      "op,engine,ranks,tokens,hidden,topk,experts,sms,median_us,deepep_gbs,useful_gbs,x_copy,moved_gbs,"
+      "xhost_bytes,net_raw_gbs,xhost_raw";
+  bool fresh = true;
+  if (FILE* r = fopen(o.csv.c_str(), "r")) {  // a file of an older bench has fewer columns: say so, append anyway
+    char line[512] = {0};
+    fresh = fgets(line, sizeof(line), r) == nullptr;
+    line[strcspn(line, "\n")] = 0;
+    if (!fresh && strcmp(line, kHeader) != 0)
+      fprintf(stderr, "epcomm-bench: --csv %s has another header (an older epcomm-bench?); rows appended with "
+                      "this one's columns: %s\n", o.csv.c_str(), kHeader);
+    fclose(r);
+  }
   FILE* f = fopen(o.csv.c_str(), "a");
   if (f == nullptr) {
     fprintf(stderr, "epcomm-bench: cannot open --csv %s: %s\n", o.csv.c_str(), strerror(errno));
     return;
   }
-  if (ftell(f) == 0)
-    fprintf(f, "op,engine,ranks,tokens,hidden,topk,experts,sms,median_us,deepep_gbs,useful_gbs,x_copy,moved_gbs,"
-               "xhost_bytes\n");
-  for (const Row& r : rows)
-    fprintf(f, "%s,%s,%d,%d,%d,%d,%d,%d,%.3f,%.3f,%.3f,%.4f,%.3f,%.0f\n", r.op.c_str(), engine, nranks, r.tokens,
-            o.hidden, o.topk, o.experts, o.sms, r.median_s * 1e6, r.deepep_gbs, r.useful_bytes / r.median_s / 1e9,
-            r.useful_bytes / r.median_s / roof, r.moved_bytes / r.median_s / 1e9, r.xhost_bytes);
+  if (fresh) fprintf(f, "%s\n", kHeader);
+  const double raw_gbs = raw.gbs();
+  for (const Row& r : rows) {
+    const double xhost_gbs = r.xhost_bytes / r.median_s / 1e9;
+    fprintf(f, "%s,%s,%d,%d,%d,%d,%d,%d,%.3f,%.3f,%.3f,%.4f,%.3f,%.0f,%.3f,%.4f\n", r.op.c_str(), engine, nranks,
+            r.tokens, o.hidden, o.topk, o.experts, o.sms, r.median_s * 1e6, r.deepep_gbs,
+            r.useful_bytes / r.median_s / 1e9, r.useful_bytes / r.median_s / roof, r.moved_bytes / r.median_s / 1e9,
+            r.xhost_bytes, raw_gbs, raw_gbs > 0 ? xhost_gbs / raw_gbs : 0.0);
+  }
+  if (raw_gbs > 0)
+    fprintf(f, "net raw,%s,%d,0,%d,%d,%d,%d,%.3f,0,0,0,0,%.0f,%.3f,0\n", engine, nranks, o.hidden, o.topk,
+            o.experts, o.sms, raw.seconds * 1e6, raw.bytes, raw_gbs);
   fclose(f);
 }
 
@@ -754,6 +817,9 @@ int main(int argc, char** argv) {
     else if (a == "--iters") next(o.iters);
     else if (a == "--warmup") next(o.warmup);
     else if (a == "--sms") next(o.sms);
+    else if (a == "--net-raw-mb") next(o.net_raw_mb);
+    else if (a == "--net-raw-msg-kb") next(o.net_raw_msg_kb);
+    else if (a == "--net-raw-window") next(o.net_raw_window);
     else if (a == "--ops" && i + 1 < argc) {
       std::string ops = argv[++i];
       o.ht = ops.find("ht") != std::string::npos;
@@ -770,6 +836,10 @@ int main(int argc, char** argv) {
     return usage(argv[0], "--ht-tokens, --ll-tokens, --topk, --experts and --iters must be at least 1, --hidden "
                           "at least 8, --warmup and --sms not negative");
   if (o.topk > o.experts) return usage(argv[0], "--topk is larger than --experts");
+  if (o.net_raw_mb < 0 || o.net_raw_mb > (1 << 20) || o.net_raw_msg_kb < 1 || o.net_raw_msg_kb > (1 << 20) ||
+      o.net_raw_window < 1 || o.net_raw_window > 32)
+    return usage(argv[0], "--net-raw-mb must be in [0, 2^20] (0: off), --net-raw-msg-kb in [1, 2^20], "
+                          "--net-raw-window in [1, 32]");
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.ll_max_tokens_per_rank = o.ll_tokens;
   cfg.ll_max_hidden = o.hidden;
@@ -787,6 +857,7 @@ int main(int argc, char** argv) {
                               std::to_string(nranks) + " ranks");
   g_gpu = engine == EP_ENGINE_GPU;
   double roof = 0;
+  NetRaw raw;
   std::vector<Row> rows;
   if (engine == EP_ENGINE_GPU) {
 #ifdef EPCOMM_HAVE_GPU_ENGINE
@@ -800,6 +871,7 @@ int main(int argc, char** argv) {
 #endif
   } else {
     roof = memcpyRoofline();
+    raw = netRaw(o);
     if (o.ht) benchHt(o, rows);
     if (o.ll) benchLl(o, rows);
   }
@@ -810,10 +882,11 @@ int main(int argc, char** argv) {
            gpu ? "GPU" : "host", nranks, o.sms, o.iters, gpu ? "device-to-device copy" : "memcpy", roof / 1e9);
     printf("%-18s %5s %6s %6s %5s %7s %11s %14s %12s %8s", "operation", "ranks", "tokens", "hidden", "topk", "experts",
            "median_ms", "GB/s(DeepEP)", "useful_GB/s", "x_copy");
-    bool xhost = false;  // more than one host: bytes to other hosts per operation (all ranks, per iteration)
+    bool xhost = raw.gbs() > 0;  // more than one host: bytes to other hosts per operation (all ranks, per iteration)
     for (const Row& r : rows) xhost = xhost || r.xhost_bytes > 0;
     if (gpu) printf(" %12s", "moved_GB/s");
-    printf(xhost ? " %12s %11s\n" : "\n", "xhost_MB/op", "xhost_GB/s");
+    printf(xhost ? " %12s %11s" : "", "xhost_MB/op", "xhost_GB/s");
+    printf(raw.gbs() > 0 ? " %9s\n" : "\n", "xhost/raw");
     if (g_p2p > 0)
       printf("NVLink peer copy: %.2f GB/s per rank (all ranks copying to the next GPU at once); x_p2p below is "
              "GB/s(DeepEP) over it\n", g_p2p / 1e9);
@@ -823,8 +896,18 @@ int main(int argc, char** argv) {
              o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, useful / 1e9, useful / roof);
       if (gpu) printf(" %12.2f", r.moved_bytes / r.median_s / 1e9);
       if (xhost) printf(" %12.3f %11.3f", r.xhost_bytes / 1e6, r.xhost_bytes / r.median_s / 1e9);
+      if (raw.gbs() > 0) printf(" %9.3f", r.xhost_bytes / r.median_s / 1e9 / raw.gbs());
       if (g_p2p > 0) printf("   x_p2p %.3f", r.deepep_gbs * 1e9 / g_p2p);
       printf("\n");
+    }
+    if (raw.gbs() > 0) {
+      printf("%-18s %5d %6s %6s %5s %7s %11.3f %14s %12s %8s %12.3f %11.3f %9s\n", "net raw", nranks, "-", "-", "-",
+             "-", raw.seconds * 1e3, "-", "-", "-", raw.bytes / 1e6, raw.gbs(), "-");
+      const char* net = getenv("EPCOMM_NET");
+      printf("net raw: every rank streamed %d MiB to every rank of other hosts at once over net/%s (%d KiB messages, "
+             "%d in flight per peer and direction; connections of its own, set up like the engine's), before the "
+             "operations; median of %d; xhost/raw = xhost_GB/s over its GB/s\n", o.net_raw_mb,
+             net && *net ? net : "socket", o.net_raw_msg_kb, o.net_raw_window, o.iters);
     }
 #ifdef EPCOMM_HAVE_GPU_ENGINE
     if (!g_ll.empty())
@@ -842,7 +925,7 @@ int main(int argc, char** argv) {
     }
     if (!o.csv.empty()) appendCsv(o, "gpu", ll_rows, roof);
 #endif
-    if (!o.csv.empty()) appendCsv(o, gpu ? "gpu" : "host", rows, roof);
+    if (!o.csv.empty()) appendCsv(o, gpu ? "gpu" : "host", rows, roof, raw);
   }
   CHECK(epCommDestroy(comm));
   return 0;

@@ -451,6 +451,20 @@ epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent) {
   });
 }
 
+epResult_t epCommNetRawBandwidth(epComm_t comm, size_t bytes_per_peer, size_t msg_bytes, int window,
+                                 uint64_t* bytes_sent, double* seconds) {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EP_REQUIRE(bytes_sent != nullptr && seconds != nullptr, epNullPointer, "bytes_sent or seconds is NULL");
+    EP_REQUIRE(bytes_per_peer > 0 && bytes_per_peer <= (size_t{1} << 40), epInvalidArgument,
+               "bytes_per_peer = %zu is outside [1, 2^40]", bytes_per_peer);
+    EP_REQUIRE(msg_bytes > 0 && msg_bytes <= (size_t{1} << 30), epInvalidArgument,
+               "msg_bytes = %zu is outside [1, 1 GiB]", msg_bytes);
+    EP_REQUIRE(window >= 1 && window <= 32, epInvalidArgument, "window = %d is outside [1, 32]", window);
+    EPCHECK(checkNoPending(comm, "epCommNetRawBandwidth"));
+    return comm->engine->netRawBandwidth(bytes_per_peer, msg_bytes, window, bytes_sent, seconds);
+  });
+}
+
 epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx, int num_tokens, int topk, int num_experts,
                                int* num_tokens_per_rank, int* num_tokens_per_expert, uint8_t* is_token_in_rank,
                                epStream_t stream) {

@@ -75,6 +75,16 @@ class Engine {
     (void)bytes;
     return EP_ERROR(epNotSupported, "inter-host byte counts (epCommGetNetBytes) are not supported by this engine");
   }
+  // Raw throughput of the inter-host transport (epCommNetRawBandwidth): this rank's bytes sent and seconds.
+  virtual epResult_t netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
+                                     double* seconds) {
+    (void)bytes_per_peer;
+    (void)msg_bytes;
+    (void)window;
+    (void)bytes_sent;
+    (void)seconds;
+    return EP_ERROR(epNotSupported, "raw net throughput (epCommNetRawBandwidth) is not supported by this engine");
+  }
   // Makes waits in flight give up (they return epAborted); called before the communicator is freed.
   virtual void abort() {}
   // Moves errors recorded by device code into the communicator (epComm::recordAsyncError / violations).

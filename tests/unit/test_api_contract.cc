@@ -231,6 +231,17 @@ TEST(NullPointers, AreEpNullPointerEverywhere) {
     CHECK(epCommGetNetBytes(nullptr, &net_bytes) == epNullPointer, "epCommGetNetBytes(NULL comm)");
     CHECK_CODE(epCommGetNetBytes(comm, nullptr), epNullPointer, "bytes_sent");
     CHECK(epCommGetNetBytes(comm, &net_bytes) == epSuccess && net_bytes == 0, "one host: no inter-host bytes");
+    double raw_s = 1;
+    CHECK(epCommNetRawBandwidth(nullptr, 1, 1, 1, &net_bytes, &raw_s) == epNullPointer, "epCommNetRawBandwidth(NULL)");
+    CHECK_CODE(epCommNetRawBandwidth(comm, 1, 1, 1, nullptr, &raw_s), epNullPointer, "bytes_sent");
+    CHECK_CODE(epCommNetRawBandwidth(comm, 1, 1, 1, &net_bytes, nullptr), epNullPointer, "seconds");
+    CHECK_CODE(epCommNetRawBandwidth(comm, 0, 1, 1, &net_bytes, &raw_s), epInvalidArgument, "bytes_per_peer");
+    CHECK_CODE(epCommNetRawBandwidth(comm, 1, 0, 1, &net_bytes, &raw_s), epInvalidArgument, "msg_bytes");
+    CHECK_CODE(epCommNetRawBandwidth(comm, 1, 1, 0, &net_bytes, &raw_s), epInvalidArgument, "window");
+    CHECK_CODE(epCommNetRawBandwidth(comm, 1, 1, 33, &net_bytes, &raw_s), epInvalidArgument, "window");
+    net_bytes = 1;
+    CHECK(epCommNetRawBandwidth(comm, 1 << 20, 1 << 16, 4, &net_bytes, &raw_s) == epSuccess && net_bytes == 0 &&
+              raw_s == 0, "one host: no raw net stream");
     epHtDispatchArgs_t ha = EP_HT_DISPATCH_ARGS_INIT;
     epLlDispatchArgs_t la = EP_LL_DISPATCH_ARGS_INIT;
     epBufferSizes_t s = EP_BUFFER_SIZES_INIT;

@@ -1219,6 +1219,22 @@ TEST_P(CrossHost, EveryOperation) {
     // Every rank has peers on another host and every operation exchanges headers with them.
     if (after <= before) c.fail("get_net_bytes", "did not grow across operations with other hosts (%llu, %llu)",
                                 static_cast<unsigned long long>(before), static_cast<unsigned long long>(after));
+    // Raw net throughput (epCommNetRawBandwidth): connections of its own, set up twice (the second set-up must not
+    // take the first one's), a short last message; then operations over the engine's connections as before.
+    for (int rep = 0; rep < 2 && c.failures == 0; ++rep) {
+      const size_t per_peer = (size_t{1} << 20) + 4097 * static_cast<size_t>(rep);
+      uint64_t sent = 0;
+      double secs = 0;
+      if (!c.ok(epCommNetRawBandwidth(comm, per_peer, 256 << 10, 3 - rep, &sent, &secs), "net_raw_bandwidth", comm))
+        break;
+      const uint64_t want = per_peer * static_cast<uint64_t>(R - GetParam().per_host);
+      if (sent != want || !(secs > 0))
+        c.fail("net_raw_bandwidth", "sent %llu bytes in %g s, want %llu bytes in a positive time",
+               static_cast<unsigned long long>(sent), secs, static_cast<unsigned long long>(want));
+    }
+    cs = mix(seed, 79);
+    runHtCase(comm, handle, c, R, cs, randomHtCase(cs, R));
+    c.ok(epCommBarrier(comm, nullptr), "barrier", comm);
     c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
   });
 }

@@ -148,6 +148,23 @@ epResult_t HostEngine::netBytesSent(uint64_t* bytes) {
   return epSuccess;
 }
 
+// Raw net throughput toward the active ranks of other hosts, between two barriers of all ranks (net_bridge.h,
+// rawStream). Every rank has the bridge or none does (more than one host), so the barriers match.
+epResult_t HostEngine::netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
+                                       double* seconds) {
+  *bytes_sent = 0;
+  *seconds = 0;
+  if (!bridge_) return epSuccess;  // one host: nothing crosses
+  std::vector<uint8_t> to(nranks_, 0);
+  for (int r = 0; r < nranks_; ++r) to[r] = remote_[r] && active(r) ? 1 : 0;
+  NetBridge::RawResult res;
+  EPCHECK(bridge_->rawStream(to, bytes_per_peer, msg_bytes, window, comm_->config.timeout_ms,
+                             [this] { return barrier(nullptr); }, &res));
+  *bytes_sent = res.bytes_sent;
+  *seconds = res.seconds;
+  return epSuccess;
+}
+
 // This host's identity (DESIGN.md "host"): EPCOMM_HOSTID, else hostname + "/" + boot id.
 static void hostIdentity(char* out, size_t n) {
   if (const char* hid = paramString("EPCOMM_HOSTID")) {

@@ -96,6 +96,8 @@ class HostEngine final : public Engine {
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
   epResult_t netBytesSent(uint64_t* bytes) override;
+  epResult_t netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
+                             double* seconds) override;
 
   // Operation kinds that may sit between an EP_LL_SEND and its EP_LL_RECV.
   bool llPending(int op) const;

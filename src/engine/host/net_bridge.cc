@@ -2,6 +2,7 @@
 #include "engine/host/net_bridge.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -38,7 +39,7 @@ constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
 
 struct NetBridge::Peer {
   int rank = -1;
-  uint8_t handle[net::kNetHandleSize] = {};  // the peer's listen handle (connect keeps its progress in it)
+  uint8_t handle[net::kNetHandleSize] = {};  // the peer's listen handle as exchanged (establish connects with a copy)
   void* send = nullptr;
   void* recv = nullptr;
   // Outboxes toward this peer, one per channel: the producer ends the engine pushes into.
@@ -183,8 +184,45 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
 
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) memcpy(peers_[r]->handle, all[r].handle, net::kNetHandleSize);
-  // Connect to every remote peer and accept one connection from each; the first frame on a connection is a
-  // HELLO naming the sender's rank and presenting the communicator's secret.
+  std::vector<void*> send, recv;
+  EPCHECK(establish(remote_, 0, send, recv, timeout_ms));
+  for (auto& pp : peers_) {
+    if (!pp) continue;
+    pp->send = send[pp->rank];
+    pp->recv = recv[pp->rank];
+    EPCHECK(regSlots(pp->send, pp->send_buf, pp->send_mh, pp->free_send, kSendSlots));
+    EPCHECK(regSlots(pp->recv, pp->recv_buf, pp->recv_mh, pp->free_recv, kRecvSlots));
+  }
+  // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
+  // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
+  thread_ = std::thread([this] { progressLoop(); });
+  EP_INFO(kSubsysInit, "host engine: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
+          backend_->name());
+  return epSuccess;
+}
+
+// Connects to the listener of every rank r with to[r] (the handles exchanged at creation) and accepts one
+// connection from each on this rank's listener. The first message on a connection is a HELLO naming the sender's
+// rank and presenting the communicator's secret and `gen` (0 for the engine's own connections, rawStream's call
+// count for its), so that a stranger or a stale connection is dropped without disturbing the others (R5).
+epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
+                                std::vector<void*>& recv, int timeout_ms) {
+  int nremote = 0;
+  for (int r = 0; r < nranks_; ++r) {
+    if (to[r] && !peers_[r]) return EP_ERROR(epInternalError, "rank %d is not on another host", r);
+    nremote += to[r] ? 1 : 0;
+  }
+  send.assign(nranks_, nullptr);
+  recv.assign(nranks_, nullptr);
+  // connect() keeps its progress in the caller's copy of the handle: a fresh copy for every call.
+  std::vector<std::array<uint8_t, net::kNetHandleSize>> handle(nranks_);
+  for (int r = 0; r < nranks_; ++r)
+    if (to[r]) memcpy(handle[r].data(), peers_[r]->handle, net::kNetHandleSize);
+  std::vector<FrameHdr> hello(nranks_);  // registered with send[r] while the greeting is out
+  std::vector<void*> hello_mh(nranks_, nullptr), hello_req(nranks_, nullptr);
+  std::vector<uint8_t> hello_sent(nranks_, 0);
+  std::vector<std::vector<uint8_t>> greet_buf(nranks_);  // the greeting received on recv[r], and its registration
+  std::vector<void*> greet_mh(nranks_, nullptr);
   struct Accepted {
     void* comm;
     void* mh;
@@ -195,34 +233,30 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
   int connected = 0, identified = 0;
   const int64_t deadline = nowNs() + static_cast<int64_t>(timeout_ms) * 1000000LL;
   Backoff backoff;
-  std::vector<void*> hello_req(nranks_, nullptr);
-  std::vector<FrameHdr> hello(nranks_);
-  std::vector<void*> hello_mh(nranks_, nullptr);
   epResult_t res = epSuccess;
   while (res == epSuccess && (connected < nremote || identified < nremote)) {
     bool moved = false;
     for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
-      Peer* p = peers_[r].get();
-      if (!p) continue;
-      if (!p->send) {
-        if (backend_->connect(0, p->handle, &p->send) != epSuccess) {
+      if (!to[r]) continue;
+      if (!send[r]) {
+        if (backend_->connect(0, handle[r].data(), &send[r]) != epSuccess) {
           res = EP_ERROR(epRemoteError, "rank %d: connecting to rank %d over the net transport: %s", rank_, r,
                          net::netLastError());
           break;
         }
-        if (!p->send) continue;
+        if (!send[r]) continue;
         moved = true;
-        res = regSlots(p->send, p->send_buf, p->send_mh, p->free_send, kSendSlots);
-        if (res != epSuccess) break;
         FrameHdr& h = hello[r];
-        h = FrameHdr{kFrameMagic, kHello, 0, 0, rank_, {0, 0, 0, 0}};
+        h = FrameHdr{kFrameMagic, kHello, 0, 0, rank_, {0, 0, gen, 0}};
         memcpy(h.v, secret_, kSecretBytes);
-        memcpy(p->send_buf[0].data(), &h, sizeof(h));
+        if (backend_->regMr(send[r], &h, sizeof(h), net::kNetPtrHost, &hello_mh[r]) != epSuccess) {
+          res = EP_ERROR(epSystemError, "registering a greeting with the net transport: %s", net::netLastError());
+          break;
+        }
       }
-      if (!p->hello_sent) {
+      if (!hello_sent[r]) {
         if (!hello_req[r]) {
-          if (backend_->isend(p->send, p->send_buf[0].data(), sizeof(FrameHdr), 0, p->send_mh[0], &hello_req[r]) !=
-              epSuccess) {
+          if (backend_->isend(send[r], &hello[r], sizeof(FrameHdr), 0, hello_mh[r], &hello_req[r]) != epSuccess) {
             res = EP_ERROR(epRemoteError, "rank %d: greeting rank %d over the net transport: %s", rank_, r,
                            net::netLastError());
             break;
@@ -237,7 +271,8 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
           break;
         }
         if (done) {
-          p->hello_sent = true;
+          hello_sent[r] = 1;
+          hello_req[r] = nullptr;
           ++connected;
           moved = true;
         }
@@ -280,25 +315,24 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
         break;
       }
       if (!done) continue;
+      a.req = nullptr;
       moved = true;
       FrameHdr h{};
       if (got == sizeof(h)) memcpy(&h, a.buf.data(), sizeof(h));
       const bool good = got == sizeof(h) && h.magic == kFrameMagic && h.type == kHello && h.src >= 0 &&
-                        h.src < nranks_ && remote_[h.src] && peers_[h.src]->recv == nullptr &&
-                        memcmp(h.v, secret_, kSecretBytes) == 0;
-      if (!good) {  // a stranger, or a peer of another communicator: dropped without disturbing this one (R5)
-        EP_WARN("rank %d: dropping a net connection that did not present this communicator's secret "
-                "and a rank of another host", rank_);
-        backend_->deregMr(a.comm, a.mh);
+                        h.src < nranks_ && to[h.src] && recv[h.src] == nullptr &&
+                        memcmp(h.v, secret_, kSecretBytes) == 0 && h.v[2] == gen;
+      if (!good) {  // a stranger, a peer of another communicator or of an earlier set-up: dropped (R5)
+        EP_WARN("rank %d: dropping a net connection that did not present this communicator's secret, a rank of "
+                "another host and the current set-up", rank_);
         backend_->closeRecv(a.comm);
+        backend_->deregMr(a.comm, a.mh);
         a.comm = nullptr;
         continue;
       }
-      Peer& p = *peers_[h.src];
-      p.recv = a.comm;
-      p.recv_buf.push_back(std::move(a.buf));
-      p.recv_mh.push_back(a.mh);
-      p.free_recv.push_back(0);
+      recv[h.src] = a.comm;
+      greet_buf[h.src] = std::move(a.buf);
+      greet_mh[h.src] = a.mh;
       a.comm = nullptr;
       ++identified;
     }
@@ -318,29 +352,25 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
     }
     backoff.pause();
   }
+  // Close before deregistering (net.h): a failed set-up may leave greetings in flight.
   for (Accepted& a : accepted) {
-    if (a.mh) backend_->deregMr(a.comm, a.mh);
     backend_->closeRecv(a.comm);
+    if (a.mh) backend_->deregMr(a.comm, a.mh);
   }
-  if (res != epSuccess) return res;
-  for (auto& pp : peers_) {
-    if (!pp) continue;
-    // The greeting's buffer 0 on the receive side is already registered; add the rest.
-    for (int i = 1; i < kRecvSlots; ++i) {
-      pp->recv_buf.emplace_back(kFrameBytes);
-      pp->recv_mh.push_back(nullptr);
-      if (backend_->regMr(pp->recv, pp->recv_buf[i].data(), kFrameBytes, net::kNetPtrHost, &pp->recv_mh[i]) !=
-          epSuccess)
-        EP_FAIL(epSystemError, "registering host engine frame buffers: %s", net::netLastError());
-      pp->free_recv.push_back(i);
+  if (res != epSuccess)
+    for (int r = 0; r < nranks_; ++r) {
+      if (send[r]) backend_->closeSend(send[r]);
+      if (recv[r]) backend_->closeRecv(recv[r]);
     }
+  for (int r = 0; r < nranks_; ++r) {
+    if (hello_mh[r]) backend_->deregMr(send[r], hello_mh[r]);
+    if (greet_mh[r]) backend_->deregMr(recv[r], greet_mh[r]);
   }
-  // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
-  // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
-  thread_ = std::thread([this] { progressLoop(); });
-  EP_INFO(kSubsysInit, "host engine: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
-          backend_->name());
-  return epSuccess;
+  if (res != epSuccess) {
+    send.assign(nranks_, nullptr);
+    recv.assign(nranks_, nullptr);
+  }
+  return res;
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -611,6 +641,151 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
   }
   if (listen_) backend_->closeListen(listen_);
   listen_ = nullptr;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Raw throughput (epCommNetRawBandwidth)
+// ------------------------------------------------------------------------------------------------------
+
+epResult_t NetBridge::rawStream(const std::vector<uint8_t>& to, size_t bytes_per_peer, size_t msg_bytes,
+                                int window, int timeout_ms, const std::function<epResult_t()>& sync,
+                                RawResult* out) {
+  *out = RawResult{};
+  EP_REQUIRE(backend_ != nullptr && listen_ != nullptr, epInvalidUsage,
+             "rank %d has no net connections to measure (every rank on one host?)", rank_);
+  EP_REQUIRE(bytes_per_peer > 0 && msg_bytes > 0 && window > 0, epInvalidArgument,
+             "bytes_per_peer, msg_bytes and window must be positive");
+  const uint64_t gen = ++raw_gen_;
+  std::vector<void*> send, recv;
+  EPCHECK(establish(to, gen, send, recv, timeout_ms));
+  // One direction toward (tx) or from (rx) one peer: `window` buffers of msg_bytes, message i in buffer
+  // i % window (at most `window` in flight, completed in posting order, so that buffer is free again).
+  struct Dir {
+    void* comm = nullptr;
+    std::vector<std::vector<uint8_t>> buf;
+    std::vector<void*> mh;
+    std::deque<void*> reqs;
+    size_t posted = 0, done = 0;
+  };
+  std::vector<Dir> tx(nranks_), rx(nranks_);
+  const size_t n = (bytes_per_peer + msg_bytes - 1) / msg_bytes;
+  auto sizeOf = [&](size_t i) { return i + 1 < n ? msg_bytes : bytes_per_peer - (n - 1) * msg_bytes; };
+  const size_t W = static_cast<size_t>(window);
+  epResult_t res = epSuccess;
+  for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
+    if (!to[r]) continue;
+    tx[r].comm = send[r];
+    rx[r].comm = recv[r];
+    for (Dir* d : {&tx[r], &rx[r]}) {
+      d->buf.assign(std::min(W, n), std::vector<uint8_t>(msg_bytes, d == &tx[r] ? 0x5a : 0));
+      d->mh.assign(d->buf.size(), nullptr);
+      for (size_t i = 0; i < d->buf.size() && res == epSuccess; ++i)
+        if (backend_->regMr(d->comm, d->buf[i].data(), msg_bytes, net::kNetPtrHost, &d->mh[i]) != epSuccess)
+          res = EP_ERROR(epSystemError, "registering raw stream buffers with the net transport: %s",
+                         net::netLastError());
+    }
+  }
+  bool moved = false;
+  // Posts receives (up to `window`) from peer r; then completes sends and receives, oldest first, and posts sends.
+  auto postRecvs = [&](int r) -> epResult_t {
+    Dir& d = rx[r];
+    while (d.posted < n && d.reqs.size() < W) {
+      void* data = d.buf[d.posted % W].data();
+      size_t size = msg_bytes;
+      int tag = 0;
+      void* req = nullptr;
+      if (backend_->irecv(d.comm, 1, &data, &size, &tag, &d.mh[d.posted % W], &req) != epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream receive from rank %d: %s", rank_, r, net::netLastError());
+      if (!req) break;
+      d.reqs.push_back(req);
+      ++d.posted;
+      moved = true;
+    }
+    return epSuccess;
+  };
+  auto progress = [&](int r) -> epResult_t {
+    Dir& s = tx[r];
+    while (!s.reqs.empty()) {
+      int done = 0;
+      if (backend_->test(s.reqs.front(), &done, nullptr) != epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream send to rank %d: %s", rank_, r, net::netLastError());
+      if (!done) break;
+      s.reqs.pop_front();
+      out->bytes_sent += sizeOf(s.done++);
+      moved = true;
+    }
+    while (s.posted < n && s.reqs.size() < W) {
+      void* req = nullptr;
+      if (backend_->isend(s.comm, s.buf[s.posted % W].data(), sizeOf(s.posted), 0, s.mh[s.posted % W], &req) !=
+          epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream send to rank %d: %s", rank_, r, net::netLastError());
+      if (!req) break;
+      s.reqs.push_back(req);
+      ++s.posted;
+      moved = true;
+    }
+    Dir& d = rx[r];
+    while (!d.reqs.empty()) {
+      int done = 0;
+      size_t got = 0;
+      if (backend_->test(d.reqs.front(), &done, &got) != epSuccess)
+        return EP_ERROR(epRemoteError, "rank %d: raw stream receive from rank %d: %s", rank_, r, net::netLastError());
+      if (!done) break;
+      if (got != sizeOf(d.done))
+        return EP_ERROR(epRemoteError, "rank %d: raw stream message %zu from rank %d has %zu bytes, not %zu", rank_,
+                        d.done, r, got, sizeOf(d.done));
+      d.reqs.pop_front();
+      out->bytes_received += got;
+      ++d.done;
+      moved = true;
+    }
+    return postRecvs(r);
+  };
+  // Receives in place before anyone starts; then every rank starts together (sync) and streams to all at once.
+  for (int r = 0; r < nranks_ && res == epSuccess; ++r)
+    if (to[r]) res = postRecvs(r);
+  if (res == epSuccess) res = sync();
+  const int64_t t0 = nowNs();
+  int64_t t1 = t0, last = t0;
+  Backoff backoff;
+  while (res == epSuccess) {
+    moved = false;
+    bool all = true;
+    for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
+      if (!to[r]) continue;
+      res = progress(r);
+      all = all && tx[r].done == n && rx[r].done == n;
+    }
+    if (res != epSuccess) break;
+    const int64_t now = nowNs();
+    if (all) {
+      t1 = now;
+      break;
+    }
+    if (moved) {
+      last = now;
+      backoff.reset();
+    } else if (now - last > static_cast<int64_t>(timeout_ms) * 1000000LL) {
+      res = EP_ERROR(epTimeout, "rank %d: raw stream over the net transport made no progress for %d ms", rank_,
+                     timeout_ms);
+    } else {
+      backoff.pause();
+    }
+  }
+  out->seconds = static_cast<double>(t1 - t0) * 1e-9;
+  // Nobody closes before every rank has everything: a backend may report a closed connection instead of the
+  // messages that arrived just before it.
+  if (res == epSuccess) res = sync();
+  // Close first (cancels what is still posted after a failure), then deregister (net.h).
+  for (int r = 0; r < nranks_; ++r) {
+    if (tx[r].comm) backend_->closeSend(tx[r].comm);
+    if (rx[r].comm) backend_->closeRecv(rx[r].comm);
+  }
+  for (int r = 0; r < nranks_; ++r)
+    for (Dir* d : {&tx[r], &rx[r]})
+      for (void* mh : d->mh)
+        if (mh) backend_->deregMr(d->comm, mh);
+  return res;
 }
 
 }  // namespace epcomm

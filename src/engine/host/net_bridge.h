@@ -35,6 +35,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -75,8 +76,27 @@ class NetBridge {
   // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits).
   uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
 
+  // Raw throughput of the net transport toward the ranks r with to[r] (epCommNetRawBandwidth), for benchmarks:
+  // collective among those ranks, from the thread that runs the engine's operations, none in flight. Opens
+  // connections of its own, set up like the engine's (establish: this rank's listener, the handles exchanged
+  // at creation, the secret), registers `window` buffers of msg_bytes per peer and direction, posts the
+  // receives, runs `sync` (a barrier of all ranks), then streams bytes_per_peer to every such rank at once in
+  // messages of msg_bytes, `window` in flight per peer and direction, this thread driving every send and receive
+  // as the progress thread drives the engine's frames; `sync` again, then the connections are closed. seconds:
+  // from the first sync's return until this rank's last send and last receive completed.
+  struct RawResult {
+    uint64_t bytes_sent = 0, bytes_received = 0;
+    double seconds = 0;
+  };
+  epResult_t rawStream(const std::vector<uint8_t>& to, size_t bytes_per_peer, size_t msg_bytes, int window,
+                       int timeout_ms, const std::function<epResult_t()>& sync, RawResult* out);
+
  private:
   struct Peer;
+  // Connects to and accepts from every rank r with to[r], each connection greeted with the secret and `gen`;
+  // send[r]/recv[r] get the comms (on failure all are closed and null).
+  epResult_t establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
+                       std::vector<void*>& recv, int timeout_ms);
   void progressLoop();
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
@@ -101,6 +121,7 @@ class NetBridge {
   std::atomic<uint64_t> data_sent_{0};
   std::vector<uint8_t> flush_live_;
   int64_t flush_deadline_ns_ = 0;
+  uint64_t raw_gen_ = 0;  // rawStream calls (the greeting of its connections carries it)
 };
 
 }  // namespace epcomm
