@@ -114,6 +114,10 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
 // at a fraction of the cost, which LL latency feels.
 __device__ __forceinline__ void fenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ void fenceAcqRelGpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void fenceAcqRel(bool gpu_scope) {
+  if (gpu_scope) fenceAcqRelGpu();
+  else fenceAcqRelSys();
+}
 // Orders this thread's writes to peers' memory before what it (or its block, after a barrier) publishes next: a
 // sequentially consistent fence at system scope, or at GPU scope when every rank runs on this GPU.
 __device__ __forceinline__ void fenceForPeers(bool gpu_scope) {
@@ -126,14 +130,10 @@ __device__ __forceinline__ bool lastBlockDone(uint64_t* done, uint64_t target, b
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (gpu_scope) fenceAcqRelGpu();
-    else fenceAcqRelSys();
+    fenceAcqRel(gpu_scope);
     const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(done), 1ull);
     s_last = old + 1 == target;
-    if (s_last) {
-      if (gpu_scope) fenceAcqRelGpu();
-      else fenceAcqRelSys();
-    }
+    if (s_last) fenceAcqRel(gpu_scope);
   }
   __syncthreads();
   return s_last != 0;

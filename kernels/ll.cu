@@ -708,13 +708,15 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
     for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
       const int A = x / L, l = x % L;
       const uint8_t* a = nullptr;  // masked: its contributions are absent
-      if (((act >> A) & 1) && p.zero_copy) {
-        const LlZcHeader* h = zcHeader(p, A, par);
-        const size_t r0 = em ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
-                             : static_cast<size_t>(p.rank) * p.M;
-        a = p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow;
-      } else if ((act >> A) & 1) {
-        a = em ? combPackedPtr(p, p.rank, par, A, st.at[x]) : combPtr(p, p.rank, par, x, 0);
+      if ((act >> A) & 1) {
+        if (p.zero_copy) {
+          const LlZcHeader* h = zcHeader(p, A, par);
+          const size_t r0 = em ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
+                               : static_cast<size_t>(p.rank) * p.M;
+          a = p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow;
+        } else {
+          a = em ? combPackedPtr(p, p.rank, par, A, st.at[x]) : combPtr(p, p.rank, par, x, 0);
+        }
       }
       st.first[x] = reinterpret_cast<uint64_t>(a);
     }
