@@ -105,7 +105,8 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
   }
 }
 
-// Every thread of the block calls this after its work. The block's writes are made visible system-wide, then
+// Every thread of the block calls this after its work. The block's writes are made visible to the peers (at system
+// scope, or GPU scope when every rank runs on this GPU: `gpu_scope` below), then
 // counted in a cumulative counter (never reset, so graph replays need no reset); the block that brings it to
 // `target` (= operation number x blocks per launch) returns true. Only that block, after every other block of
 // the launch has finished, may advance the epoch the launch was derived from (rule G2).

@@ -323,14 +323,8 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   const uint64_t act = activeMask(p);  // masked ranks get nothing; their pairs are counted as dropped
   // Every receiver must have read operation e - 2, which used the same parity.
   const bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlDispatch, e - 2, e);
-  // Expert-major rows need each token's index among this rank's tokens of each expert: staged by every block with
-  // the table where it fits (one pass; per token it took the send's slowest warps about 3 us at 64 tokens, one
-  // H200), else counted per token by the warp that sends it. Rank-major rows sit at the token's slot: none needed.
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
-  uint8_t* table = em && positionTableBytes(p.T, K, p.E) > 0
-                       ? reinterpret_cast<uint8_t*>(s_dyn) + sendSmemArrayBytes(p.T, K, p.E)
-                       : nullptr;
-  const SendSmem m = stageRouting(p, s_dyn, table != nullptr, table);
+  const SendSmem m = stageRouting(p, s_dyn, false);
   if (ok) {
     for (int x = gw; x < p.E; x += NW)
       if (lane == 0 && ((act >> (x / L)) & 1)) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
@@ -357,7 +351,10 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
         ++nd;
       }
       if (part == 0) {
-        const int32_t pos = !em ? -1 : table ? (lane < K ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
+        // Expert-major rows need the token's index among this rank's tokens of each expert; rank-major rows sit at
+        // the token's slot. (Staging every token's index with stageRouting's table instead measured about even at
+        // 64 tokens on one H200: each block stages 1-3 us longer; bench/results/h200-ll-dispatch-s6.log, run47.)
+        const int32_t pos = em ? tokenPositions(m.idx, t, K, xk, lane) : -1;
         for (int d = 0; d < nd; ++d) {
           LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(dst[d]);
           if (lane < K) {
@@ -407,8 +404,8 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   const uint64_t act = activeMask(p);
   // Zero-copy combines: the expert outputs of the next combine are written after this receive half, into a
   // region peers may still be reading from; every combine this rank sent must have been read by every peer.
-  const bool guard = !p.zc_guard ||
-                     waitPeers(p, act, ackFlag, kLlCombine, *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]), e);
+  const uint64_t combines_sent = p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
+  const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
   if (guard && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
     // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
     if (em)
@@ -430,7 +427,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
       for (int l = threadIdx.x; l < L; l += blockDim.x) {
         int acc = 0;
         for (int s = 0; s < R; ++s) {
-          // An entry of a source that sent no token is stale (a count of an earlier operation): not read.
+          // An entry of a source that sent no token is stale (a count of an earlier operation): ignored.
           int c = s_T[s] > 0 ? s_begin[l * (R + 1) + s] : 0;
           if (c < 0 || c > s_T[s]) {
             recordViolation(p, epInternalError);
@@ -805,7 +802,7 @@ cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, La
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-size_t llSendSmemBytes(int T, int K, int E) { return sendSmemArrayBytes(T, K, E) + positionTableBytes(T, K, E); }
+size_t llSendSmemBytes(int T, int K, int E) { return sendSmemArrayBytes(T, K, E); }
 
 size_t dispatchRecvSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;

@@ -410,9 +410,9 @@ EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, 
  * must run in issue order, and so must receives. A rank's send half of operation n + 2 waits on the device
  * until every peer has finished receiving operation n (two operations in flight per kind, no host involvement).
  * Each block stages the call's routing in shared memory, at most 200 KiB: a dispatch needs 12 T K + 4 E bytes,
- * a combine 20 T K + 16 E + 4 L bytes, each plus ceil(T K / 32) E bytes where that is at most 32 KiB (T =
- * num_tokens, K = topk, E = num_experts, L = E / nranks); a larger call returns epCapacityExceeded (top-8, 256
- * experts: about 2100 tokens for dispatch, 1250 for combine).
+ * a combine 20 T K + 16 E + 4 L bytes plus ceil(T K / 32) E bytes where that is at most 32 KiB (T = num_tokens,
+ * K = topk, E = num_experts, L = E / nranks); a larger call returns epCapacityExceeded (top-8, 256 experts:
+ * about 2100 tokens for dispatch, 1250 for combine).
  *
  * Bit-level contract (both engines, and any reimplementation, produce the same bits):
  * - fp8 (use_fp8): per 128-column block, amax = max |x| over the block (as fp32), floored at 1e-4 (an all-zero

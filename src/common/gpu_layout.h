@@ -191,7 +191,8 @@ struct LlSlotMeta {
   int32_t token;
   int32_t pad;
   int32_t expert[2 * kGpuMaxTopk];  // per k: local expert id on the receiver or -1, and the token's index
-                                    // among the sender's tokens of that expert (first occurrence only, else -1)
+                                    // among the sender's tokens of that expert (first occurrence only, else -1;
+                                    // expert-major only, -1 in rank-major)
 };
 
 struct LlZcHeader {

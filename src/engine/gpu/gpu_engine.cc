@@ -182,9 +182,9 @@ HtParams GpuEngine::baseParams(int op) const {
   // stores (system scope; GPU scope when every rank runs on this GPU). Across NVLink that wait is long, and rounds
   // of one row per warp left the link idle between them; rounds of at most half a queue let the receiver drain one
   // half while the sender fills the other. Ranks that share a GPU fence cheaply, and there rounds of one row per
-  // warp measured best (with system-scope fences). Measured (one H200 under
-  // MPS, and two H200s): bench/results/h200-ht-rounds-s3.log. Across NVLink the default keeps a rank's rounds,
-  // all channels and peers together, near 6 MiB.
+  // warp measured best, with system-scope fences (bench/results/h200-ht-rounds-s3.log, one H200 under MPS and two
+  // H200s) and with GPU-scope ones (h200-ll-dispatch-s6.log, run51). Across NVLink the default keeps a rank's
+  // rounds, all channels and peers together, near 6 MiB.
   const int half = std::max(1, lay_.queue_rows / 2);
   const int r_want = static_cast<int>(epParamGpuQueueRound());
   if (r_want > 0) {
