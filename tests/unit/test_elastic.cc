@@ -638,6 +638,11 @@ bool netOffered(const char* net) {
 
 class CrossHostElastic : public ::testing::TestWithParam<const char*> {};
 
+// A victim stops this long after its last checked operation, while it keeps issuing operations: long enough that
+// every survivor has finished that operation too (2-3 ms was not, under ASan on two busy cores: a survivor then
+// failed its warm-up), short against the operations in flight, so the victim still stops mid-operation.
+constexpr useconds_t kVictimDelayUs = 100 * 1000;
+
 // 3 hosts x 2 ranks; host 1 (ranks 2 and 3) is killed while a large alltoallv (kind 0) or the whole operation mix
 // (kind 1) is in flight; ranks on hosts 0 and 2 survive and keep talking to each other across hosts.
 TEST_P(CrossHostElastic, HostKilledDuringOperation) {
@@ -668,7 +673,7 @@ TEST_P(CrossHostElastic, HostKilledDuringOperation) {
       CHECK_OR_RETURN(step() == epSuccess, "warm-up: %s", epGetLastError(comm));
       if (rank / kPerHost == kVictimHost) {
         std::thread([] {
-          usleep(3000);
+          usleep(kVictimDelayUs);
           kill(getpid(), SIGKILL);
         }).detach();
         for (;;) step();
@@ -719,7 +724,7 @@ TEST_P(CrossHostElastic, StalledPeer) {
     if (rank == kVictim) {
       victim_pid->store(getpid());
       std::thread([] {
-        usleep(2000);
+        usleep(kVictimDelayUs);
         kill(getpid(), SIGSTOP);
       }).detach();
       for (;;) runAll(comm, rank, st, rows, a2a);
@@ -770,7 +775,7 @@ TEST_P(CrossHostElastic, KilledForwarder) {
     CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
     if (rank == kVictim) {
       std::thread([] {
-        usleep(2000);
+        usleep(kVictimDelayUs);
         kill(getpid(), SIGKILL);
       }).detach();
       for (;;) runAll(comm, rank, st, rows, a2a);
