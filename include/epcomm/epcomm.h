@@ -629,16 +629,17 @@ EPCOMM_API epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent);
 
 /* Raw throughput of the inter-host transport between this communicator's processes, to set the engine's
  * inter-host GB/s against (epcomm-bench's "net raw" row). Collective: every rank calls it, no operation in
- * flight (an outstanding LL receive half is epInvalidUsage). Each rank opens one more connection to and from
- * every active rank of other hosts over the same `net` backend (EPCOMM_NET) and set up as the host engine's own
- * (its listener, the communicator's secret), posts its receives, meets the others in a barrier, and then all
- * ranks stream at once: bytes_per_peer to every such rank in messages of msg_bytes (1 byte to 1 GiB), window
- * (1 to 32) in flight per peer and direction, one thread driving every send and receive; a second barrier, and
- * the connections are closed. *bytes_sent: the bytes this rank sent; *seconds: from the first barrier until this
- * rank's last send and last receive completed (sum the bytes and take the slowest rank's seconds for the
- * aggregate). Both 0 when every rank shares one host (then nothing is exchanged and no barrier runs). Host
- * engine; the GPU engine returns epNotSupported. When it fails on one rank, the others fail too (at the latest
- * when their barrier passes EPCOMM_TIMEOUT_MS, which breaks the communicator like a failed operation). */
+ * flight (an outstanding LL receive half is epInvalidUsage). The ranks first meet in a barrier (every rank has
+ * finished its operations); then each opens one more connection to and from every active rank of other hosts over
+ * the same `net` backend (EPCOMM_NET), set up as the host engine's own (its listener, the communicator's secret),
+ * posts its receives, meets the others in a second barrier, and then all ranks stream at once: bytes_per_peer to
+ * every such rank in messages of msg_bytes (1 byte to 1 GiB), window (1 to 32) in flight per peer and direction,
+ * one thread driving every send and receive; a third barrier, and the connections are closed. *bytes_sent: the
+ * bytes this rank sent; *seconds: from the second barrier until this rank's last send and last receive completed
+ * (sum the bytes and take the slowest rank's seconds for the aggregate). Both 0 when every rank shares one host
+ * (then nothing is exchanged and no barrier runs). Host engine; the GPU engine returns epNotSupported. When it
+ * fails on one rank, the others fail too (at the latest when their barrier passes EPCOMM_TIMEOUT_MS, which breaks
+ * the communicator like a failed operation). */
 EPCOMM_API epResult_t epCommNetRawBandwidth(epComm_t comm, size_t bytes_per_peer, size_t msg_bytes, int window,
                                             uint64_t* bytes_sent, double* seconds);
 

@@ -656,6 +656,10 @@ epResult_t NetBridge::rawStream(const std::vector<uint8_t>& to, size_t bytes_per
   EP_REQUIRE(bytes_per_peer > 0 && msg_bytes > 0 && window > 0, epInvalidArgument,
              "bytes_per_peer, msg_bytes and window must be positive");
   const uint64_t gen = ++raw_gen_;
+  // Every rank first finishes what it has in flight: a peer still completing its last operation may need this
+  // rank's calls to progress, and a rank waiting in establish() makes none (a 4 x 1 run timed out that way, the
+  // peers in an LL combine's receive half, this rank accepting connections they never made).
+  EPCHECK(sync());
   std::vector<void*> send, recv;
   EPCHECK(establish(to, gen, send, recv, timeout_ms));
   // One direction toward (tx) or from (rx) one peer: `window` buffers of msg_bytes, message i in buffer

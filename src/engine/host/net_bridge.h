@@ -77,13 +77,14 @@ class NetBridge {
   uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
 
   // Raw throughput of the net transport toward the ranks r with to[r] (epCommNetRawBandwidth), for benchmarks:
-  // collective among those ranks, from the thread that runs the engine's operations, none in flight. Opens
-  // connections of its own, set up like the engine's (establish: this rank's listener, the handles exchanged
-  // at creation, the secret), registers `window` buffers of msg_bytes per peer and direction, posts the
-  // receives, runs `sync` (a barrier of all ranks), then streams bytes_per_peer to every such rank at once in
-  // messages of msg_bytes, `window` in flight per peer and direction, this thread driving every send and receive
-  // as the progress thread drives the engine's frames; `sync` again, then the connections are closed. seconds:
-  // from the first sync's return until this rank's last send and last receive completed.
+  // collective among those ranks, from the thread that runs the engine's operations, none in flight. Runs `sync`
+  // (a barrier of all ranks: every rank has finished its operations), opens connections of its own, set up like
+  // the engine's (establish: this rank's listener, the handles exchanged at creation, the secret), registers
+  // `window` buffers of msg_bytes per peer and direction, posts the receives, runs `sync` again, then streams
+  // bytes_per_peer to every such rank at once in messages of msg_bytes, `window` in flight per peer and direction,
+  // this thread driving every send and receive as the progress thread drives the engine's frames; `sync` a third
+  // time, then the connections are closed. seconds: from the second sync's return until this rank's last send
+  // and last receive completed.
   struct RawResult {
     uint64_t bytes_sent = 0, bytes_received = 0;
     double seconds = 0;
