@@ -396,7 +396,10 @@ EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, 
  * half needs no send half of its operation outstanding; a receive half needs its operation's send half to be
  * the oldest one outstanding; a call with both halves needs none outstanding; otherwise epInvalidUsage.
  * Host engine: between a send half and its receive only LL calls may run: epCommBarrier, HT calls and
- * alltoallv return epInvalidUsage and post nothing (the GPU engine keeps separate buffers and allows them).
+ * alltoallv return epInvalidUsage and post nothing (the GPU engine keeps separate buffers and allows them). An LL
+ * call on the host engine does not wait for its sends: what does not fit in the queues goes out while this rank
+ * is inside its later calls, so a peer's receive may wait until this rank's next call that communicates (an LL
+ * call, a barrier): a rank that stops calling for long stalls its peers' LL receives.
  * Rejected halves: a rejected EP_LL_RECV posts nothing and stays outstanding: the peers' receives complete as
  * usual and a valid retry of the receive completes this rank's. A rejected EP_LL_SEND returns at once and
  * posts an error header: every peer's receive of that operation returns epRemoteError naming this rank, and
