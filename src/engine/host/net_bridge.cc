@@ -66,7 +66,6 @@ struct NetBridge::Peer {
   std::vector<int> free_recv;
   std::deque<int> rx_slots;
   std::deque<void*> rx_reqs;
-  bool hello_sent = false;  // setup only
   bool send_failed = false, recv_failed = false, bye = false, bye_queued = false, bye_acked = false;
   std::atomic<bool> dead{false};
   mutable std::mutex why_m;
@@ -739,7 +738,6 @@ epResult_t NetBridge::rawStream(const std::vector<uint8_t>& to, size_t bytes_per
         return EP_ERROR(epRemoteError, "rank %d: raw stream message %zu from rank %d has %zu bytes, not %zu", rank_,
                         d.done, r, got, sizeOf(d.done));
       d.reqs.pop_front();
-      out->bytes_received += got;
       ++d.done;
       moved = true;
     }

@@ -86,7 +86,7 @@ class NetBridge {
   // time, then the connections are closed. seconds: from the second sync's return until this rank's last send
   // and last receive completed.
   struct RawResult {
-    uint64_t bytes_sent = 0, bytes_received = 0;
+    uint64_t bytes_sent = 0;
     double seconds = 0;
   };
   epResult_t rawStream(const std::vector<uint8_t>& to, size_t bytes_per_peer, size_t msg_bytes, int window,
