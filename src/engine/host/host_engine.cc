@@ -148,7 +148,7 @@ epResult_t HostEngine::netBytesSent(uint64_t* bytes) {
   return epSuccess;
 }
 
-// Raw net throughput toward the active ranks of other hosts, between two barriers of all ranks (net_bridge.h,
+// Raw net throughput toward the active ranks of other hosts, among barriers of all ranks (net_bridge.h,
 // rawStream). Every rank has the bridge or none does (more than one host), so the barriers match.
 epResult_t HostEngine::netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
                                        double* seconds) {
