@@ -503,15 +503,35 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     double g = timeOnStream(s, [&] { CUCHECK(cudaGraphLaunch(exec, s)); });
     if (i >= o.warmup) tg.push_back(g);
   }
+  // Zero-copy combine (pull combine only): after each dispatch the "expert" writes its outputs (here: recv_x)
+  // into the region, untimed; the combine reads them there.
+  std::vector<double> tz;
+  const char* pull_env = getenv("EPCOMM_GPU_HT_COMBINE_PULL");
+  const bool pull = pull_env == nullptr || atoi(pull_env) != 0;
+  if (pull) {
+    epHtCombineArgs_t z = c;
+    size_t region_bytes = 0;
+    void* region = nullptr;
+    CHECK(epHtCombineBuffer(comm, &region, &region_bytes));
+    z.x = region;
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      CHECK(epHtDispatch(comm, &a, h, s));
+      CUCHECK(cudaMemcpyAsync(region, a.recv_x, a.recv_x_bytes, cudaMemcpyDeviceToDevice, s));
+      double zc = timeOnStream(s, [&] { CHECK(epHtCombine(comm, &z, h, s)); });
+      if (i >= o.warmup) tz.push_back(zc);
+    }
+  }
   const double row = 2.0 * H, recv = num_recv * row;
   // Bytes the kernels move through HBM (read + written), a diagnostic: dispatch reads each sent row, writes it
-  // into the receiver's queue, which the receiving block reads and writes into recv_x (4 per row); combine reads
-  // each expert-output row, writes it into the source's queue, the receiving block moves it into the combine
-  // staging (read + write), and the reduction reads it and writes one output row per token (5 per row + 1).
+  // into the receiver's queue, which the receiving block reads and writes into recv_x (4 per row). Pull combine
+  // (the default) copies each expert-output row into this rank's staging (read + write; nothing with zero-copy),
+  // the owner reads it there and writes one output row per token (3 per row + 1; zero-copy 1 + 1). Push
+  // combine: into the source's queue, moved into its staging, read by the reduction (5 per row + 1).
   // Useful bytes: each received row read once and written once.
-  const double disp_bytes = 4 * recv, comb_bytes = 5 * recv + T * row;
+  const double disp_bytes = 4 * recv, comb_bytes = (pull ? 3 : 5) * recv + T * row;
   rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes));
   rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes));
+  if (pull) rows.push_back(reportRow("HT combine zero-copy", T, tz, recv, 2 * recv, recv + T * row));
   rows.push_back(reportRow("HT graph d+c", T, tg, 2 * recv, 4 * recv, disp_bytes + comb_bytes));
   {
     // fp8 dispatch: the same routing, rows of H bytes plus H/128 fp32 scales.
@@ -880,7 +900,7 @@ int main(int argc, char** argv) {
     printf("epcomm-bench: %s engine, %d ranks, SM budget %d, median of %d iterations; %s roofline %.2f GB/s "
            "(aggregate read+write, all ranks copying at once); x_copy = useful bytes per second over it\n",
            gpu ? "GPU" : "host", nranks, o.sms, o.iters, gpu ? "device-to-device copy" : "memcpy", roof / 1e9);
-    printf("%-18s %5s %6s %6s %5s %7s %11s %14s %12s %8s", "operation", "ranks", "tokens", "hidden", "topk", "experts",
+    printf("%-20s %5s %6s %6s %5s %7s %11s %14s %12s %8s", "operation", "ranks", "tokens", "hidden", "topk", "experts",
            "median_ms", "GB/s(DeepEP)", "useful_GB/s", "x_copy");
     bool xhost = raw.gbs() > 0;  // more than one host: bytes to other hosts per operation (all ranks, per iteration)
     for (const Row& r : rows) xhost = xhost || r.xhost_bytes > 0;
@@ -892,7 +912,7 @@ int main(int argc, char** argv) {
              "GB/s(DeepEP) over it\n", g_p2p / 1e9);
     for (const Row& r : rows) {
       const double useful = r.useful_bytes / r.median_s;
-      printf("%-18s %5d %6d %6d %5d %7d %11.3f %14.2f %12.2f %8.3f", r.op.c_str(), nranks, r.tokens, o.hidden,
+      printf("%-20s %5d %6d %6d %5d %7d %11.3f %14.2f %12.2f %8.3f", r.op.c_str(), nranks, r.tokens, o.hidden,
              o.topk, o.experts, r.median_s * 1e3, r.deepep_gbs, useful / 1e9, useful / roof);
       if (gpu) printf(" %12.2f", r.moved_bytes / r.median_s / 1e9);
       if (xhost) printf(" %12.3f %11.3f", r.xhost_bytes / 1e6, r.xhost_bytes / r.median_s / 1e9);
@@ -901,7 +921,7 @@ int main(int argc, char** argv) {
       printf("\n");
     }
     if (raw.gbs() > 0) {
-      printf("%-18s %5d %6s %6s %5s %7s %11.3f %14s %12s %8s %12.3f %11.3f %9s\n", "net raw", nranks, "-", "-", "-",
+      printf("%-20s %5d %6s %6s %5s %7s %11.3f %14s %12s %8s %12.3f %11.3f %9s\n", "net raw", nranks, "-", "-", "-",
              "-", raw.seconds * 1e3, "-", "-", "-", raw.bytes / 1e6, raw.gbs(), "-");
       const char* net = getenv("EPCOMM_NET");
       printf("net raw: every rank streamed %d MiB to every rank of other hosts at once over net/%s (%d KiB messages, "

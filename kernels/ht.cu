@@ -35,7 +35,9 @@ __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
   __shared__ uint64_t s_epoch;
   if (threadIdx.x == 0) s_epoch = bumpEpoch(p.ctrl);
   __syncwarp();
-  if (p.pull) waitPullAcks(p, kPullSent, kPullAck, s_epoch);
+  // A combine overwrites its staging; after a dispatch (zc_guard) the caller may write the next zero-copy combine's
+  // x there: both need the owners done with the last combine's rows.
+  if (p.pull || p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, s_epoch);
   if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, s_epoch);
 }
 
@@ -61,6 +63,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   const uint64_t e = s_epoch;
   const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
   if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, e);
+  if (p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, e);  // as in htBeginKernel
 
   for (int base = 0; base < p.T; base += blockDim.x) {
     const int t = base + tid;
@@ -525,7 +528,8 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
 
 // ---------------------------------------------------------------------------------------------------------
 // Pull combine (src/common/gpu_layout.h): block 2c copies, for every owner s, the rows of s's channel-c tokens
-// from x into this rank's staging (same row index as in x) and publishes them to s; block 2c+1 waits for every
+// from x into this rank's staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the
+// staging: zero-copy, epHtCombineBuffer) and publishes them to s; block 2c+1 waits for every
 // active rank's rows of this rank's channel-c tokens, then reduces a token per warp straight from the peers'
 // staging, in ascending rank order, in fp32, rounded once (the same arithmetic as the push path), and
 // acknowledges.
@@ -552,9 +556,10 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
     const int have = min(*p.h.num_recv, p.recv_rows);
     for (int i = g; ok && i < n; i += G) {
       const int row = first + i;
-      uint8_t* dst = stage + static_cast<size_t>(row) * p.lay.x_stride;
+      uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
       if (row < have) {
-        warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
+        if (!p.zero_copy)
+          warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
       } else {
         warpZero16(dst, p.xrow, lane);
       }
@@ -590,7 +595,7 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       if (has) {
         const int row = p.h.peer_base[r] + p.h.pos[tr];
         src[n + __popc(b & ((1u << lane) - 1))] =
-            reinterpret_cast<const int4*>(p.base[r] + p.lay.comb_stage + static_cast<size_t>(row) * p.lay.x_stride);
+            reinterpret_cast<const int4*>(p.base[r] + p.lay.comb_stage + static_cast<size_t>(row) * p.xrow);
       }
       n += __popc(b);
     }

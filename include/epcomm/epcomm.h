@@ -365,6 +365,19 @@ typedef struct {
 EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, epHtHandle_t handle,
                                   epStream_t stream);
 
+/* Zero-copy HT combine input (GPU engine). Returns a region of this rank's registered memory, *x_bytes long
+ * (config.ht_max_tokens_per_rank x nranks rows of config.ht_max_hidden bf16 values), to which the expert
+ * computation writes its outputs: the combine's x, [received rows, H] of the combine's dtype, row i at byte
+ * i * H * dtype size from the region's start. Pass the region's start as args->x: the combine then copies
+ * nothing and the token owners read the rows straight from it. Each rank chooses for itself, combine by combine.
+ * The region is the same for every call (CUDA-graph safe). Lifetime: it may be written after an HT dispatch of
+ * this communicator has been issued (that dispatch waits on the device until every peer has finished reading the
+ * earlier combines' rows) and until the combine that reads it is issued; not after that until the next HT
+ * dispatch. A plain combine also uses the region (it copies x there). The host engine returns epNotSupported (its
+ * combine reads x in place); so does the GPU engine with EPCOMM_GPU_HT_COMBINE_PULL=0, whose combine uses the
+ * memory for its own staging. x inside the region but not at its start is epInvalidArgument. */
+EPCOMM_API epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes);
+
 /* ---------------------------------------------------------------------------------------------------------
  * Low-latency (LL) dispatch and combine, with capacity M = max_tokens_per_rank (<= ll_max_tokens_per_rank of
  * the config) and L = E/R local experts. A token that names the same expert twice is sent once to it.

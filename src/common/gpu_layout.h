@@ -17,7 +17,8 @@
 //   [combine staging: R x max_tokens] push combine: where the receiving blocks move combine rows out of the
 //                                  queues, so that each source drains independently; the reduction reads them
 //                                  here. Pull combine (the default): this rank's combine input, row i of x at
-//                                  row i (its receive order), which the token owners read straight from here
+//                                  byte i * xrow (its receive order), which the token owners read straight from
+//                                  here; the caller may write x here itself (zero-copy, epHtCombineBuffer)
 //
 //   [dispatch staging: max_tokens] pull dispatch only (EPCOMM_GPU_HT_DISPATCH_PULL): this rank's tokens, row t
 //                                  at t in the dispatch slot format (x, scales, global expert ids, weights)
@@ -291,6 +292,8 @@ struct HtParams {
   int pull;                          // combine: pull (1) or push through the queues (0)
   int pull_dispatch;                 // dispatch: pull (1; the layout has a dispatch staging) or push (0)
   int recv_rows;                     // combine: rows of x (the handle's receive rows)
+  int zero_copy;                     // pull combine: x is this rank's combine staging (epHtCombineBuffer): no copy
+  int zc_guard;                      // dispatch: wait until the owners have read the last combine's staging rows
   size_t xrow, srow;                 // bytes of a row of x and of its scales
   const void* x;
   const float* x_scales;

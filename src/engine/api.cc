@@ -586,6 +586,13 @@ epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes) {
   });
 }
 
+epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes) {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EP_REQUIRE(x != nullptr && x_bytes != nullptr, epNullPointer, "%s is NULL", x == nullptr ? "x" : "x_bytes");
+    return comm->engine->htCombineBuffer(x, x_bytes);
+  });
+}
+
 epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows, epBufferSizes_t* sizes) {
   return onComm(comm, Need::kUsable,
                 [&]() -> epResult_t { return htDispatchSizes(ctxOf(comm), args, recv_rows, sizes); });

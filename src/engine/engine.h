@@ -48,6 +48,8 @@ class Engine {
                                      size_t elem_bytes, epResult_t local, epStream_t stream) = 0;
   // Zero-copy LL combine input: a region of the communicator's registered memory for the next combine's y.
   virtual epResult_t llCombineBuffer(void** y, size_t* bytes) = 0;
+  // Zero-copy HT combine input: the region of registered memory the token owners read the combine's x from.
+  virtual epResult_t htCombineBuffer(void** x, size_t* bytes) = 0;
   virtual epResult_t barrier(epStream_t stream) = 0;
   // Elastic ranks: active has nranks entries (1 keep, 0 masked), already validated by the API layer (own rank
   // kept, no rank re-added). Collective among the kept ranks; synchronous; resynchronizes the protocol state

@@ -7,6 +7,9 @@
 //  - CUDA graphs: layout -> dispatch -> expert stand-in -> combine captured once and replayed 1000 times with
 //    fresh inputs and routing each time, every replay bit-identical to eager calls interleaved with it; two
 //    graphs on one communicator replayed alternately;
+//  - zero-copy combine (epHtCombineBuffer): the cached second pass of the bit-exact cases and one of the two
+//    graphs write the expert outputs into the region and combine from it, against the host engine / eager
+//    plain combines;
 //  - a rank that stops participating: the others report a timeout within the deadline, exit cleanly, and a
 //    new communicator works afterwards.
 #include <cuda_runtime.h>
@@ -182,9 +185,23 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
       CKE(epHtCombine(h, &ca, hh, nullptr), h);
       DevBuf<uint8_t> dcx(cx.size() + 16), dcy(cx.size() + 16), dout(hout.size() + 16);
       dcx.upload(cx);
-      expert(dcx.p, dcy.p, static_cast<size_t>(num_recv) * c.H, static_cast<float>(rank + 1), c.comb_dtype, s);
+      // The second pass (after a cached dispatch) writes the expert outputs into the zero-copy region instead.
+      uint8_t* ydev = dcy.p;
+      if (pass == 1) {
+        void* region = nullptr;
+        size_t region_bytes = 0;
+        CKE(epHtCombineBuffer(g, &region, &region_bytes), g);
+        CK(region_bytes >= cy.size(), "zero-copy region of %zu bytes for %zu bytes of x", region_bytes, cy.size());
+        ydev = static_cast<uint8_t*>(region);
+        // x inside the region but not at its start is refused, and the communicator goes on.
+        epHtCombineArgs_t off = ca;
+        off.x = ydev + 16;
+        off.combined_x = dout.p;
+        CK(epHtCombine(g, &off, gh, s) == epInvalidArgument, "x inside the region, not at its start, was accepted");
+      }
+      expert(dcx.p, ydev, static_cast<size_t>(num_recv) * c.H, static_cast<float>(rank + 1), c.comb_dtype, s);
       epHtCombineArgs_t cg = ca;
-      cg.x = dcy.p;
+      cg.x = ydev;
       cg.combined_x = dout.p;
       CKE(epHtCombine(g, &cg, gh, s), g);
       CKC(cudaStreamSynchronize(s));
@@ -195,8 +212,9 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
         CK(ae == epSuccess, "combine: async error %s (op %d, epoch %llu, peer %d, phase %d)", epGetErrorString(ae),
            info.op, static_cast<unsigned long long>(info.epoch), info.peer, info.phase);
       }
-      auto gy = dcy.host();
-      CK(memcmp(gy.data(), cy.data(), static_cast<size_t>(num_recv) * crow) == 0, "stand-in expert differs (pass %d)", pass);
+      std::vector<uint8_t> gy(static_cast<size_t>(num_recv) * crow);
+      CKC(cudaMemcpy(gy.data(), ydev, gy.size(), cudaMemcpyDeviceToHost));
+      CK(memcmp(gy.data(), cy.data(), gy.size()) == 0, "stand-in expert differs (pass %d)", pass);
       auto gout = dout.host();
       for (size_t i = 0; i < static_cast<size_t>(T) * c.H; ++i) {
         float gv = epcomm::loadAsFloat(gout.data(), i, c.comb_dtype), hv = epcomm::loadAsFloat(hout.data(), i, c.comb_dtype);
@@ -300,7 +318,8 @@ struct Pipeline {  // layout -> worst-token dispatch -> stand-in -> combine, on 
     epHtHandleCreate(comm, T, &h);
   }
   ~Pipeline() { epHtHandleDestroy(h); }
-  epResult_t run(cudaStream_t s, uint16_t* dst) {
+  // zero_copy: the stand-in writes into the communicator's zero-copy combine region, which the combine reads.
+  epResult_t run(cudaStream_t s, uint16_t* dst, bool zero_copy = false) {
     epResult_t r = epGetDispatchLayout(comm, idx.p, T, K, E, per_rank.p, per_expert.p, in_rank.p, s);
     if (r != epSuccess) return r;
     epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
@@ -322,12 +341,16 @@ struct Pipeline {  // layout -> worst-token dispatch -> stand-in -> combine, on 
     a.recv_tokens_per_expert = recv_per.p;
     a.num_recv_tokens = num_recv.p;
     if ((r = epHtDispatch(comm, &a, h, s)) != epSuccess) return r;
-    expert(recv_x.p, y.p, static_cast<size_t>(W) * H, static_cast<float>(rank + 1), epBfloat16, s);
+    void* ydev = y.p;
+    size_t region_bytes = 0;
+    if (zero_copy && (r = epHtCombineBuffer(comm, &ydev, &region_bytes)) != epSuccess) return r;
+    if (region_bytes && region_bytes < y.bytes()) return epBufferTooSmall;
+    expert(recv_x.p, ydev, static_cast<size_t>(W) * H, static_cast<float>(rank + 1), epBfloat16, s);
     epHtCombineArgs_t c = EP_HT_COMBINE_ARGS_INIT;
     c.num_tokens = T;
     c.hidden = H;
     c.dtype = epBfloat16;
-    c.x = y.p;
+    c.x = ydev;
     c.x_bytes = y.bytes();
     c.combined_x = dst;
     c.combined_x_bytes = out.bytes();
@@ -353,7 +376,7 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
     cudaGraph_t ga, gb;
     cudaGraphExec_t ea, eb;
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    CKE(A.run(s, A.out.p), comm);
+    CKE(A.run(s, A.out.p, true), comm);  // A's graph combines zero-copy; its eager reference does not
     CKC(cudaStreamEndCapture(s, &ga));
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     CKE(B.run(s, B.out.p), comm);

@@ -251,6 +251,15 @@ TEST(NullPointers, AreEpNullPointerEverywhere) {
     CHECK_CODE(epLlDispatchSizes(comm, &la, nullptr), epNullPointer, "sizes");
     s.magic = 0;
     CHECK_CODE(epLlDispatchSizes(comm, &la, &s), epInvalidArgument, "EP_BUFFER_SIZES_INIT");
+    // Zero-copy regions are a GPU engine feature: the host engine refuses them and leaves the outputs alone.
+    void* region = &v;
+    size_t region_bytes = 7;
+    CHECK_CODE(epHtCombineBuffer(comm, nullptr, &region_bytes), epNullPointer, "x");
+    CHECK_CODE(epHtCombineBuffer(comm, &region, nullptr), epNullPointer, "x_bytes");
+    CHECK_CODE(epHtCombineBuffer(comm, &region, &region_bytes), epNotSupported, "GPU engine");
+    CHECK_CODE(epLlCombineBuffer(comm, &region, &region_bytes), epNotSupported, "GPU engine");
+    CHECK(region == &v && region_bytes == 7, "a refused region request wrote its outputs");
+    CHECK(epCommBarrier(comm, nullptr) == epSuccess, "the communicator after the refusals");
     return 0;
   });
 }

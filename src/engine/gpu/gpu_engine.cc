@@ -220,6 +220,7 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_topk_weights = a->recv_topk_weights;
   p.recv_per_expert_out = a->recv_tokens_per_expert;
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
+  p.zc_guard = ht_zero_copy_ ? 1 : 0;
   p.num_recv_out = a->num_recv_tokens;
   p.h = h;
   return p;
@@ -361,6 +362,21 @@ epResult_t GpuEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, epR
   return checkLaunch(launchHtDispatch(p, s), "the dispatch kernel");
 }
 
+// The zero-copy HT combine region: the pull combine's staging, which holds row i of a combine's x at i * xrow.
+static size_t htRegionBytes(const GpuBufferLayout& l) {
+  return static_cast<size_t>(l.nranks) * l.max_tokens * l.x_stride;
+}
+
+epResult_t GpuEngine::htCombineBuffer(void** x, size_t* bytes) {
+  EP_REQUIRE(ht_pull_, epNotSupported,
+             "zero-copy HT combine needs the pull combine (EPCOMM_GPU_HT_COMBINE_PULL=1, the default): the push "
+             "combine keeps its own staging there");
+  *x = static_cast<uint8_t*>(bufs_.local()) + lay_.comb_stage;
+  *bytes = htRegionBytes(lay_);
+  ht_zero_copy_ = true;
+  return epSuccess;
+}
+
 epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epResult_t local, epStream_t stream) {
   EPCHECK(local);
   auto* g = static_cast<GpuHandle*>(h->gpu);
@@ -380,6 +396,19 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.h = g->dev;
   p.pull = ht_pull_ ? 1 : 0;
   p.recv_rows = h->recv_rows;
+  // x at the start of the zero-copy region: the owners read it there. Anywhere else inside: a mistake (row i of x
+  // must be row i of the region).
+  const uint8_t* region = static_cast<const uint8_t*>(bufs_.local()) + lay_.comb_stage;
+  const uint8_t* x = static_cast<const uint8_t*>(a->x);
+  if (ht_pull_ && x > region && x < region + htRegionBytes(lay_))
+    EP_FAIL(epInvalidArgument, "x = %p lies inside the zero-copy combine region (epHtCombineBuffer) but not at its "
+            "start %p: pass the region's start", a->x, static_cast<const void*>(region));
+  if (ht_pull_ && x == region) {
+    EP_REQUIRE(static_cast<size_t>(h->recv_rows) * xrow <= htRegionBytes(lay_), epBufferTooSmall,
+               "x is the zero-copy combine region, %zu bytes, but %d rows of %zu bytes do not fit in it",
+               htRegionBytes(lay_), h->recv_rows, xrow);
+    p.zero_copy = 1;
+  }
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
   return checkLaunch(launchHtCombine(p, s), "the combine kernel");

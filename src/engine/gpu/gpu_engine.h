@@ -40,6 +40,7 @@ class GpuEngine final : public Engine {
   epResult_t alltoallvDevice(const void*, const int64_t*, void*, size_t, int64_t*, int64_t*, size_t,
                              epResult_t local, epStream_t) override;
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
+  epResult_t htCombineBuffer(void** x, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
@@ -78,6 +79,7 @@ class GpuEngine final : public Engine {
   // that masked someone new were set (HT handles filled before are stale), and the survivors' sync rounds.
   GpuElastic* el_dev_ = nullptr;
   bool ht_pull_ = true;  // HT combine pulls from the peers' buffers (EPCOMM_GPU_HT_COMBINE_PULL)
+  bool ht_zero_copy_ = false;  // a zero-copy combine region was handed out: dispatches guard its reuse
   bool ht_pull_dispatch_ = false;  // HT dispatch receivers pull from the senders' buffers (EPCOMM_GPU_HT_DISPATCH_PULL)
   uint64_t active_mask_ = 0;
   uint64_t mask_gen_ = 0;

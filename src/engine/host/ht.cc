@@ -891,4 +891,9 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   return flushSends(epPhaseData, c);
 }
 
+epResult_t HostEngine::htCombineBuffer(void**, size_t*) {
+  EP_FAIL(epNotSupported, "zero-copy HT combine buffers are a GPU engine feature (the host engine's combine "
+                          "already reads x in place)");
+}
+
 }  // namespace epcomm
