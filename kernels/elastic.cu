@@ -70,6 +70,7 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
     const int s = i / C, c = i % C;
     if (!((mask >> s) & 1)) continue;
     stRelease(qCounter(p, s, kPullAck, p.rank, c), s_max[0]);
+    stRelease(qCounter(p, s, kPullAck1, p.rank, c), s_max[0]);
     stRelease(qCounter(p, s, kPullDAck, p.rank, c), s_max[0]);  // and pull dispatch's
   }
   if (has_ll) {

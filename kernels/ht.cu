@@ -19,12 +19,14 @@ using namespace dev;
 // block's rows were another channel's. Done here, before the main kernel, because inside it a late block would
 // read the counters its own launch already advanced and wait for the operation it is part of (rule G2). A failed
 // wait is recorded, and the main kernel's copying blocks then write nothing.
-__device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, uint64_t e) {
+// ack_kind2: a second acknowledgement to wait for (the pull combine's two halves), or -1.
+__device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, int ack_kind2, uint64_t e) {
   for (int i = threadIdx.x; i < p.nranks * p.C; i += blockDim.x) {
     const int r = i / p.C, c = i % p.C;
     if (!rankActive(p.el, r)) continue;
     const uint64_t last = ldAcquire(qCounter(p, p.rank, sent_kind, r, c), p.gpu_scope);
     if (!waitAtLeast(p, qCounter(p, p.rank, ack_kind, r, c), last, r, epPhaseData, e)) return;
+    if (ack_kind2 >= 0 && !waitAtLeast(p, qCounter(p, p.rank, ack_kind2, r, c), last, r, epPhaseData, e)) return;
   }
 }
 
@@ -37,8 +39,8 @@ __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
   __syncwarp();
   // A combine overwrites its staging; after a dispatch (zc_guard) the caller may write the next zero-copy combine's
   // x there: both need the owners done with the last combine's rows.
-  if (p.pull || p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, s_epoch);
-  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, s_epoch);
+  if (p.pull || p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, kPullAck1, s_epoch);
+  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, -1, s_epoch);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -62,8 +64,8 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __syncthreads();
   const uint64_t e = s_epoch;
   const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
-  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, e);
-  if (p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, e);  // as in htBeginKernel
+  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, -1, e);
+  if (p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, kPullAck1, e);  // as in htBeginKernel
 
   for (int base = 0; base < p.T; base += blockDim.x) {
     const int t = base + tid;
@@ -527,65 +529,71 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Pull combine (src/common/gpu_layout.h): block 2c copies, for every owner s, the rows of s's channel-c tokens
-// from x into this rank's staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the
-// staging: zero-copy, epHtCombineBuffer) and publishes them to s; block 2c+1 waits for every
-// active rank's rows of this rank's channel-c tokens, then reduces a token per warp straight from the peers'
-// staging, in ascending rank order, in fp32, rounded once (the same arithmetic as the push path), and
-// acknowledges.
+// Pull combine (src/common/gpu_layout.h). Blocks 2c and 2c+1 share channel c, each with its half of the work, so
+// that every block copies and then every block reduces (with one role per block, half the SMs sat idle in each
+// phase). Copy: for every owner s (G warps per owner) the block's half of the rows of s's channel-c tokens from x
+// into this rank's staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the staging:
+// zero-copy, epHtCombineBuffer), then it publishes its half to s. Reduce: once every active rank published both
+// halves of this rank's channel c, the block's half of the channel's tokens, a token per warp, straight from the
+// peers' staging in ascending rank order, in fp32, rounded once (the same arithmetic as the push path); then it
+// acknowledges its half to every copier.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
 __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   using V = Vec8<kDtype>;
   constexpr int kBatch = 4;  // rows loaded before they are added, for memory-level parallelism
   const uint64_t e = currentEpoch(p);
-  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int c = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int R = p.nranks, C = p.C, G = p.G;
   uint8_t* const stage = p.base[p.rank] + p.lay.comb_stage;
-  if ((blockIdx.x & 1) == 0) {
+  {
     // The owners have read what this rank last published (the begin kernel waited); after any failure
-    // nothing is written: a slow owner may still be reading.
+    // nothing is written: a slow owner may still be reading. A masked owner gets nothing.
     const bool ok = noFailure(p);
     const int s = warp / G, g = warp % G;
-    if (!rankActive(p.el, s)) return;  // a masked owner gets nothing, and nothing is waited for
-    const int n = p.h.recv_chan[s * C + c];
-    int first = p.h.prefix[s];
-    for (int cc = 0; cc < c; ++cc) first += p.h.recv_chan[s * C + cc];
-    // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
-    // owner adds nothing for them.
-    const int have = min(*p.h.num_recv, p.recv_rows);
-    for (int i = g; ok && i < n; i += G) {
-      const int row = first + i;
-      uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
-      if (row < have) {
-        if (!p.zero_copy)
-          warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
-      } else {
-        warpZero16(dst, p.xrow, lane);
+    if (rankActive(p.el, s)) {
+      const int n = p.h.recv_chan[s * C + c];
+      int first = p.h.prefix[s];
+      for (int cc = 0; cc < c; ++cc) first += p.h.recv_chan[s * C + cc];
+      // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
+      // owner adds nothing for them.
+      const int have = min(*p.h.num_recv, p.recv_rows);
+      for (int i = half * G + g; ok && i < n; i += 2 * G) {
+        const int row = first + i;
+        uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
+        if (row < have) {
+          if (!p.zero_copy)
+            warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
+        } else {
+          warpZero16(dst, p.xrow, lane);
+        }
+      }
+      fenceForPeers(p.gpu_scope);
+      groupSync(G, s);
+      if (g == 0 && lane == 0 && ok && noFailure(p)) {
+        stRelease(qCounter(p, s, half ? kPullReady1 : kPullReady, p.rank, c), e, p.gpu_scope);
+        stRelaxed(qCounter(p, p.rank, kPullSent, s, c), e);
       }
     }
-    fenceForPeers(p.gpu_scope);
-    groupSync(G, s);
-    if (g == 0 && lane == 0 && ok && noFailure(p)) {
-      stRelease(qCounter(p, s, kPullReady, p.rank, c), e, p.gpu_scope);
-      stRelaxed(qCounter(p, p.rank, kPullSent, s, c), e);
-    }
-    return;
   }
-  // Owner: every active rank's rows of this channel's tokens are in.
+  // Reduce: every active rank's rows of this channel's tokens are in (both halves).
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
-  for (int r = threadIdx.x; r < R; r += blockDim.x)
-    if (rankActive(p.el, r) && !waitAtLeast(p, qCounter(p, p.rank, kPullReady, r, c), e, r, epPhaseData, e))
+  for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
+    const int r = i >> 1;
+    if (rankActive(p.el, r) &&
+        !waitAtLeast(p, qCounter(p, p.rank, (i & 1) ? kPullReady1 : kPullReady, r, c), e, r, epPhaseData, e))
       s_ok = 0;
+  }
   __syncthreads();
   if (!s_ok) return;
   // Per warp: the rows of its token, in ascending rank order.
   __shared__ const int4* s_src[32][kGpuMaxRanks];
   const int4** src = s_src[warp];
   const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
-  for (int t = tb + warp; t < te; t += nwarps) {
+  for (int t = tb + half * nwarps + warp; t < te; t += 2 * nwarps) {
     int n = 0;
     for (int r0 = 0; r0 < R; r0 += 32) {
       const int r = r0 + lane;
@@ -617,10 +625,10 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
     }
     __syncwarp();
   }
-  // Every row of this channel is read: the copiers may overwrite them.
+  // Every row of this block's half is read: the copiers may overwrite them once both halves say so.
   __syncthreads();
   for (int r = threadIdx.x; r < R; r += blockDim.x)
-    if (rankActive(p.el, r)) stRelease(qCounter(p, r, kPullAck, p.rank, c), e, p.gpu_scope);
+    if (rankActive(p.el, r)) stRelease(qCounter(p, r, half ? kPullAck1 : kPullAck, p.rank, c), e, p.gpu_scope);
 }
 
 // ---------------------------------------------------------------------------------------------------------

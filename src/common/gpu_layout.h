@@ -9,7 +9,7 @@
 //                                  among survivors (separate rounds: a barrier one rank fails fast on must not
 //                                  shift the rounds of the next epCommSetActiveRanks)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
-//   [queue counters: 10 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
+//   [queue counters: 12 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
 //                                  src), dispatch head (written here, read by src), combine tail, combine head —
 //                                  and the epochs of the pull combine and pull dispatch (GpuQueueCounter)
 //   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
@@ -61,11 +61,13 @@ struct GpuCtrl {
 };
 
 // Counter arrays [src][channel] in each rank's buffer. Pull combine: kPullReady[src][c] in the owner's buffer
-// (written by src), kPullAck[owner][c] and kPullSent[owner][c] in the copier's (written by the owner / itself).
+// (written by src), kPullAck[owner][c] and kPullSent[owner][c] in the copier's (written by the owner / itself);
+// the two blocks of a channel each publish and acknowledge their half: kPullReady / kPullAck for block 2c,
+// kPullReady1 / kPullAck1 for block 2c+1.
 // Pull dispatch: kPullDReady[src][c] in the receiver's buffer, kPullDAck[receiver][c] and kPullDSent in the
 // source's.
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
-                       kPullDReady, kPullDAck, kPullDSent, kNumQueueCounters };
+                       kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
