@@ -507,7 +507,9 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   // into the region, untimed; the combine reads them there.
   std::vector<double> tz;
   const char* pull_env = getenv("EPCOMM_GPU_HT_COMBINE_PULL");
+  const char* pull_d_env = getenv("EPCOMM_GPU_HT_DISPATCH_PULL");
   const bool pull = pull_env == nullptr || atoi(pull_env) != 0;
+  const bool pull_d = pull_d_env == nullptr || atoi(pull_d_env) != 0;
   if (pull) {
     epHtCombineArgs_t z = c;
     size_t region_bytes = 0;
@@ -522,13 +524,15 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     }
   }
   const double row = 2.0 * H, recv = num_recv * row;
-  // Bytes the kernels move through HBM (read + written), a diagnostic: dispatch reads each sent row, writes it
-  // into the receiver's queue, which the receiving block reads and writes into recv_x (4 per row). Pull combine
+  // Bytes the kernels move through HBM (read + written), a diagnostic. Pull dispatch (the default) stages each
+  // token once (read + write per token, T at most) and the receiver reads its rows there and writes them into
+  // recv_x (2 per row); push dispatch reads each sent row, writes it into the receiver's queue, which the
+  // receiving block reads and writes into recv_x (4 per row). Pull combine
   // (the default) copies each expert-output row into this rank's staging (read + write; nothing with zero-copy),
   // the owner reads it there and writes one output row per token (3 per row + 1; zero-copy 1 + 1). Push
   // combine: into the source's queue, moved into its staging, read by the reduction (5 per row + 1).
   // Useful bytes: each received row read once and written once.
-  const double disp_bytes = 4 * recv, comb_bytes = (pull ? 3 : 5) * recv + T * row;
+  const double disp_bytes = pull_d ? 2 * recv + 2 * T * row : 4 * recv, comb_bytes = (pull ? 3 : 5) * recv + T * row;
   rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes));
   rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes));
   if (pull) rows.push_back(reportRow("HT combine zero-copy", T, tz, recv, 2 * recv, recv + T * row));
@@ -553,7 +557,8 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
       if (i >= o.warmup) t8.push_back(d);
     }
     const double row8 = H + H / 128 * 4.0, recv8 = num_recv * row8;
-    rows.push_back(reportRow("HT dispatch fp8", T, t8, recv8, 2 * recv8, 4 * recv8));
+    const double moved8 = pull_d ? 2 * recv8 + 2 * T * row8 : 4 * recv8;
+    rows.push_back(reportRow("HT dispatch fp8", T, t8, recv8, 2 * recv8, moved8));
     cudaFree(d_x8);
     cudaFree(d_sc);
     cudaFree(a8.recv_x_scales);

@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
     stRelease(qCounter(p, s, kPullAck, p.rank, c), s_max[0]);
     stRelease(qCounter(p, s, kPullAck1, p.rank, c), s_max[0]);
     stRelease(qCounter(p, s, kPullDAck, p.rank, c), s_max[0]);  // and pull dispatch's
+    stRelease(qCounter(p, s, kPullDAck1, p.rank, c), s_max[0]);
   }
   if (has_ll) {
     LlCtrl* ctrl = reinterpret_cast<LlCtrl*>(ll.base[ll.rank]);

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
   // A combine overwrites its staging; after a dispatch (zc_guard) the caller may write the next zero-copy combine's
   // x there: both need the owners done with the last combine's rows.
   if (p.pull || p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, kPullAck1, s_epoch);
-  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, -1, s_epoch);
+  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, kPullDAck1, s_epoch);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __syncthreads();
   const uint64_t e = s_epoch;
   const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
-  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, -1, e);
+  if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, kPullDAck1, e);
   if (p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, kPullAck1, e);  // as in htBeginKernel
 
   for (int base = 0; base < p.T; base += blockDim.x) {
@@ -211,26 +211,28 @@ __device__ __forceinline__ void tokenMeta(const HtParams& p, int t, int r, int l
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Pull dispatch (src/common/gpu_layout.h): block 2c copies channel c's tokens once into this rank's dispatch
-// staging (x, scales, global expert ids, weights), writes the per-destination token lists, and publishes the
-// channel to every active receiver; block 2c+1 reads, for every active source s (G warps per source), s's
-// channel-c rows for this rank straight from s's staging into their final receive rows (source rank order,
-// then token order: the same rows as the push path), then acknowledges s.
+// Pull dispatch (src/common/gpu_layout.h). Blocks 2c and 2c+1 share channel c, each with its half of the work
+// (as in the pull combine: every block stages, then every block reads). Stage: the block's half of channel c's
+// tokens, copied once into this rank's dispatch staging (x, scales, global expert ids, weights), with the
+// per-destination token lists; then it publishes its half to every active receiver. Read: for every active
+// source s (G warps per source), once s published both halves of channel c, the block's half of s's channel-c
+// rows for this rank, straight from s's staging into their final receive rows (source rank order, then token
+// order: the same rows as the push path); then it acknowledges its half to s.
 // ---------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
-  const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int c = blockIdx.x >> 1, half = blockIdx.x & 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int R = p.nranks, K = p.K, C = p.C, G = p.G;
   if (blockIdx.x == 0 && threadIdx.x < R && p.h.masked[threadIdx.x] > 0)
     atomicAdd(&p.el->drops[kDropTokenRows][threadIdx.x], static_cast<unsigned long long>(p.h.masked[threadIdx.x]));
   uint8_t* const me = p.base[p.rank];
-  if ((blockIdx.x & 1) == 0) {
-    // The readers of what this rank last published have acknowledged it (the notify or begin kernel waited);
-    // after any failure nothing is written: a slow reader may still be reading.
-    if (!noFailure(p)) return;
+  // The readers of what this rank last published have acknowledged it (the notify or begin kernel waited);
+  // after any failure nothing is written: a slow reader may still be reading.
+  if (noFailure(p)) {
     const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
     int32_t* const list = reinterpret_cast<int32_t*>(me + p.lay.disp_list);
-    for (int t = tb + warp; t < te; t += nwarps) {
+    for (int t = tb + half * nwarps + warp; t < te; t += 2 * nwarps) {
       bool any = false;  // a token no active rank receives is not staged
       for (int r = lane; r < R; r += 32) any |= p.h.in_rank[static_cast<size_t>(t) * R + r] != 0;
       if (!__any_sync(kFull, any)) continue;
@@ -254,10 +256,9 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
     if (noFailure(p))
       for (int r = threadIdx.x; r < R; r += blockDim.x) {
         if (!rankActive(p.el, r)) continue;
-        stRelease(qCounter(p, r, kPullDReady, p.rank, c), e, p.gpu_scope);
+        stRelease(qCounter(p, r, half ? kPullDReady1 : kPullDReady, p.rank, c), e, p.gpu_scope);
         stRelaxed(qCounter(p, p.rank, kPullDSent, r, c), e);
       }
-    return;
   }
   const int num_recv = *p.h.num_recv;
   const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
@@ -268,13 +269,14 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
     for (int cc = 0; cc < c; ++cc) before += p.h.recv_chan[s * C + cc];
     const int dst = p.h.prefix[s] + before;
     bool ok = true;
-    if (rankActive(p.el, s) && lane == 0) ok = waitAtLeast(p, qCounter(p, p.rank, kPullDReady, s, c), e, s, epPhaseData, e);
-    ok = __shfl_sync(kFull, ok, 0);
-    __syncwarp();  // lane 0's acquire orders the whole warp's reads of s's staging below
+    if (rankActive(p.el, s) && lane < 2)
+      ok = waitAtLeast(p, qCounter(p, p.rank, lane ? kPullDReady1 : kPullDReady, s, c), e, s, epPhaseData, e);
+    ok = __all_sync(kFull, ok);
+    __syncwarp();  // lanes 0 and 1's acquires order the whole warp's reads of s's staging below
     const uint8_t* src_base = p.base[s];
     const int32_t* list = reinterpret_cast<const int32_t*>(src_base + p.lay.disp_list) +
                           static_cast<size_t>(p.rank) * p.lay.max_tokens + before;
-    for (int i = g; ok && i < n; i += G) {
+    for (int i = half * G + g; ok && i < n; i += 2 * G) {
       const int row = dst + i;
       if (row >= rows) break;  // worst-token overflow: never written past the capacity (recorded by notify)
       const int t = list[i];
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
     }
     groupSync(G, s);
     if (ok && g == 0 && lane == 0 && rankActive(p.el, s))
-      stRelease(qCounter(p, s, kPullDAck, p.rank, c), e, p.gpu_scope);
+      stRelease(qCounter(p, s, half ? kPullDAck1 : kPullDAck, p.rank, c), e, p.gpu_scope);
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
 }

@@ -9,7 +9,7 @@
 //                                  among survivors (separate rounds: a barrier one rank fails fast on must not
 //                                  shift the rounds of the next epCommSetActiveRanks)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
-//   [queue counters: 12 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
+//   [queue counters: 14 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
 //                                  src), dispatch head (written here, read by src), combine tail, combine head —
 //                                  and the epochs of the pull combine and pull dispatch (GpuQueueCounter)
 //   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
@@ -20,7 +20,7 @@
 //                                  byte i * xrow (its receive order), which the token owners read straight from
 //                                  here; the caller may write x here itself (zero-copy, epHtCombineBuffer)
 //
-//   [dispatch staging: max_tokens] pull dispatch only (EPCOMM_GPU_HT_DISPATCH_PULL): this rank's tokens, row t
+//   [dispatch staging: max_tokens] pull dispatch (EPCOMM_GPU_HT_DISPATCH_PULL=1, the default): this rank's tokens, row t
 //                                  at t in the dispatch slot format (x, scales, global expert ids, weights)
 //   [dispatch lists: R x max_tokens] pull dispatch only: list[r][i] = the token this rank sends to r as its i-th
 //
@@ -63,11 +63,12 @@ struct GpuCtrl {
 // Counter arrays [src][channel] in each rank's buffer. Pull combine: kPullReady[src][c] in the owner's buffer
 // (written by src), kPullAck[owner][c] and kPullSent[owner][c] in the copier's (written by the owner / itself);
 // the two blocks of a channel each publish and acknowledge their half: kPullReady / kPullAck for block 2c,
-// kPullReady1 / kPullAck1 for block 2c+1.
+// kPullReady1 / kPullAck1 for block 2c+1 (pull dispatch: kPullDReady1 / kPullDAck1).
 // Pull dispatch: kPullDReady[src][c] in the receiver's buffer, kPullDAck[receiver][c] and kPullDSent in the
 // source's.
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
-                       kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kNumQueueCounters };
+                       kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kPullDReady1, kPullDAck1,
+                       kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]

@@ -20,9 +20,10 @@ EP_PARAM(GpuQueueRows, "GPU_QUEUE_ROWS", 64);
 // rank's buffer, one read by the owner); 0 = push through the bounded queues (a copy more per row).
 EP_PARAM(GpuHtCombinePull, "GPU_HT_COMBINE_PULL", 1);
 // HT dispatch: 1 = each rank copies its tokens once into its buffer and the receivers pull their rows straight
-// into recv_x (no queues; needs max_tokens dispatch slots more per rank); 0 = push through the bounded queues.
-// Passes the GPU suite but measured 4-5x slower than push on one H200 (bench/results/h200-ht-pull-s3.log): off.
-EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 0);
+// into recv_x (no queues; max_tokens dispatch slots more per rank): a copy less per row than 0, the push through
+// the bounded queues. Once every block stages before it reads, 1.3-1.6x push's GB/s on one H200
+// (bench/results/h200-ht-s7.log); before that, with one role per block, 8-10x slower.
+EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 1);
 // Warps that serve one peer in an HT or alltoallv block (0 = as many as fit: 32 / ranks, at most 16).
 EP_PARAM(GpuWarpsPerPeer, "GPU_WARPS_PER_PEER", 0);
 // Queue rows a sender moves before it publishes them (0 = by the in-flight budget below, at most half a queue).
