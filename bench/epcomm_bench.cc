@@ -524,15 +524,26 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     }
   }
   const double row = 2.0 * H, recv = num_recv * row;
+  // This rank's rows of its own tokens (the pull combine reads them in x, uncopied).
+  int own_tokens = 0;
+  for (int t = 0; t < T; ++t) {
+    bool own = false;
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = idx[static_cast<size_t>(t) * K + k];
+      own |= e >= 0 && e / (E / nranks) == rank;
+    }
+    own_tokens += own;
+  }
   // Bytes the kernels move through HBM (read + written), a diagnostic. Pull dispatch (the default) stages each
   // token once (read + write per token, T at most) and the receiver reads its rows there and writes them into
   // recv_x (2 per row); push dispatch reads each sent row, writes it into the receiver's queue, which the
-  // receiving block reads and writes into recv_x (4 per row). Pull combine
-  // (the default) copies each expert-output row into this rank's staging (read + write; nothing with zero-copy),
-  // the owner reads it there and writes one output row per token (3 per row + 1; zero-copy 1 + 1). Push
-  // combine: into the source's queue, moved into its staging, read by the reduction (5 per row + 1).
-  // Useful bytes: each received row read once and written once.
-  const double disp_bytes = pull_d ? 2 * recv + 2 * T * row : 4 * recv, comb_bytes = (pull ? 3 : 5) * recv + T * row;
+  // receiving block reads and writes into recv_x (4 per row). Pull combine (the default) copies each
+  // expert-output row but its own tokens' into this rank's staging (read + write; nothing with zero-copy), the
+  // owner reads it there (or in x) and writes one output row per token (3 per row - 2 per own row + 1;
+  // zero-copy 1 + 1). Push combine: into the source's queue, moved into its staging, read by the reduction
+  // (5 per row + 1). Useful bytes: each received row read once and written once.
+  const double disp_bytes = pull_d ? 2 * recv + 2 * T * row : 4 * recv;
+  const double comb_bytes = pull ? 3 * recv - 2 * own_tokens * row + T * row : 5 * recv + T * row;
   rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes));
   rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes));
   if (pull) rows.push_back(reportRow("HT combine zero-copy", T, tz, recv, 2 * recv, recv + T * row));

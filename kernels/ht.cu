@@ -531,14 +531,14 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Pull combine (src/common/gpu_layout.h). Blocks 2c and 2c+1 share channel c, each with its half of the work, so
-// that every block copies and then every block reduces (with one role per block, half the SMs sat idle in each
-// phase). Copy: for every owner s (G warps per owner) the block's half of the rows of s's channel-c tokens from x
-// into this rank's staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the staging:
-// zero-copy, epHtCombineBuffer), then it publishes its half to s. Reduce: once every active rank published both
-// halves of this rank's channel c, the block's half of the channel's tokens, a token per warp, straight from the
-// peers' staging in ascending rank order, in fp32, rounded once (the same arithmetic as the push path); then it
-// acknowledges its half to every copier.
+// Pull combine (src/common/gpu_layout.h). Blocks 2c and 2c+1 share channel c, each with its half of the work, so that
+// every block copies and then every block reduces (with one role per block, half the SMs sat idle in each phase). Copy:
+// for every owner s (G warps per owner) the block's half of the rows of s's channel-c tokens from x into this rank's
+// staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the staging: zero-copy,
+// epHtCombineBuffer, or for this rank's own tokens), then it publishes its half to s. Reduce: once every active rank
+// published both halves of this rank's channel c, the block's half of the channel's tokens, a token per warp, straight
+// from the peers' staging (its own rows from x) in ascending rank order, in fp32, rounded once (the same arithmetic as
+// the push path); then it acknowledges its half to every copier.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
 __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
@@ -559,13 +559,13 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       int first = p.h.prefix[s];
       for (int cc = 0; cc < c; ++cc) first += p.h.recv_chan[s * C + cc];
       // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
-      // owner adds nothing for them.
+      // owner adds nothing for them. This rank's rows of its own tokens are not copied: it reads them in x.
       const int have = min(*p.h.num_recv, p.recv_rows);
       for (int i = half * G + g; ok && i < n; i += 2 * G) {
         const int row = first + i;
         uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
         if (row < have) {
-          if (!p.zero_copy)
+          if (!p.zero_copy && s != p.rank)
             warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
         } else {
           warpZero16(dst, p.xrow, lane);
@@ -591,7 +591,8 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   }
   __syncthreads();
   if (!s_ok) return;
-  // Per warp: the rows of its token, in ascending rank order.
+  // Per warp: the rows of its token, in ascending rank order; this rank's own row straight from x.
+  const int have = min(*p.h.num_recv, p.recv_rows);
   __shared__ const int4* s_src[32][kGpuMaxRanks];
   const int4** src = s_src[warp];
   const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
@@ -604,8 +605,9 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       const unsigned b = __ballot_sync(kFull, has);
       if (has) {
         const int row = p.h.peer_base[r] + p.h.pos[tr];
-        src[n + __popc(b & ((1u << lane) - 1))] =
-            reinterpret_cast<const int4*>(p.base[r] + p.lay.comb_stage + static_cast<size_t>(row) * p.xrow);
+        const uint8_t* at =
+            r == p.rank && row < have ? static_cast<const uint8_t*>(p.x) : p.base[r] + p.lay.comb_stage;
+        src[n + __popc(b & ((1u << lane) - 1))] = reinterpret_cast<const int4*>(at + static_cast<size_t>(row) * p.xrow);
       }
       n += __popc(b);
     }
