@@ -40,9 +40,14 @@ def main():
         for r in rows:
             if r[fixed_key] == fixed:
                 lines[(r["op"], r["ranks"])][r[x_key]] = r["deepep_gbs"]
+        # Colour by operation, line style by rank count: a dozen lines stay apart.
+        op_names = sorted({op for op, _ in lines})
+        rank_counts = sorted({r for _, r in lines})
+        styles = ["-", "--", ":", "-."]
         for (op, ranks), pts in sorted(lines.items()):
             xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], marker="o", label=f"{op}, R={ranks}")
+            ax.plot(xs, [pts[x] for x in xs], marker="o", color=f"C{op_names.index(op) % 10}",
+                    linestyle=styles[rank_counts.index(ranks) % len(styles)], label=f"{op}, R={ranks}")
         ax.set_xlabel("SM budget (blocks per kernel)" if x_key == "sms" else "tokens per rank")
         ax.set_ylabel("GB/s per rank (DeepEP accounting)")
         ax.set_title(f"{'SM sweep' if x_key == 'sms' else 'token sweep'} at {fixed_key} = {fixed}")
