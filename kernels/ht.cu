@@ -612,20 +612,29 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       n += __popc(b);
     }
     __syncwarp();
-    for (int ch = lane; ch < chunks; ch += 32) {
-      float acc[V::kN];
+    // Two 16-byte chunks per lane at a time (ch and ch + 32): kBatch x 2 loads in flight, each chunk's rows still
+    // added in rank order.
+    int4* out = reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow);
+    for (int ch = lane; ch < chunks; ch += 64) {
+      const bool in1 = ch + 32 < chunks;
+      float acc[2][V::kN];
 #pragma unroll
-      for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < V::kN; ++i) acc[0][i] = acc[1][i] = 0.0f;
       for (int i = 0; i < n; i += kBatch) {
-        int4 v[kBatch];
+        int4 v[kBatch][2];
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-          if (i + u < n) v[u] = src[i + u][ch];
+        for (int u = 0; u < kBatch; ++u) {
+          if (i + u < n) v[u][0] = src[i + u][ch];
+          if (i + u < n && in1) v[u][1] = src[i + u][ch + 32];
+        }
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-          if (i + u < n) V::add(acc, v[u]);
+        for (int u = 0; u < kBatch; ++u) {
+          if (i + u < n) V::add(acc[0], v[u][0]);
+          if (i + u < n && in1) V::add(acc[1], v[u][1]);
+        }
       }
-      reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
+      out[ch] = V::pack(acc[0]);
+      if (in1) out[ch + 32] = V::pack(acc[1]);
     }
     __syncwarp();
   }
