@@ -568,6 +568,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
         continue;
       }
       if (!((act >> s) & 1)) continue;  // the token's rank was masked after the dispatch
+      if (p.own_in_y && s == p.rank) continue;  // read in y by the receive half
       uint8_t* d = combPackedPtr(p, s, par, p.rank, q);
       warpCopyChunks(&d, 1, y + (static_cast<size_t>(l) * RM + j) * p.xrow, partBegin(units, P, part),
                      partBegin(units, P, part + 1), lane);
@@ -577,7 +578,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
     for (int item = gw; item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const int n = p.recv_count[s];
-      if (t >= n || !((act >> s) & 1)) continue;
+      if (t >= n || !((act >> s) & 1) || (p.own_in_y && s == p.rank)) continue;
       const int64_t* ti = p.recv_topk_idx + (static_cast<size_t>(s) * M + t) * K;
       int64_t l = lane < K ? ti[lane] : -1;
       if (l >= L || l < -1) {
@@ -700,7 +701,8 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
   const uint64_t act = activeMask(p);
   if (waitPeers(p, act, tagFlag, kLlCombine * 2 + par, e, e)) {
     // Zero-copy: each expert rank published where its rows are (LlZcHeader), rows begin(l, this rank) + index
-    // (expert-major) or l * R * M + rank * M + t (rank-major) of its region. Plain: this rank's slots.
+    // (expert-major) or l * R * M + rank * M + t (rank-major) of its region. Plain: this rank's slots, except its
+    // own rows with both halves in one call (own_in_y), which sit in y at those rows.
     const bool em = p.layout == EP_LL_EXPERT_MAJOR;
     for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
       const int A = x / L, l = x % L;
@@ -711,6 +713,11 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
           const size_t r0 = em ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
                                : static_cast<size_t>(p.rank) * p.M;
           a = p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow;
+        } else if (p.own_in_y && A == p.rank) {  // this rank's own rows, in y at the rows dispatch gave
+          const int64_t lr = em ? p.recv_layout_range[static_cast<size_t>(l) * R + p.rank] : 0;
+          const int64_t b = em ? layoutRangeBegin(lr) : static_cast<int64_t>(p.rank) * p.M, c = layoutRangeCount(lr);
+          if (b < 0 || c < 0 || b + c > static_cast<int64_t>(RM)) recordViolation(p, epInvalidUsage);  // not read
+          else a = static_cast<const uint8_t*>(p.y) + (static_cast<size_t>(l) * RM + b) * p.xrow;
         } else {
           a = em ? combPackedPtr(p, p.rank, par, A, st.at[x]) : combPtr(p, p.rank, par, x, 0);
         }
@@ -718,10 +725,10 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
       st.first[x] = reinterpret_cast<uint64_t>(a);
     }
     __syncthreads();
-    const size_t stride = p.zero_copy ? p.xrow : p.lay.comb_row;
     for (int i = threadIdx.x; i < p.T * K; i += blockDim.x) {
       const uint64_t a = st.x[i] >= 0 ? st.first[st.x[i]] : 0;
-      st.addr[i] = a ? a + static_cast<size_t>(st.row[i]) * stride : 0;
+      const bool in_y = p.zero_copy || (p.own_in_y && st.x[i] / L == p.rank);  // rows of y, else packed slots
+      st.addr[i] = a ? a + static_cast<size_t>(st.row[i]) * (in_y ? p.xrow : p.lay.comb_row) : 0;
     }
     __syncthreads();
     const int chunks = static_cast<int>(p.xrow / 16), spans = (chunks + 63) / 64;

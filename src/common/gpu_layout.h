@@ -20,8 +20,8 @@
 //                                  byte i * xrow (its receive order), which the token owners read straight from
 //                                  here; the caller may write x here itself (zero-copy, epHtCombineBuffer)
 //
-//   [dispatch staging: max_tokens] pull dispatch (EPCOMM_GPU_HT_DISPATCH_PULL=1, the default): this rank's tokens, row t
-//                                  at t in the dispatch slot format (x, scales, global expert ids, weights)
+//   [dispatch staging: max_tokens] pull dispatch (EPCOMM_GPU_HT_DISPATCH_PULL=1, the default): this rank's
+//                                  tokens, row t at t in the dispatch slot format (x, scales, expert ids, weights)
 //   [dispatch lists: R x max_tokens] pull dispatch only: list[r][i] = the token this rank sends to r as its i-th
 //
 // Pull dispatch, per (source s, channel c): s copies its channel-c tokens once into its staging, fills the lists,
@@ -338,6 +338,8 @@ struct LlParams {
   void* out;
   int zero_copy;     // combine: y is a region of this rank's LL buffer at y_off; peers read the rows from it
   int zc_guard;      // dispatch receive: wait until peers have read every earlier zero-copy combine's rows
+  int own_in_y;      // combine, both halves in one call, not zero-copy: this rank's rows of its own tokens are read
+                     // in y by the receive half instead of being copied by the send half (y is the call's, unchanged)
   int pdl;           // receive kernels may start while the send kernel before them runs (one rank per GPU)
   int gpu_scope;     // every rank runs on this GPU (ranks under MPS): GPU-scope fences suffice
   uint64_t y_off;

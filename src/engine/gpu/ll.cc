@@ -213,6 +213,8 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
              "(%zu bytes of shared memory)",
              a->num_tokens, a->topk, a->num_experts, kLlMaxSmem);
   if (a->phases & EP_LL_SEND) ll_recv_zero_copy_ = p.zero_copy;
+  // Both halves in this call: y stays as it is until the receive half, which reads this rank's own rows there.
+  p.own_in_y = a->phases == EP_LL_SEND_RECV && !p.zero_copy;
   return llLaunch(kLlCombine, a->phases, p, stream);
 }
 
