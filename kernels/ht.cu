@@ -533,12 +533,12 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
 // ---------------------------------------------------------------------------------------------------------
 // Pull combine (src/common/gpu_layout.h). Blocks 2c and 2c+1 share channel c, each with its half of the work, so that
 // every block copies and then every block reduces (with one role per block, half the SMs sat idle in each phase). Copy:
-// for every owner s (G warps per owner) the block's half of the rows of s's channel-c tokens from x into this rank's
-// staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the staging: zero-copy,
-// epHtCombineBuffer, or for this rank's own tokens), then it publishes its half to s. Reduce: once every active rank
-// published both halves of this rank's channel c, the block's half of the channel's tokens, a token per warp, straight
-// from the peers' staging (its own rows from x) in ascending rank order, in fp32, rounded once (the same arithmetic as
-// the push path); then it acknowledges its half to every copier.
+// the block's half of the rows of every owner's channel-c tokens, all its warps sharing one list over the owners, from
+// x into this rank's staging (same row index as in x, rows of xrow bytes; nothing to copy when x is the staging:
+// zero-copy, epHtCombineBuffer, or for this rank's own tokens), then it publishes its half to every owner. Reduce: once
+// every active rank published both halves of this rank's channel c, the block's half of the channel's tokens, a token
+// per warp, straight from the peers' staging (its own rows from x) in ascending rank order, in fp32, rounded once (the
+// same arithmetic as the push path); then it acknowledges its half to every copier.
 // ---------------------------------------------------------------------------------------------------------
 template <int kDtype>
 __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
@@ -547,37 +547,49 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
   const int c = blockIdx.x >> 1, half = blockIdx.x & 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int R = p.nranks, C = p.C, G = p.G;
+  const int R = p.nranks, C = p.C;
   uint8_t* const stage = p.base[p.rank] + p.lay.comb_stage;
   {
     // The owners have read what this rank last published (the begin kernel waited); after any failure
-    // nothing is written: a slow owner may still be reading. A masked owner gets nothing.
+    // nothing is written: a slow owner may still be reading. A masked owner gets nothing. The block's rows of
+    // every owner form one list that all its warps share, so no warp idles while another owner still has rows
+    // (this rank's own rows need no copy: it reads them in x).
+    __shared__ int s_first[kGpuMaxRanks], s_at[kGpuMaxRanks + 1];  // per owner: first row; the list's prefix
     const bool ok = noFailure(p);
-    const int s = warp / G, g = warp % G;
-    if (rankActive(p.el, s)) {
-      const int n = p.h.recv_chan[s * C + c];
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
+      const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
       int first = p.h.prefix[s];
       for (int cc = 0; cc < c; ++cc) first += p.h.recv_chan[s * C + cc];
-      // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
-      // owner adds nothing for them. This rank's rows of its own tokens are not copied: it reads them in x.
-      const int have = min(*p.h.num_recv, p.recv_rows);
-      for (int i = half * G + g; ok && i < n; i += 2 * G) {
-        const int row = first + i;
-        uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
-        if (row < have) {
-          if (!p.zero_copy && s != p.rank)
-            warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
-        } else {
-          warpZero16(dst, p.xrow, lane);
-        }
-      }
-      fenceForPeers(p.gpu_scope);
-      groupSync(G, s);
-      if (g == 0 && lane == 0 && ok && noFailure(p)) {
+      s_first[s] = first;
+      s_at[s + 1] = n > half ? (n - half + 1) / 2 : 0;  // this half's rows of the owner: i = half, half + 2, ...
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s_at[0] = 0;
+      for (int s = 0; s < R; ++s) s_at[s + 1] += s_at[s];
+    }
+    __syncthreads();
+    // Rows past x's rows (worst-token overflow, recorded by notify) were never received: zeros, so that the
+    // owner adds nothing for them.
+    const int have = min(*p.h.num_recv, p.recv_rows);
+    for (int j = warp; ok && j < s_at[R]; j += nwarps) {
+      int s = 0;
+      while (s_at[s + 1] <= j) ++s;
+      const int row = s_first[s] + half + 2 * (j - s_at[s]);
+      uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
+      if (row >= have)
+        warpZero16(dst, p.xrow, lane);
+      else if (!p.zero_copy && s != p.rank)
+        warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
+    }
+    fenceForPeers(p.gpu_scope);
+    __syncthreads();
+    if (ok && noFailure(p))
+      for (int s = threadIdx.x; s < R; s += blockDim.x) {
+        if (!rankActive(p.el, s)) continue;
         stRelease(qCounter(p, s, half ? kPullReady1 : kPullReady, p.rank, c), e, p.gpu_scope);
         stRelaxed(qCounter(p, p.rank, kPullSent, s, c), e);
       }
-    }
   }
   // Reduce: every active rank's rows of this channel's tokens are in (both halves).
   __shared__ int s_ok;
