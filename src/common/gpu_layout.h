@@ -296,7 +296,8 @@ struct HtParams {
   int pull_dispatch;                 // dispatch: pull (1; the layout has a dispatch staging) or push (0)
   int recv_rows;                     // combine: rows of x (the handle's receive rows)
   int zero_copy;                     // pull combine: x is this rank's combine staging (epHtCombineBuffer): no copy
-  int zc_guard;                      // dispatch: wait until the owners have read the last combine's staging rows
+  int zc_guard;                      // dispatch (pull combine): wait until the owners have read the last combine's
+                                     // staging rows, which the caller may overwrite next (epHtCombineBuffer)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
   const void* x;
   const float* x_scales;

@@ -221,7 +221,9 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_topk_weights = a->recv_topk_weights;
   p.recv_per_expert_out = a->recv_tokens_per_expert;
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
-  p.zc_guard = ht_zero_copy_ ? 1 : 0;
+  // Every dispatch, not only those after an epHtCombineBuffer call: the region may be asked for after the dispatch
+  // that precedes its first combine (the handle it sizes comes from that dispatch).
+  p.zc_guard = ht_pull_ ? 1 : 0;
   p.num_recv_out = a->num_recv_tokens;
   p.h = h;
   return p;
@@ -374,7 +376,6 @@ epResult_t GpuEngine::htCombineBuffer(void** x, size_t* bytes) {
              "combine keeps its own staging there");
   *x = static_cast<uint8_t*>(bufs_.local()) + lay_.comb_stage;
   *bytes = htRegionBytes(lay_);
-  ht_zero_copy_ = true;
   return epSuccess;
 }
 

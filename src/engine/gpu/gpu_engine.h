@@ -79,7 +79,6 @@ class GpuEngine final : public Engine {
   // that masked someone new were set (HT handles filled before are stale), and the survivors' sync rounds.
   GpuElastic* el_dev_ = nullptr;
   bool ht_pull_ = true;  // HT combine pulls from the peers' buffers (EPCOMM_GPU_HT_COMBINE_PULL)
-  bool ht_zero_copy_ = false;  // a zero-copy combine region was handed out: dispatches guard its reuse
   bool ht_pull_dispatch_ = true;  // HT dispatch receivers pull from the senders' buffers (EPCOMM_GPU_HT_DISPATCH_PULL)
   uint64_t active_mask_ = 0;
   uint64_t mask_gen_ = 0;
