@@ -470,7 +470,7 @@ def ht_zero_copy(rank, world, init_method, device="cpu"):
     topk_idx = _routing(gen, 4, num_experts, topk)[0].to(dev)
     buffer.low_latency_dispatch(x, topk_idx, 8, num_experts, use_fp8=False)
     assert len(buffer._retired_runtimes) == (1 if engine_region is not None else 0)
-    old.zero_()
+    old.zero_()  # no peer reads it any more: each checked its last combine before the re-creation's all-gather
     for i, mode in enumerate(("exact", "cached"), start=8):
         one_round(i, mode)
 
