@@ -1,7 +1,7 @@
 """epcomm.Buffer (DeepEP's legacy API) on the host engine, checked against references built from
 torch.distributed's own collectives (gloo) on random routing: HT exact, worst-token and cached dispatch,
-combine (with top-k weights and bias), fp8 input, zero-token ranks; LL dispatch/combine (bf16 and fp8,
-with and without receive hooks, zero-copy)."""
+combine (with top-k weights and bias, and from get_combine_buffer), fp8 input, zero-token ranks; LL
+dispatch/combine (bf16 and fp8, with and without receive hooks, zero-copy)."""
 import datetime
 
 import pytest
@@ -396,6 +396,96 @@ def ll_zero_copy(rank, world, init_method, device="cpu"):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ll_zero_copy_one_comm(world):
     ranks.run(world, ll_zero_copy)
+
+
+def ht_zero_copy(rank, world, init_method, device="cpu"):
+    """get_combine_buffer and combine(x=that tensor): on the GPU engine a view of the C API's registered region
+    (epHtCombineBuffer), on the host engine (epNotSupported there) a Buffer-owned tensor. Either combines bit
+    for bit like a plain x, over dispatches of every mode (exact, async, cached, worst-token) with fresh inputs
+    each, with and without topk_weights, in bf16 and fp32, and after an LL call re-created the communicator."""
+    import os
+
+    import epcomm
+    from epcomm import _capi
+
+    _init(rank, world, init_method)
+    dev = _set_device(rank, device)
+    gen = torch.Generator().manual_seed(91 + rank)
+    num_experts, topk, hidden, max_tokens = 4 * world, 3, 256, 24
+    worst = max_tokens * world
+    buffer = epcomm.Buffer(dist.group.WORLD, explicitly_destroy=True)
+
+    engine_region = None
+    try:
+        engine_region = buffer.runtime.ht_combine_buffer()
+    except _capi.Error as e:
+        assert e.code == _capi.NOT_SUPPORTED and "zero-copy" in str(e), e
+    pull = os.environ.get("EPCOMM_GPU_HT_COMBINE_PULL", "1") != "0"
+    assert (engine_region is not None) == (dev.type == "cuda" and pull), (dev, engine_region)
+
+    last = {}  # the latest non-cached dispatch: its handle, weights and token count
+
+    def one_round(i, mode):
+        num_tokens = last["num_tokens"] if mode == "cached" else (0 if i == 4 and rank == world - 1 else max_tokens)
+        x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16).to(dev)
+        if mode == "cached":  # the previous dispatch's layout, fresh x
+            recv_x = buffer.dispatch(x, handle=last["handle"])[0]
+        else:
+            topk_idx, topk_weights = (t.to(dev) for t in _routing(gen, num_tokens, num_experts, topk))
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+            recv_x, _, recv_w, _, handle, event = buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, async_finish=mode == "async",
+                num_worst_tokens=worst if mode == "worst" else 0)
+            if mode == "async":
+                event.current_stream_wait()  # the view is written on the current stream: after the dispatch
+            last.update(handle=handle, recv_w=recv_w, num_tokens=num_tokens)
+        handle, recv_w = last["handle"], last["recv_w"]
+        dtype = torch.float32 if i % 3 == 2 else torch.bfloat16
+        y = (recv_x.float() * (rank + 1 + i / 8)).to(dtype)  # the expert stand-in
+        zc = buffer.get_combine_buffer(handle, dtype)
+        assert zc.shape == recv_x.shape and zc.dtype == dtype, (mode, zc.shape, recv_x.shape, zc.dtype)
+        assert zc.device == dev and zc.is_contiguous()
+        assert buffer.get_combine_buffer(handle, dtype).data_ptr() == zc.data_ptr()  # stable
+        if engine_region is not None and zc.numel() > 0:
+            address, size = buffer.runtime.ht_combine_buffer()
+            assert zc.data_ptr() == address and zc.numel() * zc.element_size() <= size
+        zc.copy_(y)
+        weights = recv_w if i % 2 == 0 else None
+        got, got_w, _ = buffer.combine(zc, handle, topk_weights=weights)
+        # the plain combine after it (on the GPU engine it copies y into the region: zc is not written between)
+        want, want_w, _ = buffer.combine(y, handle, topk_weights=weights)
+        assert got.dtype == dtype and torch.equal(got.cpu(), want.cpu()), (mode, i)
+        assert (got_w is None) == (weights is None)
+        if weights is not None:
+            assert torch.equal(got_w.cpu(), want_w.cpu()), (mode, i)
+        return zc
+
+    for i, mode in enumerate(("exact", "async", "cached", "worst", "exact", "cached", "worst", "async")):
+        old = one_round(i, mode)
+
+    # An LL call re-creates the communicator with LL capacity: the one whose region was handed out stays alive
+    # until destroy() (the view held still points at live memory); the new one hands out its own.
+    x = torch.randn((4, hidden), generator=gen).to(torch.bfloat16).to(dev)
+    topk_idx = _routing(gen, 4, num_experts, topk)[0].to(dev)
+    buffer.low_latency_dispatch(x, topk_idx, 8, num_experts, use_fp8=False)
+    assert len(buffer._retired_runtimes) == (1 if engine_region is not None else 0)
+    old.zero_()  # no peer reads it any more: each checked its last combine before the re-creation's all-gather
+    for i, mode in enumerate(("exact", "cached"), start=8):
+        one_round(i, mode)
+
+    with pytest.raises(TypeError, match="dtype"):
+        buffer.get_combine_buffer(last["handle"], torch.int32)
+    dist.barrier()
+    buffer.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        buffer.get_combine_buffer(last["handle"])
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ht_zero_copy(world):
+    ranks.run(world, ht_zero_copy)
 
 
 def test_dlpack_bytes():

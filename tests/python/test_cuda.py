@@ -71,6 +71,13 @@ def test_ll_zero_copy_cuda():
     ranks.run(WORLD, test_buffer.ll_zero_copy, "cuda")
 
 
+def test_ht_zero_copy_cuda():
+    """get_combine_buffer is a view of the communicator's registered region (epHtCombineBuffer), and combine from
+    it equals combine from a plain tensor bit for bit, over dispatches of every mode with fresh inputs (see
+    test_buffer)."""
+    ranks.run(WORLD, test_buffer.ht_zero_copy, "cuda")
+
+
 def captured(rank, world, init_method):
     """Worst-token dispatch -> expert stand-in -> combine captured in a CUDA graph and replayed with fresh
     inputs equals the eager result each time."""

@@ -434,6 +434,16 @@ PYBIND11_MODULE(_capi, m) {
            },
            "epLlCombineBuffer: (address, bytes) of the registered region the next zero-copy LL combine reads its y "
            "from (GPU engine; the host engine raises epNotSupported)")
+      .def("ht_combine_buffer",
+           [](const Comm& c) {
+             void* x = nullptr;
+             size_t bytes = 0;
+             c.check(epHtCombineBuffer(c.get(), &x, &bytes));
+             return py::make_tuple(reinterpret_cast<uintptr_t>(x), bytes);
+           },
+           "epHtCombineBuffer: (address, bytes) of the registered region that a zero-copy HT combine reads its x "
+           "from when x is the region's start (GPU engine with the pull combine; the host engine and "
+           "EPCOMM_GPU_HT_COMBINE_PULL=0 raise epNotSupported)")
       .def("set_active_ranks",
            [](const Comm& c, const std::vector<int32_t>& active, uintptr_t s) {
              int n = c.size();

@@ -139,6 +139,9 @@ class Buffer:
         self._ll_shape = (0, 0, 0)  # LL capacity of the communicator: (max tokens per rank, hidden, experts)
         self._ll_zero_copy = True  # the engine hands out zero-copy regions (epLlCombineBuffer); else a fallback
         self._ll_region_views = {}  # address of a zero-copy region -> (bytes, shape, bf16 view of that shape)
+        self._ht_zero_copy = True  # the engine hands out the HT zero-copy region (epHtCombineBuffer); else a fallback
+        self._ht_region: Optional[torch.Tensor] = None  # uint8 over the communicator's HT region, once handed out
+        self._ht_combine_fallback: Optional[torch.Tensor] = None  # uint8, Buffer-owned, where the engine has none
         # Communicators replaced by a larger LL one after they handed out zero-copy views: kept alive (unused) until
         # destroy(), so that a tensor a caller still holds never points at freed memory.
         self._retired_runtimes: list = []
@@ -156,6 +159,8 @@ class Buffer:
         self._free_ht_handles.clear()
         self._graph_ht_handles.clear()
         self._ll_region_views.clear()
+        self._ht_region = None
+        self._ht_combine_fallback = None
         if self.runtime is not None:
             self.runtime.destroy()
         self.runtime = None
@@ -394,7 +399,7 @@ class Buffer:
                 per_expert_list = [(c + expert_alignment - 1) // expert_alignment * expert_alignment
                                    for c in per_expert_list]
 
-        state = HtState(c_handle, num_tokens, topk, num_experts, num_recv, num_worst_tokens)
+        state = HtState(c_handle, num_tokens, topk, num_experts, num_recv, num_worst_tokens, hidden)
         if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A captured graph writes and reads this layout at every replay: never lend it to another dispatch.
             self._graph_ht_handles.append(c_handle)
@@ -445,10 +450,12 @@ class Buffer:
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """Sums each token's rows back from the ranks that received it (no weights), in ascending rank order
-        in fp32; topk_weights, when given, are summed the same way."""
+        in fp32; topk_weights, when given, are summed the same way. x may be get_combine_buffer(handle): on
+        the GPU engine that combine copies nothing, the token owners read the rows where the experts wrote them."""
         self._check("x", x)
         self._check("topk_weights", topk_weights)
         state: HtState = handle.state
+        # A view of the zero-copy region is contiguous, so it reaches epHtCombine at the region's start, unchanged.
         x = x.contiguous()
         hidden = x.size(1)
         bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
@@ -476,6 +483,56 @@ class Buffer:
                                      ptr(out), nbytes(out), stream)
         return out
 
+    def get_combine_buffer(self, handle: Tuple, dtype: torch.dtype = torch.bfloat16,
+                           hidden: Optional[int] = None) -> torch.Tensor:
+        """The [num_recv_tokens, hidden] tensor (num_worst_tokens rows in worst-token mode; hidden: the
+        dispatch's unless given) into which the experts write combine(x, handle)'s x. On the GPU engine it is a
+        view of the communicator's registered region (the C API's epHtCombineBuffer, the same memory for every
+        handle): combine(x=this view, handle) then copies nothing, the token owners read the rows from it.
+
+        Lifetime: write it only after the HT dispatch (any mode) that precedes its combine has been issued --
+        on CUDA, on a stream ordered after that dispatch (the current stream once dispatch returned; with
+        async_finish, after its event) -- and until that combine is issued; not after that until the next HT
+        dispatch. The combine's own later steps (topk_weights) and every later combine use the same memory,
+        so do not read x back from it after the combine. The tensor stays valid until destroy() (after the
+        communicator is re-created by an LL call, ask again: the old view then combines as a plain x).
+
+        On the host engine (epHtCombineBuffer answers epNotSupported: its combine reads x in place anyway) and
+        on the GPU engine with EPCOMM_GPU_HT_COMBINE_PULL=0 it is a Buffer-owned tensor that the combine
+        reads like any x."""
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"epcomm.Buffer.get_combine_buffer: dtype must be torch.bfloat16, torch.float16 or "
+                            f"torch.float32 (the combine's), got {dtype}")
+        if self.runtime is None:
+            raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
+        state: HtState = handle.state
+        rows = state.num_recv if state.num_recv >= 0 else state.num_worst
+        hidden = state.hidden if hidden is None else hidden
+        need = rows * hidden * dtype.itemsize
+        if self._ht_zero_copy and self._ht_region is None:
+            try:
+                address, size = self.runtime.ht_combine_buffer()
+            except _capi.Error as e:
+                if e.code != _capi.NOT_SUPPORTED:
+                    raise
+                self._ht_zero_copy = False  # the engine's answer, the same on every rank
+            else:
+                device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
+                self._ht_region = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id))
+        if self._ht_region is not None:
+            raw = self._ht_region
+            if need > raw.numel():
+                raise RuntimeError(f"epcomm.Buffer.get_combine_buffer: the zero-copy region has {raw.numel()} bytes, "
+                                   f"[{rows}, {hidden}] {dtype} needs {need} (it holds ht_max_tokens_per_rank x "
+                                   "num_ranks rows of ht_max_hidden bf16 values)")
+        else:
+            raw = self._ht_combine_fallback
+            if raw is None or raw.numel() < need:
+                raw = torch.empty(need, dtype=torch.uint8, device=self._device)
+                self._ht_combine_fallback = raw
+        # row i at byte i * hidden * dtype size from the start: the region's layout of a combine's x
+        return raw[:need].view(dtype).view(rows, hidden)
+
     # --- low-latency dispatch / combine ---------------------------------------------------------------------
 
     def _ll_runtime(self, max_tokens: int, hidden: int, num_experts: int) -> "_capi.Comm":
@@ -500,11 +557,12 @@ class Buffer:
                 "shape, before capturing")
         engine = self.runtime.engine
         self._free_ht_handles.clear()
-        if self._ll_region_views:
+        if self._ll_region_views or self._ht_region is not None:
             self._retired_runtimes.append(self.runtime)  # views of its memory are out there: keep it alive
         else:
             self.runtime.destroy()  # HT handles still held by the caller no longer combine (epcomm says so if used)
         self._ll_region_views.clear()
+        self._ht_region = None  # the new communicator has its own
         self.runtime = None
         shape = (max(max_tokens, m), max(hidden, h), num_experts)
         self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,

@@ -5,13 +5,15 @@ import torch
 class HtState:
     """What an HT handle carries besides DeepEP's tensors: the C handle with the layout, and the shapes."""
 
-    def __init__(self, c_handle, num_tokens: int, topk: int, num_experts: int, num_recv: int, num_worst: int):
+    def __init__(self, c_handle, num_tokens: int, topk: int, num_experts: int, num_recv: int, num_worst: int,
+                 hidden: int):
         self.c_handle = c_handle
         self.num_tokens = num_tokens
         self.topk = topk
         self.num_experts = num_experts
         self.num_recv = num_recv      # exact mode: received rows; worst-token mode: -1 (device-side count only)
         self.num_worst = num_worst
+        self.hidden = hidden          # the dispatch's: get_combine_buffer's default
 
 
 class HtHandle(tuple):
