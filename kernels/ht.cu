@@ -18,7 +18,7 @@ using namespace dev;
 // reader has acknowledged what this rank last published there, on every (reader, channel): with another layout a
 // block's rows were another channel's. Done here, before the main kernel, because inside it a late block would
 // read the counters its own launch already advanced and wait for the operation it is part of (rule G2). A failed
-// wait is recorded, and the main kernel's copying blocks then write nothing.
+// wait is recorded, and every block of the main kernel then skips its copy phase.
 // ack_kind2: a second acknowledgement to wait for (the pull combine's two halves), or -1.
 __device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, int ack_kind2, uint64_t e) {
   for (int i = threadIdx.x; i < p.nranks * p.C; i += blockDim.x) {
@@ -228,8 +228,10 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
     atomicAdd(&p.el->drops[kDropTokenRows][threadIdx.x], static_cast<unsigned long long>(p.h.masked[threadIdx.x]));
   uint8_t* const me = p.base[p.rank];
   // The readers of what this rank last published have acknowledged it (the notify or begin kernel waited);
-  // after any failure nothing is written: a slow reader may still be reading.
-  if (noFailure(p)) {
+  // after any failure nothing is written: a slow reader may still be reading. One answer for the whole block
+  // (each thread reading the failure flag could get its own): the barriers below must be reached by all.
+  const bool stage = __syncthreads_and(noFailure(p));
+  if (stage) {
     const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
     int32_t* const list = reinterpret_cast<int32_t*>(me + p.lay.disp_list);
     for (int t = tb + half * nwarps + warp; t < te; t += 2 * nwarps) {
@@ -251,15 +253,15 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
         if (p.h.in_rank[tr]) list[static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]] = t;
       }
     }
-    fenceForPeers(p.gpu_scope);
-    __syncthreads();
-    if (noFailure(p))
-      for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        if (!rankActive(p.el, r)) continue;
-        stRelease(qCounter(p, r, half ? kPullDReady1 : kPullDReady, p.rank, c), e, p.gpu_scope);
-        stRelaxed(qCounter(p, p.rank, kPullDSent, r, c), e);
-      }
   }
+  fenceForPeers(p.gpu_scope);
+  __syncthreads();
+  if (stage && noFailure(p))
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      if (!rankActive(p.el, r)) continue;
+      stRelease(qCounter(p, r, half ? kPullDReady1 : kPullDReady, p.rank, c), e, p.gpu_scope);
+      stRelaxed(qCounter(p, p.rank, kPullDSent, r, c), e);
+    }
   const int num_recv = *p.h.num_recv;
   const int rows = p.worst > 0 ? min(num_recv, p.worst) : num_recv;
   {
@@ -555,7 +557,7 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
     // every owner form one list that all its warps share, so no warp idles while another owner still has rows
     // (this rank's own rows need no copy: it reads them in x).
     __shared__ int s_first[kGpuMaxRanks], s_at[kGpuMaxRanks + 1];  // per owner: first row; the list's prefix
-    const bool ok = noFailure(p);
+    const bool ok = __syncthreads_and(noFailure(p));  // one answer for the block, as in the pull dispatch
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
       const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
       int first = p.h.prefix[s];

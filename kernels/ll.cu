@@ -726,8 +726,16 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
     }
     __syncthreads();
     for (int i = threadIdx.x; i < p.T * K; i += blockDim.x) {
-      const uint64_t a = st.x[i] >= 0 ? st.first[st.x[i]] : 0;
-      const bool in_y = p.zero_copy || (p.own_in_y && st.x[i] / L == p.rank);  // rows of y, else packed slots
+      uint64_t a = st.x[i] >= 0 ? st.first[st.x[i]] : 0;
+      const bool own = p.own_in_y && st.x[i] / L == p.rank;
+      // Own rows in y (expert-major): a routing other than the dispatched one could name a row past the expert's
+      // rows, even past y's end; the packed slots' copy checks that in the send half.
+      if (a && own && em &&
+          st.row[i] >= layoutRangeCount(p.recv_layout_range[static_cast<size_t>(st.x[i] % L) * R + p.rank])) {
+        recordViolation(p, epInvalidUsage);
+        a = 0;
+      }
+      const bool in_y = p.zero_copy || own;  // rows of y, else packed slots
       st.addr[i] = a ? a + static_cast<size_t>(st.row[i]) * (in_y ? p.xrow : p.lay.comb_row) : 0;
     }
     __syncthreads();

@@ -398,13 +398,21 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.h = g->dev;
   p.pull = ht_pull_ ? 1 : 0;
   p.recv_rows = h->recv_rows;
-  // x at the start of the zero-copy region: the owners read it there. Anywhere else inside: a mistake (row i of x
-  // must be row i of the region).
+  // x at the start of the zero-copy region: the owners read it there. Overlapping it otherwise: a mistake (row i of
+  // x must be row i of the region, which the combine rewrites while it reads x). combined_x must stay out of it:
+  // the peers read the region while this rank writes its output.
   const uint8_t* region = static_cast<const uint8_t*>(bufs_.local()) + lay_.comb_stage;
+  const uint8_t* region_end = region + htRegionBytes(lay_);
   const uint8_t* x = static_cast<const uint8_t*>(a->x);
-  if (ht_pull_ && x > region && x < region + htRegionBytes(lay_))
-    EP_FAIL(epInvalidArgument, "x = %p lies inside the zero-copy combine region (epHtCombineBuffer) but not at its "
-            "start %p: pass the region's start", a->x, static_cast<const void*>(region));
+  const uint8_t* out = static_cast<const uint8_t*>(a->combined_x);
+  const size_t x_used = static_cast<size_t>(h->recv_rows) * xrow, out_used = static_cast<size_t>(a->num_tokens) * xrow;
+  if (ht_pull_ && x != region && x < region_end && x + x_used > region)
+    EP_FAIL(epInvalidArgument, "x = %p (%zu bytes) overlaps the zero-copy combine region (epHtCombineBuffer) at %p "
+            "but does not start there: pass the region's start", a->x, x_used, static_cast<const void*>(region));
+  if (ht_pull_ && out_used > 0 && out < region_end && out + out_used > region)
+    EP_FAIL(epInvalidArgument, "combined_x = %p (%zu bytes) overlaps the zero-copy combine region (epHtCombineBuffer) "
+            "at %p, which the peers read during the combine", a->combined_x, out_used,
+            static_cast<const void*>(region));
   if (ht_pull_ && x == region) {
     EP_REQUIRE(static_cast<size_t>(h->recv_rows) * xrow <= htRegionBytes(lay_), epBufferTooSmall,
                "x is the zero-copy combine region, %zu bytes, but %d rows of %zu bytes do not fit in it",
