@@ -168,7 +168,8 @@ typedef struct {
   int ll_num_experts;          /* low-latency: experts the LL buffers are sized for; 0 = any on the host engine,
                                   256 on the GPU engine (whose combine buffers hold one row per expert and token) */
   int ht_max_tokens_per_rank;  /* GPU engine, HT: most tokens a rank dispatches per call (sizes the combine
-                                  staging); 0 = 4096 */
+                                  staging, nranks rows per token, and the pull dispatch's, one row per
+                                  token); 0 = 4096 */
   int ht_max_hidden;           /* GPU engine, HT: largest hidden size in bf16 rows (fp32 rows take two); 0 = 7168 */
 } epConfig_t;
 
@@ -370,12 +371,14 @@ EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, 
  * computation writes its outputs: the combine's x, [received rows, H] of the combine's dtype, row i at byte
  * i * H * dtype size from the region's start. Pass the region's start as args->x: the combine then copies
  * nothing and the token owners read the rows straight from it. Each rank chooses for itself, combine by combine.
- * The region is the same for every call (CUDA-graph safe). Lifetime: it may be written after an HT dispatch of
- * this communicator has been issued (that dispatch waits on the device until every peer has finished reading the
- * earlier combines' rows) and until the combine that reads it is issued; not after that until the next HT
- * dispatch. A plain combine also uses the region (it copies x there). The host engine returns epNotSupported (its
- * combine reads x in place); so does the GPU engine with EPCOMM_GPU_HT_COMBINE_PULL=0, whose combine uses the
- * memory for its own staging. x inside the region but not at its start is epInvalidArgument. */
+ * The region is the same for every call (CUDA-graph safe). Lifetime: it may be written by work ordered on the
+ * device after an HT dispatch of this communicator (the dispatch's stream, or an event recorded after it; the
+ * dispatch waits on the device until every peer has finished reading the earlier combines' rows) and issued
+ * before the combine that reads it; not after that until the next HT dispatch. A plain combine also uses the
+ * region (it copies x there), so its contents do not outlive the next combine. The host engine returns
+ * epNotSupported (its combine reads x in place); so does the GPU engine with EPCOMM_GPU_HT_COMBINE_PULL=0, whose
+ * combine uses the memory for its own staging. An x that overlaps the region without starting at its start, or a
+ * combined_x that overlaps it, is epInvalidArgument. */
 EPCOMM_API epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes);
 
 /* ---------------------------------------------------------------------------------------------------------

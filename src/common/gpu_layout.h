@@ -17,8 +17,9 @@
 //   [combine staging: R x max_tokens] push combine: where the receiving blocks move combine rows out of the
 //                                  queues, so that each source drains independently; the reduction reads them
 //                                  here. Pull combine (the default): this rank's combine input, row i of x at
-//                                  byte i * xrow (its receive order), which the token owners read straight from
-//                                  here; the caller may write x here itself (zero-copy, epHtCombineBuffer)
+//                                  byte i * xrow (its receive order; rows of its own tokens are not copied, it
+//                                  reads them in x), which the token owners read straight from here; the caller
+//                                  may write x here itself (zero-copy, epHtCombineBuffer)
 //
 //   [dispatch staging: max_tokens] pull dispatch (EPCOMM_GPU_HT_DISPATCH_PULL=1, the default): this rank's
 //                                  tokens, row t at t in the dispatch slot format (x, scales, expert ids, weights)
@@ -34,10 +35,14 @@
 // each token from the peers' staging rows in ascending rank order, then acknowledges (ack[s][c] = epoch in the
 // copier's counters). A copier overwrites its rows for s only once s acknowledged the combine it last published
 // (sent[s][c], its own record), so the next combine never changes rows a slow owner still reads.
+// In both pull paths the two blocks of channel c each do half of the channel (rows of every peer, tokens or
+// receive rows of this rank), first staging and then reading, with a ready and an ack counter per half
+// (kPullReady / kPullReady1, ...): every block of the launch must be resident at once, which the grid's size
+// (at most the SMs / (ranks on the GPU + 1) per rank) gives.
 //
 // An operation: a one-block kernel bumps ctrl.epoch first (so every block of the following kernels reads a
-// value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel
-// whose even blocks send and odd blocks receive: channel c of a rank carries its tokens
+// value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel. In
+// the push paths its even blocks send and odd blocks receive: channel c of a rank carries its tokens
 // [T*c/C, T*(c+1)/C), pipelined through a bounded per-peer queue of Q rows (a rank's rows to itself skip the
 // queue and go straight to their final rows). The counters only grow, so no per-operation reset exists (graph
 // replays need none) and a sender waits for room by reading the peer's head. Senders publish the tail in rounds
@@ -76,7 +81,8 @@ struct GpuBufferLayout {
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
   size_t comb_q;                  // combine queues (slots of x_stride bytes)
-  size_t comb_stage;              // combine rows moved out of the queues: [src][max_tokens][x_stride]
+  size_t comb_stage;              // push: combine rows moved out of the queues, [src][max_tokens][x_stride];
+                                  // pull: x, rows of xrow bytes in receive order (the zero-copy region)
   size_t disp_stage, disp_list;   // pull dispatch: [max_tokens][disp_slot], [R][max_tokens] int32 (0 bytes
                                   // without pull dispatch: both offsets equal total)
   size_t x_stride, scale_stride;  // bytes of a row's x part and scale part in a slot
@@ -123,7 +129,7 @@ struct MailboxHead {
 };
 
 EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens,
-                                      bool pull_dispatch = false) {
+                                      bool pull_dispatch) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   GpuBufferLayout l{};
   l.nranks = nranks;

@@ -20,7 +20,7 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
       for (int Q : {32, 64, 1000})
         for (int H : {128, 7168})
           for (int T : {1, 512, 4096}) {
-            const GpuBufferLayout l = gpuBufferLayout(R, C, Q, H, T);
+            const GpuBufferLayout l = gpuBufferLayout(R, C, Q, H, T, false);
             SCOPED_TRACE(testing::Message() << "R " << R << " C " << C << " Q " << Q << " H " << H << " T " << T);
             const std::vector<size_t> starts = {l.mailbox, l.qctrl, l.disp_q, l.comb_q, l.comb_stage, l.total};
             EXPECT_TRUE(std::is_sorted(starts.begin(), starts.end()));
