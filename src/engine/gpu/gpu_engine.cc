@@ -22,7 +22,7 @@ EP_PARAM(GpuHtCombinePull, "GPU_HT_COMBINE_PULL", 1);
 // HT dispatch: 1 = each rank copies its tokens once into its buffer and the receivers pull their rows straight
 // into recv_x (no queues; max_tokens dispatch slots more per rank): a copy less per row than 0, the push through
 // the bounded queues. Once every block stages before it reads, 1.3-1.6x push's GB/s on one H200
-// (bench/results/h200-ht-s7.log); before that, with one role per block, 8-10x slower.
+// (bench/results/h200-ht-s7.log); before that, with one role per block, 3-8x slower than push.
 EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 1);
 // Warps that serve one peer in an HT or alltoallv block (0 = as many as fit: 32 / ranks, at most 16).
 EP_PARAM(GpuWarpsPerPeer, "GPU_WARPS_PER_PEER", 0);
