@@ -241,6 +241,14 @@ py::capsule dlpackBytes(uintptr_t p, int64_t nbytes, int device_type, int device
 
 std::vector<size_t> toSizes(const std::vector<int64_t>& v) { return {v.begin(), v.end()}; }
 
+// (address, bytes) of a zero-copy region: epLlCombineBuffer and epHtCombineBuffer answer alike.
+py::tuple regionOf(const Comm& c, epResult_t (*get)(epComm_t, void**, size_t*)) {
+  void* region = nullptr;
+  size_t bytes = 0;
+  c.check(get(c.get(), &region, &bytes));
+  return py::make_tuple(reinterpret_cast<uintptr_t>(region), bytes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_capi, m) {
@@ -425,22 +433,10 @@ PYBIND11_MODULE(_capi, m) {
            py::arg("base"), py::arg("num_tokens"), py::arg("topk"), py::arg("dtype"), py::arg("y"),
            py::arg("y_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"), py::arg("out_bytes"),
            py::arg("phases"), py::arg("stream"))
-      .def("ll_combine_buffer",
-           [](const Comm& c) {
-             void* y = nullptr;
-             size_t bytes = 0;
-             c.check(epLlCombineBuffer(c.get(), &y, &bytes));
-             return py::make_tuple(reinterpret_cast<uintptr_t>(y), bytes);
-           },
+      .def("ll_combine_buffer", [](const Comm& c) { return regionOf(c, epLlCombineBuffer); },
            "epLlCombineBuffer: (address, bytes) of the registered region the next zero-copy LL combine reads its y "
            "from (GPU engine; the host engine raises epNotSupported)")
-      .def("ht_combine_buffer",
-           [](const Comm& c) {
-             void* x = nullptr;
-             size_t bytes = 0;
-             c.check(epHtCombineBuffer(c.get(), &x, &bytes));
-             return py::make_tuple(reinterpret_cast<uintptr_t>(x), bytes);
-           },
+      .def("ht_combine_buffer", [](const Comm& c) { return regionOf(c, epHtCombineBuffer); },
            "epHtCombineBuffer: (address, bytes) of the registered region that a zero-copy HT combine reads its x "
            "from when x is the region's start (GPU engine with the pull combine; the host engine and "
            "EPCOMM_GPU_HT_COMBINE_PULL=0 raise epNotSupported)")
