@@ -503,18 +503,19 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     double g = timeOnStream(s, [&] { CUCHECK(cudaGraphLaunch(exec, s)); });
     if (i >= o.warmup) tg.push_back(g);
   }
-  // Zero-copy combine (pull combine only): after each dispatch the "expert" writes its outputs (here: recv_x)
-  // into the region, untimed; the combine reads them there.
+  // Zero-copy combine (pull combine only: with the push combine the engine has no region, epNotSupported): after
+  // each dispatch the "expert" writes its outputs (here: recv_x) into the region, untimed; the combine reads them
+  // there.
   std::vector<double> tz;
-  const char* pull_env = getenv("EPCOMM_GPU_HT_COMBINE_PULL");
-  const char* pull_d_env = getenv("EPCOMM_GPU_HT_DISPATCH_PULL");
-  const bool pull = pull_env == nullptr || atoi(pull_env) != 0;
+  size_t region_bytes = 0;
+  void* region = nullptr;
+  const epResult_t region_rc = epHtCombineBuffer(comm, &region, &region_bytes);
+  if (region_rc != epSuccess && region_rc != epNotSupported) CHECK(region_rc);
+  const bool pull = region_rc == epSuccess;
+  const char* pull_d_env = getenv("EPCOMM_GPU_HT_DISPATCH_PULL");  // the dispatch mode has no query: its parameter
   const bool pull_d = pull_d_env == nullptr || atoi(pull_d_env) != 0;
   if (pull) {
     epHtCombineArgs_t z = c;
-    size_t region_bytes = 0;
-    void* region = nullptr;
-    CHECK(epHtCombineBuffer(comm, &region, &region_bytes));
     z.x = region;
     for (int i = 0; i < o.warmup + o.iters; ++i) {
       CHECK(epHtDispatch(comm, &a, h, s));
