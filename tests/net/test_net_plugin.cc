@@ -69,7 +69,17 @@ struct Net {
     return true;
   }
   const char* name() const { return v11 ? v11->name : v10 ? v10->name : v9 ? v9->name : v8->name; }
-  static void logger(ncclDebugLogLevel, unsigned long, const char*, int, const char*, ...) {}
+  // The plugin's warnings go to stderr with the rank process's pid: when a case fails, its log says what the
+  // plugin saw (many cases provoke errors on purpose, so warnings of passing cases are expected there too).
+  static void logger(ncclDebugLogLevel level, unsigned long, const char*, int, const char* fmt, ...) {
+    if (level != NCCL_LOG_WARN) return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "[pid %d plugin WARN] %s\n", static_cast<int>(getpid()), msg);
+  }
   ncclResult_t init() {
     if (v11) {
       ncclNetCommConfig_t cfg{-1};
@@ -1300,10 +1310,11 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
 // send that fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
 TEST_P(NetPlugin, SuspendedJobIsNoStall) {
   // Over libfabric's shm provider this case failed in 2 of 4 fresh-clone CI runs (2026-11-30: the waiting rank's
-  // receive got a remote error after the resume, its peer's send too), and passed in every one of 8 local runs
-  // of the same binary with CI's environment, and of 31 more on 2026-12-01 (alone and with all shm cases under a
-  // 2-core load, and the whole binary through meson test). Until that is understood it does not run there; tcp
-  // and net do.
+  // receive got a remote error after the resume, its peer's send too), and over ofi net once (2026-12-01, the
+  // same symptom), never in local runs. The likely cause, fixed since: the ofi stall check read the resume time
+  // before "awake", so a heartbeat turn between the two reads (both threads wake at the same SIGCONT) judged the
+  // peer on this process's own stop (test_net_turn_clock reproduces that order's race). shm stays skipped
+  // until fresh-clone CI has passed net and tcp with the fix; then this skip goes.
   if (GetParam().provider && strcmp(GetParam().provider, "shm") == 0)
     GTEST_SKIP() << "ofi shm: intermittent false verdict after the resume in CI, under investigation";
   // A deadline well below the stop, with room for a slow machine: under ASAN on a loaded 2-core CI host, 500 ms

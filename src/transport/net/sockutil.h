@@ -54,14 +54,22 @@ int64_t netMissedTurnNs();
 struct NetTurnClock {
   std::atomic<int64_t> turnNs{0};     // the thread's last turn
   std::atomic<int64_t> resumedNs{0};  // its first turn after missed ones
+  void start(int64_t now) { turnNs.store(now, std::memory_order_release); }
   void turn(int64_t now) {
     if (now - turnNs.load(std::memory_order_relaxed) > netMissedTurnNs())
       resumedNs.store(now, std::memory_order_relaxed);
-    turnNs.store(now, std::memory_order_relaxed);
+    turnNs.store(now, std::memory_order_release);  // after resumedNs: see quietNs
   }
-  bool awake(int64_t now) const { return now - turnNs.load(std::memory_order_relaxed) <= netMissedTurnNs(); }
-  // The last sign of life from a peer last heard at `heardNs`, a resume counting as one.
-  int64_t lastSign(int64_t heardNs) const { return std::max(heardNs, resumedNs.load(std::memory_order_relaxed)); }
+  // How long a peer last heard at `heardNs` has been quiet at `now`, a resume counting as a sign of life; -1
+  // while this process cannot judge (its thread missed turns and has not had one since: it was stopped).
+  // turnNs is read before resumedNs, the reverse of turn()'s writes, so a reader that sees the first turn after
+  // a stop also sees the resume it recorded. Read the other way round, a turn landing between the two reads (both
+  // threads wake at the same SIGCONT) paired a stale resume with "awake", and the process blamed its peer for the
+  // seconds it had been stopped itself.
+  int64_t quietNs(int64_t now, int64_t heardNs) const {
+    if (now - turnNs.load(std::memory_order_acquire) > netMissedTurnNs()) return -1;
+    return now - std::max(heardNs, resumedNs.load(std::memory_order_acquire));
+  }
 };
 
 // Listening socket bound to `ifc` (port 0 = any); fills *bound with the address peers must use.

@@ -727,8 +727,8 @@ class OfiBackend final : public NetBackend {
                                         ": peer closed or died with transfers outstanding");
     // Time this process spent stopped does not count (a suspended job: the peer could not beat either); right
     // after a resume the heartbeat thread may not have had its turn yet, and until it has there is no verdict.
-    int64_t silentMs = (now - hbTurns_.lastSign(c->lastHeardNs)) / 1000000LL;
-    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs() && hbTurns_.awake(now))
+    int64_t silentMs = hbTurns_.quietNs(now, c->lastHeardNs) / 1000000LL;  // -1 ms: cannot judge yet
+    if (c->peerGoneNs == 0 && silentMs > netTimeoutMs())
       return c->fail(epTimeout, std::string("NET/epcomm: ") + (c->isSend ? "send" : "recv") +
                                     " connection with peer " + c->peer + ": no sign of life from the peer for " +
                                     std::to_string(silentMs) + " ms with transfers outstanding (stopped or hung?)");
@@ -763,7 +763,7 @@ class OfiBackend final : public NetBackend {
     std::lock_guard<std::mutex> g(hbMu_);
     hbComms_.push_back(c);
     if (!hb_) {
-      hbTurns_.turnNs.store(nowNs(), std::memory_order_relaxed);
+      hbTurns_.start(nowNs());
       hb_ = std::make_unique<Heartbeat>();
       hb_->th = std::thread(&OfiBackend::heartbeatLoop, this, hb_.get());
     }

@@ -415,7 +415,7 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
   }
   c->lastProgressNs.store(nowNs());
   c->lastHeardNs.store(nowNs());
-  c->turns.turnNs.store(nowNs());
+  c->turns.start(nowNs());
   for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
   NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
            c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
@@ -874,8 +874,8 @@ class SocketBackend final : public NetBackend {
     // is no error: NCCL may post receives long before the sender reaches the collective. Dead peers show up at
     // once as EOF/RST.
     bool midMessage = !c->isSend && (r->pending.load() > 0 || (c->inlineIdx >= 0 && c->ctrlQ.front() == r));
-    if (midMessage && ownTurns(c)) {
-      int64_t idleMs = (nowNs() - c->turns.lastSign(c->lastProgressNs.load(std::memory_order_relaxed))) / 1000000LL;
+    if (midMessage) {
+      int64_t idleMs = c->turns.quietNs(nowNs(), c->lastProgressNs.load(std::memory_order_relaxed)) / 1000000LL;
       if (idleMs > netTimeoutMs()) {
         c->fail(epTimeout, "NET/epcomm: recv connection with peer %s: no data for %lld ms in the middle of a message",
                 c->peer.c_str(), static_cast<long long>(idleMs));
@@ -885,22 +885,16 @@ class SocketBackend final : public NetBackend {
     return peerSilent(c);
   }
 
-  // Whether this side was awake to hear its peer: helper 0 has had its turns. Right after this process was
-  // stopped, the thread calling test() may run first; no verdict until helper 0 noticed and restarted the clocks.
-  static bool ownTurns(SockComm* c) {
-    return c->turns.awake(nowNs());
-  }
-
   // A waiting request fails once, for EPCOMM_TIMEOUT_MS, no byte moved on the connection and the peer sent no
   // heartbeat.
   static epResult_t peerSilent(SockComm* c) {
     const int64_t tmo = netTimeoutMs();
+    // -1 ms while this process cannot judge (stopped, helper 0 not yet had its turn since): no verdict.
     auto quietMs = [c] {
-      int64_t last = c->turns.lastSign(std::max(c->lastProgressNs.load(std::memory_order_relaxed),
-                                                c->lastHeardNs.load(std::memory_order_relaxed)));
-      return (nowNs() - last) / 1000000LL;
+      return c->turns.quietNs(nowNs(), std::max(c->lastProgressNs.load(std::memory_order_relaxed),
+                                                c->lastHeardNs.load(std::memory_order_relaxed))) / 1000000LL;
     };
-    if (quietMs() <= tmo || !ownTurns(c)) return epSuccess;
+    if (quietMs() <= tmo) return epSuccess;
     // Read the socket here too before deciding: a beat may be waiting that helper 0 has not read yet.
     if (c->liveOpen.load(std::memory_order_relaxed)) drainLiveness(c);
     int64_t q = quietMs();
