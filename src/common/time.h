@@ -2,6 +2,7 @@
 #pragma once
 #include <time.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace epcomm {
@@ -11,6 +12,13 @@ inline int64_t nowNs() {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
+
+// Waits that must not count the time their own process spent stopped (a suspended job, a debugger) watch the
+// gap between their consecutive turns. A thread that turns at least every heartbeatMs(timeout) - a heartbeat
+// thread, or a wait loop that polls far more often - and finds a gap longer than missedTurnNs(timeout) did not
+// run meanwhile: it could not hear its peers, which may well have been stopped with it.
+inline int64_t heartbeatMs(int64_t timeout_ms) { return std::clamp<int64_t>(timeout_ms / 4, 5, 1000); }
+inline int64_t missedTurnNs(int64_t timeout_ms) { return (2 * heartbeatMs(timeout_ms) + 50) * 1000000LL; }
 
 class Deadline {
  public:

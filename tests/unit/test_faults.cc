@@ -3,16 +3,20 @@
 // error is recorded as {op, epoch, rank, peer, phase}; epCommAbort returns promptly; a new communicator works.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "epcomm/epcomm.h"
 #include "multiproc.h"
+#include "transport/net/net.h"
 
 namespace {
 
@@ -265,6 +269,95 @@ TEST(Faults, RankStopsParticipating) {
   }, 60000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
+
+// A suspended job is no stall: every rank stopped together (a scheduler's suspend, a debugger) and continued
+// later, for well past the deadline, loses nothing and gets no error. The time a rank spent stopped itself does
+// not count against its peers. Rank 0 is stopped first and continued last, so the others are in the middle of a
+// wait on it when they stop, and resume into it; every alltoallv result is checked. On one host (shm), and with
+// rank 0 on a virtual host of its own, reached over EPCOMM_NET=socket and ofi (the net transport's stall check).
+class SuspendedJob : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(SuspendedJob, IsNoStall) {
+  const std::string net = GetParam();
+  if (net == "ofi") {
+    setenv("EPCOMM_NET", "ofi", 1);
+    std::string why;
+    const bool offered = epcomm::net::netOfiBackend(&why) != nullptr;
+    unsetenv("EPCOMM_NET");
+    if (!offered) GTEST_SKIP() << "EPCOMM_NET=ofi is not offered here: " << why;
+  }
+  constexpr int R = 3, kOps = 400, kStopAtOp = 100;
+  struct Shared {
+    std::atomic<int> pid[R];
+    std::atomic<int> op;              // rank 0's operations done
+    std::atomic<int> longestMs[R];    // each rank's longest operation
+    std::atomic<int> stoppedAtOp;
+  };
+  auto* sh = static_cast<Shared*>(mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(sh, MAP_FAILED);
+  new (sh) Shared{};
+  sh->stoppedAtOp.store(-1);
+  std::thread controller([sh] {
+    auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (sh->op.load() < kStopAtOp && std::chrono::steady_clock::now() < end) usleep(100);
+    if (sh->op.load() < kStopAtOp) return;
+    kill(sh->pid[0].load(), SIGSTOP);
+    sh->stoppedAtOp.store(sh->op.load());
+    usleep(50 * 1000);  // ranks 1 and 2 go on until they wait on rank 0
+    for (int r = 1; r < R; ++r) kill(sh->pid[r].load(), SIGSTOP);
+    usleep(3 * kTimeoutMs * 1000);
+    for (int r = 1; r < R; ++r) kill(sh->pid[r].load(), SIGCONT);  // the waiting side first
+    usleep(50 * 1000);
+    kill(sh->pid[0].load(), SIGCONT);
+  });
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    if (!net.empty()) {  // rank 0 alone on one virtual host, ranks 1 and 2 on another
+      setenv("EPCOMM_HOSTID", rank == 0 ? "vhost0" : "vhost1", 1);
+      setenv("EPCOMM_NET", net.c_str(), 1);
+      // The net transport's own stall deadline (environment only) as short as the engine's: the stop exceeds both.
+      setenv("EPCOMM_TIMEOUT_MS", std::to_string(kTimeoutMs).c_str(), 1);
+    }
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    sh->pid[rank].store(getpid());
+    CHECK_OR_RETURN(epCommBarrier(comm, nullptr) == epSuccess, "barrier: %s", epGetLastError(comm));
+    const size_t n = 1 << 17;  // floats per peer: each alltoallv takes many steps through the 64 KiB queues
+    std::vector<float> sb(R * n), rb(R * n);
+    auto value = [&](int src, int dst, int i, size_t j) {
+      return static_cast<float>((((src * R + dst) * 64 + i % 64) << 8) + static_cast<int>(j & 255));
+    };
+    for (int i = 0; i < kOps; ++i) {
+      for (int d = 0; d < R; ++d)
+        for (size_t j = 0; j < n; ++j) sb[d * n + j] = value(rank, d, i, j);
+      std::fill(rb.begin(), rb.end(), -1.0f);
+      auto t0 = std::chrono::steady_clock::now();
+      epResult_t r = bigAlltoall(comm, R, sb, rb);
+      const double ms = msSince(t0);
+      CHECK_OR_RETURN(r == epSuccess, "operation %d after %.0f ms: %s (%s)", i, ms, epGetErrorString(r),
+                      epGetLastError(comm));
+      for (int s = 0; s < R; ++s)
+        for (size_t j = 0; j < n; ++j)
+          CHECK_OR_RETURN(rb[s * n + j] == value(s, rank, i, j), "operation %d: row from %d wrong at %zu", i, s, j);
+      if (ms > sh->longestMs[rank].load()) sh->longestMs[rank].store(static_cast<int>(ms));
+      if (rank == 0) sh->op.store(i + 1);
+    }
+    return epCommDestroy(comm) == epSuccess ? 0 : 1;
+  }, 60000);
+  controller.join();
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  // The stop came in the middle of the run, and ranks 1 and 2 were inside an operation for all of it.
+  const int at = sh->stoppedAtOp.load();
+  EXPECT_TRUE(at >= kStopAtOp && at < kOps) << "stopped at operation " << at;
+  for (int r = 1; r < R; ++r) EXPECT_GE(sh->longestMs[r].load(), 2 * kTimeoutMs) << "rank " << r;
+  munmap(sh, sizeof(Shared));
+}
+INSTANTIATE_TEST_SUITE_P(Faults, SuspendedJob, ::testing::Values("", "socket", "ofi"),
+                         [](const ::testing::TestParamInfo<const char*>& p) {
+                           return *p.param ? std::string("two_hosts_") + p.param : std::string("one_host");
+                         });
 
 // epCommAbort from another thread ends a wait on a peer that never comes, promptly.
 TEST(Faults, AbortUnblocksAWait) {

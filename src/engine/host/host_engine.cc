@@ -391,9 +391,16 @@ epResult_t HostEngine::fail(epResult_t code, int peer, int phase, const char* wh
                   static_cast<unsigned long long>(cur_epoch_), what);
 }
 
-epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check) {
+epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check,
+                                 int64_t& last_turn) {
   if (comm_->aborted.load(std::memory_order_relaxed)) return fail(epAborted, peer, phase, "communicator aborted");
   int64_t now = nowNs();
+  // A wait polls every few hundred microseconds; a far longer gap means this thread did not run (its process was
+  // stopped - a suspended job, a debugger - or starved). It could not see its peers meanwhile, and they may have
+  // been stopped with it: that time does not count, they get a whole deadline from here (as the net transport's
+  // stall check gives its peers, transport/net/sockutil.h). A peer that died meanwhile is still found below.
+  if (now - last_turn > missedTurnNs(comm_->config.timeout_ms)) idle_since = now;
+  last_turn = now;
   if (now - last_live_check > kLiveCheckNs) {
     last_live_check = now;
     // The peer waited on first, then every other rank the wait involves (the active ranks, or the survivors of a
@@ -433,17 +440,17 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
 // name the peer it is waiting on, for the error message.
 template <typename Step>
 epResult_t HostEngine::spin(int peer, int phase, Step&& step) {
-  int64_t idle = nowNs(), live = idle;
+  int64_t idle = nowNs(), live = idle, turn = idle;
   Backoff backoff;
   for (;;) {
     const Spin r = step(peer);
     if (r == Spin::kDone) return epSuccess;
     if (r == Spin::kMoved) {
-      idle = nowNs();
+      idle = turn = nowNs();
       backoff.reset();
       continue;
     }
-    EPCHECK(checkWait(peer, phase, idle, live));
+    EPCHECK(checkWait(peer, phase, idle, live, turn));
     backoff.pause();
   }
 }

@@ -144,7 +144,7 @@ class HostEngine final : public Engine {
   epResult_t runChannels(const std::function<epResult_t(int)>& fn);
   // Tokens [begin, end) of channel c.
   int chanBegin(int T, int c) const { return static_cast<int>(static_cast<int64_t>(T) * c / nchan_); }
-  epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check);
+  epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check, int64_t& last_turn);
   epResult_t recvHeaders(std::vector<Incoming>& in);
   epResult_t drainChannels(const std::vector<Incoming>& in);
   epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);

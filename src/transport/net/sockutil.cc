@@ -34,10 +34,10 @@ int64_t netTimeoutMs() {
 }
 
 // A quarter of the stall deadline: a peer that misses a beat or two (scheduling, a busy host) is still heard from
-// well within it.
-int64_t netHeartbeatMs() { return std::clamp<int64_t>(netTimeoutMs() / 4, 5, 1000); }
+// well within it (common/time.h).
+int64_t netHeartbeatMs() { return heartbeatMs(netTimeoutMs()); }
 
-int64_t netMissedTurnNs() { return (2 * netHeartbeatMs() + 50) * 1000000LL; }
+int64_t netMissedTurnNs() { return missedTurnNs(netTimeoutMs()); }
 
 std::string addrToString(const NetAddr& a) {
   char host[INET6_ADDRSTRLEN] = "?";
