@@ -1,7 +1,8 @@
 // The GPU engine: every operation between the GPUs of one host, over communication buffers shared with CUDA
 // IPC. Launch planning and host-side checks only; per-operation state lives in device memory (common/gpu_layout.h), so
 // nothing here runs between the kernels of captured operations. One file per operation family:
-// gpu_engine.cc (creation, layout, HT), ll.cc (LL dispatch/combine), alltoallv.cc; kernels in kernels/.
+// gpu_engine.cc (creation, shared parameters, error polling), ht.cc (layout, HT), ll.cc (LL dispatch/combine),
+// alltoallv.cc, elastic.cc; kernels in kernels/.
 #pragma once
 #include <memory>
 
