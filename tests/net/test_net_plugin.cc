@@ -83,11 +83,11 @@ struct Net {
   ncclResult_t init() {
     if (v11) {
       ncclNetCommConfig_t cfg{-1};
-      return v11->init(&ctx, 0x1234, &cfg, nullptr, nullptr);
+      return v11->init(&ctx, 0x1234, &cfg, logger, nullptr);
     }
-    if (v10) return v10->init(nullptr, nullptr);
-    if (v9) return v9->init(nullptr);
-    return v8->init(nullptr);
+    if (v10) return v10->init(logger, nullptr);
+    if (v9) return v9->init(logger);
+    return v8->init(logger);
   }
   ncclResult_t finalize() { return v11 ? v11->finalize(ctx) : ncclSuccess; }
   int devices() {
