@@ -709,10 +709,14 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
       const uint8_t* a = nullptr;  // masked: its contributions are absent
       if ((act >> A) & 1) {
         if (p.zero_copy) {
+          // Expert-major: the rows this call names (st.at[x], from its routing) must lie within the rows the
+          // expert rank published for this rank (a routing other than the dispatched one could name more, up to
+          // past the end of its region); rank-major rows are t < T <= M.
           const LlZcHeader* h = zcHeader(p, A, par);
-          const size_t r0 = em ? layoutRangeBegin(reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank])
-                               : static_cast<size_t>(p.rank) * p.M;
-          a = p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + r0) * p.xrow;
+          const int64_t lr = em ? reinterpret_cast<const int64_t*>(h + 1)[l * R + p.rank] : 0;
+          const int64_t b = em ? layoutRangeBegin(lr) : static_cast<int64_t>(p.rank) * p.M, c = layoutRangeCount(lr);
+          if (em && (b < 0 || st.at[x] > c || b + c > static_cast<int64_t>(RM))) recordViolation(p, epInvalidUsage);
+          else a = p.base[A] + h->y_off + (static_cast<size_t>(l) * RM + b) * p.xrow;
         } else if (p.own_in_y && A == p.rank) {  // this rank's own rows, in y at the rows dispatch gave
           const int64_t lr = em ? p.recv_layout_range[static_cast<size_t>(l) * R + p.rank] : 0;
           const int64_t b = em ? layoutRangeBegin(lr) : static_cast<int64_t>(p.rank) * p.M, c = layoutRangeCount(lr);

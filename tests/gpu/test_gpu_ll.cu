@@ -950,6 +950,75 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
   expectAllRanksOk(codes, seed);
 }
 
+// A zero-copy combine whose routing names more rows of an expert than its dispatch sent there (every token to
+// expert 0): the receive half must not read past the rows the expert rank published. It records an
+// epInvalidUsage violation, leaves those contributions out, and the next step with the dispatched routing gives
+// the first step's result.
+TEST_P(GpuLl, ZeroCopyCombineWithAnotherRoutingIsAViolation) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int T = 32, H = 512, K = 4, E = 8 * R;
+    epConfig_t cfg = llConfig(T, E);
+    cfg.ll_max_hidden = 1024;
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LlLayer P(comm, R, rank, T, T, H, K, E, EP_LL_EXPERT_MAJOR);
+    P.zero_copy = true;
+    DevBuf<uint16_t> first(static_cast<size_t>(T) * H), again(static_cast<size_t>(T) * H);
+    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, T, H, K, E, seed + rank, false);
+    CKE(P.run(s, first.p), comm);
+    CKC(cudaStreamSynchronize(s));
+    CK_CLEAN(comm, "after the first step");
+    const auto want = first.host();
+    const std::vector<int64_t> routing = P.idx.host();
+    int to0 = 0;  // this rank's tokens that the dispatch sends to expert 0
+    for (int t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) to0 += routing[static_cast<size_t>(t) * K + k] == 0;
+    CK(to0 < T, "the random routing sends all %d tokens to expert 0", T);
+    // Dispatch with the routing, stand-in into the region, combine with every token's first pair on expert 0.
+    epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV);
+    CKE(epLlDispatch(comm, &a, s), comm);
+    void* yz = nullptr;
+    size_t yz_bytes = 0;
+    CKE(epLlCombineBuffer(comm, &yz, &yz_bytes), comm);
+    expert(P.recv_x.p, yz, static_cast<size_t>(E / R) * R * T * H, static_cast<float>(rank + 1), epBfloat16, s);
+    CKC(cudaStreamSynchronize(s));
+    std::vector<int64_t> other = routing;
+    for (int t = 0; t < T; ++t) other[static_cast<size_t>(t) * K] = 0;
+    for (int t = 0; t < T; ++t)
+      for (int k = 1; k < K; ++k)
+        if (other[static_cast<size_t>(t) * K + k] == 0) other[static_cast<size_t>(t) * K + k] = -1;
+    P.idx.upload(other);
+    epLlCombineArgs_t c = P.cargs(EP_LL_SEND_RECV, again.p);
+    c.y = yz;
+    c.y_bytes = yz_bytes;
+    CKE(epLlCombine(comm, &c, s), comm);
+    CKC(cudaStreamSynchronize(s));
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(comm, &ae, &info), comm);
+    CK(ae == epSuccess, "async error %s after the mismatched combine", epGetErrorString(ae));
+    CK(info.num_violations > 0 && info.violation == epInvalidUsage, "%llu violations, first %s: want epInvalidUsage",
+       static_cast<unsigned long long>(info.num_violations), epGetErrorString(info.violation));
+    P.idx.upload(routing);
+    CKE(P.run(s, again.p), comm);
+    CKC(cudaStreamSynchronize(s));
+    CK(again.host() == want, "after the refused rows the next step's result differs");
+    CKE(epCommGetAsyncError(comm, &ae, nullptr), comm);
+    CK(ae == epSuccess, "async error %s after the recovery step", epGetErrorString(ae));
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 300000);
+  expectAllRanksOk(codes, seed);
+}
+
 // For compute-sanitizer runs: rank EPCOMM_GPU_TEST_OOB_RANK writes one element past a buffer, so a run can prove
 // that the tool instruments every rank process (they are forked, not exec'd). Skipped unless the variable is set.
 __global__ void writePastEnd(int* p, int n) { p[n] = 1; }
