@@ -1309,14 +1309,11 @@ TEST_P(NetPlugin, SlowReaderIsNoStall) {
 // other while it was stopped itself. Rank 1 waits on a receive (its peer has not sent yet) and, over socket, on a
 // send that fills the sockets (its peer has not posted yet) while rank 2 stops both ranks for 4 deadlines.
 TEST_P(NetPlugin, SuspendedJobIsNoStall) {
-  // Over libfabric's shm provider this case failed in 2 of 4 fresh-clone CI runs (2026-11-30: the waiting rank's
-  // receive got a remote error after the resume, its peer's send too), and over ofi net once (2026-12-01, the
-  // same symptom), never in local runs. The likely cause, fixed since: the ofi stall check read the resume time
-  // before "awake", so a heartbeat turn between the two reads (both threads wake at the same SIGCONT) judged the
-  // peer on this process's own stop (test_net_turn_clock reproduces that order's race). shm stays skipped
-  // until fresh-clone CI has passed net and tcp with the fix; then this skip goes.
-  if (GetParam().provider && strcmp(GetParam().provider, "shm") == 0)
-    GTEST_SKIP() << "ofi shm: intermittent false verdict after the resume in CI, under investigation";
+  // Over libfabric's shm provider this case failed in 2 of 4 fresh-clone CI runs (2026-11-30), and over ofi net
+  // once (2026-12-01): the waiting rank's receive got a remote error after the resume. The cause (73072bd): the
+  // ofi stall check read the resume time before "awake", so a heartbeat turn between the two reads (both threads
+  // wake at the same SIGCONT) judged the peer on this process's own stop (test_net_turn_clock reproduces that
+  // order's race).
   // A deadline well below the stop, with room for a slow machine: under ASAN on a loaded 2-core CI host, 500 ms
   // once passed before the resumed peer's first heartbeat was scheduled (ofi shm), a false verdict of the test.
   setenv("EPCOMM_TIMEOUT_MS", "1500", 1);
