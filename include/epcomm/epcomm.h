@@ -35,8 +35,9 @@
  *   those of the same ranks on one host, except HT combine across hosts, which sums per host first (its exact
  *   order is stated at epHtCombine; EPCOMM_HT_HIERARCHICAL=0 restores the one-host order).
  * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
- *   device memory. The ranks must share one host; their communication buffers (allocated once, at creation)
- *   are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (under MPS).
+ *   device memory. The ranks must share one host (one host identity, as for the host engine: creation with
+ *   ranks on several returns epNotSupported on every rank); their communication buffers (allocated once, at
+ *   creation) are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (MPS).
  *   Every operation runs on the GPU. Argument arrays in device memory (topk_idx, alltoallv device counts, the
  *   dispatch outputs passed back to LL combine) are checked by the kernels: a bad expert id is treated as -1
  *   and counted, a worst-token overflow is not written past the capacity; both are reported by

@@ -453,6 +453,43 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
 }
 
+// Ranks on two hosts (EPCOMM_HOSTID, as epcomm-run --hosts sets it): the GPU engine refuses on every rank at
+// creation with epNotSupported and a message that names the other host, instead of sharing memory across hosts;
+// a communicator of the same ranks on one host works afterwards.
+TEST_P(GpuHt, RanksOnTwoHostsAreRefused) {
+  const int R = GetParam();
+  epUniqueId gid, gid2;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&gid2), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    setenv("EPCOMM_HOSTID", rank < R / 2 ? "gpu-test-a" : "gpu-test-b", 1);
+    epConfig_t cfg = gpuConfig();
+    epComm_t comm = nullptr;
+    const auto t0 = std::chrono::steady_clock::now();
+    const epResult_t r = epCommInitRank(&comm, R, &gid, rank, &cfg);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    CK(r == epNotSupported, "creation across two hosts: %s, want epNotSupported", epGetErrorString(r));
+    CK(strstr(epGetLastError(nullptr), "another host") != nullptr, "message: '%s'", epGetLastError(nullptr));
+    CK(ms < cfg.timeout_ms, "the refusal took %.0f ms", ms);
+    unsetenv("EPCOMM_HOSTID");
+    CKE(epCommInitRank(&comm, R, &gid2, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    {
+      Pipeline P(comm, R, rank, 32, 256, 2, 2 * R);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 11 + rank, true);
+      CKE(P.run(s, P.out.p), comm);
+      CKC(cudaStreamSynchronize(s));
+      CK_CLEAN(comm, "one host after the refusal");
+    }
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
+}
+
 // Elastic ranks: the last rank is killed (SIGKILL) while the others run an HT step; they get epTimeout once,
 // mask it on the GPU communicator (broken until then) and on a host-engine one, and every HT case afterwards
 // matches the host engine bit for bit with the same drop counters, on the same communicator, with no waiting.

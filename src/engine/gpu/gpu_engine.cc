@@ -8,6 +8,7 @@
 
 #include "common/checks.h"
 #include "common/dtype.h"
+#include "common/host_id.h"
 #include "common/log.h"
 #include "common/param.h"
 #include "kernels/ht.h"
@@ -85,10 +86,21 @@ epResult_t GpuEngine::init() {
   // count one SM per block: at most SMs / (sharing ranks + 1) blocks per kernel.
   struct DevId {
     char bus[32];
+    char host[160];  // hostIdentity: the GPU engine maps every peer's buffers with CUDA IPC, within one host only
   };
   std::vector<DevId> ids(R);
   cudaDeviceGetPCIBusId(ids[comm_->rank].bus, sizeof(ids[0].bus), device_);
+  hostIdentity(ids[comm_->rank].host, sizeof(ids[0].host));
   EPCHECK(comm_->bootstrap->allgather(ids.data(), sizeof(DevId), c.timeout_ms));
+  // Every rank sees the same identities, so every rank refuses here, before anything is mapped or waited for.
+  for (int r = 0; r < R; ++r) {
+    ids[r].host[sizeof(ids[r].host) - 1] = 0;
+    EP_REQUIRE(strcmp(ids[r].host, ids[comm_->rank].host) == 0, epNotSupported,
+               "rank %d is on another host ('%s'; rank %d: '%s'): the GPU engine runs the ranks of one host only "
+               "(its buffers are shared with CUDA IPC); across hosts use the host engine (EPCOMM_ENGINE=host or "
+               "config.engine = EP_ENGINE_HOST)",
+               r, ids[r].host, comm_->rank, ids[comm_->rank].host);
+  }
   int sharing = 0;
   for (const DevId& d : ids) sharing += strcmp(d.bus, ids[comm_->rank].bus) == 0;
   const int cap = sms / (sharing + 1);

@@ -14,6 +14,7 @@
 
 #include "common/checks.h"
 #include "common/dtype.h"
+#include "common/host_id.h"
 #include "common/log.h"
 #include "common/param.h"
 #include "common/routing.h"
@@ -163,22 +164,6 @@ epResult_t HostEngine::netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, 
   *bytes_sent = res.bytes_sent;
   *seconds = res.seconds;
   return epSuccess;
-}
-
-// This host's identity (DESIGN.md "host"): EPCOMM_HOSTID, else hostname + "/" + boot id.
-static void hostIdentity(char* out, size_t n) {
-  if (const char* hid = paramString("EPCOMM_HOSTID")) {
-    snprintf(out, n, "id:%s", hid);
-    return;
-  }
-  char host[128] = {0}, boot[64] = {0};
-  if (gethostname(host, sizeof(host) - 1) != 0) snprintf(host, sizeof(host), "localhost");
-  if (FILE* f = fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    if (!fgets(boot, sizeof(boot), f)) boot[0] = 0;
-    fclose(f);
-    boot[strcspn(boot, "\n")] = 0;
-  }
-  snprintf(out, n, "%s/%s", host, boot);
 }
 
 epResult_t HostEngine::init() {
