@@ -62,7 +62,7 @@ EP_PARAM(NetNsocks, "NET_NSOCKS", 2);               // data sockets per helper t
 EP_PARAM(NetChunk, "NET_CHUNK", 512 << 10);         // largest piece of a message on one data socket
 EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut finer than this
 EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
-EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", 512 << 10); // lone messages up to this move in the caller's thread
+EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller's thread
 
 // Helper threads per connection: EPCOMM_NET_NTHREADS, or by default 4 capped at the online CPUs — more threads
 // than cores only contend with the proxy thread and the kernel's own TCP work (measured on a 2-core VM).
@@ -70,6 +70,21 @@ int64_t helperThreads() {
   if (paramString("EPCOMM_NET_NTHREADS")) return std::clamp<int64_t>(epParamNetNthreads(), 1, 64);
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   return std::clamp<int64_t>(std::min<int64_t>(epParamNetNthreads(), cpus > 0 ? cpus : 1), 1, 64);
+}
+
+// Lone messages moved by the caller's thread (see planChunks): EPCOMM_NET_ASSIST_MAX, or by default 512 KiB when
+// at most 4 CPUs are online, else none. With few cores a helper's wake-up waits for one (about 80 us per message
+// on a 2-core VM, where the assist made 128-512 KiB ping-pongs 3.5-4.7x faster: cpu-net-socket-assist.log); with
+// many, the helpers' parallel streams win: on a 16-core H200 host NCCL's broadcast, all_gather, all_reduce and
+// all_to_all at 512 KiB - 8 MiB ran at 0.82-0.95x NCCL Socket with the assist and 1.65-2.5x without it
+// (bench/results/h200-s9-nccl-plugin.log).
+int64_t assistMax() {
+  static const int64_t v = [] {
+    if (paramString("EPCOMM_NET_ASSIST_MAX")) return std::max<int64_t>(epParamNetAssistMax(), 0);
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return cpus > 0 && cpus <= 4 ? int64_t{512} << 10 : int64_t{0};
+  }();
+  return v;
 }
 
 constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
@@ -321,8 +336,8 @@ void wake(Helper* h) {
 }
 
 // Deal a message of `size` bytes at `base` over the data sockets. Identical on both sides. A lone message (no
-// chunk of another one queued) of at most EPCOMM_NET_ASSIST_MAX bytes is the caller's to move (assist), with no
-// helper woken: a helper's wake-up costs about 80 us per message on a 2-core VM. Otherwise the helpers get its
+// chunk of another one queued) of at most assistMax() bytes is the caller's to move (assist), with no helper
+// woken: a helper's wake-up costs about 80 us per message on a 2-core VM. Otherwise the helpers get its
 // chunks at once: they move several messages in parallel faster than the caller alone (the multi-stream gain at
 // the sizes NCCL posts when it streams).
 void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
@@ -331,7 +346,7 @@ void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
   cs = (cs + 4095) & ~size_t(4095);
   cs = std::max(cs, c->minChunk);
   cs = std::min(cs, c->chunk);
-  bool lone = size <= static_cast<size_t>(std::max<int64_t>(epParamNetAssistMax(), 0));
+  bool lone = size <= static_cast<size_t>(assistMax());
   for (size_t i = 0; i < S && lone; ++i) lone = c->data[i]->queued.load(std::memory_order_acquire) == 0;
   req->assisted = lone;
   for (size_t off = 0; off < size; off += cs) {
