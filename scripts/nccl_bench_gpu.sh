@@ -9,7 +9,10 @@
 #                                      #      BUILD_DIR (build-nccl-net); EPCOMM_NET_* tune the plugin;
 #                                      #      OPS ("all" or e.g. "broadcast,all_gather"), SIZES ("" or "8K,32K,128K"),
 #                                      #      BEFORE_PLUGIN (another build's .so: measured too, as epcomm-before),
-#                                      #      EXTRA_CONFIGS (e.g. "epcomm-socket+EPCOMM_NET_INLINE=262144")
+#                                      #      EXTRA_CONFIGS (e.g. "epcomm-socket+EPCOMM_NET_INLINE=262144"),
+#                                      #      ROUNDS (the configs run this many times, interleaved; median per cell),
+#                                      #      REPS (timed batches per cell within one run; their median),
+#                                      #      ITERS_SCALE (scales the collectives per batch: 20 up to 4 MiB)
 # nccl-tests is not on the GPU machine (no network there to fetch or build it), so the sweep runs NCCL's kernels
 # through torch.distributed; bench/net/nccl_bus_bw.py reports sizes and busbw the way nccl-tests does.
 # Goal: >= 2x NCCL Socket at >= 16 MiB, >= 1.3x at >= 1 MiB, never below 1.0x.
@@ -41,6 +44,7 @@ if [ -n "${EXTRA_CONFIGS:-}" ]; then CONFIGS="$CONFIGS,$EXTRA_CONFIGS"; fi
 status=0
 for w in $WORLDS; do
   "$PYTHON" bench/net/nccl_bus_bw.py --plugin "$PLUGIN" --world "$w" --configs "$CONFIGS" \
-    --ofi-provider "${OFI_PROVIDER:-tcp;ofi_rxm}" --ops "${OPS:-all}" --sizes "${SIZES:-}" || status=1
+    --ofi-provider "${OFI_PROVIDER:-tcp;ofi_rxm}" --ops "${OPS:-all}" --sizes "${SIZES:-}" \
+    --rounds "${ROUNDS:-1}" --reps "${REPS:-1}" --iters-scale "${ITERS_SCALE:-1}" || status=1
 done
 exit "$status"

@@ -16,6 +16,7 @@ Prints one table per op: size, busbw per config (GB/s), and every config's ratio
 import argparse
 import json
 import os
+import statistics
 import socket
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def worker(out_path):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ops = os.environ["BUSBW_OPS"].split(",")
     sizes = [int(v) for v in os.environ["BUSBW_SIZES"].split(",")]
+    reps, iters_scale = int(os.environ.get("BUSBW_REPS", "1")), float(os.environ.get("BUSBW_ITERS_SCALE", "1"))
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
@@ -70,19 +72,23 @@ def worker(out_path):
         for op in ops:
             fn = make_op(op, dist, x, y, parts, rank, world)
             iters = 20 if size <= (4 << 20) else (10 if size <= (64 << 20) else 5)
+            iters = max(1, round(iters * iters_scale))
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
-            dist.barrier()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                fn()
-            e.record()
-            torch.cuda.synchronize()
-            t = torch.tensor([s.elapsed_time(e) / 1e3 / iters], device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            algbw = n * 4 / t.item() / 1e9
+            times = []
+            for _ in range(reps):  # the median of reps batches: one batch of 20 small collectives is noise-prone
+                dist.barrier()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(iters):
+                    fn()
+                e.record()
+                torch.cuda.synchronize()
+                t = torch.tensor([s.elapsed_time(e) / 1e3 / iters], device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times.append(t.item())
+            algbw = n * 4 / statistics.median(times) / 1e9
             res[op][size] = algbw * BUS[op](world)
             x.fill_(1.0)  # keep reduced values bounded
     if rank == 0:
@@ -116,12 +122,14 @@ def config_env(spec, args):
         env[k] = v
     env["BUSBW_OPS"] = ",".join(args.ops)
     env["BUSBW_SIZES"] = ",".join(str(v) for v in args.sizes)
+    env["BUSBW_REPS"] = str(args.reps)
+    env["BUSBW_ITERS_SCALE"] = str(args.iters_scale)
     return env
 
 
-def run_config(name, args, tmp):
+def run_config(name, args, tmp, round_no=0):
     port = free_port()
-    tag = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)[:80]
+    tag = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)[:80] + f"-r{round_no}"
     out = os.path.join(tmp, f"{tag}-w{args.world}.json")
     procs = []
     for r in range(args.world):
@@ -166,6 +174,10 @@ def main():
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--ops", default="all", help="comma list of " + ",".join(OPS) + " (default all)")
     ap.add_argument("--sizes", default="", help="comma list, e.g. 8K,32K,128K (default 8 KiB .. 256 MiB)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configs this many times, interleaved (A B C A B C ...); each cell is the median")
+    ap.add_argument("--reps", type=int, default=1, help="timed batches per cell within a run; their median counts")
+    ap.add_argument("--iters-scale", type=float, default=1.0, help="scales the collectives per batch (20 up to 4 MiB)")
     a = ap.parse_args()
     a.ops = OPS if a.ops == "all" else [o for o in a.ops.split(",") if o]
     a.sizes = [parse_size(v) for v in a.sizes.split(",") if v] or SIZES
@@ -174,23 +186,34 @@ def main():
         return 0
     tmp = tempfile.mkdtemp(prefix="epcomm-busbw-")
     configs = [c for c in a.configs.split(",") if c]
-    results = {c: run_config(c, a, tmp) for c in configs}
+    runs = {c: [] for c in configs}
+    for i in range(a.rounds):
+        for c in configs:
+            runs[c].append(run_config(c, a, tmp, i))
+    results = {}
+    for c in configs:
+        ok = [r for r in runs[c] if r]
+        results[c] = None if len(ok) < len(runs[c]) else {
+            op: {size: statistics.median(r[op][size] for r in ok) for size in ok[0][op]} for op in a.ops}
     base = results.get("nccl-socket")
     worst = {}
     for op in a.ops:
-        print(f"\n# {op} bus bandwidth (GB/s), world={a.world}, ranks on one GPU, every peer over the network")
-        hdr = f"{'size':>10}" + "".join(f"{c:>16}" for c in configs)
+        print(f"\n# {op} bus bandwidth (GB/s), world={a.world}, ranks on one GPU, every peer over the network"
+              + (f", median of {a.rounds} interleaved rounds" if a.rounds > 1 else ""))
+        w = {c: max(16, len(c) + 2) for c in configs}
         ratios = [c for c in configs if c != "nccl-socket" and base]
-        hdr += "".join(f"{c + '/nccl':>20}" for c in ratios)
+        wr = {c: max(20, len(c) + 7) for c in ratios}
+        hdr = f"{'size':>10}" + "".join(f"{c:>{w[c]}}" for c in configs)
+        hdr += "".join(f"{c + '/nccl':>{wr[c]}}" for c in ratios)
         print(hdr)
         for size in a.sizes:
             row = f"{fmt(size):>10}"
             for c in configs:
                 v = results[c][op].get(size) if results[c] else None
-                row += f"{v:16.2f}" if v is not None else f"{'-':>16}"
+                row += f"{v:{w[c]}.2f}" if v is not None else f"{'-':>{w[c]}}"
             for c in ratios:
                 v, b = (results[c][op].get(size) if results[c] else None), base[op].get(size)
-                row += f"{v / b:20.2f}" if v and b else f"{'-':>20}"
+                row += f"{v / b:{wr[c]}.2f}" if v and b else f"{'-':>{wr[c]}}"
                 if v and b:
                     worst[c] = min(worst.get(c, (9e9, "")), (v / b, f"{op} {fmt(size)}"))
             print(row)
