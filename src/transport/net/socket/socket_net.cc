@@ -75,9 +75,9 @@ int64_t helperThreads() {
 // Lone messages moved by the caller's thread (see planChunks): EPCOMM_NET_ASSIST_MAX, or by default 512 KiB when
 // at most 4 CPUs are online, else none. With few cores a helper's wake-up waits for one (about 80 us per message
 // on a 2-core VM, where the assist made 128-512 KiB ping-pongs 3.5-4.7x faster: cpu-net-socket-assist.log); with
-// many, the helpers' parallel streams win: on a 16-core H200 host NCCL's broadcast, all_gather, all_reduce and
-// all_to_all at 512 KiB - 8 MiB ran at 0.82-0.95x NCCL Socket with the assist and 1.65-2.5x without it
-// (bench/results/h200-s9-nccl-plugin.log).
+// many, the helpers' parallel streams win: on a 16-core H200 host, NCCL's broadcast at 512 KiB - 8 MiB and its
+// broadcast, all_gather, all_reduce and all_to_all at 2 MiB ran at 0.75-0.95x NCCL Socket with the assist, and at
+// 1.1-2.5x without it (bench/results/h200-s9-nccl-plugin.log).
 int64_t assistMax() {
   static const int64_t v = [] {
     if (paramString("EPCOMM_NET_ASSIST_MAX")) return std::max<int64_t>(epParamNetAssistMax(), 0);
