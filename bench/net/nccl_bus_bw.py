@@ -175,10 +175,14 @@ def main():
     ap.add_argument("--ops", default="all", help="comma list of " + ",".join(OPS) + " (default all)")
     ap.add_argument("--sizes", default="", help="comma list, e.g. 8K,32K,128K (default 8 KiB .. 256 MiB)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run the configs this many times, interleaved (A B C A B C ...); each cell is the median")
+                    help="run the configs this many times, interleaved (A B C A B C ...); each cell is the median; "
+                         "a config with a failed round is reported as failed")
     ap.add_argument("--reps", type=int, default=1, help="timed batches per cell within a run; their median counts")
     ap.add_argument("--iters-scale", type=float, default=1.0, help="scales the collectives per batch (20 up to 4 MiB)")
     a = ap.parse_args()
+    if a.rounds < 1 or a.reps < 1 or a.iters_scale <= 0:
+        ap.error(f"--rounds ({a.rounds}) and --reps ({a.reps}) must be at least 1, --iters-scale ({a.iters_scale}) "
+                 "positive")
     a.ops = OPS if a.ops == "all" else [o for o in a.ops.split(",") if o]
     a.sizes = [parse_size(v) for v in a.sizes.split(",") if v] or SIZES
     if a.worker is not None:

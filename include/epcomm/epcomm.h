@@ -50,7 +50,9 @@
  *   graph too). epAlltoallv (host counts) is asynchronous as well; a count one side disagrees with is reported
  *   as an epInvalidUsage violation and each side moves the smaller count.
  * - EP_ENGINE_AUTO resolves to the GPU engine when the library was built with it and a CUDA device is
- *   visible, otherwise to the host engine. Query the result with epCommEngine.
+ *   visible, otherwise to the host engine. Query the result with epCommEngine. It is chosen on each rank before
+ *   any exchange, so ranks on several hosts of GPU machines get the GPU engine and its epNotSupported: ask for
+ *   the host engine there (EPCOMM_ENGINE=host or config.engine).
  *
  * Collective rule: all ranks of a communicator issue the same sequence of operations (as with NCCL). Ranks
  * compare an operation header before moving data, so a mismatch, or bad input on one rank, makes every rank
