@@ -550,10 +550,10 @@ TEST_P(NetPlugin, InflightOrderingAndTags) {
   });
 }
 
-// Sizes around the socket backend's lone-message limit (EPCOMM_NET_ASSIST_MAX, 512 KiB where the assist is on:
-// moved by the caller, no helper woken; meson runs this suite with it on and, for socket, off) and above it, as a ping-pong (every message alone on its connection); some rounds post the
-// receive late, so the sender's message waits in the sockets; and a lone message completed after a small one
-// posted behind it (the caller tests the later request first).
+// Sizes around the socket backend's lone-message limit (EPCOMM_NET_ASSIST_MAX, 512 KiB where the assist is on: moved by
+// the caller, no helper woken; meson runs this suite with it on and, for socket, off) and above it, as a ping-pong
+// (every message alone on its connection); some rounds post the receive late, so the sender's message waits in the
+// sockets; and a lone message completed after a small one posted behind it (the caller tests the later request first).
 TEST_P(NetPlugin, LoneMessagesAroundTheAssistLimit) {
   run(2, [](int rank, Net* net) {
     void *s01 = nullptr, *r01 = nullptr, *s10 = nullptr, *r10 = nullptr;

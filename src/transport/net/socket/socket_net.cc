@@ -63,7 +63,7 @@ EP_PARAM(NetNsocks, "NET_NSOCKS", 2);               // data sockets per helper t
 EP_PARAM(NetChunk, "NET_CHUNK", 512 << 10);         // largest piece of a message on one data socket
 EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut finer than this
 EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
-EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller's thread (-1: by CPUs)
+EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller (-1: by CPUs)
 
 // CPUs this process may run on (its affinity mask: a container's cpuset, taskset), else the online ones.
 int64_t usableCpus() {
@@ -80,12 +80,12 @@ int64_t helperThreads() {
   return std::clamp<int64_t>(std::min<int64_t>(epParamNetNthreads(), usableCpus()), 1, 64);
 }
 
-// Lone messages moved by the caller's thread (see planChunks): EPCOMM_NET_ASSIST_MAX when it is 0 or more, else
-// (the default, -1, or a value that does not parse) 512 KiB when this process may use at most 4 CPUs, else none. With few cores a helper's wake-up waits for one (about 80 us per message
-// on a 2-core VM, where the assist made 128-512 KiB ping-pongs 3.5-4.7x faster: cpu-net-socket-assist.log); with
-// many, the helpers' parallel streams win: on a 16-core H200 host, NCCL's broadcast at 512 KiB - 8 MiB and its
-// broadcast, all_gather, all_reduce and all_to_all at 2 MiB ran at 0.75-0.95x NCCL Socket with the assist, and at
-// 1.1-2.5x without it (bench/results/h200-s9-nccl-plugin.log).
+// Lone messages moved by the caller's thread (see planChunks): EPCOMM_NET_ASSIST_MAX when it is 0 or more, else (the
+// default, -1, or a value that does not parse) 512 KiB when this process may use at most 4 CPUs, else none. With few
+// cores a helper's wake-up waits for one (about 80 us per message on a 2-core VM, where the assist made 128-512 KiB
+// ping-pongs 3.5-4.7x faster: cpu-net-socket-assist.log); with many, the helpers' parallel streams win: on a 16-core
+// H200 host, NCCL's broadcast at 512 KiB - 8 MiB and its broadcast, all_gather, all_reduce and all_to_all at 2 MiB ran
+// at 0.75-0.95x NCCL Socket with the assist, and at 1.1-2.5x without it (bench/results/h200-s9-nccl-plugin.log).
 int64_t assistMax() {
   static const int64_t v = [] {
     const int64_t set = epParamNetAssistMax();
