@@ -524,6 +524,19 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
       if (i >= o.warmup) tz.push_back(zc);
     }
   }
+  // Registered combine input (epCommRegister): the plain combine's x, recv_x, registered once; the owners read
+  // it in place, and the combine completes once they have.
+  std::vector<double> tr;
+  {
+    epMemRegion_t reg = nullptr;
+    CHECK(epCommRegister(comm, a.recv_x, a.recv_x_bytes, &reg));
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      CHECK(epHtDispatch(comm, &a, h, s));
+      double cr = timeOnStream(s, [&] { CHECK(epHtCombine(comm, &c, h, s)); });
+      if (i >= o.warmup) tr.push_back(cr);
+    }
+    CHECK(epCommDeregister(reg));
+  }
   const double row = 2.0 * H, recv = num_recv * row;
   // This rank's rows of its own tokens (the pull combine reads them in x, uncopied).
   int own_tokens = 0;
@@ -548,6 +561,7 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes));
   rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes));
   if (pull) rows.push_back(reportRow("HT combine zero-copy", T, tz, recv, 2 * recv, recv + T * row));
+  if (pull) rows.push_back(reportRow("HT combine registered", T, tr, recv, 2 * recv, recv + T * row));
   rows.push_back(reportRow("HT graph d+c", T, tg, 2 * recv, 4 * recv, disp_bytes + comb_bytes));
   {
     // fp8 dispatch: the same routing, rows of H bytes plus H/128 fp32 scales.

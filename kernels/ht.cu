@@ -41,6 +41,23 @@ __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
   // x there: both need the owners done with the last combine's rows.
   if (p.pull || p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, kPullAck1, s_epoch);
   if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, kPullDAck1, s_epoch);
+  // A pull combine tells the owners where its rows are; they read it once they see its ready counter. After the
+  // waits above: an owner still reading the last combine reads the last source.
+  __syncwarp();
+  if (p.op == epOpHtCombine && p.pull && threadIdx.x == 0 && noFailure(p)) {
+    GpuCombineSource* cs = &p.ctrl->comb_src;
+    cs->region = p.x_region;
+    cs->have = min(*p.h.num_recv, p.recv_rows);
+    cs->off = p.x_off;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// End of a pull combine that read x in registered memory (epCommRegister): the combine completes only once every
+// active owner has read this rank's rows, so the caller may reuse x as after a copying combine.
+// ---------------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(32, 1) htEndKernel(HtParams p) {
+  waitPullAcks(p, kPullSent, kPullAck, kPullAck1, currentEpoch(p));
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -581,7 +598,7 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       uint8_t* dst = stage + static_cast<size_t>(row) * p.xrow;
       if (row >= have)
         warpZero16(dst, p.xrow, lane);
-      else if (!p.zero_copy && s != p.rank)
+      else if (!p.zero_copy && p.x_region < 0 && s != p.rank)
         warpCopy16(dst, static_cast<const uint8_t*>(p.x) + static_cast<size_t>(row) * p.xrow, p.xrow, lane);
     }
     fenceForPeers(p.gpu_scope);
@@ -605,8 +622,36 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
   }
   __syncthreads();
   if (!s_ok) return;
-  // Per warp: the rows of its token, in ascending rank order; this rank's own row straight from x.
-  const int have = min(*p.h.num_recv, p.recv_rows);
+  // Where each rank's rows are: rows [0, s_have[r]) at s_rows[r] (this rank's x, or a peer's registered memory
+  // as it published, bound-checked against the region it registered), the rest in r's staging.
+  __shared__ const uint8_t* s_rows[kGpuMaxRanks];
+  __shared__ int s_have[kGpuMaxRanks];
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    const uint8_t* rows = nullptr;
+    int have_r = 0;
+    if (r == p.rank) {
+      rows = static_cast<const uint8_t*>(p.x);
+      have_r = min(*p.h.num_recv, p.recv_rows);
+    } else if (rankActive(p.el, r)) {
+      const volatile GpuCombineSource* cs = &reinterpret_cast<const GpuCtrl*>(p.base[r])->comb_src;
+      const int k = cs->region, n = cs->have;
+      const uint64_t off = cs->off;
+      if (k >= 0) {
+        const uint8_t* b = k < kGpuMaxRegions ? p.regions[k].base[r] : nullptr;
+        const uint64_t len = k < kGpuMaxRegions ? p.regions[k].bytes[r] : 0;
+        if (b == nullptr || n < 0 || off > len || static_cast<uint64_t>(n) * p.xrow > len - off) {
+          recordViolation(p, epInternalError);  // what the peer published does not fit what it registered
+        } else {
+          rows = b + off;
+          have_r = n;
+        }
+      }
+    }
+    s_rows[r] = rows;
+    s_have[r] = have_r;
+  }
+  __syncthreads();
+  // Per warp: the rows of its token, in ascending rank order.
   __shared__ const int4* s_src[32][kGpuMaxRanks];
   const int4** src = s_src[warp];
   const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
@@ -619,8 +664,7 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       const unsigned b = __ballot_sync(kFull, has);
       if (has) {
         const int row = p.h.peer_base[r] + p.h.pos[tr];
-        const uint8_t* at =
-            r == p.rank && row < have ? static_cast<const uint8_t*>(p.x) : p.base[r] + p.lay.comb_stage;
+        const uint8_t* at = row < s_have[r] ? s_rows[r] : p.base[r] + p.lay.comb_stage;
         src[n + __popc(b & ((1u << lane) - 1))] = reinterpret_cast<const int4*>(at + static_cast<size_t>(row) * p.xrow);
       }
       n += __popc(b);
@@ -705,6 +749,11 @@ cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
     htDispatchPullKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   else
     htDispatchKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launchHtEnd(const HtParams& p, cudaStream_t s) {
+  htEndKernel<<<1, 32, 0, s>>>(p);
   return cudaGetLastError();
 }
 

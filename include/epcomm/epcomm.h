@@ -149,6 +149,7 @@ typedef enum { epPhaseNone = 0, epPhaseHeader, epPhaseData, epPhaseBootstrap } e
 typedef struct CUstream_st* epStream_t; /* == cudaStream_t */
 typedef struct epComm* epComm_t;
 typedef struct epHtHandle* epHtHandle_t;
+typedef struct epMemRegion* epMemRegion_t;
 
 #define EP_STRUCT_MAGIC 0x65706331u /* "epc1" */
 
@@ -383,6 +384,27 @@ EPCOMM_API epResult_t epHtCombine(epComm_t comm, const epHtCombineArgs_t* args, 
  * combine uses the memory for its own staging. An x that overlaps the region without starting at its start, or a
  * combined_x that overlaps it, is epInvalidArgument. */
 EPCOMM_API epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes);
+
+/* Registered combine input (GPU engine). epCommRegister maps [ptr, ptr + bytes) of this rank's device memory
+ * (cudaMalloc memory: the whole allocation it lies in is shared over CUDA IPC) into every peer of the host.
+ * Collective: every rank calls it, each with its own memory (sizes may differ), in the same order as its other
+ * registrations; if any rank's call is refused, every rank returns an error (the code of the first refusing rank,
+ * the rank named in the message) and nothing is registered. An HT combine whose x (its recv_rows rows) lies
+ * inside a region this rank registered copies nothing: the token owners read the rows straight from it, as with
+ * the zero-copy region, with the plain combine's lifetime rule: x may be written again, or freed, once the
+ * combine has completed on its stream (the combine waits on the device until every owner has read its rows).
+ * Each rank chooses for itself, combine by combine; other inputs take the copying path. Captured graphs keep the
+ * choice made at capture: deregister a region only when no pending operation and no graph to be replayed reads
+ * it. The memory must stay allocated while registered. At most EP_MAX_MEM_REGIONS regions at once. Refused:
+ * NULL ptr or region (epNullPointer), bytes 0, memory of another device or of the communicator's own buffers, or
+ * memory CUDA IPC cannot share, such as cuMemCreate/expandable-segment allocations (epInvalidArgument or
+ * epNotSupported, with the reason). The host engine accepts and ignores registrations (its combine reads x in
+ * place). epCommDeregister is collective too; it waits for this rank's device work (cudaDeviceSynchronize), then
+ * unmaps. A region outlives its communicator only as a handle: deregistering it then just frees it; a handle
+ * deregistered twice, or made up, is epInvalidArgument. */
+#define EP_MAX_MEM_REGIONS 32
+EPCOMM_API epResult_t epCommRegister(epComm_t comm, void* ptr, size_t bytes, epMemRegion_t* region);
+EPCOMM_API epResult_t epCommDeregister(epMemRegion_t region);
 
 /* ---------------------------------------------------------------------------------------------------------
  * Low-latency (LL) dispatch and combine, with capacity M = max_tokens_per_rank (<= ll_max_tokens_per_rank of

@@ -4,10 +4,11 @@
 // Each rank owns one communication buffer in GPU memory, allocated once at communicator creation and mapped
 // by every peer of the host (CUDA IPC). Its size depends on ranks, channels and queue depth, not on tokens.
 // Layout (offsets in GpuBufferLayout):
-//   [GpuCtrl]                      the epoch
+//   [GpuCtrl]                      the epoch; where this rank's pull-combine rows are (GpuCombineSource)
 //   [elastic sync: 2 x 4 x R]      [kind][round % 4][src] GpuSyncEntry: kind 0 for epCommSetActiveRanks, 1 for the barrier
 //                                  among survivors (separate rounds: a barrier one rank fails fast on must not
 //                                  shift the rounds of the next epCommSetActiveRanks)
+//   [registration: 2 x R]          GpuRegEntry [round & 1][src]: the host-side exchange of epCommRegister
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
 //   [queue counters: 14 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
 //                                  src), dispatch head (written here, read by src), combine tail, combine head —
@@ -61,8 +62,39 @@ constexpr int kGpuMaxExperts = 4096;
 constexpr int kGpuMaxTopk = 32;
 constexpr int kGpuMaxChannels = 32;
 
+// Where a rank's pull-combine rows are, published by its begin kernel for the owners: rows [0, have) of x at
+// byte `off` of registered region `region` (epCommRegister; -1: in the combine staging, as are rows past `have`,
+// which the copier zeroes there). The owners read it after that rank's ready counter, so it is the combine's.
+struct GpuCombineSource {
+  int32_t region;
+  int32_t have;
+  uint64_t off;
+};
+
 struct GpuCtrl {
   alignas(128) uint64_t epoch;   // written only by one-block begin/notify kernels
+  alignas(128) GpuCombineSource comb_src;  // written by the combine's begin kernel
+};
+
+// Memory registered with epCommRegister, as this rank mapped every rank's part: base[r] (nullptr: rank r gave
+// none) and its length. A table of kGpuMaxRegions in device memory, the same slot on every rank.
+constexpr int kGpuMaxRegions = 32;
+struct GpuRegion {
+  uint8_t* base[kGpuMaxRanks];
+  uint64_t bytes[kGpuMaxRanks];
+};
+
+// The host-side exchange of epCommRegister / epCommDeregister (src/engine/gpu/registry.cc): entry
+// [round & 1][src] in every rank's own buffer, written by src with cudaMemcpy (payload first, then the round) and
+// read by the peers through their mappings. A rank starts round n + 2 only after it read every peer's entry of
+// round n + 1, which a peer writes only after it read round n: two entries per source suffice.
+struct alignas(128) GpuRegEntry {
+  uint64_t round;
+  int32_t code;      // epSuccess, or the result that refused the call on src
+  int32_t slot;      // the region slot src uses (the same on every rank, or the calls were not in one order)
+  uint8_t ipc[64];   // cudaIpcMemHandle_t of the allocation holding src's memory
+  uint64_t offset;   // of src's memory in that allocation
+  uint64_t bytes;
 };
 
 // Counter arrays [src][channel] in each rank's buffer. Pull combine: kPullReady[src][c] in the owner's buffer
@@ -77,6 +109,7 @@ enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullRead
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
+  size_t reg;                     // registration exchange entries [round & 1][src] (GpuRegEntry)
   size_t mailbox, mailbox_entry;  // offset of mailbox[0][0], bytes per entry
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
@@ -141,6 +174,8 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   size_t off = up(sizeof(GpuCtrl));
   l.sync = off;
   off = up(off + 2 * kGpuSyncSlots * static_cast<size_t>(nranks) * sizeof(GpuSyncEntry));
+  l.reg = off;
+  off = up(off + 2 * static_cast<size_t>(nranks) * sizeof(GpuRegEntry));
   l.mailbox = off;
   l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
                      15) & ~size_t{15};
@@ -305,6 +340,9 @@ struct HtParams {
   int zc_guard;                      // dispatch (pull combine): wait until the owners have read the last combine's
                                      // staging rows, which the caller may overwrite next (epHtCombineBuffer)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
+  const GpuRegion* regions;          // [kGpuMaxRegions] registered memory (epCommRegister)
+  int x_region;                      // pull combine: x lies in registered region x_region, at byte x_off of this
+  uint64_t x_off;                    // rank's part (the owners read it there: no copy), or -1
   const void* x;
   const float* x_scales;
   const int64_t* topk_idx;

@@ -47,7 +47,7 @@ thread_local char tEmpty[1] = {0};
 // they can wait for the calls inside before they free it.
 class Live {
  public:
-  enum Kind { kComm, kHandle };
+  enum Kind { kComm, kHandle, kRegion };
   void add(const void* p, Kind k) {
     std::lock_guard<std::mutex> l(m_);
     objs_[p] = k;
@@ -591,6 +591,56 @@ epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes) {
     EP_REQUIRE(x != nullptr && x_bytes != nullptr, epNullPointer, "%s is NULL", x == nullptr ? "x" : "x_bytes");
     return comm->engine->htCombineBuffer(x, x_bytes);
   });
+}
+
+epResult_t epCommRegister(epComm_t comm, void* ptr, size_t bytes, epMemRegion_t* region) {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EP_REQUIRE(region != nullptr, epNullPointer, "region (the output pointer) is NULL");
+    // A refusal here is still one rank's part of a collective call: the engine tells the others.
+    epResult_t local = epSuccess;
+    if (ptr == nullptr) local = EP_ERROR(epNullPointer, "ptr is NULL");
+    else if (bytes == 0) local = EP_ERROR(epInvalidArgument, "bytes = 0: there is nothing to register");
+    if (local == epSuccess && comm->engine->anyPending())
+      local = EP_ERROR(epInvalidUsage, "epCommRegister called while an LL operation's receive half (EP_LL_RECV) is "
+                                       "outstanding; complete it first");
+    epMemRegion* r = new (std::nothrow) epMemRegion();
+    if (local == epSuccess && r == nullptr) local = EP_ERROR(epSystemError, "out of host memory for a region");
+    int slot = -1;
+    const epResult_t res = comm->engine->registerMemory(ptr, bytes, local, &slot);
+    if (res != epSuccess) {
+      delete r;
+      return res;
+    }
+    r->magic = kRegionMagic;
+    r->comm = comm;
+    r->slot = slot;
+    live().add(r, Live::kRegion);
+    *region = r;
+    return epSuccess;
+  });
+}
+
+epResult_t epCommDeregister(epMemRegion_t region) {
+  clearThreadError();
+  EP_REQUIRE(region != nullptr, epNullPointer, "region is NULL");
+  EP_REQUIRE(live().has(region, Live::kRegion), epInvalidArgument,
+             "region is not a live registration (deregistered twice?)");
+  epComm* comm = region->comm;
+  if (!live().has(comm, Live::kComm)) {  // its communicator is gone, and its mappings with it
+    if (live().remove(region, Live::kRegion)) delete region;
+    return epSuccess;
+  }
+  const epResult_t r = onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(!comm->engine->anyPending(), epInvalidUsage,
+               "epCommDeregister called while an LL operation's receive half (EP_LL_RECV) is outstanding; complete "
+               "it first");
+    return comm->engine->deregisterMemory(region->slot);
+  });
+  if (r == epSuccess && live().remove(region, Live::kRegion)) {
+    region->magic = 0;
+    delete region;
+  }
+  return r;
 }
 
 epResult_t epHtDispatchSizes(epComm_t comm, const epHtDispatchArgs_t* args, int recv_rows, epBufferSizes_t* sizes) {

@@ -81,9 +81,17 @@ struct epHtHandle {
   std::vector<std::vector<uint64_t>> fwd_mask;
 };
 
+// A registration (epCommRegister): which communicator, and the engine's slot for it (-1: the engine keeps nothing).
+struct epMemRegion {
+  uint32_t magic = 0;
+  epComm* comm = nullptr;
+  int slot = -1;
+};
+
 namespace epcomm {
 constexpr uint32_t kCommMagic = 0x436f6d6du;    // "Comm"
 constexpr uint32_t kHandleMagic = 0x48616e64u;  // "Hand"
+constexpr uint32_t kRegionMagic = 0x52656769u;  // "Regi"
 
 // Whether h is a handle that epHtHandleCreate made and epHtHandleDestroy has not freed. Pointers are looked up
 // before they are read, so a destroyed or made-up handle is refused instead of dereferenced (api.cc).

@@ -51,6 +51,19 @@ class Engine {
   // Zero-copy HT combine input: the region of registered memory the token owners read the combine's x from.
   virtual epResult_t htCombineBuffer(void** x, size_t* bytes) = 0;
   virtual epResult_t barrier(epStream_t stream) = 0;
+  // Memory registration (epCommRegister / epCommDeregister), collective; `local` is the API layer's verdict on
+  // this rank's arguments. *slot names the region in deregisterMemory (the same on every rank). An engine that
+  // reads its inputs in place keeps nothing (slot -1).
+  virtual epResult_t registerMemory(void* ptr, size_t bytes, epResult_t local, int* slot) {
+    (void)ptr;
+    (void)bytes;
+    *slot = -1;
+    return local;
+  }
+  virtual epResult_t deregisterMemory(int slot) {
+    (void)slot;
+    return epSuccess;
+  }
   // Elastic ranks: active has nranks entries (1 keep, 0 masked), already validated by the API layer (own rank
   // kept, no rank re-added). Collective among the kept ranks; synchronous; resynchronizes the protocol state
   // with the other survivors so that the next operation starts clean.

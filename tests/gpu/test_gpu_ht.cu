@@ -10,6 +10,8 @@
 //  - zero-copy combine (epHtCombineBuffer): the cached second pass of the bit-exact cases and one of the two
 //    graphs write the expert outputs into the region and combine from it, against the host engine / eager
 //    plain combines;
+//  - registered combine input (epCommRegister): the single-pass bit-exact cases on the even ranks (mixed with
+//    copying ranks), and graph B of the replay test;
 //  - a rank that stops participating: the others report a timeout within the deadline, exit cleanly, and a
 //    new communicator works afterwards.
 #include <cuda_runtime.h>
@@ -186,7 +188,15 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
       DevBuf<uint8_t> dcx(cx.size() + 16), dcy(cx.size() + 16), dout(hout.size() + 16);
       dcx.upload(cx);
       // The second pass (after a cached dispatch) writes the expert outputs into the zero-copy region instead.
+      // A single pass registers memory (epCommRegister, collective) and the even ranks write x inside it, not at
+      // its start, so that owners read registered and copied rows in one combine.
       uint8_t* ydev = dcy.p;
+      DevBuf<uint8_t> dreg(c.cached_again ? 0 : cx.size() + 512);
+      epMemRegion_t reg = nullptr;
+      if (!c.cached_again) {
+        CKE(epCommRegister(g, dreg.p, dreg.bytes(), &reg), g);
+        if (rank % 2 == 0) ydev = dreg.p + 256;
+      }
       if (pass == 1) {
         void* region = nullptr;
         size_t region_bytes = 0;
@@ -215,6 +225,7 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
       std::vector<uint8_t> gy(static_cast<size_t>(num_recv) * crow);
       CKC(cudaMemcpy(gy.data(), ydev, gy.size(), cudaMemcpyDeviceToHost));
       CK(memcmp(gy.data(), cy.data(), gy.size()) == 0, "stand-in expert differs (pass %d)", pass);
+      if (reg != nullptr) CKE(epCommDeregister(reg), g);
       auto gout = dout.host();
       for (size_t i = 0; i < static_cast<size_t>(T) * c.H; ++i) {
         float gv = epcomm::loadAsFloat(gout.data(), i, c.comb_dtype), hv = epcomm::loadAsFloat(hout.data(), i, c.comb_dtype);
@@ -373,6 +384,11 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     Pipeline A(comm, R, rank, 128, 512, 8, 8 * R), B(comm, R, rank, 64, 1024, 4, 4 * R);
+    // B's expert outputs live in registered memory: its combines (graph and eager) read them in place, and the
+    // eager run's stand-in rewrites them right after each replay's combine, so a combine that completed before
+    // every owner had read its rows would show here.
+    epMemRegion_t reg;
+    CKE(epCommRegister(comm, B.y.p, B.y.bytes(), &reg), comm);
     cudaGraph_t ga, gb;
     cudaGraphExec_t ea, eb;
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -397,6 +413,7 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
     CK_CLEAN(comm, "after the run");
     cudaGraphExecDestroy(ea);
     cudaGraphExecDestroy(eb);
+    CKE(epCommDeregister(reg), comm);
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 600000);

@@ -430,4 +430,46 @@ TEST(HeaderRules, EveryNamedLimitHasItsCode) {
   EXPECT_EQ(epCommInitRank(&comm, 0, &id, 0, nullptr), epRankMismatch);
 }
 
+// epCommRegister on the host engine: arguments checked with their codes, a registration accepted and ignored (its
+// combine reads x in place), a deregistered or made-up handle refused, and the communicator usable throughout; a
+// region that outlives its communicator is only freed.
+TEST(MemoryRegistration, HostEngineChecksArgumentsAndHandles) {
+  const World w = world(2, {2, 3});
+  runComm(2, [&](int rank, epComm_t comm) -> int {
+    RankIo io(w, rank, comm);
+    std::vector<uint8_t> mem(4096);
+    epMemRegion_t reg = nullptr;
+    CHECK_CODE(epCommRegister(comm, mem.data(), mem.size(), nullptr), epNullPointer, "region");
+    CHECK_CODE(epCommRegister(comm, nullptr, mem.size(), &reg), epNullPointer, "ptr");
+    CHECK_CODE(epCommRegister(comm, mem.data(), 0, &reg), epInvalidArgument, "bytes");
+    CHECK(reg == nullptr, "a refused registration wrote its handle");
+    CHECK_CODE(epCommRegister(comm, mem.data(), mem.size(), &reg), epSuccess, "");
+    CHECK(reg != nullptr, "no handle");
+    CHECK_OUT(llRoundTrip(io, EP_LL_EXPERT_MAJOR) == 0 ? "" : "LL round trip");
+    CHECK(epCommDeregister(reg) == epSuccess, "deregister: %s", epGetLastError(nullptr));
+    CHECK(epCommDeregister(reg) == epInvalidArgument, "deregistered twice");
+    CHECK(std::string(epGetLastError(nullptr)).find("twice") != std::string::npos, "message: %s",
+          epGetLastError(nullptr));
+    CHECK(epCommDeregister(nullptr) == epNullPointer, "deregister(NULL)");
+    epMemRegion_t made_up = reinterpret_cast<epMemRegion_t>(mem.data());
+    CHECK(epCommDeregister(made_up) == epInvalidArgument, "a made-up handle");
+    CHECK_CODE(epCommRegister(comm, mem.data(), mem.size(), &reg), epSuccess, "");
+    CHECK(epCommBarrier(comm, nullptr) == epSuccess, "the communicator after the refusals");
+    return llRoundTrip(io, EP_LL_RANK_MAJOR);
+  });
+  // A region left registered when its communicator is destroyed: deregistering it only frees it.
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_HOST;
+  epComm_t comm = nullptr;
+  ASSERT_EQ(epCommInitRank(&comm, 1, &id, 0, &cfg), epSuccess);
+  std::vector<uint8_t> mem(64);
+  epMemRegion_t reg = nullptr;
+  ASSERT_EQ(epCommRegister(comm, mem.data(), mem.size(), &reg), epSuccess);
+  ASSERT_EQ(epCommDestroy(comm), epSuccess);
+  EXPECT_EQ(epCommDeregister(reg), epSuccess);
+  EXPECT_EQ(epCommDeregister(reg), epInvalidArgument);
+}
+
 }  // namespace

@@ -50,6 +50,8 @@ GpuEngine::~GpuEngine() {
   if (resync_out_) cudaFreeHost(resync_out_);
   if (claims_) cudaFree(claims_);
   if (el_dev_) cudaFree(el_dev_);
+  if (regions_dev_) cudaFree(regions_dev_);
+  if (reg_stream_) cudaStreamDestroy(reg_stream_);
 }
 
 epResult_t GpuEngine::checkLaunch(cudaError_t e, const char* what) {
@@ -153,6 +155,10 @@ epResult_t GpuEngine::init() {
   if (e == cudaSuccess) e = cudaMemset(claims_, 0, sizeof(GpuErrorClaims));
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) EP_FAIL(epCudaError, "allocating the error claims: %s", cudaGetErrorString(e));
+  e = cudaMalloc(reinterpret_cast<void**>(&regions_dev_), sizeof(GpuRegion) * kGpuMaxRegions);
+  if (e == cudaSuccess) e = cudaMemset(regions_dev_, 0, sizeof(GpuRegion) * kGpuMaxRegions);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "allocating the registered-memory table: %s", cudaGetErrorString(e));
   EPCHECK(initElastic());
   EPCHECK(initLl());
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
@@ -174,6 +180,8 @@ HtParams GpuEngine::baseParams(int op) const {
   p.err = err_dev_;
   p.claims = claims_;
   p.el = el_dev_;
+  p.regions = regions_dev_;
+  p.x_region = -1;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.gpu_scope = gpu_sharing_ == comm_->nranks;
   p.C = lay_.channels;

@@ -5,6 +5,7 @@
 // alltoallv.cc, elastic.cc; kernels in kernels/.
 #pragma once
 #include <memory>
+#include <vector>
 
 #include "engine/comm.h"
 #include "engine/engine.h"
@@ -43,6 +44,8 @@ class GpuEngine final : public Engine {
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
   epResult_t htCombineBuffer(void** x, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
+  epResult_t registerMemory(void* ptr, size_t bytes, epResult_t local, int* slot) override;
+  epResult_t deregisterMemory(int slot) override;
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
   bool llReceivePending() const override { return ll_sent_[0] != ll_recvd_[0] || ll_sent_[1] != ll_recvd_[1]; }
@@ -66,6 +69,10 @@ class GpuEngine final : public Engine {
   cudaError_t launchSync(int kind, uint64_t mask, uint64_t publish_to, uint64_t round, bool wait, cudaStream_t s);
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
   epResult_t initElastic();
+  // Registered memory (registry.cc): the host-side exchange among the active ranks, and the region holding
+  // [x, x + bytes) of this rank (its slot and x's offset in it), or -1.
+  epResult_t regExchange(const GpuRegEntry& mine, std::vector<GpuRegEntry>* all, const char* what);
+  int regionOf(const void* x, size_t bytes, uint64_t* off) const;
 
   epComm* comm_;
   int device_ = 0;
@@ -100,6 +107,19 @@ class GpuEngine final : public Engine {
   uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
   bool ll_zero_copy_ = false;  // a zero-copy region was handed out: dispatch receives guard its reuse
   int ll_recv_zero_copy_ = 0;  // the mode of the combine whose receive half is outstanding
+  // Registered memory: the device table the kernels read, this rank's part of each slot, the peer allocations
+  // mapped for them (mapped[r], to close), the exchange's rounds and its stream (no wait on the caller's work).
+  struct Region {
+    bool used = false;
+    const uint8_t* ptr = nullptr;
+    size_t bytes = 0;
+    std::vector<void*> mapped;
+  };
+  GpuRegion* regions_dev_ = nullptr;
+  Region regions_[kGpuMaxRegions];
+  uint64_t reg_round_ = 0;
+  cudaStream_t reg_stream_ = nullptr;
+  IpcMappings reg_maps_;
 };
 
 }  // namespace epcomm

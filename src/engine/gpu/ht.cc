@@ -220,10 +220,14 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
                "x is the zero-copy combine region, %zu bytes, but %d rows of %zu bytes do not fit in it",
                htRegionBytes(lay_), h->recv_rows, xrow);
     p.zero_copy = 1;
+  } else if (ht_pull_) {
+    p.x_region = regionOf(x, x_used, &p.x_off);  // registered (epCommRegister): the owners read x there
   }
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
-  return checkLaunch(launchHtCombine(p, s), "the combine kernel");
+  EPCHECK(checkLaunch(launchHtCombine(p, s), "the combine kernel"));
+  // x stays the caller's once the combine completes: that waits until every owner has read it.
+  return p.x_region >= 0 ? checkLaunch(launchHtEnd(p, s), "the combine end kernel") : epSuccess;
 }
 
 }  // namespace epcomm

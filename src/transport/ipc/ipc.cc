@@ -1,5 +1,7 @@
 #include "transport/ipc/ipc.h"
 
+#include <cudaTypedefs.h>
+
 #include <cstring>
 
 #include "common/checks.h"
@@ -41,6 +43,84 @@ epResult_t IpcBuffers::init(Bootstrap* bs, size_t bytes, int timeout_ms) {
   }
   EP_INFO(kSubsysGpu, "ipc: mapped %d peer buffers of %zu bytes", R - 1, bytes);
   return bs->barrier(timeout_ms);
+}
+
+// The driver's cuMemGetAddressRange, found through the runtime (the library links cudart only).
+static PFN_cuMemGetAddressRange_v3020 addressRangeFn() {
+  static PFN_cuMemGetAddressRange_v3020 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(f);
+  }();
+  return fn;
+}
+
+epResult_t ipcExport(const void* ptr, int device, cudaIpcMemHandle_t* handle, size_t* offset, void** alloc_base) {
+  cudaPointerAttributes at{};
+  cudaError_t e = cudaPointerGetAttributes(&at, ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    EP_FAIL(epInvalidArgument, "ptr = %p is not memory CUDA knows (cudaPointerGetAttributes: %s)", ptr,
+            cudaGetErrorString(e));
+  }
+  EP_REQUIRE(at.type == cudaMemoryTypeDevice, epInvalidArgument,
+             "ptr = %p is not device memory (CUDA memory type %d); register cudaMalloc memory", ptr,
+             static_cast<int>(at.type));
+  EP_REQUIRE(at.device == device, epInvalidArgument, "ptr = %p is memory of device %d, the communicator's is %d",
+             ptr, at.device, device);
+  PFN_cuMemGetAddressRange_v3020 range = addressRangeFn();
+  EP_REQUIRE(range != nullptr, epCudaError, "the driver has no cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  EP_REQUIRE(range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) == CUDA_SUCCESS, epInvalidArgument,
+             "ptr = %p lies in no device allocation (cuMemGetAddressRange failed)", ptr);
+  e = cudaIpcGetMemHandle(handle, reinterpret_cast<void*>(base));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    EP_FAIL(epNotSupported, "the allocation that holds ptr = %p cannot be shared over CUDA IPC "
+            "(cudaIpcGetMemHandle: %s); cuMemCreate memory, e.g. PyTorch's expandable segments, cannot be registered",
+            ptr, cudaGetErrorString(e));
+  }
+  *offset = reinterpret_cast<uintptr_t>(ptr) - base;
+  *alloc_base = reinterpret_cast<void*>(base);
+  return epSuccess;
+}
+
+IpcMappings::~IpcMappings() {
+  for (Mapping& m : maps_) cudaIpcCloseMemHandle(m.base);
+}
+
+epResult_t IpcMappings::open(const cudaIpcMemHandle_t& h, int peer, void** base) {
+  for (Mapping& m : maps_)
+    if (memcmp(&m.handle, &h, sizeof(h)) == 0) {
+      ++m.refs;
+      *base = m.base;
+      return epSuccess;
+    }
+  void* b = nullptr;
+  const cudaError_t e = cudaIpcOpenMemHandle(&b, h, cudaIpcMemLazyEnablePeerAccess);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    EP_FAIL(epCudaError, "cannot map rank %d's registered memory (cudaIpcOpenMemHandle: %s)", peer,
+            cudaGetErrorString(e));
+  }
+  maps_.push_back(Mapping{h, b, 1});
+  *base = b;
+  return epSuccess;
+}
+
+void IpcMappings::close(void* base) {
+  for (size_t i = 0; i < maps_.size(); ++i)
+    if (maps_[i].base == base && --maps_[i].refs == 0) {
+      cudaIpcCloseMemHandle(base);
+      maps_.erase(maps_.begin() + static_cast<std::ptrdiff_t>(i));
+      return;
+    }
 }
 
 }  // namespace epcomm

@@ -17,13 +17,34 @@ class IpcBuffers {
   // Allocates `bytes` on the current device (zeroed), exchanges handles through the bootstrap and maps every
   // peer's buffer. Collective.
   epResult_t init(Bootstrap* bs, size_t bytes, int timeout_ms);
-  void* local() const { return base_[rank_]; }
+  void* local() const { return base_.empty() ? nullptr : base_[rank_]; }  // nullptr before init
   void* peer(int r) const { return base_[r]; }
 
  private:
   int rank_ = 0;
   std::vector<void*> base_;
   std::vector<bool> opened_;
+};
+
+// Caller memory shared on demand (epCommRegister): the handle of the cudaMalloc allocation that holds ptr and
+// ptr's offset in it. epNotSupported for memory CUDA IPC cannot export (cuMemCreate / expandable segments).
+epResult_t ipcExport(const void* ptr, int device, cudaIpcMemHandle_t* handle, size_t* offset, void** alloc_base);
+
+// Peer allocations opened in this process, counted: CUDA maps an allocation once per process, and several
+// registered regions may lie in one allocation. Every mapping still open is closed on destruction.
+class IpcMappings {
+ public:
+  ~IpcMappings();
+  epResult_t open(const cudaIpcMemHandle_t& h, int peer, void** base);
+  void close(void* base);
+
+ private:
+  struct Mapping {
+    cudaIpcMemHandle_t handle;
+    void* base;
+    int refs;
+  };
+  std::vector<Mapping> maps_;
 };
 
 }  // namespace epcomm
