@@ -161,6 +161,11 @@ struct MailboxHead {
   // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C] follow
 };
 
+// The areas that hold rows start at multiples of 64 KiB. Where they started mattered more than anything the kernels
+// do: at R = 8 on one H200 (MPS), HT dispatch and combine ran 1.6x slower whenever the areas sat 128 B to 4 KiB past
+// a multiple of 64 KiB, and as fast as before at 64 KiB and 2 MiB shifts (bench/results/h200-s10.log, run74).
+EP_HD size_t rowAreaAlign(size_t v) { return (v + 65535) & ~size_t{65535}; }
+
 EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens,
                                       bool pull_dispatch) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
@@ -185,16 +190,16 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   off = up(off + kNumQueueCounters * l.qctrl_stride);
   const size_t slots = static_cast<size_t>(nranks) * channels * queue_rows;
   l.disp_slot = l.x_stride + l.scale_stride + kGpuMaxTopk * 12;
-  l.disp_q = off;
-  off = up(off + slots * l.disp_slot);
+  l.disp_q = off = rowAreaAlign(off);
+  off = rowAreaAlign(off + slots * l.disp_slot);
   l.comb_q = off;
-  off = up(off + slots * l.x_stride);
+  off = rowAreaAlign(off + slots * l.x_stride);
   l.comb_stage = off;
-  off = up(off + static_cast<size_t>(nranks) * max_tokens * l.x_stride);
+  off = rowAreaAlign(off + static_cast<size_t>(nranks) * max_tokens * l.x_stride);
   l.disp_stage = off;
-  if (pull_dispatch) off = up(off + static_cast<size_t>(max_tokens) * l.disp_slot);
+  if (pull_dispatch) off = rowAreaAlign(off + static_cast<size_t>(max_tokens) * l.disp_slot);
   l.disp_list = off;
-  if (pull_dispatch) off = up(off + static_cast<size_t>(nranks) * max_tokens * 4);
+  if (pull_dispatch) off = rowAreaAlign(off + static_cast<size_t>(nranks) * max_tokens * 4);
   l.total = off;
   return l;
 }
@@ -270,8 +275,8 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   l.slot_row = up16(sizeof(LlSlotMeta));                              // row offset inside a slot
   l.slot_scales = l.slot_row + up16(static_cast<size_t>(max_hidden) * 2);  // bf16 bytes (fp32 rows: H/2)
   l.slot = l.slot_scales + up16(static_cast<size_t>(max_hidden) / 128 * 4);
-  l.slots = off;
-  off = up(off + 2 * static_cast<size_t>(nranks) * max_tokens * l.slot);
+  l.slots = off = rowAreaAlign(off);
+  off = rowAreaAlign(off + 2 * static_cast<size_t>(nranks) * max_tokens * l.slot);
   l.comb_row = up16(static_cast<size_t>(max_hidden) * 2);
   l.comb = off;
   off = up(off + 2 * static_cast<size_t>(max_experts) * max_tokens * l.comb_row);

@@ -49,6 +49,9 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             EXPECT_LE(p.comb_stage + static_cast<size_t>(R) * T * p.x_stride, p.disp_stage);
             EXPECT_LE(p.disp_stage + static_cast<size_t>(T) * p.disp_slot, p.disp_list);
             EXPECT_LE(p.disp_list + static_cast<size_t>(R) * T * 4, p.total);
+            // Row areas start at multiples of 64 KiB (rowAreaAlign: where they start changed HT speed 1.6x).
+            for (size_t s : {p.disp_q, p.comb_q, p.comb_stage, p.disp_stage, p.disp_list, p.total})
+              EXPECT_EQ(s % 65536, 0u);
           }
 }
 
@@ -66,6 +69,8 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
             EXPECT_LT(areas[i], areas[i + 1]);
           }
           EXPECT_GE(l.tag, sizeof(LlCtrl));
+          EXPECT_EQ(l.slots % 65536, 0u);  // row areas at multiples of 64 KiB (rowAreaAlign)
+          EXPECT_EQ(l.comb % 65536, 0u);
           EXPECT_LE(l.tag + 4 * static_cast<size_t>(R) * 8, l.ack);
           EXPECT_LE(l.ack + 2 * static_cast<size_t>(R) * 8, l.counts);
           EXPECT_GE(l.count_entry, 16 + 4 * static_cast<size_t>(E / R));
