@@ -420,6 +420,82 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
   expectAllRanksOk(codes, seed);
 }
 
+// epCommRegister refused on one rank is refused on every rank, with the refusing rank's code and name, nothing
+// stays registered, and the communicator goes on: memory inside the communicator's own buffer, a NULL pointer,
+// stream-ordered (cudaMallocAsync) memory that CUDA IPC cannot export, more regions than EP_MAX_MEM_REGIONS; a
+// deregistered handle is refused. Then an HT step combines from registered memory, equal to a plain one.
+// (cudaMallocAsync memory: cudaIpcGetMemHandle refuses it, epNotSupported, unless cuMemGetAddressRange already
+// did, epInvalidArgument; either is accepted.)
+TEST_P(GpuHt, RegistrationRefusalsLeaveTheCommunicatorUsable) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    epConfig_t cfg = gpuConfig();
+    epComm_t comm;
+    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    DevBuf<uint8_t> mem(1 << 20);
+    auto refusedEverywhere = [&](epResult_t mine, epResult_t want_here, const char* what) -> int {
+      const std::string msg = epGetLastError(comm);
+      CK(mine == want_here, "%s: %s (%s), want %s", what, epGetErrorString(mine), msg.c_str(),
+         epGetErrorString(want_here));
+      return 0;
+    };
+    epMemRegion_t reg = nullptr;
+    // Rank 1 passes memory of the communicator's own buffer (the zero-copy region): epInvalidArgument there, and
+    // on the other ranks the same code, naming rank 1.
+    void* zc = nullptr;
+    size_t zc_bytes = 0;
+    CKE(epHtCombineBuffer(comm, &zc, &zc_bytes), comm);
+    epResult_t r = epCommRegister(comm, rank == 1 ? zc : mem.p, 4096, &reg);
+    if (refusedEverywhere(r, epInvalidArgument, "own buffer on rank 1")) return 1;
+    if (rank != 1)
+      CK(std::string(epGetLastError(comm)).find("rank 1") != std::string::npos, "message '%s' names no rank 1",
+         epGetLastError(comm));
+    CK(reg == nullptr, "a refused registration wrote its handle");
+    // Rank 0 passes NULL.
+    r = epCommRegister(comm, rank == 0 ? nullptr : mem.p, 4096, &reg);
+    if (refusedEverywhere(r, epNullPointer, "NULL on rank 0")) return 1;
+    // The last rank passes cudaMallocAsync memory: not exportable over CUDA IPC.
+    void* pool = nullptr;
+    CKC(cudaMallocAsync(&pool, 1 << 16, s));
+    CKC(cudaStreamSynchronize(s));
+    r = epCommRegister(comm, rank == R - 1 ? pool : mem.p, 4096, &reg);
+    CK(r == epNotSupported || r == epInvalidArgument, "stream-ordered memory on the last rank: %s (%s)",
+       epGetErrorString(r), epGetLastError(comm));
+    CKC(cudaFreeAsync(pool, s));
+    // EP_MAX_MEM_REGIONS regions fit (different pieces of one allocation), one more does not.
+    std::vector<epMemRegion_t> many;
+    for (int i = 0; i < EP_MAX_MEM_REGIONS; ++i) {
+      epMemRegion_t m = nullptr;
+      CKE(epCommRegister(comm, mem.p + i * 4096, 4096, &m), comm);
+      many.push_back(m);
+    }
+    r = epCommRegister(comm, mem.p, 4096, &reg);
+    if (refusedEverywhere(r, epInvalidUsage, "one region too many")) return 1;
+    for (epMemRegion_t m : many) CKE(epCommDeregister(m), comm);
+    CK(epCommDeregister(many[0]) == epInvalidArgument, "a deregistered handle was accepted");
+    // The communicator goes on: one HT step plain, then the same combine from registered memory.
+    Pipeline P(comm, R, rank, 64, 512, 4, 4 * R);
+    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 11 + rank, true);
+    CKE(P.run(s, P.out_eager.p), comm);
+    CKE(epCommRegister(comm, P.y.p, P.y.bytes(), &reg), comm);
+    CKE(P.run(s, P.out.p), comm);
+    CKC(cudaStreamSynchronize(s));
+    auto a = P.out.host(), b = P.out_eager.host();
+    CK(memcmp(a.data(), b.data(), a.size() * 2) == 0, "the registered combine differs from the plain one");
+    CKE(epCommDeregister(reg), comm);
+    CK_CLEAN(comm, "after the refusals");
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
+}
+
 TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
   const int R = GetParam();
   epUniqueId gid, gid2;
