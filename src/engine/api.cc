@@ -224,6 +224,8 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   comm->nranks = nranks;
   comm->config = cfg;
   comm->magic = kCommMagic;
+  static std::atomic<uint64_t> next_serial{1};
+  comm->serial = next_serial.fetch_add(1);
   comm->active.assign(nranks, 1);
   logSetRank(rank);
   EPCHECK(boot(cfg.timeout_ms, &comm->bootstrap));
@@ -613,6 +615,7 @@ epResult_t epCommRegister(epComm_t comm, void* ptr, size_t bytes, epMemRegion_t*
     }
     r->magic = kRegionMagic;
     r->comm = comm;
+    r->comm_serial = comm->serial;
     r->slot = slot;
     live().add(r, Live::kRegion);
     *region = r;
@@ -626,11 +629,13 @@ epResult_t epCommDeregister(epMemRegion_t region) {
   EP_REQUIRE(live().has(region, Live::kRegion), epInvalidArgument,
              "region is not a live registration (deregistered twice?)");
   epComm* comm = region->comm;
-  if (!live().has(comm, Live::kComm)) {  // its communicator is gone, and its mappings with it
-    if (live().remove(region, Live::kRegion)) delete region;
-    return epSuccess;
-  }
-  const epResult_t r = onComm(comm, Need::kLive, [&]() -> epResult_t {
+  bool gone = !live().has(comm, Live::kComm);  // its communicator is gone, and its mappings with it
+  const epResult_t r = gone ? epSuccess : onComm(comm, Need::kLive, [&]() -> epResult_t {
+    // A communicator created later at the same address is another one: the region's is gone.
+    if (comm->serial != region->comm_serial) {
+      gone = true;
+      return epSuccess;
+    }
     EP_REQUIRE(!comm->engine->anyPending(), epInvalidUsage,
                "epCommDeregister called while an LL operation's receive half (EP_LL_RECV) is outstanding; complete "
                "it first");

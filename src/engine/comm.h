@@ -33,6 +33,7 @@ struct CommConfig {
 
 struct epComm {
   uint32_t magic = 0;
+  uint64_t serial = 0;  // unique per communicator in this process (an address may be reused after a destroy)
   int rank = 0;
   int nranks = 0;
   epcomm::CommConfig config;
@@ -85,6 +86,7 @@ struct epHtHandle {
 struct epMemRegion {
   uint32_t magic = 0;
   epComm* comm = nullptr;
+  uint64_t comm_serial = 0;  // comm->serial: tells its communicator from a later one at the same address
   int slot = -1;
 };
 

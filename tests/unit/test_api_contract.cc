@@ -468,8 +468,15 @@ TEST(MemoryRegistration, HostEngineChecksArgumentsAndHandles) {
   epMemRegion_t reg = nullptr;
   ASSERT_EQ(epCommRegister(comm, mem.data(), mem.size(), &reg), epSuccess);
   ASSERT_EQ(epCommDestroy(comm), epSuccess);
+  // A new communicator (perhaps at the old one's address) is not the region's: deregistering leaves it alone.
+  epUniqueId id2;
+  ASSERT_EQ(epGetUniqueId(&id2), epSuccess);
+  epComm_t comm2 = nullptr;
+  ASSERT_EQ(epCommInitRank(&comm2, 1, &id2, 0, &cfg), epSuccess);
   EXPECT_EQ(epCommDeregister(reg), epSuccess);
   EXPECT_EQ(epCommDeregister(reg), epInvalidArgument);
+  EXPECT_EQ(epCommBarrier(comm2, nullptr), epSuccess);
+  EXPECT_EQ(epCommDestroy(comm2), epSuccess);
 }
 
 }  // namespace
