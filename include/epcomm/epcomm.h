@@ -142,7 +142,7 @@ typedef enum { EP_ENGINE_AUTO = 0, EP_ENGINE_HOST = 1, EP_ENGINE_GPU = 2 } epEng
 typedef enum {
   epOpNone = 0, epOpInit, epOpLayout, epOpHtNotify, epOpHtDispatch, epOpHtCombine, epOpLlDispatch,
   epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy,
-  epOpSetActiveRanks, epNumOps
+  epOpSetActiveRanks, epOpRegister, epNumOps
 } epOp_t;
 typedef enum { epPhaseNone = 0, epPhaseHeader, epPhaseData, epPhaseBootstrap } epPhase_t;
 
@@ -387,21 +387,28 @@ EPCOMM_API epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes
 
 /* Registered combine input (GPU engine). epCommRegister maps [ptr, ptr + bytes) of this rank's device memory
  * (cudaMalloc memory: the whole allocation it lies in is shared over CUDA IPC) into every peer of the host.
- * Collective: every rank calls it, each with its own memory (sizes may differ), in the same order as its other
- * registrations; if any rank's call is refused, every rank returns an error (the code of the first refusing rank,
- * the rank named in the message) and nothing is registered. An HT combine whose x (its recv_rows rows) lies
- * inside a region this rank registered copies nothing: the token owners read the rows straight from it, as with
- * the zero-copy region, with the plain combine's lifetime rule: x may be written again, or freed, once the
- * combine has completed on its stream (the combine waits on the device until every owner has read its rows).
- * Each rank chooses for itself, combine by combine; other inputs take the copying path. Captured graphs keep the
- * choice made at capture: deregister a region only when no pending operation and no graph to be replayed reads
- * it. The memory must stay allocated while registered. At most EP_MAX_MEM_REGIONS regions at once. Refused:
- * NULL ptr or region (epNullPointer), bytes 0, memory of another device or of the communicator's own buffers, or
- * memory CUDA IPC cannot share, such as cuMemCreate/expandable-segment allocations (epInvalidArgument or
- * epNotSupported, with the reason). The host engine accepts and ignores registrations (its combine reads x in
- * place). epCommDeregister is collective too; it waits for this rank's device work (cudaDeviceSynchronize), then
- * unmaps. A region outlives its communicator only as a handle: deregistering it then just frees it; a handle
- * deregistered twice, or made up, is epInvalidArgument. */
+ * Collective: every rank calls it, each with its own memory (sizes may differ), and every rank makes its
+ * registration calls (epCommRegister, epCommDeregister) in the same order. If any rank's call is refused, every
+ * rank returns an error and nothing is registered: a refusing rank returns its own code; the others return the
+ * code of the lowest refusing rank, which the message names. An HT pull combine (the default,
+ * EPCOMM_GPU_HT_COMBINE_PULL=1) whose x (its recv_rows rows) lies inside a region this rank registered copies
+ * nothing: the token owners read the rows straight from it, as with the zero-copy region, with the plain
+ * combine's lifetime rule: x may be written again, or freed, once the combine has completed on its stream (the
+ * combine waits on the device until every owner has read its rows); combined_x must not overlap such an x
+ * (epInvalidArgument). Each rank chooses for itself, combine by combine; other inputs take the copying path.
+ * Captured graphs keep the choice made at capture: deregister a region only when no pending operation and no
+ * graph to be replayed reads it. The memory must stay allocated while registered. Refused: NULL ptr or region
+ * (epNullPointer); bytes 0, a range past the end of its allocation, memory of another device or of the
+ * communicator's own buffers (epInvalidArgument); memory CUDA IPC cannot share, such as cuMemCreate /
+ * expandable-segment or cudaMallocAsync allocations (epNotSupported); more than EP_MAX_MEM_REGIONS regions at
+ * once, or a call while an LL receive half is outstanding (epInvalidUsage). The ranks agree through their
+ * communication buffers; a rank missing at the deadline, or ranks in different registration calls, break the
+ * communicator (epTimeout, epInvalidUsage in epCommGetAsyncError), as a failed operation does. The host engine
+ * keeps nothing: it checks each rank's arguments on that rank alone and ignores the memory (its combine reads x
+ * in place). epCommDeregister is collective too; it waits for this rank's device work (cudaDeviceSynchronize),
+ * then for the other ranks, then unmaps (with a dead peer it waits until the deadline). A region outlives its
+ * communicator only as a handle: deregistering it then just frees it; a handle deregistered twice, or made up,
+ * is epInvalidArgument. */
 #define EP_MAX_MEM_REGIONS 32
 EPCOMM_API epResult_t epCommRegister(epComm_t comm, void* ptr, size_t bytes, epMemRegion_t* region);
 EPCOMM_API epResult_t epCommDeregister(epMemRegion_t region);

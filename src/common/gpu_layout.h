@@ -35,15 +35,19 @@
 // and publishes ready[this rank][c] = epoch in s's counters; s waits for ready from every active rank, reduces
 // each token from the peers' staging rows in ascending rank order, then acknowledges (ack[s][c] = epoch in the
 // copier's counters). A copier overwrites its rows for s only once s acknowledged the combine it last published
-// (sent[s][c], its own record), so the next combine never changes rows a slow owner still reads.
+// (sent[s][c], its own record), so the next combine never changes rows a slow owner still reads. With x in memory
+// the copier registered (epCommRegister) it copies none of x's rows: its begin kernel publishes where x is
+// (GpuCtrl::comb_src, after the waits above), the owners read that after its ready counter and take the rows
+// from there, and an end kernel after the combine waits for every owner's acknowledgement, so that x is free
+// again when the combine completes.
 // In both pull paths the two blocks of channel c each do half of the channel (rows of every peer, tokens or
 // receive rows of this rank), first staging and then reading, with a ready and an ack counter per half
 // (kPullReady / kPullReady1, ...): every block of the launch must be resident at once, which the grid's size
 // (at most the SMs / (ranks on the GPU + 1) per rank) gives.
 //
 // An operation: a one-block kernel bumps ctrl.epoch first (so every block of the following kernels reads a
-// value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel. In
-// the push paths its even blocks send and odd blocks receive: channel c of a rank carries its tokens
+// value nobody writes during their launch); notify exchanges counts through the mailboxes; then one kernel (and
+// the one-block end kernel after a combine from registered memory). In the push paths its even blocks send and odd blocks receive: channel c of a rank carries its tokens
 // [T*c/C, T*(c+1)/C), pipelined through a bounded per-peer queue of Q rows (a rank's rows to itself skip the
 // queue and go straight to their final rows). The counters only grow, so no per-operation reset exists (graph
 // replays need none) and a sender waits for room by reading the peer's head. Senders publish the tail in rounds
@@ -88,8 +92,11 @@ struct GpuRegion {
 // [round & 1][src] in every rank's own buffer, written by src with cudaMemcpy (payload first, then the round) and
 // read by the peers through their mappings. A rank starts round n + 2 only after it read every peer's entry of
 // round n + 1, which a peer writes only after it read round n: two entries per source suffice.
+enum GpuRegKind { kRegRegister = 1, kRegVerdict = 2, kRegDeregister = 3 };
 struct alignas(128) GpuRegEntry {
   uint64_t round;
+  int32_t kind;      // GpuRegKind: ranks in different calls at one round are told apart
+  int32_t pad;
   int32_t code;      // epSuccess, or the result that refused the call on src
   int32_t slot;      // the region slot src uses (the same on every rank, or the calls were not in one order)
   uint8_t ipc[64];   // cudaIpcMemHandle_t of the allocation holding src's memory

@@ -597,10 +597,10 @@ epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes) {
 
 epResult_t epCommRegister(epComm_t comm, void* ptr, size_t bytes, epMemRegion_t* region) {
   return onComm(comm, Need::kUsable, [&]() -> epResult_t {
-    EP_REQUIRE(region != nullptr, epNullPointer, "region (the output pointer) is NULL");
     // A refusal here is still one rank's part of a collective call: the engine tells the others.
     epResult_t local = epSuccess;
-    if (ptr == nullptr) local = EP_ERROR(epNullPointer, "ptr is NULL");
+    if (region == nullptr) local = EP_ERROR(epNullPointer, "region (the output pointer) is NULL");
+    else if (ptr == nullptr) local = EP_ERROR(epNullPointer, "ptr is NULL");
     else if (bytes == 0) local = EP_ERROR(epInvalidArgument, "bytes = 0: there is nothing to register");
     if (local == epSuccess && comm->engine->anyPending())
       local = EP_ERROR(epInvalidUsage, "epCommRegister called while an LL operation's receive half (EP_LL_RECV) is "

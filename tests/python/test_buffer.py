@@ -488,6 +488,71 @@ def test_ht_zero_copy(world):
     ranks.run(world, ht_zero_copy)
 
 
+def ht_registered(rank, world, init_method, device="cpu"):
+    """register_memory: combines whose x is a view of a registered tensor equal plain combines bit for bit, over
+    dispatches of every mode with fresh inputs, before and after an LL call re-creates the communicator (the
+    Buffer registers the tensor again there); after deregister_memory the same x combines by copy. A tensor on
+    another device and an unregistered one are refused."""
+    import epcomm
+
+    _init(rank, world, init_method)
+    dev = _set_device(rank, device)
+    gen = torch.Generator().manual_seed(57 + rank)
+    num_experts, topk, hidden, max_tokens = 4 * world, 3, 256, 24
+    worst = max_tokens * world
+    buffer = epcomm.Buffer(dist.group.WORLD, explicitly_destroy=True)
+    ybuf = torch.empty((worst + 8, hidden), dtype=torch.float32, device=dev)  # the experts' output buffer
+    buffer.register_memory(ybuf)
+    if dev.type == "cuda":
+        with pytest.raises(ValueError, match="device"):
+            buffer.register_memory(torch.empty(4))
+    with pytest.raises(ValueError, match="not registered"):
+        buffer.deregister_memory(torch.empty(4, device=dev))
+
+    def one_round(i, mode, state):
+        num_tokens = state.get("num_tokens", max_tokens) if mode == "cached" else max_tokens - (i % 3)
+        x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16).to(dev)
+        if mode == "cached":
+            recv_x = buffer.dispatch(x, handle=state["handle"])[0]
+        else:
+            topk_idx, topk_weights = (t.to(dev) for t in _routing(gen, num_tokens, num_experts, topk))
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                num_worst_tokens=worst if mode == "worst" else 0)
+            state.update(handle=handle, recv_w=recv_w, num_tokens=num_tokens)
+        dtype = torch.float32 if i % 2 else torch.bfloat16
+        y = (recv_x.float() * (rank + 1 + i / 8)).to(dtype)
+        view = ybuf.view(-1).view(torch.uint8)[:y.numel() * y.element_size()].view(dtype).view(y.shape)  # in ybuf
+        view.copy_(y)
+        got, got_w, _ = buffer.combine(view, state["handle"], topk_weights=state["recv_w"])
+        want, want_w, _ = buffer.combine(y, state["handle"], topk_weights=state["recv_w"])
+        assert torch.equal(got.cpu(), want.cpu()) and torch.equal(got_w.cpu(), want_w.cpu()), (mode, i)
+
+    state = {}
+    for i, mode in enumerate(("exact", "cached", "worst", "exact")):
+        one_round(i, mode, state)
+    # An LL call re-creates the communicator: the registration is made again on the new one.
+    x = torch.randn((4, hidden), generator=gen).to(torch.bfloat16).to(dev)
+    buffer.low_latency_dispatch(x, _routing(gen, 4, num_experts, topk)[0].to(dev), 8, num_experts, use_fp8=False)
+    assert len(buffer._registered) == 1 and buffer._registered[0][1].registered
+    state = {}
+    for i, mode in enumerate(("exact", "worst", "cached"), start=4):
+        one_round(i, mode, state)
+    buffer.deregister_memory(ybuf)
+    assert buffer._registered == []
+    one_round(7, "exact", {})  # the same views, combined by copy now
+    dist.barrier()
+    buffer.destroy()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ht_registered(world):
+    ranks.run(world, ht_registered)
+
+
 def test_dlpack_bytes():
     """The binding's DLPack capsule aliases the memory it was given; an unconsumed capsule frees itself."""
     from epcomm import _capi

@@ -78,6 +78,12 @@ def test_ht_zero_copy_cuda():
     ranks.run(WORLD, test_buffer.ht_zero_copy, "cuda")
 
 
+def test_ht_registered_cuda():
+    """register_memory: HT combines from a registered tensor (read in place by the token owners) equal plain
+    combines bit for bit, before and after the communicator is re-created by an LL call (see test_buffer)."""
+    ranks.run(WORLD, test_buffer.ht_registered, "cuda")
+
+
 def captured(rank, world, init_method):
     """Worst-token dispatch -> expert stand-in -> combine captured in a CUDA graph and replayed with fresh
     inputs equals the eager result each time."""

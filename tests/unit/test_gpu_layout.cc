@@ -26,6 +26,8 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             EXPECT_TRUE(std::is_sorted(starts.begin(), starts.end()));
             for (size_t s : starts) EXPECT_EQ(s % 256, 0u);
             EXPECT_GE(l.mailbox, sizeof(GpuCtrl));
+            EXPECT_GE(l.reg, l.sync + 2 * kGpuSyncSlots * static_cast<size_t>(R) * sizeof(GpuSyncEntry));
+            EXPECT_LE(l.reg + 2 * static_cast<size_t>(R) * sizeof(GpuRegEntry), l.mailbox);  // registration entries
             // Each region holds what the kernels index in it.
             EXPECT_GE(l.mailbox_entry, sizeof(MailboxHead) + 4 * (R + kGpuMaxExperts / R + kGpuMaxChannels));
             EXPECT_EQ(l.mailbox_entry % 16, 0u);

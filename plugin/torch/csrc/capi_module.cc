@@ -177,6 +177,36 @@ class HtHandle {
   std::shared_ptr<bool> comm_alive_;
 };
 
+// A registration (epCommRegister). deregister() is collective, like the registration. The destructor makes no
+// collective call (it runs whenever this process's garbage collector gets to it): with the communicator alive it
+// leaves the registration to the communicator's destruction; once that is gone it frees the handle.
+class MemRegion {
+ public:
+  MemRegion(const Comm& comm, uintptr_t address, size_t bytes) : comm_alive_(comm.alive()) {
+    run(comm, [&](epComm_t h) { return epCommRegister(h, reinterpret_cast<void*>(address), bytes, &r_); });
+  }
+  ~MemRegion() {
+    if (r_ != nullptr && !*comm_alive_) epCommDeregister(r_);
+  }
+  MemRegion(const MemRegion&) = delete;
+  MemRegion& operator=(const MemRegion&) = delete;
+  void deregister() {
+    if (r_ == nullptr) return;
+    epResult_t rc;
+    {
+      py::gil_scoped_release nogil;
+      rc = epCommDeregister(r_);
+    }
+    if (rc != epSuccess) raise(rc, nullptr);
+    r_ = nullptr;
+  }
+  bool registered() const { return r_ != nullptr; }
+
+ private:
+  epMemRegion_t r_ = nullptr;
+  std::shared_ptr<bool> comm_alive_;
+};
+
 // A DLPack capsule ("dltensor", the legacy unversioned protocol that torch.from_dlpack takes) over bytes that
 // someone else owns: a 1-D uint8 tensor of nbytes at ptr on a CPU (device_type 1) or CUDA (2) device. The
 // structs follow the DLPack ABI; declared here so that the binding needs no DLPack or torch header. The
@@ -475,6 +505,13 @@ PYBIND11_MODULE(_capi, m) {
       .def("counts", &HtHandle::counts, "(num_tokens, num_recv_tokens) of the layout it holds")
       .def("recv_counts", &HtHandle::recvCounts, py::arg("nranks"),
            "epHtHandleGetRecvCounts: rows received from each of the nranks source ranks (exact mode)");
+
+  py::class_<MemRegion>(m, "MemRegion")
+      .def(py::init<const Comm&, uintptr_t, size_t>(), py::arg("comm"), py::arg("address"), py::arg("bytes"),
+           "epCommRegister (collective): the peers map [address, address + bytes); an HT combine whose x lies "
+           "inside it reads x in place (GPU engine; the host engine accepts and ignores it)")
+      .def("deregister", &MemRegion::deregister, "epCommDeregister (collective); a second call does nothing")
+      .def_property_readonly("registered", &MemRegion::registered);
 
   using HD = epHtDispatchArgs_t;
   py::class_<HD>(m, "HtDispatchArgs")

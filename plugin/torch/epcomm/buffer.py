@@ -151,6 +151,10 @@ class Buffer:
         self._ll_buffer_idx = 0
         self._local_buffers = {}
         self._mask_wanted: set = set()  # ranks an update asked to mask (kept when the update itself failed)
+        # register_memory: [tensor, _capi.MemRegion on the current communicator], in registration order, and the
+        # registrations of replaced communicators (freed once those are destroyed)
+        self._registered: list = []
+        self._retired_regions: list = []
 
     # --- lifecycle and static helpers ----------------------------------------------------------------------
 
@@ -167,6 +171,8 @@ class Buffer:
         for old in self._retired_runtimes:  # the caller's zero-copy views of them end here too
             old.destroy()
         self._retired_runtimes.clear()
+        self._registered.clear()  # their communicators are gone: the handles free themselves
+        self._retired_regions.clear()
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -483,6 +489,37 @@ class Buffer:
                                      ptr(out), nbytes(out), stream)
         return out
 
+    # --- registered memory (an epcomm extension) -----------------------------------------------------------
+
+    def register_memory(self, tensor: torch.Tensor) -> None:
+        """Registers the memory of tensor's storage with the communicator (the C API's epCommRegister).
+        Collective: every rank calls it, each with its own tensor, in the same order. On the GPU engine an HT
+        combine whose x lies in registered memory copies nothing into the communicator: the token owners read
+        x where it is, and the combine completes only once they have, so x may be reused after it as after
+        any combine. Meant for the buffer the experts write their outputs into, step after step. The tensor is
+        kept alive until deregister_memory(tensor) or destroy(), and registered again on every communicator the
+        Buffer creates later (its first LL call). The peers map the whole CUDA allocation that holds it; memory
+        CUDA IPC cannot share (cudaMallocAsync, PyTorch's expandable segments) raises epcomm._capi.Error with
+        code NOT_SUPPORTED on every rank. The host engine accepts and ignores it (its combine reads x in place)."""
+        if self.runtime is None:
+            raise RuntimeError("epcomm.Buffer: the Buffer was destroyed")
+        if tensor.device != self._device:
+            raise ValueError(f"epcomm.Buffer.register_memory: the tensor is on {tensor.device}, the communicator's "
+                             f"engine takes {self._device} tensors")
+        storage = tensor.untyped_storage()
+        region = _capi.MemRegion(self.runtime, storage.data_ptr(), max(storage.nbytes(), 1))
+        self._registered.append([tensor, region])
+
+    def deregister_memory(self, tensor: torch.Tensor) -> None:
+        """Ends register_memory(tensor) (the C API's epCommDeregister; collective, in the same order on every
+        rank). Waits for this rank's device work first. Combines from it copy again afterwards."""
+        for i, (t, region) in enumerate(self._registered):
+            if t is tensor:
+                region.deregister()
+                del self._registered[i]
+                return
+        raise ValueError("epcomm.Buffer.deregister_memory: the tensor was not registered (register_memory)")
+
     def get_combine_buffer(self, handle: Tuple, dtype: torch.dtype = torch.bfloat16,
                            hidden: Optional[int] = None) -> torch.Tensor:
         """The [num_recv_tokens, hidden] tensor (num_worst_tokens rows in worst-token mode; hidden: the
@@ -570,6 +607,11 @@ class Buffer:
                                     ll_num_experts=shape[2])
         self._comm_generation += 1
         self._ll_shape = shape
+        # Registrations belong to a communicator: made again on the new one, in the same order on every rank.
+        for entry in self._registered:
+            self._retired_regions.append(entry[1])
+            storage = entry[0].untyped_storage()
+            entry[1] = _capi.MemRegion(self.runtime, storage.data_ptr(), max(storage.nbytes(), 1))
         return self.runtime
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

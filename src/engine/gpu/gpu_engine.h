@@ -113,11 +113,12 @@ class GpuEngine final : public Engine {
     bool used = false;
     const uint8_t* ptr = nullptr;
     size_t bytes = 0;
+    uint64_t gen = 0;  // which registration holds the slot (handles name it)
     std::vector<void*> mapped;
   };
   GpuRegion* regions_dev_ = nullptr;
   Region regions_[kGpuMaxRegions];
-  uint64_t reg_round_ = 0;
+  uint64_t reg_round_ = 0, reg_gen_ = 0;
   cudaStream_t reg_stream_ = nullptr;
   IpcMappings reg_maps_;
 };

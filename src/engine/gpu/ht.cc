@@ -222,6 +222,10 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
     p.zero_copy = 1;
   } else if (ht_pull_) {
     p.x_region = regionOf(x, x_used, &p.x_off);  // registered (epCommRegister): the owners read x there
+    // ... while this rank writes combined_x: the two must not overlap.
+    if (p.x_region >= 0 && out_used > 0 && x_used > 0 && out < x + x_used && x < out + out_used)
+      EP_FAIL(epInvalidArgument, "combined_x = %p (%zu bytes) overlaps x = %p (%zu bytes), which lies in registered "
+              "memory that the peers read during the combine", a->combined_x, out_used, a->x, x_used);
   }
   cudaStream_t s = streamOf(stream);
   EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));

@@ -6,7 +6,9 @@
 // the peers' through the IPC mappings, on a stream of its own, until every active peer's entry carries the round
 // (a host-side count every rank advances alike) or the deadline passes. Two exchanges per registration: the
 // handles and every rank's verdict on its arguments, then whether every rank could map every peer, so that either
-// every rank holds the region or none does.
+// every rank holds the region or none does. An exchange that fails (a peer missing at the deadline, ranks in
+// different calls) leaves the ranks' rounds apart for good, so it breaks the communicator, as a failed wait in
+// an operation does.
 #include <unistd.h>
 
 #include <cstring>
@@ -19,6 +21,11 @@
 namespace epcomm {
 
 static_assert(kGpuMaxRegions == EP_MAX_MEM_REGIONS, "the device table holds every region the header allows");
+static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(GpuRegEntry::ipc), "an IPC handle fits the entry");
+
+static const char* regKindName(int kind) {
+  return kind == kRegRegister ? "epCommRegister" : kind == kRegVerdict ? "epCommRegister (mapping)" : "epCommDeregister";
+}
 
 epResult_t GpuEngine::regExchange(const GpuRegEntry& mine, std::vector<GpuRegEntry>* all, const char* what) {
   const int R = comm_->nranks, me = comm_->rank;
@@ -30,6 +37,11 @@ epResult_t GpuEngine::regExchange(const GpuRegEntry& mine, std::vector<GpuRegEnt
   const uint64_t round = ++reg_round_;
   const size_t at = lay_.reg + ((round & 1) * static_cast<size_t>(R)) * sizeof(GpuRegEntry);
   auto entry = [&](int r) { return static_cast<uint8_t*>(bufs_.peer(r)) + at + static_cast<size_t>(r) * sizeof(GpuRegEntry); };
+  // Every failure from here on leaves this rank's round ahead of some peer's: the communicator is broken.
+  auto broken = [&](epResult_t code, int peer) {
+    comm_->recordAsyncError(code, epOpRegister, round, peer, epPhaseHeader);
+    return code;
+  };
   GpuRegEntry e = mine;
   e.round = round;
   // The payload, then the round: a reader that sees the round sees the payload (one stream, in order).
@@ -37,25 +49,36 @@ epResult_t GpuEngine::regExchange(const GpuRegEntry& mine, std::vector<GpuRegEnt
                                    cudaMemcpyHostToDevice, reg_stream_);
   if (ce == cudaSuccess) ce = cudaMemcpyAsync(entry(me), &e.round, 8, cudaMemcpyHostToDevice, reg_stream_);
   if (ce == cudaSuccess) ce = cudaStreamSynchronize(reg_stream_);
-  if (ce != cudaSuccess) EP_FAIL(epCudaError, "%s: publishing this rank's entry: %s", what, cudaGetErrorString(ce));
+  if (ce != cudaSuccess)
+    return broken(EP_ERROR(epCudaError, "%s: publishing this rank's entry: %s", what, cudaGetErrorString(ce)), -1);
   all->assign(R, GpuRegEntry{});
   (*all)[me] = e;
   const Deadline deadline = Deadline::afterMs(comm_->config.timeout_ms);
   for (int r = 0; r < R; ++r) {
     if (r == me || !((active_mask_ >> r) & 1)) continue;
     GpuRegEntry& got = (*all)[r];
-    for (;;) {
+    for (int seen = 0; seen < 2;) {  // once the round is there, read the entry once more: a copy's reads are unordered
       ce = cudaMemcpyAsync(&got, entry(r), sizeof(got), cudaMemcpyDeviceToHost, reg_stream_);
       if (ce == cudaSuccess) ce = cudaStreamSynchronize(reg_stream_);
-      if (ce != cudaSuccess) EP_FAIL(epCudaError, "%s: reading rank %d's entry: %s", what, r, cudaGetErrorString(ce));
-      if (got.round == round) break;
-      EP_REQUIRE(got.round < round, epInternalError, "%s: rank %d is at registration round %llu, this rank at %llu",
-                 what, r, static_cast<unsigned long long>(got.round), static_cast<unsigned long long>(round));
-      EP_REQUIRE(!comm_->aborted.load(), epAborted, "%s: the communicator was aborted", what);
-      EP_REQUIRE(!deadline.expired(), epTimeout, "%s: rank %d did not arrive within %d ms", what, r,
-                 comm_->config.timeout_ms);
+      if (ce != cudaSuccess)
+        return broken(EP_ERROR(epCudaError, "%s: reading rank %d's entry: %s", what, r, cudaGetErrorString(ce)), r);
+      if (got.round == round) {
+        ++seen;
+        continue;
+      }
+      if (got.round > round)
+        return broken(EP_ERROR(epInternalError, "%s: rank %d is at registration round %llu, this rank at %llu", what,
+                               r, static_cast<unsigned long long>(got.round), static_cast<unsigned long long>(round)),
+                      r);
+      if (comm_->aborted.load()) return broken(EP_ERROR(epAborted, "%s: the communicator was aborted", what), r);
+      if (deadline.expired())
+        return broken(EP_ERROR(epTimeout, "%s: rank %d did not arrive within %d ms", what, r, comm_->config.timeout_ms),
+                      r);
       usleep(50);
     }
+    if (got.kind != mine.kind)
+      return broken(EP_ERROR(epInvalidUsage, "%s on this rank met %s on rank %d: every rank must make the same "
+                             "registration calls in the same order", what, regKindName(got.kind), r), r);
   }
   return epSuccess;
 }
@@ -63,6 +86,7 @@ epResult_t GpuEngine::regExchange(const GpuRegEntry& mine, std::vector<GpuRegEnt
 epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, int* slot) {
   const int R = comm_->nranks, me = comm_->rank;
   GpuRegEntry mine{};
+  mine.kind = kRegRegister;
   mine.code = local;
   int free_slot = -1;
   for (int k = 0; k < kGpuMaxRegions && free_slot < 0; ++k)
@@ -74,8 +98,7 @@ epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, 
   if (mine.code == epSuccess) {
     cudaIpcMemHandle_t h{};
     size_t off = 0;
-    mine.code = ipcExport(ptr, device_, &h, &off, &alloc);
-    static_assert(sizeof(h) == sizeof(mine.ipc), "an IPC handle fits the entry");
+    mine.code = ipcExport(ptr, bytes, device_, &h, &off, &alloc);
     memcpy(mine.ipc, &h, sizeof(h));
     mine.offset = off;
     mine.bytes = bytes;
@@ -93,11 +116,12 @@ epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, 
     if (all[r].code != epSuccess)
       EP_FAIL(static_cast<epResult_t>(all[r].code), "epCommRegister was refused on rank %d (%s); nothing is registered",
               r, epGetErrorString(static_cast<epResult_t>(all[r].code)));
-    EP_REQUIRE(all[r].slot == free_slot, epInvalidUsage,
-               "epCommRegister: rank %d would use region slot %d, this rank slot %d: the ranks registered and "
-               "deregistered in different orders", r, all[r].slot, free_slot);
   }
-  // Map every peer's part; then agree that every rank could.
+  for (int r = 0; r < R; ++r)  // every rank checks every other: all see a disagreement
+    if (r != me && ((active_mask_ >> r) & 1) && all[r].slot != free_slot)
+      EP_FAIL(epInvalidUsage, "epCommRegister: rank %d would use region slot %d, this rank slot %d: the ranks "
+              "registered and deregistered in different orders", r, all[r].slot, free_slot);
+  // Map every peer's part; then agree that every rank could, and only then fill the device table.
   Region& reg = regions_[free_slot];
   reg.mapped.assign(R, nullptr);
   GpuRegion table{};
@@ -117,13 +141,8 @@ epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, 
       table.bytes[r] = all[r].bytes;
     }
   }
-  if (mapped == epSuccess) {
-    const cudaError_t ce = cudaMemcpyAsync(&regions_dev_[free_slot], &table, sizeof(table), cudaMemcpyHostToDevice,
-                                           reg_stream_);
-    if (ce != cudaSuccess || cudaStreamSynchronize(reg_stream_) != cudaSuccess)
-      mapped = EP_ERROR(epCudaError, "epCommRegister: writing the region table: %s", cudaGetErrorString(ce));
-  }
   GpuRegEntry verdict{};
+  verdict.kind = kRegVerdict;
   verdict.code = mapped;
   verdict.slot = free_slot;
   std::vector<GpuRegEntry> verdicts;
@@ -133,6 +152,15 @@ epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, 
       agreed = EP_ERROR(static_cast<epResult_t>(verdicts[r].code),
                         "epCommRegister: rank %d could not map the peers' memory (%s); nothing is registered", r,
                         epGetErrorString(static_cast<epResult_t>(verdicts[r].code)));
+  if (mapped == epSuccess && agreed == epSuccess) {
+    const cudaError_t ce = cudaMemcpyAsync(&regions_dev_[free_slot], &table, sizeof(table), cudaMemcpyHostToDevice,
+                                           reg_stream_);
+    if (ce != cudaSuccess || cudaStreamSynchronize(reg_stream_) != cudaSuccess) {
+      // The peers hold the region, this rank cannot: the ranks disagree from here on.
+      agreed = EP_ERROR(epCudaError, "epCommRegister: writing the region table: %s", cudaGetErrorString(ce));
+      comm_->recordAsyncError(agreed, epOpRegister, reg_round_, -1, epPhaseHeader);
+    }
+  }
   if (mapped != epSuccess || agreed != epSuccess) {
     for (void* m : reg.mapped)
       if (m != nullptr) reg_maps_.close(m);
@@ -142,22 +170,32 @@ epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, 
   reg.used = true;
   reg.ptr = static_cast<const uint8_t*>(ptr);
   reg.bytes = bytes;
-  *slot = free_slot;
+  reg.gen = ++reg_gen_;
+  // The handle's id carries the registration's generation: a stale handle never names a later region in its slot.
+  *slot = static_cast<int>((reg.gen % (1u << 20)) * kGpuMaxRegions + free_slot);
   EP_INFO(kSubsysGpu, "registered %zu bytes at %p as region %d", bytes, ptr, free_slot);
   return epSuccess;
 }
 
-epResult_t GpuEngine::deregisterMemory(int slot) {
-  EP_REQUIRE(slot >= 0 && slot < kGpuMaxRegions && regions_[slot].used, epInvalidArgument,
-             "region slot %d is not registered", slot);
+epResult_t GpuEngine::deregisterMemory(int id) {
+  const int slot = id >= 0 ? id % kGpuMaxRegions : -1;
+  EP_REQUIRE(slot >= 0 && regions_[slot].used &&
+                 regions_[slot].gen % (1u << 20) == static_cast<uint64_t>(id / kGpuMaxRegions),
+             epInvalidArgument, "the region (id %d) is not registered on this communicator", id);
   // Every rank's operations that may read the region (its own, and its combines that wait for the owners) end
   // before any rank unmaps: each finishes its device work, then the exchange is the barrier.
   cudaError_t ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) EP_FAIL(epCudaError, "epCommDeregister: cudaDeviceSynchronize: %s", cudaGetErrorString(ce));
   GpuRegEntry mine{};
+  mine.kind = kRegDeregister;
   mine.slot = slot;
   std::vector<GpuRegEntry> all;
   EPCHECK(regExchange(mine, &all, "epCommDeregister"));
+  // Checked before anything is released, by every rank against every other: all refuse alike, all keep it.
+  for (int r = 0; r < comm_->nranks; ++r)
+    EP_REQUIRE(r == comm_->rank || !((active_mask_ >> r) & 1) || all[r].slot == slot, epInvalidUsage,
+               "epCommDeregister: rank %d deregistered region slot %d, this rank slot %d: the ranks deregister in "
+               "different orders", r, all[r].slot, slot);
   Region& reg = regions_[slot];
   GpuRegion zero{};
   ce = cudaMemcpyAsync(&regions_dev_[slot], &zero, sizeof(zero), cudaMemcpyHostToDevice, reg_stream_);
@@ -166,10 +204,6 @@ epResult_t GpuEngine::deregisterMemory(int slot) {
     if (m != nullptr) reg_maps_.close(m);
   reg = Region{};
   if (ce != cudaSuccess) EP_FAIL(epCudaError, "epCommDeregister: clearing the region table: %s", cudaGetErrorString(ce));
-  for (int r = 0; r < comm_->nranks; ++r)
-    EP_REQUIRE(r == comm_->rank || !((active_mask_ >> r) & 1) || all[r].slot == slot, epInvalidUsage,
-               "epCommDeregister: rank %d deregistered region slot %d, this rank slot %d: the ranks deregister in "
-               "different orders", r, all[r].slot, slot);
   return epSuccess;
 }
 

@@ -50,8 +50,12 @@ static PFN_cuMemGetAddressRange_v3020 addressRangeFn() {
   static PFN_cuMemGetAddressRange_v3020 fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &f, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
       cudaGetLastError();
       f = nullptr;
     }
@@ -60,7 +64,8 @@ static PFN_cuMemGetAddressRange_v3020 addressRangeFn() {
   return fn;
 }
 
-epResult_t ipcExport(const void* ptr, int device, cudaIpcMemHandle_t* handle, size_t* offset, void** alloc_base) {
+epResult_t ipcExport(const void* ptr, size_t bytes, int device, cudaIpcMemHandle_t* handle, size_t* offset,
+                     void** alloc_base) {
   cudaPointerAttributes at{};
   cudaError_t e = cudaPointerGetAttributes(&at, ptr);
   if (e != cudaSuccess) {
@@ -79,6 +84,10 @@ epResult_t ipcExport(const void* ptr, int device, cudaIpcMemHandle_t* handle, si
   size_t size = 0;
   EP_REQUIRE(range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) == CUDA_SUCCESS, epInvalidArgument,
              "ptr = %p lies in no device allocation (cuMemGetAddressRange failed)", ptr);
+  const size_t off = reinterpret_cast<uintptr_t>(ptr) - base;
+  EP_REQUIRE(bytes <= size - off, epInvalidArgument,
+             "bytes = %zu from ptr = %p run past the end of its allocation (%zu bytes from there)", bytes, ptr,
+             size - off);
   e = cudaIpcGetMemHandle(handle, reinterpret_cast<void*>(base));
   if (e != cudaSuccess) {
     cudaGetLastError();
@@ -86,7 +95,7 @@ epResult_t ipcExport(const void* ptr, int device, cudaIpcMemHandle_t* handle, si
             "(cudaIpcGetMemHandle: %s); cuMemCreate memory, e.g. PyTorch's expandable segments, cannot be registered",
             ptr, cudaGetErrorString(e));
   }
-  *offset = reinterpret_cast<uintptr_t>(ptr) - base;
+  *offset = off;
   *alloc_base = reinterpret_cast<void*>(base);
   return epSuccess;
 }

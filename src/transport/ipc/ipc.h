@@ -26,9 +26,11 @@ class IpcBuffers {
   std::vector<bool> opened_;
 };
 
-// Caller memory shared on demand (epCommRegister): the handle of the cudaMalloc allocation that holds ptr and
-// ptr's offset in it. epNotSupported for memory CUDA IPC cannot export (cuMemCreate / expandable segments).
-epResult_t ipcExport(const void* ptr, int device, cudaIpcMemHandle_t* handle, size_t* offset, void** alloc_base);
+// Caller memory shared on demand (epCommRegister): the handle of the cudaMalloc allocation that holds
+// [ptr, ptr + bytes) and ptr's offset in it. epInvalidArgument when the range leaves the allocation;
+// epNotSupported for memory CUDA IPC cannot export (cuMemCreate / expandable segments, cudaMallocAsync).
+epResult_t ipcExport(const void* ptr, size_t bytes, int device, cudaIpcMemHandle_t* handle, size_t* offset,
+                     void** alloc_base);
 
 // Peer allocations opened in this process, counted: CUDA maps an allocation once per process, and several
 // registered regions may lie in one allocation. Every mapping still open is closed on destruction.
