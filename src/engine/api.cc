@@ -602,9 +602,7 @@ epResult_t epCommRegister(epComm_t comm, void* ptr, size_t bytes, epMemRegion_t*
     if (region == nullptr) local = EP_ERROR(epNullPointer, "region (the output pointer) is NULL");
     else if (ptr == nullptr) local = EP_ERROR(epNullPointer, "ptr is NULL");
     else if (bytes == 0) local = EP_ERROR(epInvalidArgument, "bytes = 0: there is nothing to register");
-    if (local == epSuccess && comm->engine->anyPending())
-      local = EP_ERROR(epInvalidUsage, "epCommRegister called while an LL operation's receive half (EP_LL_RECV) is "
-                                       "outstanding; complete it first");
+    if (local == epSuccess) local = checkNoPending(comm, "epCommRegister");
     epMemRegion* r = new (std::nothrow) epMemRegion();
     if (local == epSuccess && r == nullptr) local = EP_ERROR(epSystemError, "out of host memory for a region");
     int slot = -1;
@@ -629,16 +627,11 @@ epResult_t epCommDeregister(epMemRegion_t region) {
   EP_REQUIRE(live().has(region, Live::kRegion), epInvalidArgument,
              "region is not a live registration (deregistered twice?)");
   epComm* comm = region->comm;
-  bool gone = !live().has(comm, Live::kComm);  // its communicator is gone, and its mappings with it
-  const epResult_t r = gone ? epSuccess : onComm(comm, Need::kLive, [&]() -> epResult_t {
-    // A communicator created later at the same address is another one: the region's is gone.
-    if (comm->serial != region->comm_serial) {
-      gone = true;
-      return epSuccess;
-    }
-    EP_REQUIRE(!comm->engine->anyPending(), epInvalidUsage,
-               "epCommDeregister called while an LL operation's receive half (EP_LL_RECV) is outstanding; complete "
-               "it first");
+  // A communicator that is gone took the region's mappings with it: the handle is only freed. One created later
+  // at the same address is another one (its serial differs).
+  const epResult_t r = !live().has(comm, Live::kComm) ? epSuccess : onComm(comm, Need::kLive, [&]() -> epResult_t {
+    if (comm->serial != region->comm_serial) return epSuccess;
+    EPCHECK(checkNoPending(comm, "epCommDeregister"));
     return comm->engine->deregisterMemory(region->slot);
   });
   if (r == epSuccess && live().remove(region, Live::kRegion)) {

@@ -398,6 +398,25 @@ def test_ll_zero_copy_one_comm(world):
     ranks.run(world, ll_zero_copy)
 
 
+def _ht_dispatch_mode(buffer, x, mode, state, gen, num_experts, topk, worst):
+    """One HT dispatch of x for the combine tests' rounds, returning recv_x. "cached" reuses the layout of the
+    dispatch state holds; "exact", "async" (async_finish) and "worst" (num_worst_tokens=worst) route x afresh and
+    keep the handle, the received weights and the token count in state. Work on the current stream afterwards is
+    ordered after the dispatch (async: after its event)."""
+    if mode == "cached":  # the previous dispatch's layout, fresh x
+        return buffer.dispatch(x, handle=state["handle"])[0]
+    topk_idx, topk_weights = (t.to(x.device) for t in _routing(gen, x.size(0), num_experts, topk))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, _, recv_w, _, handle, event = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, async_finish=mode == "async",
+        num_worst_tokens=worst if mode == "worst" else 0)
+    if mode == "async":
+        event.current_stream_wait()
+    state.update(handle=handle, recv_w=recv_w, num_tokens=x.size(0))
+    return recv_x
+
+
 def ht_zero_copy(rank, world, init_method, device="cpu"):
     """get_combine_buffer and combine(x=that tensor): on the GPU engine a view of the C API's registered region
     (epHtCombineBuffer), on the host engine (epNotSupported there) a Buffer-owned tensor. Either combines bit
@@ -428,18 +447,7 @@ def ht_zero_copy(rank, world, init_method, device="cpu"):
     def one_round(i, mode):
         num_tokens = last["num_tokens"] if mode == "cached" else (0 if i == 4 and rank == world - 1 else max_tokens)
         x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16).to(dev)
-        if mode == "cached":  # the previous dispatch's layout, fresh x
-            recv_x = buffer.dispatch(x, handle=last["handle"])[0]
-        else:
-            topk_idx, topk_weights = (t.to(dev) for t in _routing(gen, num_tokens, num_experts, topk))
-            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-            recv_x, _, recv_w, _, handle, event = buffer.dispatch(
-                x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
-                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, async_finish=mode == "async",
-                num_worst_tokens=worst if mode == "worst" else 0)
-            if mode == "async":
-                event.current_stream_wait()  # the view is written on the current stream: after the dispatch
-            last.update(handle=handle, recv_w=recv_w, num_tokens=num_tokens)
+        recv_x = _ht_dispatch_mode(buffer, x, mode, last, gen, num_experts, topk, worst)
         handle, recv_w = last["handle"], last["recv_w"]
         dtype = torch.float32 if i % 3 == 2 else torch.bfloat16
         y = (recv_x.float() * (rank + 1 + i / 8)).to(dtype)  # the expert stand-in
@@ -512,16 +520,7 @@ def ht_registered(rank, world, init_method, device="cpu"):
     def one_round(i, mode, state):
         num_tokens = state.get("num_tokens", max_tokens) if mode == "cached" else max_tokens - (i % 3)
         x = torch.randn((num_tokens, hidden), generator=gen).to(torch.bfloat16).to(dev)
-        if mode == "cached":
-            recv_x = buffer.dispatch(x, handle=state["handle"])[0]
-        else:
-            topk_idx, topk_weights = (t.to(dev) for t in _routing(gen, num_tokens, num_experts, topk))
-            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
-                x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
-                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                num_worst_tokens=worst if mode == "worst" else 0)
-            state.update(handle=handle, recv_w=recv_w, num_tokens=num_tokens)
+        recv_x = _ht_dispatch_mode(buffer, x, mode, state, gen, num_experts, topk, worst)
         dtype = torch.float32 if i % 2 else torch.bfloat16
         y = (recv_x.float() * (rank + 1 + i / 8)).to(dtype)
         view = ybuf.view(-1).view(torch.uint8)[:y.numel() * y.element_size()].view(dtype).view(y.shape)  # in ybuf

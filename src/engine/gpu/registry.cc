@@ -103,7 +103,7 @@ epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, 
     mine.offset = off;
     mine.bytes = bytes;
   }
-  if (mine.code == epSuccess && (alloc == bufs_.local() || (ll_bufs_.local() != nullptr && alloc == ll_bufs_.local())))
+  if (mine.code == epSuccess && (alloc == bufs_.local() || alloc == ll_bufs_.local()))  // local(): nullptr if none
     mine.code = EP_ERROR(epInvalidArgument, "ptr = %p lies in the communicator's own buffers, which the peers map "
                          "already (use epHtCombineBuffer / epLlCombineBuffer)", ptr);
   mine.slot = free_slot;
