@@ -525,9 +525,10 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     }
   }
   // Registered combine input (epCommRegister): the plain combine's x, recv_x, registered once; the owners read
-  // it in place, and the combine completes once they have.
+  // it in place, and the combine completes once they have. Pull combine only, as the zero-copy row (across hosts
+  // neither exists).
   std::vector<double> tr;
-  {
+  if (pull) {
     epMemRegion_t reg = nullptr;
     CHECK(epCommRegister(comm, a.recv_x, a.recv_x_bytes, &reg));
     for (int i = 0; i < o.warmup + o.iters; ++i) {
@@ -743,10 +744,11 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
     CUCHECK(cudaMemcpyAsync(y, recv_x, rows * H * 2, cudaMemcpyDeviceToDevice, s));
     halves("combine", [&] { CHECK(epLlCombine(comm, &cs, s)); }, [&] { CHECK(epLlCombine(comm, &cr, s)); });
   }
-  {
-    void* region = nullptr;
-    size_t region_bytes = 0;
-    CHECK(epLlCombineBuffer(comm, &region, &region_bytes));
+  void* region = nullptr;
+  size_t region_bytes = 0;
+  const epResult_t region_rc = epLlCombineBuffer(comm, &region, &region_bytes);  // epNotSupported across hosts
+  if (region_rc != epNotSupported) CHECK(region_rc);
+  if (region_rc == epSuccess) {
     CUCHECK(cudaMemcpyAsync(region, y, rows * H * 2, cudaMemcpyDeviceToDevice, s));
     epLlCombineArgs_t cz = cargs(EP_LL_SEND_RECV);
     cz.y = region;

@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include "kernels/alltoallv.h"
+#include "kernels/preload.h"
 #include "kernels/queues.cuh"
+#include "kernels/remote.cuh"
 
 namespace epcomm {
 namespace {
@@ -35,6 +37,7 @@ __device__ __forceinline__ uint64_t recvBytesFrom(const A2aParams& p, uint64_t e
 }
 
 // One block: bumps the epoch, publishes this rank's counts to every peer, waits for theirs and checks them.
+template <bool kX>
 __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
   __shared__ uint64_t s_e;
   const int R = p.ht.nranks, me = p.ht.rank;
@@ -49,10 +52,18 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
       continue;
     }
     int64_t* ent = a2aEntry(p, r, e, me);
+    RemoteSlot rs{nullptr, 0};
+    if (isRemote(farMask<kX>(p.ht), r)) {  // a rank of another host: the entry as a record
+      rs = remoteReserve(p.ht, r, kRemoteData, kRemoteHtBuffer, remoteOff(ent), 16, e);
+      if (rs.hdr == nullptr) continue;
+      ent = reinterpret_cast<int64_t*>(rs.payload());
+    }
     ent[0] = sendBytesTo(p, r);
     ent[1] = p.dev_send_counts ? -1 : static_cast<int64_t>(p.recv_bytes[r]);
+    if (rs.hdr != nullptr) stampRecord(rs.hdr, rs.pos);
     fenceForPeers(p.ht.gpu_scope);
-    stRelease(&reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me))->tag, e, p.ht.gpu_scope);
+    publish<kX>(p.ht, r, kRemoteHtBuffer, &reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me))->tag,
+            e, e, p.ht.gpu_scope);
   }
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
@@ -110,6 +121,7 @@ __device__ __forceinline__ A2aRecvRange recvRange(const A2aParams& p, uint64_t e
 // Block 2c sends channel c's chunks to every peer (G warps per peer), block 2c + 1 receives channel c's chunks
 // from every source and copies the bytes that fit to their place in recvbuf. The bytes a rank sends itself skip
 // the queues: the sending warps copy them straight to their place in recvbuf.
+template <bool kX>
 __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   const HtParams& h = p.ht;
   const uint64_t e = currentEpoch(h);
@@ -143,23 +155,47 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
       }
       return;
     }
-    uint64_t* tail = qCounter(h, r, kDispTail, me, c);
-    const uint64_t* head = qCounter(h, r, kDispHead, me, c);
-    const uint64_t base = rankActive(h.el, r) ? ldAcquire(tail, h.gpu_scope) : 0;
-    uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
-    bool alive = true;
-    for (int k = cb; k < ce; k += RC) {
-      const int kend = min(k + RC, ce);
-      const uint64_t end = base + (kend - cb);  // room for the round's chunks
-      alive = groupWait(h, G, r, g, head, end > static_cast<uint64_t>(Q) ? end - Q : 0, epPhaseData, e, alive, s_ok);
-      for (int i = k + g; alive && i < kend; i += G) {
-        const uint64_t idx = base + (i - cb), from = static_cast<uint64_t>(i) * CH;
-        warpCopyAny(q + (idx % Q) * h.lay.disp_slot, p.sendbuf + off + from, min(CH, bytes - from), lane);
+    // The queues and counters of the HT dispatch, with its rule for a rank of another host (kernels/ht.cu): two
+    // instances of the loop, mapped and across hosts.
+    auto rounds = [&](auto far_c) {
+      constexpr bool kFar = decltype(far_c)::value;
+      uint64_t* tail = qCounter(h, r, kDispTail, me, c);
+      uint64_t* sent_copy = qCounter(h, me, kDispSent, r, c);
+      const uint64_t* head = kFar ? qCounter(h, me, kDispHeadBack, r, c) : qCounter(h, r, kDispHead, me, c);
+      const uint64_t base = rankActive(h.el, r) ? ldAcquire(kFar ? sent_copy : tail, h.gpu_scope) : 0;
+      uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
+      bool alive = true;
+      for (int k = cb; k < ce; k += RC) {
+        const int kend = min(k + RC, ce);
+        const uint64_t end = base + (kend - cb);  // room for the round's chunks
+        alive = groupWait(h, G, r, g, head, end > static_cast<uint64_t>(Q) ? end - Q : 0, epPhaseData, e, alive, s_ok);
+        for (int i = k + g; alive && i < kend; i += G) {
+          const uint64_t idx = base + (i - cb), from = static_cast<uint64_t>(i) * CH;
+          uint8_t* slot = q + (idx % Q) * h.lay.disp_slot;
+          if constexpr (kFar) {
+            const uint64_t n = min(CH, bytes - from);
+            const RemoteSlot rs = remoteDataWarp(h, r, kRemoteHtBuffer, remoteOff(slot), static_cast<uint32_t>(n), e);
+            if (rs.hdr == nullptr) continue;
+            warpCopyAny(rs.payload(), p.sendbuf + off + from, n, lane);
+            remoteCommitWarp(rs);
+          } else {
+            warpCopyAny(slot, p.sendbuf + off + from, min(CH, bytes - from), lane);
+          }
+        }
+        fenceForPeers(h.gpu_scope);
+        groupSync(G, r);
+        if (g == 0 && lane == 0 && noFailure(h)) {
+          if constexpr (kFar) {
+            remoteFlag(h, r, kRemoteHtBuffer, remoteOff(tail), end, e);
+            stRelaxed(sent_copy, end);
+          } else {
+            stRelease(tail, end, h.gpu_scope);
+          }
+        }
       }
-      fenceForPeers(h.gpu_scope);
-      groupSync(G, r);
-      if (g == 0 && lane == 0 && noFailure(h)) stRelease(tail, end, h.gpu_scope);
-    }
+    };
+    if (isRemote(farMask<kX>(h), r)) rounds(FarTag<kX>{});
+    else rounds(FarTag<false>{});
     return;
   }
   const int s = peer;
@@ -182,18 +218,36 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
         warpCopyAny(p.recvbuf + from_s.off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, from_s.keep - from), lane);
     }
     groupSync(G, s);
-    if (g == 0 && lane == 0) stRelease(head, base + kend - cb, h.gpu_scope);
+    if (g == 0 && lane == 0) {
+      stRelease(head, base + kend - cb, h.gpu_scope);
+      if (isRemote(farMask<kX>(h), s))
+        remoteFlag(h, s, kRemoteHtBuffer, remoteOff(qCounter(h, s, kDispHeadBack, me, c)), base + kend - cb, e);
+    }
   }
 }
 
 }  // namespace
 
 cudaError_t launchAlltoallv(const A2aParams& p, cudaStream_t s) {
-  a2aNotifyKernel<<<1, 1024, 0, s>>>(p);
+  // Two instances of each (kernels/remote.cuh): with ranks of other hosts or without.
+  if (p.ht.remote) a2aNotifyKernel<true><<<1, 1024, 0, s>>>(p);
+  else a2aNotifyKernel<false><<<1, 1024, 0, s>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  a2aKernel<<<2 * p.ht.C, p.ht.nranks * p.ht.G * 32, 0, s>>>(p);
+  if (p.ht.remote) a2aKernel<true><<<2 * p.ht.C, p.ht.nranks * p.ht.G * 32, 0, s>>>(p);
+  else a2aKernel<false><<<2 * p.ht.C, p.ht.nranks * p.ht.G * 32, 0, s>>>(p);
   return cudaGetLastError();
+}
+
+// Every kernel of this file loaded now (kernels/preload.h says why).
+cudaError_t preloadAlltoallvKernels() {
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(a2aNotifyKernel<false>),
+      reinterpret_cast<const void*>(a2aNotifyKernel<true>),
+      reinterpret_cast<const void*>(a2aKernel<false>),
+      reinterpret_cast<const void*>(a2aKernel<true>),
+  };
+  return preloadKernels(kernels, sizeof(kernels) / sizeof(kernels[0]));
 }
 
 }  // namespace epcomm

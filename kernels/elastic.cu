@@ -4,9 +4,13 @@
 // launches — and meet again, so that no survivor starts the next operation before every other one is clean.
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "kernels/device_common.cuh"
 #include "kernels/elastic.h"
+#include "kernels/preload.h"
 #include "kernels/queues.cuh"
+#include "kernels/remote.cuh"
 
 namespace epcomm {
 namespace {
@@ -27,14 +31,32 @@ __global__ void __launch_bounds__(kGpuMaxRanks) elasticSyncKernel(HtParams p, co
   if (r >= p.nranks) return;
   if ((publish_to >> r) & 1) {
     GpuSyncEntry* out = syncEntry(p, r, kind, round, p.rank);
-    stRelaxed(&out->mask, mask);
-    stRelaxed(&out->ht_epoch, ldAcquire(&p.ctrl->epoch));
-    for (int f = 0; f < 2; ++f) {
-      const uint64_t e = ll_ctrl ? max(ll_ctrl->send_epoch[f], ll_ctrl->recv_epoch[f]) : 0;
-      stRelaxed(&out->ll_epoch[f], e);
+    GpuSyncEntry mine{};
+    mine.mask = mask;
+    mine.ht_epoch = ldAcquire(&p.ctrl->epoch);
+    for (int f = 0; f < 2; ++f) mine.ll_epoch[f] = ll_ctrl ? max(ll_ctrl->send_epoch[f], ll_ctrl->recv_epoch[f]) : 0;
+    if (isRemote(p.remote, r)) {
+      // A rank of another host: the payload as records (the mask, then the epochs after the round), then the round.
+      const uint64_t at = remoteOff(out);
+      RemoteSlot a = remoteReserve(p, r, kRemoteData, kRemoteHtBuffer, at, 8, round);
+      if (a.hdr == nullptr) return;
+      *reinterpret_cast<uint64_t*>(a.payload()) = mine.mask;
+      stampRecord(a.hdr, a.pos);
+      RemoteSlot b = remoteReserve(p, r, kRemoteData, kRemoteHtBuffer, at + offsetof(GpuSyncEntry, ht_epoch), 24, round);
+      if (b.hdr == nullptr) return;
+      uint64_t* v = reinterpret_cast<uint64_t*>(b.payload());
+      v[0] = mine.ht_epoch;
+      v[1] = mine.ll_epoch[0];
+      v[2] = mine.ll_epoch[1];
+      stampRecord(b.hdr, b.pos);
+      remoteFlag(p, r, kRemoteHtBuffer, at + offsetof(GpuSyncEntry, round), round, round);
+    } else {
+      stRelaxed(&out->mask, mine.mask);
+      stRelaxed(&out->ht_epoch, mine.ht_epoch);
+      for (int f = 0; f < 2; ++f) stRelaxed(&out->ll_epoch[f], mine.ll_epoch[f]);
+      __threadfence_system();
+      stRelease(&out->round, round);
     }
-    __threadfence_system();
-    stRelease(&out->round, round);
   }
   if (!wait || !((mask >> r) & 1)) return;
   const GpuSyncEntry* in = syncEntry(p, p.rank, kind, round, r);
@@ -60,15 +82,22 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
   }
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int s = i / C, c = i % C;
-    stRelaxed(qCounter(p, p.rank, kDispHead, s, c), ldAcquire(qCounter(p, p.rank, kDispTail, s, c)));
-    stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ldAcquire(qCounter(p, p.rank, kCombTail, s, c)));
+    const uint64_t dt = ldAcquire(qCounter(p, p.rank, kDispTail, s, c)), ct = ldAcquire(qCounter(p, p.rank, kCombTail, s, c));
+    stRelaxed(qCounter(p, p.rank, kDispHead, s, c), dt);
+    stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ct);
+    // A source on another host reads these heads in its own buffer. Everything it sent before its entry of the
+    // first meeting is in (its records arrive in order), so the tails here are all it published.
+    if (isRemote(p.remote, s) && ((mask >> s) & 1)) {
+      remoteFlag(p, s, kRemoteHtBuffer, remoteOff(qCounter(p, s, kDispHeadBack, p.rank, c)), dt, round);
+      remoteFlag(p, s, kRemoteHtBuffer, remoteOff(qCounter(p, s, kCombHeadBack, p.rank, c)), ct, round);
+    }
   }
   __syncthreads();
   // Pull combine and dispatch: whatever a failed operation left unread, every active copier may overwrite its
   // rows for this rank again (it waits for an acknowledgement no older than what it last published, which is <= s_max[0]).
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int s = i / C, c = i % C;
-    if (!((mask >> s) & 1)) continue;
+    if (!((mask >> s) & 1) || isRemote(p.remote, s)) continue;  // no pull protocol across hosts (push only)
     stRelease(qCounter(p, s, kPullAck, p.rank, c), s_max[0]);
     stRelease(qCounter(p, s, kPullAck1, p.rank, c), s_max[0]);
     stRelease(qCounter(p, s, kPullDAck, p.rank, c), s_max[0]);  // and pull dispatch's
@@ -85,7 +114,8 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
     for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
       const int f = i / R, s = i % R;
       if (!((mask >> s) & 1)) continue;
-      stRelease(reinterpret_cast<uint64_t*>(ll.base[s] + ll.lay.ack) + f * R + ll.rank, s_max[1 + f]);
+      publish<true>(ll, s, kRemoteLlBuffer, reinterpret_cast<uint64_t*>(ll.base[s] + ll.lay.ack) + f * R + ll.rank,
+              s_max[1 + f], round, false);
     }
   }
   __threadfence_system();
@@ -109,6 +139,15 @@ cudaError_t launchElasticResync(const HtParams& p, const LlParams* ll, uint64_t 
                                 GpuResyncOut* out, cudaStream_t s) {
   elasticResyncKernel<<<1, 256, 0, s>>>(p, ll ? *ll : LlParams{}, ll != nullptr, mask, round, out);
   return cudaGetLastError();
+}
+
+// Every kernel of this file loaded now (kernels/preload.h says why).
+cudaError_t preloadElasticKernels() {
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(elasticSyncKernel),
+      reinterpret_cast<const void*>(elasticResyncKernel),
+  };
+  return preloadKernels(kernels, sizeof(kernels) / sizeof(kernels[0]));
 }
 
 }  // namespace epcomm

@@ -7,7 +7,9 @@
 #include "common/routing.h"
 #include "kernels/device_common.cuh"
 #include "kernels/ht.h"
+#include "kernels/preload.h"
 #include "kernels/queues.cuh"
+#include "kernels/remote.cuh"
 
 namespace epcomm {
 namespace {
@@ -64,6 +66,7 @@ __global__ void __launch_bounds__(32, 1) htEndKernel(HtParams p) {
 // Notify (one block): layout of this rank's tokens (in_rank, per-destination positions, per-expert and
 // per-channel counts), the exchange of counts through the peers' mailboxes, and the receive-side prefixes.
 // ---------------------------------------------------------------------------------------------------------
+template <bool kX>
 __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   extern __shared__ int s_expert[];  // [E]
   __shared__ uint64_t s_epoch;
@@ -142,15 +145,34 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __syncthreads();
 
   for (int r = tid; r < R; r += blockDim.x) p.h.masked[r] = s_masked[r];
-  // Mailbox entry for every active peer r: counts to every rank, per local expert of r, per channel (to r).
+  // Mailbox entry for every active peer r: counts to every rank, per local expert of r, per channel (to r). A rank
+  // of another host gets the entry as one record, which the whole block fills.
+  __shared__ RemoteSlot s_rec;
   for (int r = 0; r < R; ++r) {
     if (!((act >> r) & 1)) continue;
     int32_t* ent = reinterpret_cast<int32_t*>(p.base[r] + mailboxOffset(p, e, p.rank) + sizeof(MailboxHead));
+    const bool far = isRemote(farMask<kX>(p), r);
+    RemoteSlot rec{nullptr, 0};
+    if (far) {
+      if (tid == 0)
+        s_rec = remoteReserve(p, r, kRemoteData, kRemoteHtBuffer, remoteOff(ent), 4 * static_cast<uint32_t>(R + L + C),
+                              e);
+      __syncthreads();
+      rec = s_rec;
+      __syncthreads();  // every thread has read s_rec before thread 0 reserves the next
+      if (rec.hdr == nullptr) continue;  // a failed wait (recorded): the ring toward r is stuck, the communicator broken
+      ent = reinterpret_cast<int32_t*>(rec.payload());
+    }
     for (int j = tid; j < R; j += blockDim.x) ent[j] = s_count[j];
     for (int l = tid; l < L; l += blockDim.x) ent[R + l] = s_expert[r * L + l];
     for (int c = tid; c < C; c += blockDim.x) {
       const int next = c + 1 < C ? p.h.send_chan_base[r * C + c + 1] : s_count[r];
       ent[R + L + c] = next - p.h.send_chan_base[r * C + c];
+    }
+    if (far) {
+      __threadfence_system();
+      __syncthreads();
+      if (tid == 0) stampRecord(rec.hdr, rec.pos);
     }
   }
   fenceForPeers(p.gpu_scope);
@@ -158,7 +180,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   for (int r = tid; r < R; r += blockDim.x) {
     if (!((act >> r) & 1)) continue;
     MailboxHead* head = reinterpret_cast<MailboxHead*>(p.base[r] + mailboxOffset(p, e, p.rank));
-    stRelease(&head->tag, e, p.gpu_scope);
+    publish<kX>(p, r, kRemoteHtBuffer, &head->tag, e, e, p.gpu_scope);
   }
   uint8_t* me = p.base[p.rank];
   __shared__ int s_ok;
@@ -325,6 +347,7 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
 // 2c+1 receives channel c (G warps per source) and copies each row to its final receive row: source rank
 // order, then token order.
 // ---------------------------------------------------------------------------------------------------------
+template <bool kX>
 __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
   const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -370,41 +393,63 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     // To a peer: rounds of RT tokens; once the queue has room for the round's rows, warp g writes tokens k + g,
     // k + g + G, ... into their slots (their positions among this channel's tokens to the peer), then the group
     // publishes the tail.
-    uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
-    const uint64_t* head = qCounter(p, r, kDispHead, p.rank, c);
-    // This rank is the only writer of the tail; a masked rank's memory is not touched.
-    const uint64_t base = rankActive(p.el, r) ? ldAcquire(tail, p.gpu_scope) : 0;
-    uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
-    uint64_t sent = 0;  // rows published so far (kept by lane 0 of warp 0, the group's publisher)
-    bool alive = true;  // after a failed wait the group keeps meeting its barriers, doing nothing
-    for (int k = tb; k < te; k += RT) {
-      const int kend = min(k + RT, te);
-      uint64_t want = 0;  // room for the round's rows
-      if (g == 0 && lane == 0) {
-        for (int u = k; u < kend; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
-        want = base + sent > static_cast<uint64_t>(Q) ? base + sent - Q : 0;
-      }
-      alive = groupWait(p, G, r, g, head, want, epPhaseData, e, alive, s_ok);
-      for (int t = k + g; alive && t < kend; t += G) {
-        if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
-        const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
-        uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
-        warpCopy16(slot, static_cast<const uint8_t*>(p.x) + t * p.xrow, p.xrow, lane);
-        if (p.srow)
-          warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
-        if (p.topk_idx != nullptr && lane < K) {
-          int64_t idx_l;
-          float w;
-          tokenMeta(p, t, r, lane, &idx_l, &w);
-          uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
-          reinterpret_cast<int64_t*>(meta)[lane] = idx_l;
-          if (p.topk_weights != nullptr) reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = w;
+    // A rank of another host: this rank's own copy of the tail, the head the receiver sends back, and the slots as
+    // records. The two cases are two instances of the loop, so that the mapped one keeps its registers.
+    auto rounds = [&](auto far_c) {
+      constexpr bool kFar = decltype(far_c)::value;
+      uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
+      uint64_t* sent_copy = qCounter(p, p.rank, kDispSent, r, c);
+      const uint64_t* head = kFar ? qCounter(p, p.rank, kDispHeadBack, r, c) : qCounter(p, r, kDispHead, p.rank, c);
+      // This rank is the only writer of the tail; a masked rank's memory is not touched.
+      const uint64_t base = rankActive(p.el, r) ? ldAcquire(kFar ? sent_copy : tail, p.gpu_scope) : 0;
+      uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
+      uint64_t sent = 0;  // rows published so far (kept by lane 0 of warp 0, the group's publisher)
+      bool alive = true;  // after a failed wait the group keeps meeting its barriers, doing nothing
+      for (int k = tb; k < te; k += RT) {
+        const int kend = min(k + RT, te);
+        uint64_t want = 0;  // room for the round's rows
+        if (g == 0 && lane == 0) {
+          for (int u = k; u < kend; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
+          want = base + sent > static_cast<uint64_t>(Q) ? base + sent - Q : 0;
+        }
+        alive = groupWait(p, G, r, g, head, want, epPhaseData, e, alive, s_ok);
+        for (int t = k + g; alive && t < kend; t += G) {
+          if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
+          const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
+          uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
+          RemoteSlot rs{nullptr, 0};
+          if constexpr (kFar) {  // the whole slot as one record
+            rs = remoteDataWarp(p, r, kRemoteHtBuffer, remoteOff(slot), static_cast<uint32_t>(p.lay.disp_slot), e);
+            if (rs.hdr == nullptr) continue;
+            slot = rs.payload();
+          }
+          warpCopy16(slot, static_cast<const uint8_t*>(p.x) + t * p.xrow, p.xrow, lane);
+          if (p.srow)
+            warpCopy4(slot + p.lay.x_stride, reinterpret_cast<const uint8_t*>(p.x_scales) + t * p.srow, p.srow, lane);
+          if (p.topk_idx != nullptr && lane < K) {
+            int64_t idx_l;
+            float w;
+            tokenMeta(p, t, r, lane, &idx_l, &w);
+            uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+            reinterpret_cast<int64_t*>(meta)[lane] = idx_l;
+            if (p.topk_weights != nullptr) reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = w;
+          }
+          if constexpr (kFar) remoteCommitWarp(rs);
+        }
+        fenceForPeers(p.gpu_scope);
+        groupSync(G, r);
+        if (g == 0 && lane == 0 && noFailure(p)) {
+          if constexpr (kFar) {
+            remoteFlag(p, r, kRemoteHtBuffer, remoteOff(tail), base + sent, e);
+            stRelaxed(sent_copy, base + sent);
+          } else {
+            stRelease(tail, base + sent, p.gpu_scope);
+          }
         }
       }
-      fenceForPeers(p.gpu_scope);
-      groupSync(G, r);
-      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + sent, p.gpu_scope);
-    }
+    };
+    if (isRemote(farMask<kX>(p), r)) rounds(FarTag<kX>{});
+    else rounds(FarTag<false>{});
     return;
   }
   // Receive: rows of source s in rounds of RT; warp g copies rows k + g, k + g + G, ... to their final receive
@@ -442,7 +487,11 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
         }
       }
       groupSync(G, s);
-      if (g == 0 && lane == 0) stRelease(head, base + kend, p.gpu_scope);
+      if (g == 0 && lane == 0) {
+        stRelease(head, base + kend, p.gpu_scope);
+        if (isRemote(farMask<kX>(p), s))  // the sender cannot read it here: it gets its copy
+          remoteFlag(p, s, kRemoteHtBuffer, remoteOff(qCounter(p, s, kDispHeadBack, p.rank, c)), base + kend, e);
+      }
     }
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
@@ -453,7 +502,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
 // receive order) into s's combine queue for this rank and channel; block 2c+1 reduces this rank's channel-c
 // tokens, a warp per token: rows of the ranks that received it, in ascending rank order, in fp32, rounded once.
 // ---------------------------------------------------------------------------------------------------------
-template <int kDtype>
+template <int kDtype, bool kX>
 __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   using V = Vec8<kDtype>;
   const uint64_t e = currentEpoch(p);
@@ -465,32 +514,53 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
     int src = p.h.prefix[s];
     for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
-    uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
-    const uint64_t* head = qCounter(p, s, kCombHead, p.rank, c);
-    const uint64_t base = rankActive(p.el, s) ? ldAcquire(tail, p.gpu_scope) : 0;
-    uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
-    bool alive = true;
-    for (int k = 0; k < n; k += G) {
-      const int i = k + g;
-      if (alive && i < n) {
-        bool ok = true;
-        if (lane == 0 && base + i + 1 > static_cast<uint64_t>(Q))
-          ok = waitAtLeast(p, head, base + i + 1 - Q, s, epPhaseData, e);
-        alive = __shfl_sync(kFull, ok, 0);
-      }
-      if (alive && i < n) {
-        const uint64_t idx = base + i;
-        uint8_t* slot = q + (idx % Q) * p.lay.x_stride;
-        if (src + i < min(*p.h.num_recv, p.recv_rows)) {
-          warpCopy16(slot, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
-        } else {  // worst-token overflow (recorded by notify): x has no such row; the owner adds zeros
-          warpZero16(slot, p.xrow, lane);
+    auto rounds = [&](auto far_c) {  // as in the push dispatch: two instances, mapped and across hosts
+      constexpr bool kFar = decltype(far_c)::value;
+      uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
+      uint64_t* sent_copy = qCounter(p, p.rank, kCombSent, s, c);
+      const uint64_t* head = kFar ? qCounter(p, p.rank, kCombHeadBack, s, c) : qCounter(p, s, kCombHead, p.rank, c);
+      const uint64_t base = rankActive(p.el, s) ? ldAcquire(kFar ? sent_copy : tail, p.gpu_scope) : 0;
+      uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
+      bool alive = true;
+      for (int k = 0; k < n; k += G) {
+        const int i = k + g;
+        if (alive && i < n) {
+          bool ok = true;
+          if (lane == 0 && base + i + 1 > static_cast<uint64_t>(Q))
+            ok = waitAtLeast(p, head, base + i + 1 - Q, s, epPhaseData, e);
+          alive = __shfl_sync(kFull, ok, 0);
+        }
+        if (alive && i < n) {
+          const uint64_t idx = base + i;
+          uint8_t* slot = q + (idx % Q) * p.lay.x_stride;
+          RemoteSlot rs{nullptr, 0};
+          if constexpr (kFar) {
+            rs = remoteDataWarp(p, s, kRemoteHtBuffer, remoteOff(slot), static_cast<uint32_t>(p.xrow), e);
+            slot = rs.payload();
+          }
+          if (!kFar || rs.hdr != nullptr) {
+            if (src + i < min(*p.h.num_recv, p.recv_rows)) {
+              warpCopy16(slot, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
+            } else {  // worst-token overflow (recorded by notify): x has no such row; the owner adds zeros
+              warpZero16(slot, p.xrow, lane);
+            }
+          }
+          if constexpr (kFar) remoteCommitWarp(rs);
+        }
+        fenceForPeers(p.gpu_scope);
+        groupSync(G, s);
+        if (g == 0 && lane == 0 && noFailure(p)) {
+          if constexpr (kFar) {
+            remoteFlag(p, s, kRemoteHtBuffer, remoteOff(tail), base + min(k + G, n), e);
+            stRelaxed(sent_copy, base + min(k + G, n));
+          } else {
+            stRelease(tail, base + min(k + G, n), p.gpu_scope);
+          }
         }
       }
-      fenceForPeers(p.gpu_scope);
-      groupSync(G, s);
-      if (g == 0 && lane == 0 && noFailure(p)) stRelease(tail, base + min(k + G, n), p.gpu_scope);
-    }
+    };
+    if (isRemote(farMask<kX>(p), s)) rounds(FarTag<kX>{});
+    else rounds(FarTag<false>{});
     return;
   }
   // Receive side, in two phases so that the sources never wait for each other: (1) the G warps of source r
@@ -527,7 +597,12 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
         warpCopy16(stage + (static_cast<size_t>(r) * p.lay.max_tokens + first + i) * p.lay.x_stride,
                    q + ((base + i) % Q) * p.lay.x_stride, p.xrow, lane);
       groupSync(G, r);
-      if (g == 0 && lane == 0) stRelease(head, base + min(k + G, n), p.gpu_scope);
+      if (g == 0 && lane == 0) {
+        stRelease(head, base + min(k + G, n), p.gpu_scope);
+        if (isRemote(farMask<kX>(p), r))
+          remoteFlag(p, r, kRemoteHtBuffer, remoteOff(qCounter(p, r, kCombHeadBack, p.rank, c)), base + min(k + G, n),
+                     e);
+      }
     }
   }
   __syncthreads();
@@ -738,17 +813,21 @@ cudaError_t launchHtBegin(const HtParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+// Kernels that write to peers in two instances (kernels/remote.cuh): with ranks of other hosts or without.
 cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s) {
   const size_t smem = sizeof(int) * static_cast<size_t>(p.E);
-  htNotifyKernel<<<1, 1024, smem, s>>>(p);
+  if (p.remote) htNotifyKernel<true><<<1, 1024, smem, s>>>(p);
+  else htNotifyKernel<false><<<1, 1024, smem, s>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
   if (p.pull_dispatch)
     htDispatchPullKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+  else if (p.remote)
+    htDispatchKernel<true><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   else
-    htDispatchKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+    htDispatchKernel<false><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   return cudaGetLastError();
 }
 
@@ -766,10 +845,14 @@ cudaError_t launchHtCombine(const HtParams& p, cudaStream_t s) {
     }
     return cudaGetLastError();
   }
-  switch (p.dtype) {
-    case epBfloat16: htCombineKernel<epBfloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
-    case epFloat16: htCombineKernel<epFloat16><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
-    default: htCombineKernel<epFloat32><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p); break;
+  const dim3 grid(2 * p.C), block(p.nranks * p.G * 32);
+  switch (p.dtype * 2 + (p.remote ? 1 : 0)) {
+    case epBfloat16 * 2: htCombineKernel<epBfloat16, false><<<grid, block, 0, s>>>(p); break;
+    case epBfloat16 * 2 + 1: htCombineKernel<epBfloat16, true><<<grid, block, 0, s>>>(p); break;
+    case epFloat16 * 2: htCombineKernel<epFloat16, false><<<grid, block, 0, s>>>(p); break;
+    case epFloat16 * 2 + 1: htCombineKernel<epFloat16, true><<<grid, block, 0, s>>>(p); break;
+    case epFloat32 * 2 + 1: htCombineKernel<epFloat32, true><<<grid, block, 0, s>>>(p); break;
+    default: htCombineKernel<epFloat32, false><<<grid, block, 0, s>>>(p); break;
   }
   return cudaGetLastError();
 }
@@ -780,6 +863,30 @@ cudaError_t launchLayout(const HtParams& p, int* per_rank, int* per_expert, uint
   const int blocks = p.T > 0 ? (p.T + 255) / 256 : 1;
   layoutKernel<<<blocks < 132 ? blocks : 132, 256, 0, s>>>(p, per_rank, per_expert, in_rank);
   return cudaGetLastError();
+}
+
+// Every kernel of this file loaded now (kernels/preload.h says why).
+cudaError_t preloadHtKernels() {
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(htBeginKernel),
+      reinterpret_cast<const void*>(htEndKernel),
+      reinterpret_cast<const void*>(htNotifyKernel<false>),
+      reinterpret_cast<const void*>(htNotifyKernel<true>),
+      reinterpret_cast<const void*>(htDispatchKernel<false>),
+      reinterpret_cast<const void*>(htDispatchKernel<true>),
+      reinterpret_cast<const void*>(htDispatchPullKernel),
+      reinterpret_cast<const void*>(layoutKernel),
+      reinterpret_cast<const void*>(htCombinePullKernel<epBfloat16>),
+      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, true>),
+      reinterpret_cast<const void*>(htCombinePullKernel<epFloat16>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat16, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat16, true>),
+      reinterpret_cast<const void*>(htCombinePullKernel<epFloat32>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat32, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat32, true>),
+  };
+  return preloadKernels(kernels, sizeof(kernels) / sizeof(kernels[0]));
 }
 
 }  // namespace epcomm

@@ -14,6 +14,8 @@
 #include "common/routing.h"
 #include "kernels/device_common.cuh"
 #include "kernels/ll.h"
+#include "kernels/preload.h"
+#include "kernels/remote.cuh"
 
 namespace epcomm {
 namespace {
@@ -312,6 +314,93 @@ __device__ __forceinline__ int32_t tokenPositions(const int32_t* idx, int t, int
 // flags, not on this kernel's completion, and every block of this kernel is already resident.
 __device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// Token t's part `part` (units [ub, ue) of its row) for remote rank r, slot [this rank][t] there, as records (the
+// slot's metadata with part 0, the row piece, and with fp8 the scales): what the mapped path writes in place.
+// rk: the rank of this lane's expert; pos: this lane's index from tokenPositions (expert-major part 0, else -1).
+__device__ __forceinline__ void sendSlotPartRemote(const LlParams& p, int r, int par, int t, int part, int ub, int ue,
+                                                int rk, int32_t pos, const int32_t* raw, const uint8_t* xr,
+                                                uint64_t e) {
+  const int lane = threadIdx.x & 31, K = p.K, L = p.L;
+  const uint64_t so = remoteOff(slotPtr(p, r, par, p.rank, t));
+  if (part == 0) {
+    const RemoteSlot rs = remoteDataWarp(p, r, kRemoteLlBuffer, so, (16 + 8 * K + 15) & ~15, e);
+    if (rs.hdr != nullptr) {
+      LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(rs.payload());
+      if (lane < K) {
+        const int32_t x = raw[t * K + lane];
+        meta->expert[2 * lane] = x >= 0 && x / L == r ? x % L : -1;
+        meta->expert[2 * lane + 1] = rk == r ? pos : -1;
+      }
+      if (lane == 0) {
+        meta->epoch = e;
+        meta->token = t;
+        meta->pad = 0;
+      }
+      remoteCommitWarp(rs);
+    }
+  }
+  if (ue <= ub) return;
+  if (!p.use_fp8) {
+    const RemoteSlot rs = remoteDataWarp(p, r, kRemoteLlBuffer, so + p.lay.slot_row + static_cast<uint64_t>(ub) * 16,
+                                         static_cast<uint32_t>(ue - ub) * 16, e);
+    if (rs.hdr == nullptr) return;
+    uint8_t* d = rs.payload() - static_cast<size_t>(ub) * 16;  // the copy writes chunks [ub, ue) of the row
+    warpCopyChunks(&d, 1, xr, ub, ue, lane);
+    remoteCommitWarp(rs);
+    return;
+  }
+  const RemoteSlot rv = remoteDataWarp(p, r, kRemoteLlBuffer,
+                                       so + p.lay.slot_row + static_cast<uint64_t>(ub) * EP_FP8_BLOCK,
+                                       static_cast<uint32_t>(ue - ub) * EP_FP8_BLOCK, e);
+  const RemoteSlot rc = remoteDataWarp(p, r, kRemoteLlBuffer, so + p.lay.slot_scales + static_cast<uint64_t>(ub) * 4,
+                                       static_cast<uint32_t>(ue - ub) * 4, e);
+  if (rv.hdr == nullptr || rc.hdr == nullptr) return;  // a failed wait: the communicator is broken
+  uint8_t* d = rv.payload() - static_cast<size_t>(ub) * EP_FP8_BLOCK;
+  float* sc = reinterpret_cast<float*>(rc.payload()) - ub;
+  if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(&d, &sc, 1, xr, ub, ue, lane);
+  else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(&d, &sc, 1, xr, ub, ue, lane);
+  else quantizeBlocks<epBfloat16>(&d, &sc, 1, xr, ub, ue, lane);
+  remoteCommitWarp(rv);
+  remoteCommitWarp(rc);
+}
+
+// The count entry of this rank for every rank in `far` (active, of other hosts), as one record each, a warp per rank
+// (kept out of line, like sendSlotPartRemote, so that the mapped path's registers stay as they were).
+__device__ __forceinline__ void sendCountsRemote(const LlParams& p, uint64_t far, int par, const int32_t* cnt, int gw,
+                                              int NW, uint64_t e) {
+  const int lane = threadIdx.x & 31, L = p.L;
+  for (int r = gw; r < p.nranks; r += NW) {
+    if (!((far >> r) & 1)) continue;
+    const RemoteSlot rs = remoteDataWarp(p, r, kRemoteLlBuffer, remoteOff(countEntry(p, r, par, p.rank)),
+                                         static_cast<uint32_t>(16 + 4 * L), e);
+    if (rs.hdr == nullptr) continue;
+    int32_t* ent = reinterpret_cast<int32_t*>(rs.payload());
+    if (lane == 0) ent[0] = p.T;
+    for (int l = lane; l < L; l += 32) ent[4 + l] = cnt[r * L + l];
+    remoteCommitWarp(rs);
+  }
+}
+
+// Chunks [ub, ue) of one expert-output row to `d` in token owner s's combine slots: in place, or as a record
+// when s is on another host.
+template <bool kX>
+__device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uint8_t* d, const uint8_t* src, int ub,
+                                                   int ue, uint64_t e) {
+  const int lane = threadIdx.x & 31;
+  if (!isRemote(farMask<kX>(p), s)) {
+    warpCopyChunks(&d, 1, src, ub, ue, lane);
+    return;
+  }
+  if (ue <= ub) return;
+  const RemoteSlot rs = remoteDataWarp(p, s, kRemoteLlBuffer, remoteOff(d) + static_cast<uint64_t>(ub) * 16,
+                                       static_cast<uint32_t>(ue - ub) * 16, e);
+  if (rs.hdr == nullptr) return;
+  uint8_t* o = rs.payload() - static_cast<size_t>(ub) * 16;
+  warpCopyChunks(&o, 1, src, ub, ue, lane);
+  remoteCommitWarp(rs);
+}
+
+template <bool kX>
 __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
@@ -325,12 +414,14 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
   const bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlDispatch, e - 2, e);
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   const SendSmem m = stageRouting(p, s_dyn, false);
+  const uint64_t far_mask = farMask<kX>(p), near = act & ~far_mask;  // near: active ranks mapped here
   if (ok) {
     for (int x = gw; x < p.E; x += NW)
-      if (lane == 0 && ((act >> (x / L)) & 1)) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
+      if (lane == 0 && ((near >> (x / L)) & 1)) countEntry(p, x / L, par, p.rank)[4 + x % L] = m.cnt[x];
     if (gw == 0)
       for (int r = lane; r < R; r += 32)
-        if ((act >> r) & 1) countEntry(p, r, par, p.rank)[0] = p.T;
+        if ((near >> r) & 1) countEntry(p, r, par, p.rank)[0] = p.T;
+    if ((act & far_mask) != 0) sendCountsRemote(p, act & far_mask, par, m.cnt, gw, NW, e);
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
     const int P = partsOf(p.T, NW);
     for (int item = gw; item < p.T * P; item += NW) {
@@ -338,10 +429,11 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
       const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
       const int rk = xk >= 0 ? xk / L : -1;
       const unsigned routed = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
-      const unsigned mask = routed & static_cast<unsigned>(act);
+      const unsigned reached = routed & static_cast<unsigned>(act);
       if (part == 0 && lane == 0)
-        for (unsigned mm = routed & ~mask; mm; mm &= mm - 1)
+        for (unsigned mm = routed & ~reached; mm; mm &= mm - 1)
           atomicAdd(&p.el->drops[kDropTokenRows][__ffs(mm) - 1], 1ull);
+      const unsigned mask = reached & ~static_cast<unsigned>(far_mask);  // ranks of other hosts: the loop below
       if (mask == 0) continue;
       uint8_t* dst[kLlMaxRanks];
       int dr[kLlMaxRanks], nd = 0;
@@ -378,10 +470,25 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
       else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
       else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
     }
+    // Ranks of other hosts (a loop of its own, so that the one above keeps its registers): the slot's pieces as
+    // records (remote.cuh).
+    for (int item = gw; (act & far_mask) != 0 && item < p.T * P; item += NW) {
+      const int t = item / P, part = item % P;
+      const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
+      const int rk = xk >= 0 ? xk / L : -1;
+      const unsigned far = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u) & static_cast<unsigned>(act & far_mask);
+      if (far == 0) continue;
+      const int32_t pos = part == 0 && em ? tokenPositions(m.idx, t, K, xk, lane) : -1;
+      const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
+      for (unsigned mm = far; mm; mm &= mm - 1)
+        sendSlotPartRemote(p, __ffs(mm) - 1, par, t, part, partBegin(units, P, part), partBegin(units, P, part + 1),
+                           rk, pos, m.raw, xr, e);
+    }
   }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
-      if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
+      if (((act >> r) & 1) && noFailure(p))
+        publish<kX>(p, r, kRemoteLlBuffer, tagPtr(p, r, kLlDispatch, par, p.rank), e, e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
   }
 }
@@ -391,6 +498,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
 // count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
 // ---------------------------------------------------------------------------------------------------------
+template <bool kX>
 __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   extern __shared__ __align__(16) int s_begin[];  // [L][R + 1] first row of each source, then the total (expert-major)
   __shared__ int s_T[kGpuMaxRanks];
@@ -489,7 +597,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   }
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if ((act >> s) & 1) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e, p.gpu_scope);
+      if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlDispatch, p.rank), e, e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
   }
 }
@@ -502,6 +610,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
 // ---------------------------------------------------------------------------------------------------------
 // s_pre: shared memory for L + 1 + L * R ints (expert-major): the prefix of recv_count, then per (l, source) the
 // rows of that source's earlier local experts (where expert l's rows start in the source's packed block).
+template <bool kX>
 __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -569,9 +678,8 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
       }
       if (!((act >> s) & 1)) continue;  // the token's rank was masked after the dispatch
       if (p.own_in_y && s == p.rank) continue;  // read in y by the receive half
-      uint8_t* d = combPackedPtr(p, s, par, p.rank, q);
-      warpCopyChunks(&d, 1, y + (static_cast<size_t>(l) * RM + j) * p.xrow, partBegin(units, P, part),
-                     partBegin(units, P, part + 1), lane);
+      sendCombineRowPart<kX>(p, s, combPackedPtr(p, s, par, p.rank, q), y + (static_cast<size_t>(l) * RM + j) * p.xrow,
+                         partBegin(units, P, part), partBegin(units, P, part + 1), e);
     }
   } else if (ok) {
     const int P = partsOf(R * M, NW);
@@ -589,15 +697,16 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
         if (__shfl_sync(kFull, l, j) == l && j < lane) l = -1;
       for (unsigned m = __ballot_sync(kFull, l >= 0); m; m &= m - 1) {
         const int64_t lj = __shfl_sync(kFull, l, __ffs(m) - 1);
-        uint8_t* d = combPtr(p, s, par, p.rank * L + static_cast<int>(lj), t);
-        warpCopyChunks(&d, 1, y + (static_cast<size_t>(lj) * RM + static_cast<size_t>(s) * M + t) * p.xrow,
-                       partBegin(units, P, part), partBegin(units, P, part + 1), lane);
+        sendCombineRowPart<kX>(p, s, combPtr(p, s, par, p.rank * L + static_cast<int>(lj), t),
+                           y + (static_cast<size_t>(lj) * RM + static_cast<size_t>(s) * M + t) * p.xrow,
+                           partBegin(units, P, part), partBegin(units, P, part + 1), e);
       }
     }
   }
   if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if (((act >> s) & 1) && noFailure(p)) stRelease(tagPtr(p, s, kLlCombine, par, p.rank), e, p.gpu_scope);
+      if (((act >> s) & 1) && noFailure(p))
+        publish<kX>(p, s, kRemoteLlBuffer, tagPtr(p, s, kLlCombine, par, p.rank), e, e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
   }
 }
@@ -690,7 +799,7 @@ __device__ CombStage stageCombine(const LlParams& p, int32_t* smem) {
 // product and the sum rounded separately, rounded once to the output type. A warp handles a 1 KiB span (two
 // 16-byte chunks per lane) of one token's row.
 // ---------------------------------------------------------------------------------------------------------
-template <int kDtype>
+template <int kDtype, bool kX>
 __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombStage& st) {
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlCombine]);
@@ -755,7 +864,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if ((act >> s) & 1) stRelease(ackPtr(p, s, kLlCombine, p.rank), e, p.gpu_scope);
+      if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlCombine, p.rank), e, e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlCombine], e);
   }
 }
@@ -765,29 +874,33 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
 // may wait for the tags that the other blocks' send halves publish). The halves' epochs and completion counters
 // are separate, so a fused launch advances them exactly as two launches do.
 // ---------------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) { dispatchSendBody(p); }
-__global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) { dispatchRecvBody(p); }
+template <bool kX>
+__global__ void __launch_bounds__(kLlThreads) llDispatchSendKernel(LlParams p) { dispatchSendBody<kX>(p); }
+template <bool kX>
+__global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) { dispatchRecvBody<kX>(p); }
+template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
-  dispatchSendBody(p);
+  dispatchSendBody<kX>(p);
   __syncthreads();  // the dynamic shared memory changes hands
-  dispatchRecvBody(p);
+  dispatchRecvBody<kX>(p);
 }
+template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
   extern __shared__ __align__(16) int32_t s_dyn[];
-  combineSendBody(p, s_dyn);
+  combineSendBody<kX>(p, s_dyn);
 }
-template <int kDtype>
+template <int kDtype, bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
   extern __shared__ __align__(16) int32_t s_dyn[];
-  combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
+  combineRecvBody<kDtype, kX>(p, stageCombine(p, s_dyn));
 }
 // The receive half's staging follows the send half (its own shared memory): a block stages while the last
 // block publishes the tags and the peers finish their sends.
-template <int kDtype>
+template <int kDtype, bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
   extern __shared__ __align__(16) int32_t s_dyn[];
-  combineSendBody(p, s_dyn + combStageBytes(p.T, p.K, p.E) / sizeof(int32_t));
-  combineRecvBody<kDtype>(p, stageCombine(p, s_dyn));
+  combineSendBody<kX>(p, s_dyn + combStageBytes(p.T, p.K, p.E) / sizeof(int32_t));
+  combineRecvBody<kDtype, kX>(p, stageCombine(p, s_dyn));
 }
 
 }  // namespace
@@ -834,39 +947,44 @@ size_t llCombineSmemBytes(int T, int K, int E, int L) {
   return combStageBytes(T, K, E) + sizeof(int) * (static_cast<size_t>(L) + 1 + E);
 }
 
+// Every kernel in two instances (kernels/remote.cuh): with ranks of other hosts or without.
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
   const size_t smem = std::max(llSendSmemBytes(p.T, p.K, p.E), dispatchRecvSmem(p));
-  return launchLl(p, llDispatchKernel, smem, Launch::kCooperative, s);
+  return launchLl(p, p.remote ? llDispatchKernel<true> : llDispatchKernel<false>, smem, Launch::kCooperative, s);
 }
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
-  return launchLl(p, llDispatchSendKernel, llSendSmemBytes(p.T, p.K, p.E), Launch::kPlain, s);
+  return launchLl(p, p.remote ? llDispatchSendKernel<true> : llDispatchSendKernel<false>,
+                  llSendSmemBytes(p.T, p.K, p.E), Launch::kPlain, s);
 }
 
 cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s) {
-  return launchLl(p, llDispatchRecvKernel, dispatchRecvSmem(p), Launch::kDependent, s);
+  return launchLl(p, p.remote ? llDispatchRecvKernel<true> : llDispatchRecvKernel<false>, dispatchRecvSmem(p),
+                  Launch::kDependent, s);
 }
 
 cudaError_t launchLlCombineSend(const LlParams& p, cudaStream_t s) {
-  return launchLl(p, llCombineSendKernel, combineSendSmem(p), Launch::kPlain, s);
+  return launchLl(p, p.remote ? llCombineSendKernel<true> : llCombineSendKernel<false>, combineSendSmem(p),
+                  Launch::kPlain, s);
 }
 
 // The combine's receiving kernels are templated on the row type.
-template <template <int> class Kernel>
+template <template <int, bool> class Kernel>
 cudaError_t launchCombineTyped(const LlParams& p, size_t smem, Launch how, cudaStream_t s) {
+  const bool x = p.remote != 0;
   switch (p.dtype) {
-    case epBfloat16: return launchLl(p, Kernel<epBfloat16>::fn, smem, how, s);
-    case epFloat16: return launchLl(p, Kernel<epFloat16>::fn, smem, how, s);
-    default: return launchLl(p, Kernel<epFloat32>::fn, smem, how, s);
+    case epBfloat16: return launchLl(p, x ? Kernel<epBfloat16, true>::fn : Kernel<epBfloat16, false>::fn, smem, how, s);
+    case epFloat16: return launchLl(p, x ? Kernel<epFloat16, true>::fn : Kernel<epFloat16, false>::fn, smem, how, s);
+    default: return launchLl(p, x ? Kernel<epFloat32, true>::fn : Kernel<epFloat32, false>::fn, smem, how, s);
   }
 }
-template <int kDtype>
+template <int kDtype, bool kX>
 struct CombineRecvOf {
-  static constexpr auto fn = llCombineRecvKernel<kDtype>;
+  static constexpr auto fn = llCombineRecvKernel<kDtype, kX>;
 };
-template <int kDtype>
+template <int kDtype, bool kX>
 struct CombineOf {
-  static constexpr auto fn = llCombineKernel<kDtype>;
+  static constexpr auto fn = llCombineKernel<kDtype, kX>;
 };
 
 cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
@@ -875,6 +993,33 @@ cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
 
 cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s) {
   return launchCombineTyped<CombineOf>(p, combineRecvSmem(p) + combineSendSmem(p), Launch::kCooperative, s);
+}
+
+// Every kernel of this file loaded now (kernels/preload.h says why).
+cudaError_t preloadLlKernels() {
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(llDispatchSendKernel<false>),
+      reinterpret_cast<const void*>(llDispatchSendKernel<true>),
+      reinterpret_cast<const void*>(llDispatchRecvKernel<false>),
+      reinterpret_cast<const void*>(llDispatchRecvKernel<true>),
+      reinterpret_cast<const void*>(llDispatchKernel<false>),
+      reinterpret_cast<const void*>(llDispatchKernel<true>),
+      reinterpret_cast<const void*>(llCombineSendKernel<false>),
+      reinterpret_cast<const void*>(llCombineSendKernel<true>),
+      reinterpret_cast<const void*>(llCombineRecvKernel<epBfloat16, false>),
+      reinterpret_cast<const void*>(llCombineKernel<epBfloat16, false>),
+      reinterpret_cast<const void*>(llCombineRecvKernel<epBfloat16, true>),
+      reinterpret_cast<const void*>(llCombineKernel<epBfloat16, true>),
+      reinterpret_cast<const void*>(llCombineRecvKernel<epFloat16, false>),
+      reinterpret_cast<const void*>(llCombineKernel<epFloat16, false>),
+      reinterpret_cast<const void*>(llCombineRecvKernel<epFloat16, true>),
+      reinterpret_cast<const void*>(llCombineKernel<epFloat16, true>),
+      reinterpret_cast<const void*>(llCombineRecvKernel<epFloat32, false>),
+      reinterpret_cast<const void*>(llCombineKernel<epFloat32, false>),
+      reinterpret_cast<const void*>(llCombineRecvKernel<epFloat32, true>),
+      reinterpret_cast<const void*>(llCombineKernel<epFloat32, true>),
+  };
+  return preloadKernels(kernels, sizeof(kernels) / sizeof(kernels[0]));
 }
 
 }  // namespace epcomm

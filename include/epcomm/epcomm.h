@@ -35,10 +35,15 @@
  *   those of the same ranks on one host, except HT combine across hosts, which sums per host first (its exact
  *   order is stated at epHtCombine; EPCOMM_HT_HIERARCHICAL=0 restores the one-host order).
  * - EP_ENGINE_GPU: operations are enqueued on the stream; pointers are device pointers; "engine memory" is
- *   device memory. The ranks must share one host (one host identity, as for the host engine: creation with
- *   ranks on several returns epNotSupported on every rank); their communication buffers (allocated once, at
- *   creation) are mapped into each other with CUDA IPC, which also works for ranks that share one GPU (MPS).
- *   Every operation runs on the GPU. Argument arrays in device memory (topk_idx, alltoallv device counts, the
+ *   device memory. The communication buffers of the ranks of one host (one host identity, as for the host
+ *   engine) are allocated once, at creation, and mapped into each other with CUDA IPC, which also works for ranks
+ *   that share one GPU (MPS). Ranks on other hosts are reached through a proxy thread per rank: the kernels write
+ *   what is meant for such a rank into a ring in pinned host memory, the proxy carries it over the net transport
+ *   (EPCOMM_NET) and the receiving rank's proxy stores it into its buffers; the counts stay on the device and the
+ *   proxy keeps no per-operation state, so what is capturable on one host is capturable across hosts too. Across
+ *   hosts HT dispatch and combine push through the queues (HT combine sums in ascending rank order, as on one
+ *   host: bit-identical to one host's result), and what needs the peers' memory mapped is refused with
+ *   epNotSupported: epLlCombineBuffer, epHtCombineBuffer and epCommRegister. Every operation runs on the GPU. Argument arrays in device memory (topk_idx, alltoallv device counts, the
  *   dispatch outputs passed back to LL combine) are checked by the kernels: a bad expert id is treated as -1
  *   and counted, a worst-token overflow is not written past the capacity; both are reported by
  *   epCommGetAsyncError without breaking the communicator. worst-token and cached dispatch and combine never
@@ -51,8 +56,8 @@
  *   as an epInvalidUsage violation and each side moves the smaller count.
  * - EP_ENGINE_AUTO resolves to the GPU engine when the library was built with it and a CUDA device is
  *   visible, otherwise to the host engine. Query the result with epCommEngine. It is chosen on each rank before
- *   any exchange, so ranks on several hosts of GPU machines get the GPU engine and its epNotSupported: ask for
- *   the host engine there (EPCOMM_ENGINE=host or config.engine).
+ *   any exchange: every rank must resolve to the same engine (a GPU machine and a CPU-only one in one
+ *   communicator need an explicit choice).
  *
  * Collective rule: all ranks of a communicator issue the same sequence of operations (as with NCCL). Ranks
  * compare an operation header before moving data, so a mismatch, or bad input on one rank, makes every rank

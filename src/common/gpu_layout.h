@@ -57,11 +57,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/gpu_remote.h"
 #include "common/hd.h"
 
 namespace epcomm {
 
 constexpr int kGpuMaxRanks = 64;
+static_assert(kGpuRemoteMaxRanks == kGpuMaxRanks, "one remote ring per rank");
 constexpr int kGpuMaxExperts = 4096;
 constexpr int kGpuMaxTopk = 32;
 constexpr int kGpuMaxChannels = 32;
@@ -110,9 +112,12 @@ struct alignas(128) GpuRegEntry {
 // kPullReady1 / kPullAck1 for block 2c+1 (pull dispatch: kPullDReady1 / kPullDAck1).
 // Pull dispatch: kPullDReady[src][c] in the receiver's buffer, kPullDAck[receiver][c] and kPullDSent in the
 // source's.
+// Toward a rank of another host (common/gpu_remote.h) a sender cannot read the receiver's counters: it keeps the
+// tail it last published itself (kDispSent / kCombSent [receiver][c], in its own buffer) and the receiver sends
+// its head back (kDispHeadBack / kCombHeadBack [receiver][c] in the sender's buffer, written by the receiver).
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
                        kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kPullDReady1, kPullDAck1,
-                       kNumQueueCounters };
+                       kDispSent, kDispHeadBack, kCombSent, kCombHeadBack, kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
@@ -334,8 +339,10 @@ struct GpuHandleDev {
 struct HtParams {
   int rank, nranks, op;
   GpuCtrl* ctrl;
-  uint8_t* base[kGpuMaxRanks];  // every rank's buffer, mapped here
+  uint8_t* base[kGpuMaxRanks];  // every rank's buffer, mapped here (ranks of other hosts: kGpuRemoteWindow)
   GpuBufferLayout lay;
+  uint64_t remote;              // bit r: rank r is on another host; what is meant for it goes through rem's rings
+  const GpuRemote* rem;
   GpuErrorRecord* err;
   GpuErrorClaims* claims;
   GpuElastic* el;
@@ -372,8 +379,10 @@ struct HtParams {
 // Everything an LL kernel needs, passed by value.
 struct LlParams {
   int rank, nranks, op, blocks;
-  uint8_t* base[kGpuMaxRanks];  // every rank's LL buffer, mapped here
+  uint8_t* base[kGpuMaxRanks];  // every rank's LL buffer, mapped here (ranks of other hosts: kGpuRemoteWindow)
   LlLayout lay;
+  uint64_t remote;              // as in HtParams
+  const GpuRemote* rem;
   GpuErrorRecord* err;
   GpuErrorClaims* claims;
   GpuElastic* el;

@@ -14,6 +14,10 @@ void hostIdentity(char* out, size_t n) {
     snprintf(out, n, "id:%s", hid);
     return;
   }
+  machineIdentity(out, n);
+}
+
+void machineIdentity(char* out, size_t n) {
   char host[128] = {0}, boot[64] = {0};
   if (gethostname(host, sizeof(host) - 1) != 0) snprintf(host, sizeof(host), "localhost");
   if (FILE* f = fopen("/proc/sys/kernel/random/boot_id", "r")) {

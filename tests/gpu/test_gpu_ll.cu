@@ -214,9 +214,15 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
     return 0;
   };
   if (check("plain")) return 1;
-  // Zero-copy: the expert outputs written into the communicator's region; peers read them from there.
+  // Zero-copy: the expert outputs written into the communicator's region; peers read them from there. Not across
+  // hosts (the owners cannot read the expert ranks' memory there): refused, and the communicator goes on.
   void* region = nullptr;
   size_t region_bytes = 0;
+  if (g_cross_hosts) {
+    CK(epLlCombineBuffer(g, &region, &region_bytes) == epNotSupported, "zero-copy LL combine across hosts was not "
+       "refused");
+    return 0;
+  }
   CKE(epLlCombineBuffer(g, &region, &region_bytes), g);
   CK(region_bytes >= dy.bytes(), "zero-copy region of %zu bytes for %zu bytes of y", region_bytes, dy.bytes());
   CKC(cudaMemcpyAsync(region, dy.p, dy.bytes(), cudaMemcpyDeviceToDevice, s));
@@ -242,10 +248,10 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
 
 // The GPU communicator under test and its host-engine reference; timeout_ms 0 keeps llConfig()'s deadline.
 int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int M, int E, epComm_t* g, epComm_t* h,
-             int timeout_ms = 0) {
+             int timeout_ms = 0, int hosts = testHosts()) {
   epConfig_t cfg = llConfig(M, E);
   if (timeout_ms > 0) cfg.timeout_ms = timeout_ms;
-  CKE(epCommInitRank(g, R, &gid, rank, &cfg), nullptr);
+  CKE(initGpuComm(g, R, &gid, rank, &cfg, hosts), nullptr);
   epConfig_t hc = EP_CONFIG_INIT;
   hc.engine = EP_ENGINE_HOST;
   hc.queue_bytes = 16 << 20;
@@ -257,7 +263,12 @@ int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int 
 class GpuLl : public ::testing::TestWithParam<int> {};
 
 // Every rank runs `cases` (fresh seeds) on a GPU / host communicator pair with capacity M and E experts.
-void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases) {
+int runA2aRound(epComm_t g, epComm_t h, int rank, int R, int round, uint64_t seed, cudaStream_t s);
+
+// hosts: virtual hosts of the GPU communicator (default EPCOMM_GPU_TEST_HOSTS); a2a_rounds: alltoallv rounds after
+// the LL cases on the same pair.
+void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases, int hosts = testHosts(),
+                           int a2a_rounds = 0) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
@@ -266,7 +277,7 @@ void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases
     g_rank = rank;
     CKC(selectDevice(rank));
     epComm_t g, h;
-    if (initPair(rank, R, gid, hid, M, E, &g, &h)) return 1;
+    if (initPair(rank, R, gid, hid, M, E, &g, &h, 0, hosts)) return 1;
     cudaStream_t s, s2;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
@@ -277,6 +288,8 @@ void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases
                 c.dtype, c.fp8, c.layout, c.split);
       if (runLlCase(g, h, rank, R, c, ++seed_i, s, s2)) return 1;
     }
+    for (int round = 0; round < a2a_rounds; ++round)
+      if (runA2aRound(g, h, rank, R, round, seed_i, s)) return 1;
     CKE(epCommDestroy(g), g);
     CKE(epCommDestroy(h), h);
     return 0;
@@ -340,8 +353,15 @@ int runA2aRound(epComm_t g, epComm_t h, int rank, int R, int round, uint64_t see
   dsend.upload(send);
   CKE(epAlltoallv(g, dsend.p, sc.data(), sd.data(), drecv.p, rc.data(), rd.data(), dt, s), g);
   CKC(cudaStreamSynchronize(s));
+  CK_CLEAN_BUT_CAPACITY(g, "alltoallv (host counts)");
   auto grecv = drecv.host();
-  CK(memcmp(grecv.data(), hrecv.data(), hrecv.size()) == 0, "alltoallv (host counts) round %d differs", round);
+  for (size_t i = 0; i < hrecv.size(); ++i) {
+    if (grecv[i] == hrecv[i]) continue;
+    int src = 0;  // the source whose receive range holds element i / es
+    while (src + 1 < R && rd[src + 1] * es <= i) ++src;
+    CK(false, "alltoallv (host counts) round %d differs at byte %zu of %zu (source %d's range: %zu bytes from %zu): "
+       "%02x on the GPU, %02x on the host", round, i, hrecv.size(), src, rc[src] * es, rd[src] * es, grecv[i], hrecv[i]);
+  }
   // Device counts, packed, with a capacity that drops part of the tail on odd rounds.
   std::vector<int64_t> dsc(R);
   size_t total_in = 0;
@@ -370,6 +390,21 @@ int runA2aRound(epComm_t g, epComm_t h, int rank, int R, int round, uint64_t see
   CK(ddrop.host()[0] == hdrop, "num_dropped %lld vs %lld", static_cast<long long>(ddrop.host()[0]),
      static_cast<long long>(hdrop));
   return 0;
+}
+
+// Ranks on two hosts (EPCOMM_HOSTID), whatever EPCOMM_GPU_TEST_HOSTS says: LL in both layouts, halves together
+// and apart, bf16/fp16 and fp8, then alltoallv with host and device counts (capacity overflow included), through
+// the GPU engine's proxy between the hosts, bit-exact against the host engine on one host; zero-copy LL combine
+// is refused there (runLlCase checks it).
+TEST_P(GpuLl, RanksOnTwoHostsRunThroughTheProxy) {
+  const int R = GetParam();
+  const int E = 32 * R;
+  const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
+  runCasesOnBothEngines(R, 128, E, {
+      {1, 7168, 8, E, epBfloat16, 0, EM, 0},     {128, 7168, 8, E, epBfloat16, 1, EM, 1},
+      {128, 2048, 8, E, epBfloat16, 0, RM, 1},   {2, 2048, 6, E, epFloat16, 0, EM, 1},
+      {64, 2048, 8, 4 * R, epBfloat16, 0, EM, 0},
+  }, 2, 4);
 }
 
 TEST_P(GpuLl, AlltoallvBitExactAgainstHostEngine) {
@@ -509,13 +544,13 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
     const int E = 8 * R;
     epConfig_t cfg = llConfig(64, E);
     epComm_t comm;
-    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlStep A(comm, R, rank, 64, 512, 8, E, EP_LL_EXPERT_MAJOR), B(comm, R, rank, 32, 1024, 4, E, EP_LL_RANK_MAJOR);
     // Graph A's middle layer and graph B's last layer combine zero-copy (the region is captured as a fixed y).
-    A.l1.zero_copy = true;
-    B.l2.zero_copy = true;
+    A.l1.zero_copy = !crossHosts();  // across hosts zero-copy is refused
+    B.l2.zero_copy = !crossHosts();
     cudaGraph_t ga, gb;
     cudaGraphExec_t ea, eb;
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -626,11 +661,11 @@ TEST_P(GpuLl, GraphReplayedAfterAMaskChange) {
     const int E = 8 * R;
     epConfig_t cfg = llConfig(64, E);
     epComm_t comm;
-    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlStep A(comm, R, rank, 64, 512, 8, E, EP_LL_EXPERT_MAJOR);
-    A.l1.zero_copy = true;
+    A.l1.zero_copy = !crossHosts();
     cudaGraph_t ga;
     cudaGraphExec_t ea;
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -837,7 +872,7 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
     const int E = 4 * R;
     epConfig_t cfg = llConfig(16, E);
     epComm_t comm;
-    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
@@ -884,7 +919,7 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
     epConfig_t cfg = llConfig(32, E);
     cfg.ll_max_hidden = 1024;
     epComm_t comm;
-    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlLayer P(comm, R, rank, 32, 32, 512, 4, E, EP_LL_EXPERT_MAJOR);
@@ -955,6 +990,7 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
 // epInvalidUsage violation, leaves those contributions out, and the next step with the dispatched routing gives
 // the first step's result.
 TEST_P(GpuLl, ZeroCopyCombineWithAnotherRoutingIsAViolation) {
+  if (crossHosts()) GTEST_SKIP() << "zero-copy LL combine does not cross hosts";
   const int R = GetParam();
   epUniqueId gid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
@@ -966,7 +1002,7 @@ TEST_P(GpuLl, ZeroCopyCombineWithAnotherRoutingIsAViolation) {
     epConfig_t cfg = llConfig(T, E);
     cfg.ll_max_hidden = 1024;
     epComm_t comm;
-    CKE(epCommInitRank(&comm, R, &gid, rank, &cfg), nullptr);
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
     cudaStream_t s;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     LlLayer P(comm, R, rank, T, T, H, K, E, EP_LL_EXPERT_MAJOR);

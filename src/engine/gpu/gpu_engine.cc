@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/param.h"
 #include "kernels/ht.h"
+#include "kernels/preload.h"
 
 namespace epcomm {
 
@@ -45,6 +46,13 @@ GpuEngine::~GpuEngine() {
   // Kernels in flight read the error record and the buffers: let them finish first. They end promptly after
   // an abort, and within their deadline otherwise.
   cudaDeviceSynchronize();
+  if (proxy_) {
+    // What this rank's last operations wrote for other hosts still goes out, unless the communicator was aborted.
+    std::vector<uint8_t> live(comm_->nranks);
+    for (int r = 0; r < comm_->nranks; ++r) live[r] = remote_[r] && ((active_mask_ >> r) & 1);
+    proxy_->stop(!aborted_, live.data(), comm_->config.timeout_ms);
+    proxy_.reset();
+  }
   if (err_host_) cudaFreeHost(err_host_);
   if (sync_disagree_) cudaFreeHost(sync_disagree_);
   if (resync_out_) cudaFreeHost(resync_out_);
@@ -77,6 +85,12 @@ epResult_t GpuEngine::init() {
              ndev);
   cudaError_t e = cudaSetDevice(device_);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaSetDevice(%d): %s", device_, cudaGetErrorString(e));
+  // Every kernel loaded before any runs: a lazy load at first launch can wait for spinning kernels (kernels/preload.h).
+  e = preloadLlKernels();
+  if (e == cudaSuccess) e = preloadHtKernels();
+  if (e == cudaSuccess) e = preloadAlltoallvKernels();
+  if (e == cudaSuccess) e = preloadElasticKernels();
+  if (e != cudaSuccess) EP_FAIL(epCudaError, "loading the GPU engine's kernels: %s", cudaGetErrorString(e));
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_);
   blocks_ = c.num_sms > 0 ? c.num_sms : static_cast<int>(epParamGpuSms());
@@ -88,23 +102,28 @@ epResult_t GpuEngine::init() {
   // count one SM per block: at most SMs / (sharing ranks + 1) blocks per kernel.
   struct DevId {
     char bus[32];
-    char host[160];  // hostIdentity: the GPU engine maps every peer's buffers with CUDA IPC, within one host only
+    char host[160];     // hostIdentity: CUDA IPC maps the buffers of this host's ranks, the proxy reaches the others
+    char machine[160];  // machineIdentity: virtual hosts on one machine still share its GPUs
   };
   std::vector<DevId> ids(R);
   cudaDeviceGetPCIBusId(ids[comm_->rank].bus, sizeof(ids[0].bus), device_);
   hostIdentity(ids[comm_->rank].host, sizeof(ids[0].host));
+  machineIdentity(ids[comm_->rank].machine, sizeof(ids[0].machine));
   EPCHECK(comm_->bootstrap->allgather(ids.data(), sizeof(DevId), c.timeout_ms));
-  // Every rank sees the same identities, so every rank refuses here, before anything is mapped or waited for.
+  // Ranks of other hosts are never mapped: the proxy carries what is meant for them. Every rank sees the same
+  // identities, so every rank takes the same decisions below.
+  remote_.assign(R, 0);
+  int sharing = 0;
   for (int r = 0; r < R; ++r) {
     ids[r].host[sizeof(ids[r].host) - 1] = 0;
-    EP_REQUIRE(strcmp(ids[r].host, ids[comm_->rank].host) == 0, epNotSupported,
-               "rank %d is on another host ('%s'; rank %d: '%s'): the GPU engine runs the ranks of one host only "
-               "(its buffers are shared with CUDA IPC); across hosts use the host engine (EPCOMM_ENGINE=host or "
-               "config.engine = EP_ENGINE_HOST)",
-               r, ids[r].host, comm_->rank, ids[comm_->rank].host);
+    ids[r].bus[sizeof(ids[r].bus) - 1] = 0;
+    ids[r].machine[sizeof(ids[r].machine) - 1] = 0;
+    const bool same_host = strcmp(ids[r].host, ids[comm_->rank].host) == 0;
+    remote_[r] = same_host ? 0 : 1;
+    if (!same_host) remote_mask_ |= 1ull << r;
+    // Bus ids repeat across machines; ranks of virtual hosts on this machine share this GPU's SMs all the same.
+    sharing += strcmp(ids[r].machine, ids[comm_->rank].machine) == 0 && strcmp(ids[r].bus, ids[comm_->rank].bus) == 0;
   }
-  int sharing = 0;
-  for (const DevId& d : ids) sharing += strcmp(d.bus, ids[comm_->rank].bus) == 0;
   const int cap = sms / (sharing + 1);
   if (sharing > 1 && blocks_ > cap) {
     EP_INFO(kSubsysInit, "%d ranks share GPU %s: %d blocks per kernel instead of %d", sharing,
@@ -122,6 +141,12 @@ epResult_t GpuEngine::init() {
              "EPCOMM_GPU_QUEUE_ROWS = %d is outside [32, 4096]", queue_rows);
   ht_pull_ = epParamGpuHtCombinePull() != 0;
   ht_pull_dispatch_ = epParamGpuHtDispatchPull() != 0;
+  if (remote_mask_ != 0) {
+    // Pull protocols read the peers' buffers, which a rank of another host cannot: across hosts HT pushes.
+    ht_pull_ = ht_pull_dispatch_ = false;
+    EP_INFO(kSubsysInit, "GPU engine: rank %d has %d ranks on other hosts: HT dispatch and combine push through the "
+            "queues, a proxy carries the traffic between hosts", comm_->rank, __builtin_popcountll(remote_mask_));
+  }
   lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_);
   // Peers index each other's buffers with this layout and follow one protocol: every rank must have the same
   // (a different EPCOMM_NUM_SMS / GPU_QUEUE_ROWS / GPU_HT_*_PULL on one rank would hang or read out of bounds).
@@ -145,7 +170,7 @@ epResult_t GpuEngine::init() {
                r, a.channels, b.channels, a.queue_rows, b.queue_rows, a.pull, b.pull, a.pull_dispatch,
                b.pull_dispatch, static_cast<unsigned long long>(a.total), static_cast<unsigned long long>(b.total));
   }
-  EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms));
+  EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms, remote_));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
   memset(err_host_, 0, sizeof(GpuErrorRecord));
@@ -161,6 +186,14 @@ epResult_t GpuEngine::init() {
   if (e != cudaSuccess) EP_FAIL(epCudaError, "allocating the registered-memory table: %s", cudaGetErrorString(e));
   EPCHECK(initElastic());
   EPCHECK(initLl());
+  if (remote_mask_ != 0) {
+    uint8_t* bufs[kRemoteNumBuffers] = {static_cast<uint8_t*>(bufs_.local()), static_cast<uint8_t*>(ll_bufs_.local())};
+    const size_t bytes[kRemoteNumBuffers] = {lay_.total, ll_lay_.total};
+    proxy_ = std::make_unique<GpuProxy>(comm_->rank, R, remote_, cudaProxyDevice(device_));
+    EPCHECK(proxy_->start(comm_->bootstrap.get(), bufs, bytes, c.timeout_ms));
+    // Every rank's proxy is up before any kernel writes records for it.
+    EPCHECK(comm_->bootstrap->barrier(c.timeout_ms));
+  }
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
           device_, R, lay_.total, lay_.channels, lay_.queue_rows);
   if (getenv("EPCOMM_GPU_REPORT") && comm_->rank == 0)
@@ -175,7 +208,10 @@ HtParams GpuEngine::baseParams(int op) const {
   p.nranks = comm_->nranks;
   p.op = op;
   p.ctrl = static_cast<GpuCtrl*>(bufs_.local());
-  for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(bufs_.peer(r));
+  for (int r = 0; r < comm_->nranks; ++r)
+    p.base[r] = remote_[r] ? reinterpret_cast<uint8_t*>(kGpuRemoteWindow) : static_cast<uint8_t*>(bufs_.peer(r));
+  p.remote = remote_mask_;
+  p.rem = proxy_ ? proxy_->table() : nullptr;
   p.lay = lay_;
   p.err = err_dev_;
   p.claims = claims_;
@@ -222,6 +258,7 @@ void GpuEngine::pollAsyncError() {
 }
 
 void GpuEngine::abort() {
+  aborted_ = true;
   if (err_host_) reinterpret_cast<volatile GpuErrorRecord*>(err_host_)->abort = 1;
 }
 

@@ -1,8 +1,9 @@
-// The GPU engine: every operation between the GPUs of one host, over communication buffers shared with CUDA
-// IPC. Launch planning and host-side checks only; per-operation state lives in device memory (common/gpu_layout.h), so
-// nothing here runs between the kernels of captured operations. One file per operation family:
-// gpu_engine.cc (creation, shared parameters, error polling), ht.cc (layout, HT), ll.cc (LL dispatch/combine),
-// alltoallv.cc, elastic.cc; kernels in kernels/.
+// The GPU engine: every operation on the GPUs of one or more hosts. Within a host the ranks' communication buffers
+// are shared with CUDA IPC; toward ranks of other hosts the kernels write records that a proxy thread carries
+// over the net transport (proxy.h, common/gpu_remote.h). Launch planning and host-side checks only; per-operation
+// state lives in device memory (common/gpu_layout.h), so nothing here runs between the kernels of captured
+// operations. One file per operation family: gpu_engine.cc (creation, shared parameters, error polling), ht.cc
+// (layout, HT), ll.cc (LL dispatch/combine), alltoallv.cc, elastic.cc, registry.cc; proxy.cc; kernels in kernels/.
 #pragma once
 #include <memory>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "engine/comm.h"
 #include "engine/engine.h"
 #include "common/gpu_layout.h"
+#include "engine/gpu/proxy.h"
 #include "transport/ipc/ipc.h"
 
 namespace epcomm {
@@ -75,6 +77,12 @@ class GpuEngine final : public Engine {
   int regionOf(const void* x, size_t bytes, uint64_t* off) const;
 
   epComm* comm_;
+  // Ranks of other hosts (their buffers are not mapped; the proxy carries what is meant for them), as a vector
+  // and as the kernels' mask. Without any, no proxy exists.
+  std::vector<uint8_t> remote_;
+  uint64_t remote_mask_ = 0;
+  std::unique_ptr<GpuProxy> proxy_;
+  bool aborted_ = false;
   int device_ = 0;
   int blocks_ = 24;
   GpuBufferLayout lay_{};

@@ -35,7 +35,7 @@ epResult_t GpuEngine::initLl() {
   EP_REQUIRE(c.ll_max_hidden % 128 == 0, epInvalidHidden,
              "config.ll_max_hidden = %d must be a multiple of 128 on the GPU engine", c.ll_max_hidden);
   ll_lay_ = llLayout(R, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden);
-  EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.timeout_ms));
+  EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.timeout_ms, remote_));
   const int64_t want = epParamGpuLlBlocks();
   ll_blocks_ = want > 0 ? static_cast<int>(std::min<int64_t>(want, 1 << 16)) : ll_default_blocks_;
   ll_pdl_ = gpu_sharing_ == 1 && epParamGpuLlPdl() != 0;
@@ -72,7 +72,10 @@ LlParams GpuEngine::llParams(int op) const {
   p.nranks = comm_->nranks;
   p.op = op;
   p.blocks = ll_blocks_;
-  for (int r = 0; r < comm_->nranks; ++r) p.base[r] = static_cast<uint8_t*>(ll_bufs_.peer(r));
+  for (int r = 0; r < comm_->nranks; ++r)
+    p.base[r] = remote_[r] ? reinterpret_cast<uint8_t*>(kGpuRemoteWindow) : static_cast<uint8_t*>(ll_bufs_.peer(r));
+  p.remote = remote_mask_;
+  p.rem = proxy_ ? proxy_->table() : nullptr;
   p.lay = ll_lay_;
   p.err = err_dev_;
   p.claims = claims_;
@@ -167,6 +170,9 @@ static size_t zcRegionBytes(const LlLayout& l) {
 epResult_t GpuEngine::llCombineBuffer(void** y, size_t* bytes) {
   EP_REQUIRE(ll_lay_.total > 0, epInvalidUsage,
              "the communicator was created without low-latency capacity (config.ll_max_tokens_per_rank = 0)");
+  EP_REQUIRE(remote_mask_ == 0, epNotSupported,
+             "zero-copy LL combine: the token owners read the expert ranks' regions, which ranks on other hosts "
+             "cannot; pass y in your own memory");
   const uint64_t next = ll_sent_[kLlCombine] + 1;
   *y = static_cast<uint8_t*>(ll_bufs_.local()) + ll_lay_.comb + (next & 1) * zcRegionBytes(ll_lay_);
   *bytes = zcRegionBytes(ll_lay_);
@@ -194,7 +200,7 @@ epResult_t GpuEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, ep
   // y inside one of this rank's zero-copy regions: a zero-copy combine.
   const uint8_t* region = static_cast<const uint8_t*>(ll_bufs_.local()) + ll_lay_.comb;
   const uint8_t* y = static_cast<const uint8_t*>(a->y);
-  if (y >= region && y < region + 2 * zcRegionBytes(ll_lay_)) {
+  if (remote_mask_ == 0 && y >= region && y < region + 2 * zcRegionBytes(ll_lay_)) {
     const size_t need = static_cast<size_t>(p.L) * comm_->nranks * p.M * p.xrow;
     const size_t in_region = static_cast<size_t>(y - region) % zcRegionBytes(ll_lay_);
     EP_REQUIRE(in_region + need <= zcRegionBytes(ll_lay_), epBufferTooSmall,

@@ -85,6 +85,13 @@ epResult_t GpuEngine::regExchange(const GpuRegEntry& mine, std::vector<GpuRegEnt
 
 epResult_t GpuEngine::registerMemory(void* ptr, size_t bytes, epResult_t local, int* slot) {
   const int R = comm_->nranks, me = comm_->rank;
+  // Registered memory serves the pull combine, which ranks on several hosts do not use (they push): every rank
+  // refuses alike, with no exchange.
+  if (remote_mask_ != 0) {
+    if (local != epSuccess) return local;
+    EP_FAIL(epNotSupported, "epCommRegister: ranks on other hosts cannot map this memory (the GPU engine pushes "
+            "across hosts)");
+  }
   GpuRegEntry mine{};
   mine.kind = kRegRegister;
   mine.code = local;

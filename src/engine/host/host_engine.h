@@ -39,7 +39,7 @@
 
 #include "engine/comm.h"
 #include "engine/engine.h"
-#include "engine/host/net_bridge.h"
+#include "transport/bridge/net_bridge.h"
 #include "transport/shm/shm.h"
 
 namespace epcomm {

@@ -1,5 +1,5 @@
 // Host engine across hosts: rings and region-header words kept in step over the net transport (net_bridge.h).
-#include "engine/host/net_bridge.h"
+#include "transport/bridge/net_bridge.h"
 
 #include <algorithm>
 #include <array>
@@ -130,7 +130,7 @@ void NetBridge::markDead(Peer& p, const char* what) {
   }
   p.recv_failed = true;
   p.dead.store(true, std::memory_order_release);
-  EP_INFO(kSubsysNet, "host engine: rank %d lost its connection from rank %d: %s", rank_, p.rank, what);
+  EP_INFO(kSubsysNet, "net bridge: rank %d lost its connection from rank %d: %s", rank_, p.rank, what);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
   // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
   // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
   thread_ = std::thread([this] { progressLoop(); });
-  EP_INFO(kSubsysInit, "host engine: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
+  EP_INFO(kSubsysInit, "net bridge: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
           backend_->name());
   return epSuccess;
 }

@@ -1,4 +1,6 @@
-// Host engine across hosts: the shm ring protocol carried over the net transport.
+// Rings between hosts: the shm ring protocol carried over the net transport. The host engine's traffic to ranks of
+// other hosts goes through it, and so does the GPU engine's proxy (src/engine/gpu/proxy.h), which uses one
+// channel and the rings alone.
 //
 // The host engine talks to every peer through single-producer/single-consumer byte rings (RingEnd) and, for
 // elastic resynchronization, reads words each peer publishes in its region header. Within a host those live in

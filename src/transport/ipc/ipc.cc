@@ -17,7 +17,7 @@ IpcBuffers::~IpcBuffers() {
   }
 }
 
-epResult_t IpcBuffers::init(Bootstrap* bs, size_t bytes, int timeout_ms) {
+epResult_t IpcBuffers::init(Bootstrap* bs, size_t bytes, int timeout_ms, const std::vector<uint8_t>& remote) {
   rank_ = bs->rank();
   const int R = bs->nranks();
   base_.assign(R, nullptr);
@@ -33,15 +33,17 @@ epResult_t IpcBuffers::init(Bootstrap* bs, size_t bytes, int timeout_ms) {
   e = cudaIpcGetMemHandle(&handles[rank_], base_[rank_]);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaIpcGetMemHandle failed: %s", cudaGetErrorString(e));
   EPCHECK(bs->allgather(handles.data(), sizeof(cudaIpcMemHandle_t), timeout_ms));
+  int mapped = 0;
   for (int r = 0; r < R; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || (r < static_cast<int>(remote.size()) && remote[r])) continue;
     e = cudaIpcOpenMemHandle(&base_[r], handles[r], cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess)
       EP_FAIL(epCudaError, "cannot map rank %d's GPU buffer (cudaIpcOpenMemHandle: %s); ranks of one host must "
               "see each other's GPUs (peer access, or one GPU under MPS)", r, cudaGetErrorString(e));
     opened_[r] = true;
+    ++mapped;
   }
-  EP_INFO(kSubsysGpu, "ipc: mapped %d peer buffers of %zu bytes", R - 1, bytes);
+  EP_INFO(kSubsysGpu, "ipc: mapped %d peer buffers of %zu bytes", mapped, bytes);
   return bs->barrier(timeout_ms);
 }
 

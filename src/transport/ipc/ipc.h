@@ -15,8 +15,8 @@ class IpcBuffers {
  public:
   ~IpcBuffers();
   // Allocates `bytes` on the current device (zeroed), exchanges handles through the bootstrap and maps every
-  // peer's buffer. Collective.
-  epResult_t init(Bootstrap* bs, size_t bytes, int timeout_ms);
+  // peer's buffer but those of ranks with remote[r] != 0 (other hosts: peer(r) is nullptr). Collective.
+  epResult_t init(Bootstrap* bs, size_t bytes, int timeout_ms, const std::vector<uint8_t>& remote = {});
   void* local() const { return base_.empty() ? nullptr : base_[rank_]; }  // nullptr before init
   void* peer(int r) const { return base_[r]; }
 

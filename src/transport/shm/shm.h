@@ -67,6 +67,8 @@ class ShmRegion {
   RingCtl* ringCtl(int src, int ch) const;
   uint8_t* ringData(int src, int ch) const;
   size_t ringBytes() const { return ring_bytes_; }
+  void* base() const { return base_; }             // the whole mapping (the GPU proxy registers it with CUDA)
+  size_t mappedBytes() const { return bytes_; }
 
  private:
   void* base_ = nullptr;

@@ -1,0 +1,346 @@
+// The GPU engine's proxy (proxy.h): outbound rings into the net bridge, inbound records into this rank's buffers.
+#include "engine/gpu/proxy.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "common/checks.h"
+#include "common/log.h"
+#include "common/param.h"
+#include "common/time.h"
+
+namespace epcomm {
+
+// Bytes of each outbound ring (one per rank of another host, pinned host memory) and of each inbox the bridge
+// fills (one per such rank). Both hold several of the largest records (an HT queue slot, an LL slot's row).
+EP_PARAM(GpuProxyRingBytes, "GPU_PROXY_RING_BYTES", 8 << 20);
+// 1: the proxy prints where every stream stands once a second (diagnostics).
+EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
+
+namespace {
+
+constexpr int kMaxCopies = 16384;  // DATA records applied per batch
+constexpr int kMaxFlags = 8192;    // FLAG records applied per batch
+constexpr int kOutPerTurn = 1024;  // records moved from one ring per turn of the loop
+std::mutex g_why_mutex;            // guards GpuProxy::why_ (diagnostics only)
+
+// A record's ring bytes from its header (0 for a type no kernel writes).
+uint64_t recordSize(const GpuRemoteRecord& h) {
+  switch (h.type) {
+    case kRemoteSkip: return h.len;
+    case kRemoteData: return remoteRecordBytes(h.len);
+    case kRemoteFlag: return remoteRecordBytes(8);
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+GpuProxy::GpuProxy(int rank, int nranks, std::vector<uint8_t> remote, std::unique_ptr<ProxyDevice> device)
+    : rank_(rank), nranks_(nranks), remote_(std::move(remote)), dev_(std::move(device)) {
+  for (int r = 0; r < nranks_; ++r)
+    if (remote_[r]) mask_ |= 1ull << r;
+  out_.resize(nranks_);
+  in_.resize(nranks_);
+  why_.resize(nranks_);
+}
+
+GpuProxy::~GpuProxy() {
+  stop(false, nullptr, 0);
+  if (!dev_) return;
+  for (Out& o : out_)
+    if (o.ring) dev_->freeMapped(o.ring);
+  if (consumed_) dev_->freeMapped(consumed_);
+  if (reserved_dev_) dev_->freeDevice(reserved_dev_);
+  if (table_dev_) dev_->freeDevice(table_dev_);
+  if (copies_) dev_->freeMapped(copies_);
+  if (flags_) dev_->freeMapped(flags_);
+  if (staging_) dev_->freeMapped(staging_);
+}
+
+epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers], const size_t bytes[kRemoteNumBuffers],
+                           int timeout_ms) {
+  EP_REQUIRE(dev_ != nullptr, epNotSupported, "GPU proxy: this build has no CUDA device support");
+  for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) {
+    bufs_[b] = bufs[b];
+    buf_bytes_[b] = bufs[b] ? bytes[b] : 0;
+  }
+  ring_bytes_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyRingBytes(), 1 << 20)) & ~size_t{kRemoteRecordAlign - 1};
+  inbox_bytes_ = ring_bytes_;
+  GpuRemote table{};
+  void* dev = nullptr;
+  EPCHECK(dev_->allocMapped(sizeof(uint64_t) * nranks_, reinterpret_cast<void**>(&consumed_), &dev));
+  uint64_t* consumed_dev = static_cast<uint64_t*>(dev);
+  EPCHECK(dev_->allocDevice(sizeof(unsigned long long) * nranks_, reinterpret_cast<void**>(&reserved_dev_)));
+  for (int r = 0; r < nranks_; ++r) {
+    if (!remote_[r]) continue;
+    // Zeroed: no stamp matches a position before the kernels write it.
+    EPCHECK(dev_->allocMapped(ring_bytes_, reinterpret_cast<void**>(&out_[r].ring), &dev));
+    table.ring[r] = GpuRemoteRing{static_cast<uint8_t*>(dev), reserved_dev_ + r, consumed_dev + r, ring_bytes_};
+  }
+  EPCHECK(dev_->allocDevice(sizeof(GpuRemote), reinterpret_cast<void**>(&table_dev_)));
+  EPCHECK(dev_->upload(table_dev_, &table, sizeof(table)));
+
+  // The bridge's inboxes: a region of this process only (created, then unlinked at once). The payloads of a batch
+  // are copied from there into pinned staging, which the apply step reads (registering the region with CUDA
+  // instead is not offered everywhere: sandboxed drivers refuse cudaHostRegister of shared mappings).
+  EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
+  inbox_.unlink();
+  staging_bytes_ = 2 * inbox_bytes_;
+  EPCHECK(dev_->allocMapped(sizeof(ProxyCopy) * kMaxCopies, reinterpret_cast<void**>(&copies_), &copies_dev_));
+  EPCHECK(dev_->allocMapped(sizeof(ProxyFlag) * kMaxFlags, reinterpret_cast<void**>(&flags_), &flags_dev_));
+  EPCHECK(dev_->allocMapped(staging_bytes_, reinterpret_cast<void**>(&staging_), &dev));
+  staging_dev_ = static_cast<uint8_t*>(dev);
+
+  EPCHECK(dev_->prepare());
+  bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_, remote_, &inbox_);
+  EPCHECK(bridge_->connect(bs, timeout_ms));
+  thread_ = std::thread([this] { loop(); });
+  EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings",
+          rank_, __builtin_popcountll(mask_), bridge_->backendName(), ring_bytes_);
+  return epSuccess;
+}
+
+void GpuProxy::refuse(int q, const char* what) {
+  {
+    std::lock_guard<std::mutex> l(g_why_mutex);
+    if (why_[q].empty()) why_[q] = what;
+  }
+  in_[q].bad = true;
+  EP_WARN("GPU proxy: rank %d drops everything further from rank %d: %s", rank_, q, what);
+}
+
+bool GpuProxy::failed(int r, std::string* why) const {
+  std::string w;
+  if (bridge_ && bridge_->dead(r, &w)) {
+    if (why) *why = w;
+    return true;
+  }
+  std::lock_guard<std::mutex> l(g_why_mutex);
+  if (why_[r].empty()) return false;
+  if (why) *why = why_[r];
+  return true;
+}
+
+// Records of ring r, in order, into the bridge's outbox toward r (dropped when r is dead); each counts as consumed
+// once all of it is in the outbox.
+bool GpuProxy::pumpOut(int r) {
+  Out& o = out_[r];
+  bool moved = false;
+  if (o.broken) return false;
+  const bool dead = bridge_->dead(r);
+  RingEnd outbox = bridge_->outEnd(0, r);
+  for (int n = 0; n < kOutPerTurn; ++n) {
+    const size_t at = o.pos % ring_bytes_;
+    GpuRemoteRecord* h = reinterpret_cast<GpuRemoteRecord*>(o.ring + at);
+    if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != o.pos + 1) break;
+    const uint64_t size = recordSize(*h);
+    if (size < sizeof(GpuRemoteRecord) || size % kRemoteRecordAlign != 0 || size > ring_bytes_ - at) {
+      // This rank's own kernels wrote it: a bug. Nothing after it can be trusted; the peer times out.
+      EP_WARN("GPU proxy: rank %d's ring toward rank %d holds a malformed record (type %u, %u bytes) at %llu",
+              rank_, r, h->type, h->len, static_cast<unsigned long long>(o.pos));
+      o.broken = true;
+      std::lock_guard<std::mutex> l(g_why_mutex);
+      if (why_[r].empty()) why_[r] = "this rank's ring toward it held a malformed record";
+      return moved;
+    }
+    if (h->type != kRemoteSkip && !dead) {
+      const size_t put = outbox.push(o.ring + at + o.pushed, size - o.pushed);
+      o.pushed += put;
+      moved |= put > 0;
+      if (o.pushed < size) break;  // the outbox is full: the rest next turn
+    }
+    o.pos += size;
+    o.pushed = 0;
+    __atomic_store_n(&consumed_[r], o.pos, __ATOMIC_RELEASE);
+    ++recs_out_;
+    moved = true;
+  }
+  return moved;
+}
+
+// Whole records of inbox q, checked, into the batch (DATA as copies, FLAG as flags), until the batch is full.
+bool GpuProxy::gatherIn(int q) {
+  In& in = in_[q];
+  RingEnd inbox(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_);
+  const size_t avail = inbox.available();
+  if (in.bad) {  // keep the bridge flowing, apply nothing
+    if (avail > in.parsed) inbox.release(avail - in.parsed);
+    return false;
+  }
+  const size_t max_payload = inbox_bytes_ / 4;
+  bool moved = false;
+  while (avail - in.parsed >= sizeof(GpuRemoteRecord) && ncopies_ < kMaxCopies && nflags_ < kMaxFlags) {
+    GpuRemoteRecord h;
+    inbox.copyOut(&h, in.parsed, sizeof(h));
+    // Everything a peer sent is checked before use (R5).
+    const char* bad = nullptr;
+    const uint64_t len = h.type == kRemoteFlag ? 8 : h.len;
+    if (h.type != kRemoteData && h.type != kRemoteFlag) bad = "a record of an unknown type";
+    else if (h.buf >= kRemoteNumBuffers || bufs_[h.buf] == nullptr) bad = "a record for a buffer this rank lacks";
+    else if ((h.type == kRemoteFlag && (h.len != 8 || h.off % 8 != 0)) || len > max_payload ||
+             h.off > buf_bytes_[h.buf] || len > buf_bytes_[h.buf] - h.off)
+      bad = "a record past the end of its buffer, misaligned, or larger than the rings allow";
+    if (bad != nullptr) {
+      refuse(q, bad);
+      return moved;
+    }
+    const uint64_t size = remoteRecordBytes(len);
+    if (avail - in.parsed < size) break;  // the rest is still on its way
+    if (h.type == kRemoteFlag) {
+      uint64_t v;
+      inbox.copyOut(&v, in.parsed + sizeof(h), 8);
+      flags_[nflags_++] = ProxyFlag{reinterpret_cast<uint64_t*>(bufs_[h.buf] + h.off), v};
+    } else if (len > 0) {
+      const uint64_t room = (len + 15) & ~uint64_t{15};  // 16-byte aligned payloads: the kernels' wide copies
+      if (staged_ + room > staging_bytes_) break;        // the batch's staging is full: next batch
+      inbox.copyOut(staging_ + staged_, in.parsed + sizeof(h), len);
+      copies_[ncopies_++] = ProxyCopy{staging_dev_ + staged_, bufs_[h.buf] + h.off, len};
+      staged_ += room;
+    }
+    in.parsed += size;
+    ++recs_in_;
+    moved = true;
+  }
+  return moved;
+}
+
+// Applies the batch (the device's apply waits for it), then frees its bytes in the inboxes.
+bool GpuProxy::applyBatch() {
+  if (ncopies_ == 0 && nflags_ == 0) return false;
+  ++batches_;
+  if (dev_->apply(static_cast<const ProxyCopy*>(copies_dev_), ncopies_, static_cast<const ProxyFlag*>(flags_dev_),
+                  nflags_) != epSuccess) {
+    EP_WARN("GPU proxy: rank %d cannot store what ranks of other hosts sent", rank_);
+    for (int q = 0; q < nranks_; ++q)
+      if (remote_[q]) refuse(q, "the apply step failed");
+  }
+  for (int q = 0; q < nranks_; ++q) {
+    if (!remote_[q] || in_[q].parsed == 0) continue;
+    RingEnd(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_).release(in_[q].parsed);
+    in_[q].parsed = 0;
+  }
+  ncopies_ = nflags_ = 0;
+  staged_ = 0;
+  return true;
+}
+
+// One line per remote rank: the ring (taken, the stamp and type at that position), the outbox toward it and the
+// inbox from it, and what the proxy moved so far.
+void GpuProxy::trace() {
+  for (int r = 0; r < nranks_; ++r) {
+    if (!remote_[r]) continue;
+    const Out& o = out_[r];
+    const GpuRemoteRecord* h = reinterpret_cast<const GpuRemoteRecord*>(o.ring + o.pos % ring_bytes_);
+    RingEnd ob = bridge_->outEnd(0, r);
+    RingEnd ib(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_);
+    fprintf(stderr, "epcomm proxy rank %d -> %d: ring at %llu (stamp there %llu, type %u%s), outbox %zu bytes free; "
+            "inbox from %d: %zu available, %llu parsed%s; records out %llu in %llu, batches %llu\n", rank_, r,
+            static_cast<unsigned long long>(o.pos), static_cast<unsigned long long>(__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE)),
+            h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(),
+            static_cast<unsigned long long>(in_[r].parsed), in_[r].bad ? ", refused" : "",
+            static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_),
+            static_cast<unsigned long long>(batches_));
+  }
+}
+
+void GpuProxy::loop() {
+  dev_->threadStart();
+  const bool tracing = epParamGpuProxyTrace() != 0;
+  int64_t next_trace = nowNs();
+  Backoff backoff;
+  for (;;) {
+    if (tracing && nowNs() >= next_trace) {
+      trace();
+      next_trace = nowNs() + 1000000000LL;
+    }
+    const bool stopping = stop_.load(std::memory_order_acquire);
+    bool moved = false;
+    for (int r = 0; r < nranks_; ++r)
+      if (remote_[r]) moved |= pumpOut(r);
+    if (stopping) break;  // flush: only the rings; see stop()
+    for (int q = 0; q < nranks_; ++q)
+      if (remote_[q]) moved |= gatherIn(q);
+    moved |= applyBatch();
+    if (moved) backoff.reset();
+    else backoff.pause();
+  }
+}
+
+void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
+  if (!thread_.joinable()) {
+    if (bridge_) bridge_->shutdown(false, nullptr, 0);
+    return;
+  }
+  stop_.store(true, std::memory_order_release);
+  thread_.join();
+  if (flush) {
+    // This rank's kernels have ended: what they reserved is all they will write. Forward the rest, then let the
+    // bridge send it and say goodbye.
+    const Deadline deadline = Deadline::afterMs(timeout_ms);
+    std::vector<unsigned long long> reserved(nranks_, 0);
+    dev_->download(reserved.data(), reserved_dev_, sizeof(unsigned long long) * nranks_);
+    Backoff backoff;
+    for (;;) {
+      bool left = false, moved = false;
+      for (int r = 0; r < nranks_; ++r) {
+        if (!remote_[r] || (live && !live[r]) || bridge_->dead(r)) continue;
+        moved |= pumpOut(r);
+        left |= !out_[r].broken && out_[r].pos < reserved[r];
+      }
+      if (!left || deadline.expired()) break;
+      if (moved) backoff.reset();
+      else backoff.pause();
+    }
+    std::vector<uint8_t> to(live ? std::vector<uint8_t>(live, live + nranks_) : remote_);
+    bridge_->shutdown(true, to.data(), static_cast<int>(deadline.remainingMs()));
+  } else {
+    bridge_->shutdown(false, nullptr, 0);
+  }
+}
+
+namespace {
+
+// Host memory for both sides: what the CPU tests run the proxy on.
+class HostProxyDevice final : public ProxyDevice {
+ public:
+  epResult_t allocMapped(size_t bytes, void** host, void** dev) override {
+    void* p = nullptr;
+    if (posix_memalign(&p, 4096, bytes ? bytes : 1) != 0) EP_FAIL(epSystemError, "allocating %zu bytes", bytes);
+    memset(p, 0, bytes);
+    *host = *dev = p;
+    return epSuccess;
+  }
+  void freeMapped(void* host) override { free(host); }
+  epResult_t allocDevice(size_t bytes, void** dev) override {
+    void* h = nullptr;
+    return allocMapped(bytes, dev, &h);
+  }
+  void freeDevice(void* dev) override { free(dev); }
+  epResult_t upload(void* dev, const void* src, size_t bytes) override {
+    memcpy(dev, src, bytes);
+    return epSuccess;
+  }
+  epResult_t download(void* dst, const void* dev, size_t bytes) override {
+    memcpy(dst, dev, bytes);
+    return epSuccess;
+  }
+  epResult_t prepare() override { return epSuccess; }
+  void threadStart() override {}
+  epResult_t apply(const ProxyCopy* copies, int ncopies, const ProxyFlag* flags, int nflags) override {
+    for (int i = 0; i < ncopies; ++i) memcpy(copies[i].dst, copies[i].src, copies[i].len);
+    for (int i = 0; i < nflags; ++i) __atomic_store_n(flags[i].dst, flags[i].value, __ATOMIC_RELEASE);
+    return epSuccess;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<ProxyDevice> hostProxyDevice() { return std::make_unique<HostProxyDevice>(); }
+
+#if !EPCOMM_HAVE_GPU_ENGINE
+std::unique_ptr<ProxyDevice> cudaProxyDevice(int) { return nullptr; }
+#endif
+
+}  // namespace epcomm

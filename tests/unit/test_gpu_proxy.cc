@@ -1,0 +1,284 @@
+// The GPU engine's proxy between hosts (src/engine/gpu/proxy.h), run on host memory (hostProxyDevice) with the
+// kernels' side of the rings (kernels/remote.cuh) written by CPU threads instead:
+//  - DATA records of every size and alignment land at their offsets, and a FLAG after them is seen only once they
+//    are all there; several writers at once (as warps), over many laps of a small ring (SKIP records), both
+//    directions, 2 and 3 ranks;
+//  - what a peer sends is checked (R5): a record past its buffer's end, for a buffer the rank lacks, or of an
+//    unknown type ends that peer's stream, logged, and nothing of it is stored;
+//  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "bootstrap/bootstrap.h"
+#include "common/gpu_remote.h"
+#include "engine/gpu/proxy.h"
+#include "multiproc.h"
+
+namespace {
+
+using epcomm::GpuProxy;
+using epcomm::GpuRemote;
+using epcomm::GpuRemoteRecord;
+using epcomm::GpuRemoteRing;
+
+#define CK(cond, ...) EP_RANK_CHECK(rank, cond, __VA_ARGS__)
+
+constexpr size_t kHtBytes = 8 << 20, kLlBytes = 1 << 20;
+
+// What kernels/remote.cuh does on the device, for a CPU writer: reserve, wait for room, header, payload, stamp.
+struct RingWriter {
+  GpuRemoteRing g;
+  bool room(uint64_t end, int timeout_ms) const {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (end > g.bytes && *g.consumed < end - g.bytes) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::yield();
+    }
+    return true;
+  }
+  static void stamp(GpuRemoteRecord* h, uint64_t pos) { __atomic_store_n(&h->stamp, pos + 1, __ATOMIC_RELEASE); }
+  // A record's header (stamp not yet stored) and its position; nullptr when no room came in time.
+  GpuRemoteRecord* reserve(uint32_t type, uint32_t buf, uint64_t off, uint32_t len, uint64_t* pos_out,
+                           int timeout_ms = 20000) const {
+    const uint64_t need = epcomm::remoteRecordBytes(type == epcomm::kRemoteFlag ? 8 : len);
+    for (;;) {
+      const uint64_t pos = __atomic_fetch_add(g.reserved, need, __ATOMIC_RELAXED);
+      const uint64_t at = pos % g.bytes;
+      if (!room(pos + need, timeout_ms)) return nullptr;
+      GpuRemoteRecord* h = reinterpret_cast<GpuRemoteRecord*>(g.data + at);
+      if (at + need <= g.bytes) {
+        h->type = type;
+        h->buf = buf;
+        h->off = off;
+        h->len = type == epcomm::kRemoteFlag ? 8 : len;
+        *pos_out = pos;
+        return h;
+      }
+      h->type = epcomm::kRemoteSkip;
+      h->len = static_cast<uint32_t>(g.bytes - at);
+      stamp(h, pos);
+      if (need > g.bytes - at) {
+        h = reinterpret_cast<GpuRemoteRecord*>(g.data);
+        h->type = epcomm::kRemoteSkip;
+        h->len = static_cast<uint32_t>(need - (g.bytes - at));
+        stamp(h, pos + (g.bytes - at));
+      }
+    }
+  }
+  bool data(uint32_t buf, uint64_t off, const void* src, uint32_t len) const {
+    uint64_t pos;
+    GpuRemoteRecord* h = reserve(epcomm::kRemoteData, buf, off, len, &pos);
+    if (h == nullptr) return false;
+    memcpy(h + 1, src, len);
+    stamp(h, pos);
+    return true;
+  }
+  bool flag(uint32_t buf, uint64_t off, uint64_t v) const {
+    uint64_t pos;
+    GpuRemoteRecord* h = reserve(epcomm::kRemoteFlag, buf, off, 8, &pos);
+    if (h == nullptr) return false;
+    memcpy(h + 1, &v, 8);
+    stamp(h, pos);
+    return true;
+  }
+};
+
+uint64_t loadAcquire(const uint8_t* buf, uint64_t off) {
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(buf + off), __ATOMIC_ACQUIRE);
+}
+bool waitWord(const uint8_t* buf, uint64_t off, uint64_t want, int timeout_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (loadAcquire(buf, off) < want)
+    if (std::chrono::steady_clock::now() > until) return false;
+    else std::this_thread::yield();
+  return true;
+}
+
+// One rank: its bootstrap, buffers and proxy, with every other rank on another host.
+struct Rank {
+  std::unique_ptr<epcomm::Bootstrap> bs;
+  std::vector<uint8_t> ht, ll;
+  std::unique_ptr<GpuProxy> proxy;
+  std::vector<RingWriter> to;  // [peer]
+  epResult_t init(const epUniqueId& id, int rank, int R) {
+    epResult_t r = epcomm::bootstrapInitSocket(&id, rank, R, 20000, &bs);
+    if (r != epSuccess) return r;
+    ht.assign(kHtBytes, 0);
+    ll.assign(kLlBytes, 0);
+    std::vector<uint8_t> remote(R, 1);
+    remote[rank] = 0;
+    proxy = std::make_unique<GpuProxy>(rank, R, remote, epcomm::hostProxyDevice());
+    uint8_t* bufs[epcomm::kRemoteNumBuffers] = {ht.data(), ll.data()};
+    const size_t bytes[epcomm::kRemoteNumBuffers] = {ht.size(), ll.size()};
+    if ((r = proxy->start(bs.get(), bufs, bytes, 20000)) != epSuccess) return r;
+    const GpuRemote* t = proxy->table();  // host memory on this device
+    for (int p = 0; p < R; ++p) to.push_back(RingWriter{t->ring[p]});
+    return bs->barrier(20000);
+  }
+};
+
+// Round k's byte i of the data `src` sends `dst`.
+uint8_t pattern(int src, int dst, int k, size_t i) { return static_cast<uint8_t>(src * 131 + dst * 29 + k * 7 + i * 13 + (i >> 9)); }
+
+// Rounds between every pair, both ways: each writer thread sends its share of the round's pieces (sizes 1 byte to
+// 40 KB, any alignment) into a slice of the peer's HT buffer, then the round's flag to the peer's LL buffer once
+// all threads are done; the peer checks every byte of its slice from that source, then acknowledges the round.
+int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int threads) {
+  Rank me;
+  CK(me.init(id, rank, R) == epSuccess, "init: %s", epGetLastError(nullptr));
+  const size_t slice = kHtBytes / R;
+  std::atomic<int> failed{0};
+  std::thread sender([&] {
+    for (int k = 1; k <= rounds && !failed; ++k) {
+      for (int q = 0; q < R; ++q) {
+        if (q == rank) continue;
+        // The peer has read round k - 1 (its acknowledgement, at word R + rank of this rank's LL buffer).
+        if (!waitWord(me.ll.data(), 8 * (R + q), k - 1, 20000)) {
+          failed = 1;
+          return;
+        }
+        std::mt19937 rng(k * 1000 + rank * 10 + q);
+        std::vector<std::pair<size_t, size_t>> pieces;  // (offset in the slice, length)
+        for (size_t at = 0; at < slice;) {
+          const size_t n = std::min<size_t>(1 + rng() % 40000, slice - at);
+          pieces.emplace_back(at, n);
+          at += n + rng() % 5;
+        }
+        std::vector<std::thread> ws;
+        for (int w = 0; w < threads; ++w)
+          ws.emplace_back([&, w] {
+            std::vector<uint8_t> buf;
+            for (size_t i = w; i < pieces.size(); i += threads) {
+              buf.resize(pieces[i].second);
+              for (size_t j = 0; j < buf.size(); ++j) buf[j] = pattern(rank, q, k, pieces[i].first + j);
+              if (!me.to[q].data(epcomm::kRemoteHtBuffer, rank * slice + pieces[i].first, buf.data(),
+                                 static_cast<uint32_t>(buf.size())))
+                failed = 2;
+            }
+          });
+        for (auto& t : ws) t.join();
+        // Every piece's record is reserved before this flag's: the peer stores them first.
+        if (!me.to[q].flag(epcomm::kRemoteLlBuffer, 8 * rank, k)) failed = 3;
+      }
+    }
+  });
+  int bad = 0;
+  for (int k = 1; k <= rounds && !failed && !bad; ++k)
+    for (int s = 0; s < R && !bad; ++s) {
+      if (s == rank) continue;
+      if (!waitWord(me.ll.data(), 8 * s, k, 20000)) {
+        bad = 1;
+        fprintf(stderr, "rank %d: round %d from rank %d never came\n", rank, k, s);
+        break;
+      }
+      std::mt19937 rng(k * 1000 + s * 10 + rank);
+      for (size_t at = 0; at < slice;) {
+        const size_t n = std::min<size_t>(1 + rng() % 40000, slice - at);
+        for (size_t j = 0; j < n && !bad; ++j)
+          if (me.ht[s * slice + at + j] != pattern(s, rank, k, at + j)) {
+            fprintf(stderr, "rank %d: round %d from rank %d: byte %zu of the slice differs\n", rank, k, s, at + j);
+            bad = 1;
+          }
+        at += n + rng() % 5;
+      }
+      if (!me.to[s].flag(epcomm::kRemoteLlBuffer, 8 * (R + rank), k)) bad = 1;  // acknowledged
+    }
+  if (bad) failed = 4;
+  sender.join();
+  CK(failed == 0, "exchange failed (%d)", failed.load());
+  CK(me.proxy->ringBytes() < static_cast<size_t>(rounds) * kHtBytes / R, "the rings did not wrap");
+  std::string why;
+  for (int q = 0; q < R; ++q) CK(q == rank || !me.proxy->failed(q, &why), "stream with rank %d failed: %s", q, why.c_str());
+  CK(me.bs->barrier(20000) == epSuccess, "final barrier");
+  std::vector<uint8_t> live(R, 1);
+  me.proxy->stop(true, live.data(), 5000);
+  return 0;
+}
+
+TEST(GpuProxy, RecordsArriveInOrderAcrossLaps) {
+  setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);  // the smallest: many laps, SKIP records at every end
+  for (int R : {2, 3}) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+    auto codes = epcomm::test::runRanks(R, [&](int rank) { return exchangeRounds(rank, R, id, 12, 4); }, 240000);
+    for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
+  }
+}
+
+// Rank 0 sends rank 1 a good round, then a record that must be refused, one kind per run: past its buffer's end,
+// for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), or of an unknown type
+// (rank 0's proxy refuses to forward its own ring past it). Nothing after the bad record is stored.
+TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
+  for (int kind = 0; kind < 3; ++kind) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+    auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+      Rank me;
+      CK(me.init(id, rank, 2) == epSuccess, "init: %s", epGetLastError(nullptr));
+      if (rank == 0) {
+        const uint8_t good[64] = {1, 2, 3};
+        CK(me.to[1].data(epcomm::kRemoteHtBuffer, 4096, good, sizeof(good)), "good record");
+        CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 0, 1), "good flag");
+        uint64_t pos;
+        GpuRemoteRecord* h = nullptr;
+        if (kind == 0) h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, kHtBytes - 8, 64, &pos);
+        if (kind == 1) h = me.to[1].reserve(epcomm::kRemoteFlag, 7, 0, 8, &pos);
+        if (kind == 2) {
+          h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, 0, 64, &pos);
+          if (h) h->type = 77;
+        }
+        CK(h != nullptr, "reserving the bad record");
+        memset(h + 1, 0xEE, 64);
+        RingWriter::stamp(h, pos);
+        CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 8, 2), "a flag after it");
+        std::string why;
+        for (int i = 0; kind == 2 && i < 2000 && !me.proxy->failed(1, &why); ++i) usleep(1000);
+        CK(kind != 2 || me.proxy->failed(1, &why), "rank 0 forwarded a record of an unknown type");
+      } else {
+        CK(waitWord(me.ht.data(), 0, 1, 20000), "the good round never came");
+        CK(me.ht[4096] == 1 && me.ht[4098] == 3, "the good record's bytes");
+        std::string why;
+        for (int i = 0; kind != 2 && i < 2000 && !me.proxy->failed(0, &why); ++i) usleep(1000);
+        CK(kind == 2 || me.proxy->failed(0, &why), "the bad record (kind %d) was not refused", kind);
+        usleep(100000);
+        CK(loadAcquire(me.ht.data(), 8) == 0, "a flag after a refused record was stored");
+        CK(me.ht[kHtBytes - 8] == 0 && me.ht[0] == 1, "a refused record was stored");
+      }
+      CK(me.bs->barrier(20000) == epSuccess, "final barrier");
+      return 0;
+    }, 120000);
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", kind " << kind;
+  }
+}
+
+// Rank 1 dies; rank 0 keeps writing far more than its ring holds toward it: the proxy drops what is meant for the
+// dead rank once the bridge finds it gone, so no writer waits past its deadline.
+TEST(GpuProxy, RingsTowardADeadRankKeepDraining) {
+  setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+    Rank me;
+    CK(me.init(id, rank, 2) == epSuccess, "init: %s", epGetLastError(nullptr));
+    if (rank == 1) _exit(0);  // gone, without a goodbye
+    std::vector<uint8_t> row(30000, 0x42);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 2000; ++i)  // 60 MB: 60 laps of the ring
+      CK(me.to[1].data(epcomm::kRemoteHtBuffer, 0, row.data(), static_cast<uint32_t>(row.size())), "record %d", i);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CK(me.proxy->failed(1, nullptr), "the dead rank was not noticed");
+    CK(s < 30, "writing toward the dead rank took %.1f s", s);
+    me.proxy->stop(false, nullptr, 0);
+    return 0;
+  }, 120000);
+  EXPECT_EQ(codes[0], 0);
+}
+
+}  // namespace
