@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
     ent[1] = p.dev_send_counts ? -1 : static_cast<int64_t>(p.recv_bytes[r]);
     if (rs.hdr != nullptr) stampRecord(rs.hdr, rs.pos);
     fenceForPeers(p.ht.gpu_scope);
-    publish<kX>(p.ht, r, kRemoteHtBuffer, &reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me))->tag,
-            e, e, p.ht.gpu_scope);
+    MailboxHead* mh = reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me));
+    publish<kX>(p.ht, r, kRemoteHtBuffer, &mh->tag, e, e, p.ht.gpu_scope);
   }
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
@@ -159,16 +159,16 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
     // instances of the loop, mapped and across hosts.
     auto rounds = [&](auto far_c) {
       constexpr bool kFar = decltype(far_c)::value;
-      uint64_t* tail = qCounter(h, r, kDispTail, me, c);
-      uint64_t* sent_copy = qCounter(h, me, kDispSent, r, c);
-      const uint64_t* head = kFar ? qCounter(h, me, kDispHeadBack, r, c) : qCounter(h, r, kDispHead, me, c);
-      const uint64_t base = rankActive(h.el, r) ? ldAcquire(kFar ? sent_copy : tail, h.gpu_scope) : 0;
+      const QueueSend qs =
+          queueSend<kFar>(h, r, c, kDispTail, kDispHead, kDispSent, kDispHeadBack, rankActive(h.el, r));
+      const uint64_t base = qs.base;
       uint8_t* q = h.base[r] + h.lay.disp_q + (static_cast<size_t>(me) * C + c) * Q * h.lay.disp_slot;
       bool alive = true;
       for (int k = cb; k < ce; k += RC) {
         const int kend = min(k + RC, ce);
         const uint64_t end = base + (kend - cb);  // room for the round's chunks
-        alive = groupWait(h, G, r, g, head, end > static_cast<uint64_t>(Q) ? end - Q : 0, epPhaseData, e, alive, s_ok);
+        const uint64_t want = end > static_cast<uint64_t>(Q) ? end - Q : 0;
+        alive = groupWait(h, G, r, g, qs.head, want, epPhaseData, e, alive, s_ok);
         for (int i = k + g; alive && i < kend; i += G) {
           const uint64_t idx = base + (i - cb), from = static_cast<uint64_t>(i) * CH;
           uint8_t* slot = q + (idx % Q) * h.lay.disp_slot;
@@ -184,14 +184,7 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
         }
         fenceForPeers(h.gpu_scope);
         groupSync(G, r);
-        if (g == 0 && lane == 0 && noFailure(h)) {
-          if constexpr (kFar) {
-            remoteFlag(h, r, kRemoteHtBuffer, remoteOff(tail), end, e);
-            stRelaxed(sent_copy, end);
-          } else {
-            stRelease(tail, end, h.gpu_scope);
-          }
-        }
+        if (g == 0 && lane == 0 && noFailure(h)) publishTail<kFar>(h, qs, r, end, e);
       }
     };
     if (isRemote(farMask<kX>(h), r)) rounds(FarTag<kX>{});
@@ -218,11 +211,8 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
         warpCopyAny(p.recvbuf + from_s.off + from, q + (idx % Q) * h.lay.disp_slot, min(CH, from_s.keep - from), lane);
     }
     groupSync(G, s);
-    if (g == 0 && lane == 0) {
-      stRelease(head, base + kend - cb, h.gpu_scope);
-      if (isRemote(farMask<kX>(h), s))
-        remoteFlag(h, s, kRemoteHtBuffer, remoteOff(qCounter(h, s, kDispHeadBack, me, c)), base + kend - cb, e);
-    }
+    if (g == 0 && lane == 0)
+      publishHead(h, head, s, c, kDispHeadBack, base + kend - cb, e, isRemote(farMask<kX>(h), s));
   }
 }
 

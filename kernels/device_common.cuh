@@ -77,26 +77,36 @@ __device__ void recordViolation(const P& p, int code) {
   } while (r->violations < n);
 }
 
+// The time a device wait has waited. %globaltimer can step backwards or jump when the driver resynchronizes it (seen
+// in a VM): elapsed time is the sum of the forward steps between checks, each capped, so a jump never fakes a
+// timeout.
+struct WaitClock {
+  uint64_t last, elapsed;
+  __device__ WaitClock() : last(globaltimer()), elapsed(0) {}
+  // Takes a step and says whether the wait has passed timeout_ns.
+  __device__ __forceinline__ bool over(uint64_t timeout_ns) {
+    constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;
+    const uint64_t now = globaltimer();
+    const int64_t step = static_cast<int64_t>(now - last);
+    last = now;
+    if (step > 0) elapsed += static_cast<uint64_t>(step) < kMaxStepNs ? static_cast<uint64_t>(step) : kMaxStepNs;
+    return elapsed > timeout_ns;
+  }
+};
+
 // Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.
 // Acquires at the scope of the operation's ranks (P::gpu_scope).
 template <class P>
 __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch) {
   const bool gpu_scope = p.gpu_scope != 0;
   if (ldAcquire(flag, gpu_scope) >= want) return true;
-  // %globaltimer can step backwards or jump when the driver resynchronizes it (seen in a VM): elapsed time is
-  // the sum of the forward steps between checks, each capped, so a jump never fakes a timeout.
-  constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;
-  uint64_t last = globaltimer(), elapsed = 0;
+  WaitClock clock;
   volatile GpuErrorRecord* err = p.err;
   for (uint32_t it = 1;; ++it) {
     if (ldAcquire(flag, gpu_scope) >= want) return true;
     if ((it & 127) == 0) {
       if (err->code != 0 || err->abort != 0) return false;
-      const uint64_t now = globaltimer();
-      const int64_t step = static_cast<int64_t>(now - last);
-      last = now;
-      if (step > 0) elapsed += static_cast<uint64_t>(step) < kMaxStepNs ? static_cast<uint64_t>(step) : kMaxStepNs;
-      if (elapsed > p.timeout_ns) {
+      if (clock.over(p.timeout_ns)) {
         recordError(p, epTimeout, peer, phase, epoch);
         return false;
       }

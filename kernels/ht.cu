@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
       __syncthreads();
       rec = s_rec;
       __syncthreads();  // every thread has read s_rec before thread 0 reserves the next
-      if (rec.hdr == nullptr) continue;  // a failed wait (recorded): the ring toward r is stuck, the communicator broken
+      if (rec.hdr == nullptr) continue;  // a failed wait (recorded): the ring toward r is stuck for good
       ent = reinterpret_cast<int32_t*>(rec.payload());
     }
     for (int j = tid; j < R; j += blockDim.x) ent[j] = s_count[j];
@@ -397,11 +397,9 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     // records. The two cases are two instances of the loop, so that the mapped one keeps its registers.
     auto rounds = [&](auto far_c) {
       constexpr bool kFar = decltype(far_c)::value;
-      uint64_t* tail = qCounter(p, r, kDispTail, p.rank, c);
-      uint64_t* sent_copy = qCounter(p, p.rank, kDispSent, r, c);
-      const uint64_t* head = kFar ? qCounter(p, p.rank, kDispHeadBack, r, c) : qCounter(p, r, kDispHead, p.rank, c);
-      // This rank is the only writer of the tail; a masked rank's memory is not touched.
-      const uint64_t base = rankActive(p.el, r) ? ldAcquire(kFar ? sent_copy : tail, p.gpu_scope) : 0;
+      const QueueSend qs =
+          queueSend<kFar>(p, r, c, kDispTail, kDispHead, kDispSent, kDispHeadBack, rankActive(p.el, r));
+      const uint64_t base = qs.base;
       uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
       uint64_t sent = 0;  // rows published so far (kept by lane 0 of warp 0, the group's publisher)
       bool alive = true;  // after a failed wait the group keeps meeting its barriers, doing nothing
@@ -412,7 +410,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
           for (int u = k; u < kend; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
           want = base + sent > static_cast<uint64_t>(Q) ? base + sent - Q : 0;
         }
-        alive = groupWait(p, G, r, g, head, want, epPhaseData, e, alive, s_ok);
+        alive = groupWait(p, G, r, g, qs.head, want, epPhaseData, e, alive, s_ok);
         for (int t = k + g; alive && t < kend; t += G) {
           if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
           const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
@@ -438,14 +436,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
         }
         fenceForPeers(p.gpu_scope);
         groupSync(G, r);
-        if (g == 0 && lane == 0 && noFailure(p)) {
-          if constexpr (kFar) {
-            remoteFlag(p, r, kRemoteHtBuffer, remoteOff(tail), base + sent, e);
-            stRelaxed(sent_copy, base + sent);
-          } else {
-            stRelease(tail, base + sent, p.gpu_scope);
-          }
-        }
+        if (g == 0 && lane == 0 && noFailure(p)) publishTail<kFar>(p, qs, r, base + sent, e);
       }
     };
     if (isRemote(farMask<kX>(p), r)) rounds(FarTag<kX>{});
@@ -487,11 +478,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
         }
       }
       groupSync(G, s);
-      if (g == 0 && lane == 0) {
-        stRelease(head, base + kend, p.gpu_scope);
-        if (isRemote(farMask<kX>(p), s))  // the sender cannot read it here: it gets its copy
-          remoteFlag(p, s, kRemoteHtBuffer, remoteOff(qCounter(p, s, kDispHeadBack, p.rank, c)), base + kend, e);
-      }
+      if (g == 0 && lane == 0) publishHead(p, head, s, c, kDispHeadBack, base + kend, e, isRemote(farMask<kX>(p), s));
     }
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);
@@ -516,10 +503,9 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
     auto rounds = [&](auto far_c) {  // as in the push dispatch: two instances, mapped and across hosts
       constexpr bool kFar = decltype(far_c)::value;
-      uint64_t* tail = qCounter(p, s, kCombTail, p.rank, c);
-      uint64_t* sent_copy = qCounter(p, p.rank, kCombSent, s, c);
-      const uint64_t* head = kFar ? qCounter(p, p.rank, kCombHeadBack, s, c) : qCounter(p, s, kCombHead, p.rank, c);
-      const uint64_t base = rankActive(p.el, s) ? ldAcquire(kFar ? sent_copy : tail, p.gpu_scope) : 0;
+      const QueueSend qs =
+          queueSend<kFar>(p, s, c, kCombTail, kCombHead, kCombSent, kCombHeadBack, rankActive(p.el, s));
+      const uint64_t base = qs.base;
       uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.x_stride;
       bool alive = true;
       for (int k = 0; k < n; k += G) {
@@ -527,7 +513,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
         if (alive && i < n) {
           bool ok = true;
           if (lane == 0 && base + i + 1 > static_cast<uint64_t>(Q))
-            ok = waitAtLeast(p, head, base + i + 1 - Q, s, epPhaseData, e);
+            ok = waitAtLeast(p, qs.head, base + i + 1 - Q, s, epPhaseData, e);
           alive = __shfl_sync(kFull, ok, 0);
         }
         if (alive && i < n) {
@@ -549,14 +535,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
         }
         fenceForPeers(p.gpu_scope);
         groupSync(G, s);
-        if (g == 0 && lane == 0 && noFailure(p)) {
-          if constexpr (kFar) {
-            remoteFlag(p, s, kRemoteHtBuffer, remoteOff(tail), base + min(k + G, n), e);
-            stRelaxed(sent_copy, base + min(k + G, n));
-          } else {
-            stRelease(tail, base + min(k + G, n), p.gpu_scope);
-          }
-        }
+        if (g == 0 && lane == 0 && noFailure(p)) publishTail<kFar>(p, qs, s, base + min(k + G, n), e);
       }
     };
     if (isRemote(farMask<kX>(p), s)) rounds(FarTag<kX>{});
@@ -597,12 +576,8 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
         warpCopy16(stage + (static_cast<size_t>(r) * p.lay.max_tokens + first + i) * p.lay.x_stride,
                    q + ((base + i) % Q) * p.lay.x_stride, p.xrow, lane);
       groupSync(G, r);
-      if (g == 0 && lane == 0) {
-        stRelease(head, base + min(k + G, n), p.gpu_scope);
-        if (isRemote(farMask<kX>(p), r))
-          remoteFlag(p, r, kRemoteHtBuffer, remoteOff(qCounter(p, r, kCombHeadBack, p.rank, c)), base + min(k + G, n),
-                     e);
-      }
+      if (g == 0 && lane == 0)
+        publishHead(p, head, r, c, kCombHeadBack, base + min(k + G, n), e, isRemote(farMask<kX>(p), r));
     }
   }
   __syncthreads();

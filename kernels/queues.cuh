@@ -2,6 +2,7 @@
 // operation epoch, the notify mailboxes, and the bounded per-(source, channel) queues with cumulative counters.
 #pragma once
 #include "kernels/device_common.cuh"
+#include "kernels/remote.cuh"
 
 namespace epcomm {
 namespace dev {
@@ -50,6 +51,45 @@ __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoc
 __device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int kind, int src, int ch) {
   return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.qctrl + kind * p.lay.qctrl_stride) + src * p.C + ch;
 }
+// The sending end of the queue (this rank -> owner, channel c) of one family (dispatch: kDispTail, kDispHead,
+// kDispSent, kDispHeadBack; combine: the kComb* four): the tail this rank publishes, the head it waits on for room,
+// and the tail it last published (base). Toward a rank of another host (kFar) the owner's counters are not
+// mapped: the sender keeps its own copy of the tail and reads the head the owner sends back.
+struct QueueSend {
+  uint64_t* tail;
+  uint64_t* sent_copy;
+  const uint64_t* head;
+  uint64_t base;
+};
+template <bool kFar>
+__device__ __forceinline__ QueueSend queueSend(const HtParams& p, int owner, int c, int k_tail, int k_head, int k_sent,
+                                               int k_head_back, bool active) {
+  QueueSend q;
+  q.tail = qCounter(p, owner, k_tail, p.rank, c);
+  q.sent_copy = qCounter(p, p.rank, k_sent, owner, c);
+  q.head = kFar ? qCounter(p, p.rank, k_head_back, owner, c) : qCounter(p, owner, k_head, p.rank, c);
+  // This rank is the only writer of the tail; a masked rank's memory is not touched.
+  q.base = active ? ldAcquire(kFar ? q.sent_copy : q.tail, p.gpu_scope) : 0;
+  return q;
+}
+// Publishes tail v: a release store into the owner's counters, or (kFar) a FLAG record and this rank's copy.
+template <bool kFar>
+__device__ __forceinline__ void publishTail(const HtParams& p, const QueueSend& q, int owner, uint64_t v, uint64_t e) {
+  if constexpr (kFar) {
+    remoteFlag(p, owner, kRemoteHtBuffer, remoteOff(q.tail), v, e);
+    stRelaxed(q.sent_copy, v);
+  } else {
+    stRelease(q.tail, v, p.gpu_scope);
+  }
+}
+// The receiving end publishes head v of the queue from src in its own counters and, for a source on another host
+// (far), sends it back there (k_head_back), since that source cannot read it here.
+__device__ __forceinline__ void publishHead(const HtParams& p, uint64_t* head, int src, int c, int k_head_back,
+                                            uint64_t v, uint64_t e, bool far) {
+  stRelease(head, v, p.gpu_scope);
+  if (far) remoteFlag(p, src, kRemoteHtBuffer, remoteOff(qCounter(p, src, k_head_back, p.rank, c)), v, e);
+}
+
 __device__ __forceinline__ int chanBegin(int T, int C, int c) {
   return static_cast<int>(static_cast<int64_t>(T) * c / C);
 }

@@ -26,22 +26,18 @@ __device__ __forceinline__ uint64_t remoteOff(const void* in_window) {
 }
 
 // Waits until the proxy has taken what the ring held below `end` a lap ago (the ring has room up to `end`), with
-// the communicator's deadline. False on timeout (recorded, peer = the ring's rank) or abort.
+// the communicator's deadline. False on timeout (recorded, peer = the ring's rank) or abort. Unlike waitAtLeast it
+// does not give up when another wait has failed: a reservation left without its record would stop the ring.
 template <class P>
 __device__ bool ringRoom(const P& p, const GpuRemoteRing& g, uint64_t end, int peer, uint64_t epoch) {
   if (end <= g.bytes || *g.consumed >= end - g.bytes) return true;
-  constexpr uint64_t kMaxStepNs = 10 * 1000 * 1000;  // as in waitAtLeast: timer jumps never fake a timeout
-  uint64_t last = globaltimer(), elapsed = 0;
+  WaitClock clock;
   volatile GpuErrorRecord* err = p.err;
   for (uint32_t it = 1;; ++it) {
     if (*g.consumed >= end - g.bytes) return true;
     if ((it & 15) == 0) {
       if (err->abort != 0) return false;
-      const uint64_t now = globaltimer();
-      const int64_t step = static_cast<int64_t>(now - last);
-      last = now;
-      if (step > 0) elapsed += static_cast<uint64_t>(step) < kMaxStepNs ? static_cast<uint64_t>(step) : kMaxStepNs;
-      if (elapsed > p.timeout_ns) {
+      if (clock.over(p.timeout_ns)) {
         recordError(p, epTimeout, peer, epPhaseData, epoch);
         return false;
       }
