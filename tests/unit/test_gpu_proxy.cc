@@ -125,7 +125,9 @@ struct Rank {
 };
 
 // Round k's byte i of the data `src` sends `dst`.
-uint8_t pattern(int src, int dst, int k, size_t i) { return static_cast<uint8_t>(src * 131 + dst * 29 + k * 7 + i * 13 + (i >> 9)); }
+uint8_t pattern(int src, int dst, int k, size_t i) {
+  return static_cast<uint8_t>(src * 131 + dst * 29 + k * 7 + i * 13 + (i >> 9));
+}
 
 // Rounds between every pair, both ways: each writer thread sends its share of the round's pieces (sizes 1 byte to
 // 40 KB, any alignment) into a slice of the peer's HT buffer, then the round's flag to the peer's LL buffer once
@@ -195,7 +197,8 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
   CK(failed == 0, "exchange failed (%d)", failed.load());
   CK(me.proxy->ringBytes() < static_cast<size_t>(rounds) * kHtBytes / R, "the rings did not wrap");
   std::string why;
-  for (int q = 0; q < R; ++q) CK(q == rank || !me.proxy->failed(q, &why), "stream with rank %d failed: %s", q, why.c_str());
+  for (int q = 0; q < R; ++q)
+    CK(q == rank || !me.proxy->failed(q, &why), "stream with rank %d failed: %s", q, why.c_str());
   CK(me.bs->barrier(20000) == epSuccess, "final barrier");
   std::vector<uint8_t> live(R, 1);
   me.proxy->stop(true, live.data(), 5000);

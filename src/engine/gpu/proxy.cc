@@ -39,8 +39,6 @@ uint64_t recordSize(const GpuRemoteRecord& h) {
 
 GpuProxy::GpuProxy(int rank, int nranks, std::vector<uint8_t> remote, std::unique_ptr<ProxyDevice> device)
     : rank_(rank), nranks_(nranks), remote_(std::move(remote)), dev_(std::move(device)) {
-  for (int r = 0; r < nranks_; ++r)
-    if (remote_[r]) mask_ |= 1ull << r;
   out_.resize(nranks_);
   in_.resize(nranks_);
   why_.resize(nranks_);
@@ -66,7 +64,8 @@ epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers]
     bufs_[b] = bufs[b];
     buf_bytes_[b] = bufs[b] ? bytes[b] : 0;
   }
-  ring_bytes_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyRingBytes(), 1 << 20)) & ~size_t{kRemoteRecordAlign - 1};
+  ring_bytes_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyRingBytes(), 1 << 20)) &
+                ~size_t{kRemoteRecordAlign - 1};
   inbox_bytes_ = ring_bytes_;
   GpuRemote table{};
   void* dev = nullptr;
@@ -97,16 +96,18 @@ epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers]
   bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_, remote_, &inbox_);
   EPCHECK(bridge_->connect(bs, timeout_ms));
   thread_ = std::thread([this] { loop(); });
-  EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings",
-          rank_, __builtin_popcountll(mask_), bridge_->backendName(), ring_bytes_);
+  EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings", rank_,
+          static_cast<int>(std::count(remote_.begin(), remote_.end(), 1)), bridge_->backendName(), ring_bytes_);
   return epSuccess;
 }
 
+void GpuProxy::noteFailure(int r, const char* what) {
+  std::lock_guard<std::mutex> l(g_why_mutex);
+  if (why_[r].empty()) why_[r] = what;
+}
+
 void GpuProxy::refuse(int q, const char* what) {
-  {
-    std::lock_guard<std::mutex> l(g_why_mutex);
-    if (why_[q].empty()) why_[q] = what;
-  }
+  noteFailure(q, what);
   in_[q].bad = true;
   EP_WARN("GPU proxy: rank %d drops everything further from rank %d: %s", rank_, q, what);
 }
@@ -141,8 +142,7 @@ bool GpuProxy::pumpOut(int r) {
       EP_WARN("GPU proxy: rank %d's ring toward rank %d holds a malformed record (type %u, %u bytes) at %llu",
               rank_, r, h->type, h->len, static_cast<unsigned long long>(o.pos));
       o.broken = true;
-      std::lock_guard<std::mutex> l(g_why_mutex);
-      if (why_[r].empty()) why_[r] = "this rank's ring toward it held a malformed record";
+      noteFailure(r, "this rank's ring toward it held a malformed record");
       return moved;
     }
     if (h->type != kRemoteSkip && !dead) {
@@ -237,7 +237,8 @@ void GpuProxy::trace() {
     RingEnd ib(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_);
     fprintf(stderr, "epcomm proxy rank %d -> %d: ring at %llu (stamp there %llu, type %u%s), outbox %zu bytes free; "
             "inbox from %d: %zu available, %llu parsed%s; records out %llu in %llu, batches %llu\n", rank_, r,
-            static_cast<unsigned long long>(o.pos), static_cast<unsigned long long>(__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE)),
+            static_cast<unsigned long long>(o.pos),
+            static_cast<unsigned long long>(__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE)),
             h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(),
             static_cast<unsigned long long>(in_[r].parsed), in_[r].bad ? ", refused" : "",
             static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_),

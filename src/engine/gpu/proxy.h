@@ -67,7 +67,6 @@ class GpuProxy {
   epResult_t start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers], const size_t bytes[kRemoteNumBuffers],
                    int timeout_ms);
   const GpuRemote* table() const { return table_dev_; }  // device memory, for the kernels' parameters
-  uint64_t mask() const { return mask_; }
   // Stops the thread. With flush, it first forwards what the rings hold and lets the bridge send it, for at most
   // timeout_ms (call after this rank's kernels have ended); live[r] names the ranks still worth sending to.
   void stop(bool flush, const uint8_t* live, int timeout_ms);
@@ -91,11 +90,11 @@ class GpuProxy {
   bool gatherIn(int q);
   bool applyBatch();
   void refuse(int q, const char* what);
+  void noteFailure(int r, const char* what);  // the first reason the stream with r ended (failed() reports it)
 
   int rank_, nranks_;
   std::vector<uint8_t> remote_;
   std::unique_ptr<ProxyDevice> dev_;
-  uint64_t mask_ = 0;
   size_t ring_bytes_ = 0, inbox_bytes_ = 0;
   uint8_t* bufs_[kRemoteNumBuffers] = {};
   size_t buf_bytes_[kRemoteNumBuffers] = {};
