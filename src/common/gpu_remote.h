@@ -63,7 +63,7 @@ struct GpuRemote {
 };
 
 // What the proxy of the receiving rank stores, batch by batch: DATA payloads (copied out of the bridge's inbox into
-// staging the device can read), then FLAG words in order (kernels/proxy.cu, or memcpy in the host tests).
+// staging the device can read), then FLAG words (copy engines on the GPU, engine/gpu/proxy_cuda.cc; memcpy in the host tests).
 struct ProxyCopy {  // `len` bytes from src (pinned host memory) to dst (this rank's buffer)
   const uint8_t* src;
   uint8_t* dst;

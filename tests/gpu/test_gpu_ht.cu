@@ -507,6 +507,16 @@ TEST_P(GpuHt, RegistrationRefusalsLeaveTheCommunicatorUsable) {
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
 }
 
+// A step whose peer fails: its error is asynchronous, so a call of the step may already return it (a later call of
+// the same step, made after the first kernel's deadline passed: across hosts the launches take longer) or the
+// step launches and epCommGetAsyncError reports it. Either is the contract; the test checks the reported error.
+#define CK_FAILING_STEP(expr)                                                                              \
+  do {                                                                                                     \
+    const epResult_t step_r_ = (expr);                                                                     \
+    CK(step_r_ == epSuccess || step_r_ == epTimeout || step_r_ == epRemoteError, "%s -> %s", #expr,        \
+       epGetErrorString(step_r_));                                                                         \
+  } while (0)
+
 TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
   const int R = GetParam();
   epUniqueId gid, gid2;
@@ -528,7 +538,7 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
       CKC(cudaStreamSynchronize(s));
       if (rank != R - 1) {  // the last rank stops participating
         auto t0 = std::chrono::steady_clock::now();
-        CKE(P.run(s, P.out.p), comm);
+        CK_FAILING_STEP(P.run(s, P.out.p));
         CKC(cudaStreamSynchronize(s));
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         epResult_t ae;
@@ -614,7 +624,7 @@ TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
       CKE(P.run(s, P.out.p), g);
       CKC(cudaStreamSynchronize(s));
       if (rank == R - 1) kill(getpid(), SIGKILL);  // dies before the next step
-      CKE(P.run(s, P.out.p), g);
+      CK_FAILING_STEP(P.run(s, P.out.p));
       CKC(cudaStreamSynchronize(s));
       epResult_t ae;
       epErrorInfo_t info = EP_ERROR_INFO_INIT;
@@ -670,7 +680,7 @@ TEST_P(GpuHt, RecoveryWithoutADeath) {
       CKE(P.run(s, P.out.p), g);
       CKC(cudaStreamSynchronize(s));
       if (rank != 0) {  // rank 0 sits this step out (as if its call had been refused)
-        CKE(P.run(s, P.out.p), g);
+        CK_FAILING_STEP(P.run(s, P.out.p));
         CKC(cudaStreamSynchronize(s));
         epResult_t ae;
         CKE(epCommGetAsyncError(g, &ae, nullptr), g);

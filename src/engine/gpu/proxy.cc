@@ -87,10 +87,10 @@ epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers]
   EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
   inbox_.unlink();
   staging_bytes_ = 2 * inbox_bytes_;
-  EPCHECK(dev_->allocMapped(sizeof(ProxyCopy) * kMaxCopies, reinterpret_cast<void**>(&copies_), &copies_dev_));
-  EPCHECK(dev_->allocMapped(sizeof(ProxyFlag) * kMaxFlags, reinterpret_cast<void**>(&flags_), &flags_dev_));
+  // Pinned: the apply step's copies read the staged payloads and the flag values from there, asynchronously.
+  EPCHECK(dev_->allocMapped(sizeof(ProxyCopy) * kMaxCopies, reinterpret_cast<void**>(&copies_), &dev));
+  EPCHECK(dev_->allocMapped(sizeof(ProxyFlag) * kMaxFlags, reinterpret_cast<void**>(&flags_), &dev));
   EPCHECK(dev_->allocMapped(staging_bytes_, reinterpret_cast<void**>(&staging_), &dev));
-  staging_dev_ = static_cast<uint8_t*>(dev);
 
   EPCHECK(dev_->prepare());
   bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_, remote_, &inbox_);
@@ -196,7 +196,7 @@ bool GpuProxy::gatherIn(int q) {
       const uint64_t room = (len + 15) & ~uint64_t{15};  // 16-byte aligned payloads: the kernels' wide copies
       if (staged_ + room > staging_bytes_) break;        // the batch's staging is full: next batch
       inbox.copyOut(staging_ + staged_, in.parsed + sizeof(h), len);
-      copies_[ncopies_++] = ProxyCopy{staging_dev_ + staged_, bufs_[h.buf] + h.off, len};
+      copies_[ncopies_++] = ProxyCopy{staging_ + staged_, bufs_[h.buf] + h.off, len};
       staged_ += room;
     }
     in.parsed += size;
@@ -210,8 +210,7 @@ bool GpuProxy::gatherIn(int q) {
 bool GpuProxy::applyBatch() {
   if (ncopies_ == 0 && nflags_ == 0) return false;
   ++batches_;
-  if (dev_->apply(static_cast<const ProxyCopy*>(copies_dev_), ncopies_, static_cast<const ProxyFlag*>(flags_dev_),
-                  nflags_) != epSuccess) {
+  if (dev_->apply(copies_, ncopies_, flags_, nflags_) != epSuccess) {
     EP_WARN("GPU proxy: rank %d cannot store what ranks of other hosts sent", rank_);
     for (int q = 0; q < nranks_; ++q)
       if (remote_[q]) refuse(q, "the apply step failed");

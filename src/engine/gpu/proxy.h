@@ -41,11 +41,12 @@ class ProxyDevice {
   virtual void freeDevice(void* dev) = 0;
   virtual epResult_t upload(void* dev, const void* src, size_t bytes) = 0;
   virtual epResult_t download(void* dst, const void* dev, size_t bytes) = 0;
-  // Before any operation, on the creating thread: what the apply step needs (its stream, its kernels loaded).
+  // Before any operation, on the creating thread: what the apply step needs (its stream).
   virtual epResult_t prepare() = 0;
   // The proxy thread's first call (device selection, capture mode).
   virtual void threadStart() = 0;
-  // Stores a batch (copies, then flags in order, each a release store); complete when it returns.
+  // Stores a batch (host arrays: copies from pinned host memory, then flags; a flag is seen only after every copy
+  // of its batch and of earlier ones); complete when it returns.
   virtual epResult_t apply(const ProxyCopy* copies, int ncopies, const ProxyFlag* flags, int nflags) = 0;
 };
 // The GPU engine's (proxy_cuda.cc); nullptr in a build without CUDA.
@@ -105,13 +106,10 @@ class GpuProxy {
   GpuRemote* table_dev_ = nullptr;
   ShmRegion inbox_;                  // the bridge's inboxes (private to this process)
   std::unique_ptr<NetBridge> bridge_;
-  // A batch: copies and flags for the apply kernels, and the payloads they copy (pinned, mapped).
+  // A batch: copies and flags for the apply step, and the payloads they copy (pinned).
   ProxyCopy* copies_ = nullptr;
   ProxyFlag* flags_ = nullptr;
   uint8_t* staging_ = nullptr;
-  void* copies_dev_ = nullptr;  // their device addresses
-  void* flags_dev_ = nullptr;
-  uint8_t* staging_dev_ = nullptr;
   // What moved (EPCOMM_GPU_PROXY_TRACE prints it while the proxy runs).
   uint64_t recs_out_ = 0, recs_in_ = 0, batches_ = 0;
   void trace();
