@@ -422,7 +422,9 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
 
 // Every wait of the engine: step() either finishes (kDone), moves something (kMoved: the no-progress deadline
 // restarts), or finds nothing to do (kIdle: check abort, dead peers and the deadline, then back off). step may
-// name the peer it is waiting on, for the error message.
+// name the peer it is waiting on, for the error message. Across hosts a waiting thread also moves the net bridge's
+// frames itself (NetBridge::assist) instead of leaving every hop to the progress thread; what that moves is not
+// progress of this wait (the deadline keeps running), it only skips the back-off.
 template <typename Step>
 epResult_t HostEngine::spin(int peer, int phase, Step&& step) {
   int64_t idle = nowNs(), live = idle, turn = idle;
@@ -430,13 +432,15 @@ epResult_t HostEngine::spin(int peer, int phase, Step&& step) {
   for (;;) {
     const Spin r = step(peer);
     if (r == Spin::kDone) return epSuccess;
+    const bool assisted = bridge_ && bridge_->assist();
     if (r == Spin::kMoved) {
       idle = turn = nowNs();
       backoff.reset();
       continue;
     }
     EPCHECK(checkWait(peer, phase, idle, live, turn));
-    backoff.pause();
+    if (assisted) backoff.reset();
+    else backoff.pause();
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <thread>
 
 #include "common/checks.h"
 #include "common/log.h"
@@ -68,6 +69,14 @@ struct NetBridge::Peer {
   std::deque<void*> rx_reqs;
   bool send_failed = false, recv_failed = false, bye = false, bye_queued = false, bye_acked = false;
   std::atomic<bool> dead{false};
+  // Held by the thread making this peer's net calls (everything above but `rank` and `handle` is its state).
+  std::atomic<bool> busy{false};
+  bool tryLock() { return !busy.load(std::memory_order_relaxed) && !busy.exchange(true, std::memory_order_acquire); }
+  void lock() {
+    for (int n = 0; !tryLock(); ++n)
+      if (n > 64) std::this_thread::yield();
+  }
+  void unlock() { busy.store(false, std::memory_order_release); }
   mutable std::mutex why_m;
   std::string why;
 };
@@ -195,6 +204,7 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
   // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
   // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
   thread_ = std::thread([this] { progressLoop(); });
+  closed_.store(false, std::memory_order_release);
   EP_INFO(kSubsysInit, "net bridge: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
           backend_->name());
   return epSuccess;
@@ -563,18 +573,43 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
   return moved;
 }
 
-void NetBridge::progressLoop() {
+void NetBridge::readWords(uint64_t* word, uint64_t* words) const {
   RegionHeader* me = own_->header();
+  *word = me->rs_word.load(std::memory_order_acquire);
+  words[0] = me->rs_hash.load(std::memory_order_relaxed);
+  words[1] = me->rs_epoch.load(std::memory_order_relaxed);
+  words[2] = static_cast<uint64_t>(static_cast<uint32_t>(me->rs_status.load(std::memory_order_relaxed)));
+}
+
+bool NetBridge::assist() {
+  if (closed_.load(std::memory_order_acquire)) return false;
+  bool moved = false;
+  // The words before any outbox (see "Order"): read once, then each free peer served.
+  uint64_t word, words[3];
+  readWords(&word, words);
+  for (auto& pp : peers_) {
+    if (!pp || !pp->tryLock()) continue;
+    if (!closed_.load(std::memory_order_acquire)) moved = progressPeer(*pp, word, words) || moved;
+    pp->unlock();
+  }
+  return moved;
+}
+
+void NetBridge::progressLoop() {
   Backoff backoff;
   for (;;) {
     bool moved = false;
-    const uint64_t word = me->rs_word.load(std::memory_order_acquire);
-    const uint64_t words[3] = {me->rs_hash.load(std::memory_order_relaxed),
-                               me->rs_epoch.load(std::memory_order_relaxed),
-                               static_cast<uint64_t>(static_cast<uint32_t>(me->rs_status.load(std::memory_order_relaxed)))};
-    for (auto& pp : peers_)
-      if (pp) moved = progressPeer(*pp, word, words) || moved;
+    uint64_t word, words[3];
+    readWords(&word, words);
+    // A peer an engine thread is serving right now is skipped, not waited for (it is being moved).
+    for (auto& pp : peers_) {
+      if (!pp || !pp->tryLock()) continue;
+      moved = progressPeer(*pp, word, words) || moved;
+      pp->unlock();
+    }
     if (stop_.load(std::memory_order_acquire)) {
+      // Every engine thread is out of assist() by now (shutdown took every peer's lock after closed_), so this
+      // thread alone touches the peers.
       if (!flush_.load(std::memory_order_relaxed) || nowNs() > flush_deadline_ns_) break;
       // Flushing: once a live peer's outboxes are framed and its queue is empty, say goodbye; done when every
       // such peer has acknowledged it (or said goodbye itself). Closing earlier could cost the peer frames: a
@@ -604,6 +639,13 @@ void NetBridge::progressLoop() {
 
 void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
   if (thread_.joinable()) {
+    // No engine thread starts serving a peer from here on; wait for those that are serving one now.
+    closed_.store(true, std::memory_order_release);
+    for (auto& pp : peers_)
+      if (pp) {
+        pp->lock();
+        pp->unlock();
+      }
     flush_live_.assign(nranks_, 0);
     if (live) std::copy(live, live + nranks_, flush_live_.begin());
     flush_deadline_ns_ = nowNs() + static_cast<int64_t>(timeout_ms) * 1000000LL;

@@ -32,8 +32,12 @@
 // is dead as well. Every length, channel and stream offset received is checked before use (R5); a violation
 // counts as a dead peer.
 //
-// Threads. Setup (connect) runs on the creating thread; afterwards one progress thread per communicator makes
-// every net call. The engine touches only ring ends and mirror headers (atomics), and dead().
+// Threads. Setup (connect) runs on the creating thread; afterwards the net calls of a peer's connections are made
+// by one thread at a time: the progress thread, or an engine thread that waits and lends a hand (assist()). Each
+// peer has a lock that the one making its calls holds, so the engine's waiting threads move frames the moment
+// there is something to move instead of handing every step to the progress thread (a wake-up, and on a loaded
+// machine a scheduling turn, per hop), and threads waiting on different peers move them at once. Otherwise the
+// engine touches only ring ends and mirror headers (atomics), and dead().
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -75,6 +79,11 @@ class NetBridge {
   // hold, and a goodbye, for at most timeout_ms; then every connection is closed.
   void shutdown(bool flush, const uint8_t* live, int timeout_ms);
   const char* backendName() const;
+  // One pass of progress over the peers whose lock is free (the ones another thread is serving are skipped), from
+  // a thread that would otherwise only wait: frames what the outboxes hold and what the inboxes freed, completes
+  // and posts sends and receives, applies what arrived. Never waits. True if anything moved. Safe to call from
+  // any number of threads at once, until shutdown (then it does nothing).
+  bool assist();
   // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits).
   uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
 
@@ -101,6 +110,8 @@ class NetBridge {
   epResult_t establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
                        std::vector<void*>& recv, int timeout_ms);
   void progressLoop();
+  // The resynchronization words of this rank's region header, in the order net_bridge.h "Order" needs.
+  void readWords(uint64_t* word, uint64_t* words) const;
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
   bool pumpRecvs(Peer& p);
@@ -121,6 +132,7 @@ class NetBridge {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> flush_{false};
+  std::atomic<bool> closed_{true};  // no progress thread yet, or shutdown has begun: assist() does nothing
   std::atomic<uint64_t> data_sent_{0};
   std::vector<uint8_t> flush_live_;
   int64_t flush_deadline_ns_ = 0;
