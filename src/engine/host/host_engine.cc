@@ -300,6 +300,7 @@ epResult_t HostEngine::init() {
   outq_.assign(C, std::vector<std::deque<OutMsg>>(nranks_));
   net_pushed_ = std::make_unique<std::atomic<uint64_t>[]>(C);
   for (int c = 0; c < C; ++c) net_pushed_[c].store(0, std::memory_order_relaxed);
+  chan_scratch_.resize(C);
   pool_ = std::make_unique<ChannelPool>(C);
   EP_INFO(kSubsysInit, "host engine ready: %d ranks on %d hosts, %d channels, queues of %zu bytes, %s%s%s", nranks_,
           nhosts_, C, ring_bytes_, cma_ ? "rows pulled with process_vm_readv" : "rows through the queues",

@@ -64,6 +64,32 @@ struct MsgHeader {
 constexpr uint32_t kMsgRowsByReference = 1;
 static_assert(sizeof(MsgHeader) == 96, "message header size is part of the wire format");
 
+// Per-channel scratch memory for what an operation posts from buffers of its own (the forwarded rows of a
+// hierarchical HT dispatch, the partial sums of its combine, the pulled combine's staging): handed out uninitialized
+// and kept from one operation to the next, so that an operation neither zero-fills megabytes it overwrites at
+// once nor faults fresh pages in every time. reset() at the start of a channel's part of an operation; what get()
+// returned stays valid until then (so until the channel's sends are flushed, which every such part ends with).
+class ScratchArena {
+ public:
+  void reset() { next_ = 0; }
+  uint8_t* get(size_t n) {
+    if (next_ == bufs_.size()) {
+      bufs_.emplace_back();
+      caps_.push_back(0);
+    }
+    if (caps_[next_] < n) {
+      bufs_[next_].reset(new uint8_t[n]);  // no value-initialization
+      caps_[next_] = n;
+    }
+    return bufs_[next_++].get();
+  }
+
+ private:
+  std::vector<std::unique_ptr<uint8_t[]>> bufs_;
+  std::vector<size_t> caps_;
+  size_t next_ = 0;
+};
+
 class HostEngine final : public Engine {
  public:
   explicit HostEngine(epComm* comm);
@@ -175,7 +201,7 @@ class HostEngine final : public Engine {
   // -1 if hh has no active rank.
   int forwarder(int s, int hh) const;
   epResult_t htForwardDispatch(const std::vector<Incoming>& in, int c, std::vector<std::vector<uint64_t>>& masks,
-                               std::deque<std::vector<uint8_t>>& keep);
+                               ScratchArena& keep);
   // Channel c of a hierarchical HT dispatch: forwards, then receives every source's rows (lay != null) or
   // discards them (the operation failed).
   epResult_t htDispatchRecvHier(const epHtDispatchArgs_t* a, const epHtHandle* lay, const std::vector<Incoming>& in,
@@ -225,6 +251,7 @@ class HostEngine final : public Engine {
   std::vector<int32_t> ll_combine_rows_;
   std::vector<std::vector<uint64_t>> fwd_scratch_;  // [R * C] the forward masks of the HT dispatch in progress  // y rows of a joined LL combine whose rows the peers read
   std::vector<float> acc_;
+  std::vector<ScratchArena> chan_scratch_;  // [channel]
   // Elastic ranks: the mask read at operation start, its generation (bumped when someone new is masked), the
   // ranks whose liveness waits check, the drop counters, and the resynchronization round.
   std::vector<uint8_t> active_;

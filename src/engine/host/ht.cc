@@ -534,7 +534,9 @@ epResult_t HostEngine::htCombinePulled(const epHtCombineArgs_t* a, const epHtHan
     next[r] = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(in[r].h.v[1])) + off * row;
   }
   const int block = static_cast<int>(std::clamp<size_t>((256u << 10) / std::max<size_t>(row, 1), 1, 1024));
-  std::vector<uint8_t> stage(static_cast<size_t>(R) * block * row);
+  ScratchArena& scratch = chan_scratch_[c];
+  scratch.reset();
+  uint8_t* const stage = scratch.get(static_cast<size_t>(R) * block * row);
   std::vector<const uint8_t*> cur(R);
   std::vector<float> acc(H);
   uint8_t* out = static_cast<uint8_t*>(a->combined_x);
@@ -546,7 +548,7 @@ epResult_t HostEngine::htCombinePulled(const epHtCombineArgs_t* a, const epHtHan
       if (r == rank_ || n == 0) {  // this rank's own rows are read in place
         cur[r] = next[r];
       } else {
-        uint8_t* dst = stage.data() + static_cast<size_t>(r) * block * row;
+        uint8_t* dst = stage + static_cast<size_t>(r) * block * row;
         iovec remote{const_cast<uint8_t*>(next[r]), n * row};
         EPCHECK(readPeer(r, &remote, 1, dst, n * row));
         cur[r] = dst;
@@ -607,7 +609,7 @@ int HostEngine::forwarder(int s, int hh) const {
 
 epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
                                          std::vector<std::vector<uint64_t>>& masks,
-                                         std::deque<std::vector<uint8_t>>& keep) {
+                                         ScratchArena& keep) {
   const int R = nranks_, C = nchan_;
   const std::vector<int>& mine = host_ranks_[my_host_];
   uint64_t valid = 0;
@@ -628,8 +630,7 @@ epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
     const uint64_t per = 8 + xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0);
     if (!sane || u.data_bytes != static_cast<uint64_t>(n) * per || u.data_bytes > (uint64_t{1} << 36))
       return fail(epInternalError, s, epPhaseData, "HT dispatch message to forward is malformed");
-    keep.emplace_back(u.data_bytes);
-    uint8_t* buf = keep.back().data();
+    uint8_t* buf = keep.get(u.data_bytes);
     EPCHECK(recvInto(s, buf, u.data_bytes, epPhaseData, c));
     const uint64_t* mk = reinterpret_cast<const uint64_t*>(buf);
     const uint8_t* xs = buf + n * 8;
@@ -652,12 +653,10 @@ epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
       if (srow)
         for (int64_t i : rows) segs.push_back({ss + i * srow, srow});
       if (has_idx) {  // global expert ids -> q's local ids (-1 elsewhere), weights kept only for q's experts
-        keep.emplace_back(rows.size() * K * 8);
-        int64_t* io = reinterpret_cast<int64_t*>(keep.back().data());
+        int64_t* io = reinterpret_cast<int64_t*>(keep.get(rows.size() * K * 8));
         float* wo = nullptr;
         if (has_w) {
-          keep.emplace_back(rows.size() * K * 4);
-          wo = reinterpret_cast<float*>(keep.back().data());
+          wo = reinterpret_cast<float*>(keep.get(rows.size() * K * 4));
         }
         for (size_t j = 0; j < rows.size(); ++j)
           for (uint64_t k = 0; k < K; ++k) {
@@ -683,7 +682,8 @@ epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
 epResult_t HostEngine::htDispatchRecvHier(const epHtDispatchArgs_t* a, const epHtHandle* lay,
                                           const std::vector<Incoming>& in, int c) {
   const int R = nranks_, C = nchan_;
-  std::deque<std::vector<uint8_t>> keep;  // forwarded rows, until pushed (flushSends below)
+  ScratchArena& keep = chan_scratch_[c];  // forwarded rows, until pushed (flushSends below)
+  keep.reset();
   EPCHECK(htForwardDispatch(in, c, fwd_scratch_, keep));
   // This host's sources first, then the other hosts' through their forwarders: the rings' order.
   for (int pass = 0; pass < 2; ++pass)
@@ -732,7 +732,8 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   const int dt = ok ? a->dtype : 0;
   const size_t row = ok ? static_cast<size_t>(H) * dtypeSize(a->dtype) : 0;
   const std::vector<int>& mine = host_ranks_[my_host_];
-  std::deque<std::vector<uint8_t>> keep;  // partial rows, until pushed (flushSends below)
+  ScratchArena& keep = chan_scratch_[c];  // partial rows, until pushed (flushSends below)
+  keep.reset();
   std::vector<uint8_t> tmp(row);
   auto accumulateFrom = [&](int q, float* acc) -> epResult_t {  // one row of q's channel-c message
     EPCHECK(waitIn(q, row, epPhaseData, c));
@@ -778,8 +779,8 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
       // dtype; the owner widens it, the same value). Otherwise the fp32 partial, never rounded to the row dtype.
       size_t bytes = 0;
       for (size_t i = 0; i < n; ++i) bytes += __builtin_popcountll((*mk)[i]) == 1 ? row : H * sizeof(float);
-      keep.emplace_back(bytes);
-      uint8_t* dst = keep.back().data();
+      uint8_t* const part_msg = keep.get(bytes);
+      uint8_t* dst = part_msg;
       std::vector<float> acc(H);
       for (size_t i = 0; i < n; ++i) {
         const uint64_t w = (*mk)[i];
@@ -795,7 +796,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
         dst += H * sizeof(float);
       }
       out.v[0] = static_cast<int64_t>(n);
-      post(s, out, nullptr, 0, {{keep.back().data(), bytes}}, c);
+      post(s, out, nullptr, 0, {{part_msg, bytes}}, c);
     } else {
       for (size_t qi = 0; qi < mine.size(); ++qi)
         if (got[qi]) EPCHECK(skipIn(mine[qi], got[qi], epPhaseData, c));
@@ -884,7 +885,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
       } else {
         EPCHECK(recvInto(fw[hh], part.data(), H * sizeof(float), epPhaseData, c));
       }
-      for (int j = 0; j < H; ++j) acc[j] = acc[j] + part[j];
+      host::addRow(acc.data(), part.data(), H);
     }
     host::storeRow(out + static_cast<size_t>(t) * row, acc.data(), H, dt);
   }
