@@ -26,25 +26,31 @@ constexpr int kLlThreads = 512;
 constexpr int kLlMaxRanks = 16;  // the GPU engine's rank limit (GpuEngine::init): sizes per-warp arrays
 
 __device__ __forceinline__ LlCtrl* ctrlOf(const LlParams& p) { return reinterpret_cast<LlCtrl*>(p.base[p.rank]); }
+// Where the words that `writer` stores into `owner`'s buffer live: owner's buffer, mapped here (or its remote
+// window), except this rank's own words written by a rank of another host, which its proxy stores in the far copy.
+__device__ __forceinline__ uint8_t* baseOf(const LlParams& p, int owner, int writer) {
+  return owner == p.rank && ((p.remote >> writer) & 1) ? p.far_in : p.base[owner];
+}
 // Tag of family `fam`, parity `par`, written by `src` into `owner`'s buffer.
 __device__ __forceinline__ uint64_t* tagPtr(const LlParams& p, int owner, int fam, int par, int src) {
-  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.tag) + (fam * 2 + par) * p.nranks + src;
+  return reinterpret_cast<uint64_t*>(baseOf(p, owner, src) + p.lay.tag) + (fam * 2 + par) * p.nranks + src;
 }
 // Acknowledgement of family `fam` that `peer` wrote into `owner`'s buffer.
 __device__ __forceinline__ uint64_t* ackPtr(const LlParams& p, int owner, int fam, int peer) {
-  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.ack) + fam * p.nranks + peer;
+  return reinterpret_cast<uint64_t*>(baseOf(p, owner, peer) + p.lay.ack) + fam * p.nranks + peer;
 }
 // Dispatch count entry of `src` in `owner`'s buffer: [0] = T of src, [4 + l] = pairs for local expert l.
 __device__ __forceinline__ int32_t* countEntry(const LlParams& p, int owner, int par, int src) {
-  return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.counts + (static_cast<size_t>(par) * p.nranks + src) *
-                                                                       p.lay.count_entry);
+  return reinterpret_cast<int32_t*>(baseOf(p, owner, src) + p.lay.counts +
+                                    (static_cast<size_t>(par) * p.nranks + src) * p.lay.count_entry);
 }
 __device__ __forceinline__ uint8_t* slotPtr(const LlParams& p, int owner, int par, int src, int t) {
-  return p.base[owner] + p.lay.slots +
+  return baseOf(p, owner, src) + p.lay.slots +
          ((static_cast<size_t>(par) * p.nranks + src) * p.lay.max_tokens + t) * p.lay.slot;
 }
+// Rank-major combine slot of `expert` (written by the expert's rank) for token t.
 __device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int par, int expert, int t) {
-  return p.base[owner] + p.lay.comb +
+  return baseOf(p, owner, expert / p.L) + p.lay.comb +
          ((static_cast<size_t>(par) * p.lay.max_experts + expert) * p.lay.max_tokens + t) * p.lay.comb_row;
 }
 
@@ -55,7 +61,7 @@ __device__ __forceinline__ uint8_t* combPtr(const LlParams& p, int owner, int pa
 // E x M slots measured 3-5x slower at R = 8 (one H200, MPS), the GPU's address translation being the suspect.
 __device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, int par, int A, size_t q) {
   const size_t block = static_cast<size_t>(p.lay.max_tokens) * p.L;
-  return p.base[owner] + p.lay.comb +
+  return baseOf(p, owner, A) + p.lay.comb +
          ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
 }
 

@@ -383,6 +383,8 @@ struct LlParams {
   LlLayout lay;
   uint64_t remote;              // as in HtParams
   const GpuRemote* rem;
+  uint8_t* far_in;              // with ranks of other hosts: what they write into this rank's LL buffer lands at the
+                                // same offsets of this copy in pinned host memory (GpuProxy::farCopy), not in base[rank]
   GpuErrorRecord* err;
   GpuErrorClaims* claims;
   GpuElastic* el;

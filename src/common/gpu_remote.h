@@ -5,7 +5,9 @@
 // to this rank's proxy as a record in an outbound ring, one ring per remote rank, in pinned host memory that the
 // kernels write over PCIe:
 //
-//   kernel --records--> ring[r] (host memory) --proxy--> net (NetBridge) --> r's proxy --apply kernel--> r's buffers
+//   kernel --records--> ring[r] (host memory) --proxy--> net (NetBridge) --> r's proxy --> r's HT buffer (copy
+//   engines) or the far copy of r's LL buffer (pinned host memory that r's kernels read; stored by the proxy's
+//   thread, no CUDA call)
 //
 // A record is a 32-byte header and its payload, padded to 32 bytes: DATA (bytes to store at an offset of one of
 // r's buffers) or FLAG (one 8-byte word, stored with release semantics once every earlier record from this rank
@@ -62,8 +64,9 @@ struct GpuRemote {
   GpuRemoteRing ring[kGpuRemoteMaxRanks];
 };
 
-// What the proxy of the receiving rank stores, batch by batch: DATA payloads (copied out of the bridge's inbox into
-// staging the device can read), then FLAG words (copy engines on the GPU, engine/gpu/proxy_cuda.cc; memcpy in the host tests).
+// What the proxy of the receiving rank stores into its HT buffer, batch by batch: DATA payloads (copied out of the
+// bridge's inbox into staging the device can read), then FLAG words (copy engines on the GPU,
+// engine/gpu/proxy_cuda.cc; memcpy in the host tests).
 struct ProxyCopy {  // `len` bytes from src (pinned host memory) to dst (this rank's buffer)
   const uint8_t* src;
   uint8_t* dst;

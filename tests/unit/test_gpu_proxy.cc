@@ -107,6 +107,8 @@ struct Rank {
   std::vector<uint8_t> ht, ll;
   std::unique_ptr<GpuProxy> proxy;
   std::vector<RingWriter> to;  // [peer]
+  // What other hosts write into the LL buffer lands in the proxy's far copy of it (the HT buffer is stored in place).
+  const uint8_t* llFar() const { return proxy->farCopy(epcomm::kRemoteLlBuffer, true); }
   epResult_t init(const epUniqueId& id, int rank, int R) {
     epResult_t r = epcomm::bootstrapInitSocket(&id, rank, R, 20000, &bs);
     if (r != epSuccess) return r;
@@ -142,7 +144,7 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
       for (int q = 0; q < R; ++q) {
         if (q == rank) continue;
         // The peer has read round k - 1 (its acknowledgement, at word R + rank of this rank's LL buffer).
-        if (!waitWord(me.ll.data(), 8 * (R + q), k - 1, 20000)) {
+        if (!waitWord(me.llFar(), 8 * (R + q), k - 1, 20000)) {
           failed = 1;
           return;
         }
@@ -175,7 +177,7 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
   for (int k = 1; k <= rounds && !failed && !bad; ++k)
     for (int s = 0; s < R && !bad; ++s) {
       if (s == rank) continue;
-      if (!waitWord(me.ll.data(), 8 * s, k, 20000)) {
+      if (!waitWord(me.llFar(), 8 * s, k, 20000)) {
         bad = 1;
         fprintf(stderr, "rank %d: round %d from rank %d never came\n", rank, k, s);
         break;

@@ -82,7 +82,9 @@ LlParams GpuEngine::llParams(int op) const {
   p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
   p.pdl = ll_pdl_;
-  p.gpu_scope = gpu_sharing_ == comm_->nranks;
+  // Words in the far copy (host memory the proxy's thread writes) need system-scope loads and fences.
+  p.gpu_scope = gpu_sharing_ == comm_->nranks && remote_mask_ == 0;
+  p.far_in = proxy_ ? proxy_->farCopy(kRemoteLlBuffer) : nullptr;
   return p;
 }
 

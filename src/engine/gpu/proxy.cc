@@ -55,6 +55,8 @@ GpuProxy::~GpuProxy() {
   if (copies_) dev_->freeMapped(copies_);
   if (flags_) dev_->freeMapped(flags_);
   if (staging_) dev_->freeMapped(staging_);
+  for (uint8_t* f : far_host_)
+    if (f) dev_->freeMapped(f);
 }
 
 epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers], const size_t bytes[kRemoteNumBuffers],
@@ -77,6 +79,12 @@ epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers]
     // Zeroed: no stamp matches a position before the kernels write it.
     EPCHECK(dev_->allocMapped(ring_bytes_, reinterpret_cast<void**>(&out_[r].ring), &dev));
     table.ring[r] = GpuRemoteRing{static_cast<uint8_t*>(dev), reserved_dev_ + r, consumed_dev + r, ring_bytes_};
+  }
+  // The LL buffer's far copy: as large as the buffer (any offset may be written), zeroed like it.
+  if (buf_bytes_[kRemoteLlBuffer] > 0) {
+    EPCHECK(dev_->allocMapped(buf_bytes_[kRemoteLlBuffer], reinterpret_cast<void**>(&far_host_[kRemoteLlBuffer]),
+                              &dev));
+    far_dev_[kRemoteLlBuffer] = static_cast<uint8_t*>(dev);
   }
   EPCHECK(dev_->allocDevice(sizeof(GpuRemote), reinterpret_cast<void**>(&table_dev_)));
   EPCHECK(dev_->upload(table_dev_, &table, sizeof(table)));
@@ -188,7 +196,18 @@ bool GpuProxy::gatherIn(int q) {
     }
     const uint64_t size = remoteRecordBytes(len);
     if (avail - in.parsed < size) break;  // the rest is still on its way
-    if (h.type == kRemoteFlag) {
+    if (uint8_t* far = far_host_[h.buf]) {
+      // Stored here, in stream order: what the batch holds goes first (its FLAGs may cover this DATA, or this
+      // FLAG the batch's DATA).
+      if (ncopies_ > 0 || nflags_ > 0) break;
+      if (h.type == kRemoteFlag) {
+        uint64_t v;
+        inbox.copyOut(&v, in.parsed + sizeof(h), 8);
+        __atomic_store_n(reinterpret_cast<uint64_t*>(far + h.off), v, __ATOMIC_RELEASE);
+      } else if (len > 0) {
+        inbox.copyOut(far + h.off, in.parsed + sizeof(h), len);
+      }
+    } else if (h.type == kRemoteFlag) {
       uint64_t v;
       inbox.copyOut(&v, in.parsed + sizeof(h), 8);
       flags_[nflags_++] = ProxyFlag{reinterpret_cast<uint64_t*>(bufs_[h.buf] + h.off), v};
@@ -206,11 +225,13 @@ bool GpuProxy::gatherIn(int q) {
   return moved;
 }
 
-// Applies the batch (the device's apply waits for it), then frees its bytes in the inboxes.
+// Applies the batch (the device's apply waits for it), then frees in the inboxes the bytes stored so far.
 bool GpuProxy::applyBatch() {
-  if (ncopies_ == 0 && nflags_ == 0) return false;
+  bool parsed = false;
+  for (int q = 0; q < nranks_; ++q) parsed |= remote_[q] && in_[q].parsed > 0;
+  if (ncopies_ == 0 && nflags_ == 0 && !parsed) return false;
   ++batches_;
-  if (dev_->apply(copies_, ncopies_, flags_, nflags_) != epSuccess) {
+  if ((ncopies_ > 0 || nflags_ > 0) && dev_->apply(copies_, ncopies_, flags_, nflags_) != epSuccess) {
     EP_WARN("GPU proxy: rank %d cannot store what ranks of other hosts sent", rank_);
     for (int q = 0; q < nranks_; ++q)
       if (remote_[q]) refuse(q, "the apply step failed");

@@ -3,8 +3,15 @@
 // record format and the rules the kernels keep).
 //
 //   out: ring[r] (pinned host memory the kernels write) --records in order--> NetBridge outbox toward r
-//   in:  NetBridge inbox from q (host memory) --payloads--> pinned staging --> apply kernels: the DATA copies of a
-//        batch, then its FLAG words in order, on the proxy's stream
+//   in:  NetBridge inbox from q (host memory) --> LL buffer: stored by this thread into the buffer's far copy
+//        (pinned host memory the kernels read for every word a rank of another host writes; no CUDA call)
+//                                             --> HT buffer: payloads into pinned staging, then the apply step
+//        (copy engines: the DATA copies of a batch, then its FLAG words, on the proxy's stream)
+//
+// The far copy is why LL across hosts does not depend on the CUDA driver while kernels wait: a CUDA call of this
+// thread can block behind the application's own, e.g. a kernel's first launch under lazy module loading
+// (CUDA_MODULE_LOADING=LAZY, the default), which waits for the running kernels, which wait for this thread.
+// Records are applied in stream order across both buffers (a FLAG in one may cover DATA in the other).
 //
 // One thread per communicator does both. It keeps no per-operation state: only how far it has read each ring and
 // each inbox, so captured graphs replay across hosts. Every record received is checked before use (R5): a type it
@@ -68,6 +75,9 @@ class GpuProxy {
   epResult_t start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers], const size_t bytes[kRemoteNumBuffers],
                    int timeout_ms);
   const GpuRemote* table() const { return table_dev_; }  // device memory, for the kernels' parameters
+  // The far copy of buffer b (device address; host address with host=true): where what ranks of other hosts write
+  // into b lands, at the same offsets. nullptr for a buffer stored in place (the HT buffer).
+  uint8_t* farCopy(GpuRemoteBuffer b, bool host = false) const { return host ? far_host_[b] : far_dev_[b]; }
   // Stops the thread. With flush, it first forwards what the rings hold and lets the bridge send it, for at most
   // timeout_ms (call after this rank's kernels have ended); live[r] names the ranks still worth sending to.
   void stop(bool flush, const uint8_t* live, int timeout_ms);
@@ -83,7 +93,7 @@ class GpuProxy {
     bool broken = false;      // a malformed record (a bug): nothing more is forwarded
   };
   struct In {
-    uint64_t parsed = 0;  // bytes past the inbox's head already turned into copies of the batch in flight
+    uint64_t parsed = 0;  // bytes past the inbox's head already stored or turned into copies of the batch
     bool bad = false;     // a record failed its checks: nothing more is applied from this rank
   };
   void loop();
@@ -99,6 +109,8 @@ class GpuProxy {
   size_t ring_bytes_ = 0, inbox_bytes_ = 0;
   uint8_t* bufs_[kRemoteNumBuffers] = {};
   size_t buf_bytes_[kRemoteNumBuffers] = {};
+  uint8_t* far_host_[kRemoteNumBuffers] = {};  // far copies (pinned, mapped), see farCopy()
+  uint8_t* far_dev_[kRemoteNumBuffers] = {};
   std::vector<Out> out_;
   std::vector<In> in_;
   uint64_t* consumed_ = nullptr;  // [R] host-mapped: what the proxy took from each ring
