@@ -15,9 +15,11 @@ namespace {
 using namespace dev;
 
 // Mailbox entry of an alltoallv, written by `src` into the owner's buffer: the bytes src sends the owner, and
-// (host counts) the bytes src expects from the owner, -1 with device counts.
+// (host counts) the bytes src expects from the owner, -1 with device counts. This rank's entries are read where
+// their writer's stores land (inBase).
 __device__ __forceinline__ int64_t* a2aEntry(const A2aParams& p, int owner, uint64_t e, int src) {
-  return reinterpret_cast<int64_t*>(p.ht.base[owner] + mailboxOffset(p.ht, e, src) + sizeof(MailboxHead));
+  uint8_t* b = owner == p.ht.rank ? inBase(p.ht, src) : p.ht.base[owner];
+  return reinterpret_cast<int64_t*>(b + mailboxOffset(p.ht, e, src) + sizeof(MailboxHead));
 }
 
 // Bytes of the caller's send range for r (where the next range begins), and what is sent to r: nothing to a
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    const MailboxHead* head = reinterpret_cast<const MailboxHead*>(p.ht.base[me] + mailboxOffset(p.ht, e, s));
+    const MailboxHead* head = reinterpret_cast<const MailboxHead*>(inBase(p.ht, s) + mailboxOffset(p.ht, e, s));
     if (rankActive(p.ht.el, s) && !waitAtLeast(p.ht, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
   }
   __syncthreads();
@@ -196,10 +198,10 @@ __global__ void __launch_bounds__(1024) a2aKernel(A2aParams p) {
   const A2aRecvRange from_s = recvRange(p, e, s);
   const int n = static_cast<int>((from_s.bytes + CH - 1) / CH);
   const int cb = chanBegin(n, C, c), ce = chanBegin(n, C, c + 1);
-  uint64_t* tail = qCounter(h, me, kDispTail, s, c);
+  uint64_t* tail = qCounterIn(h, kDispTail, s, c);
   uint64_t* head = qCounter(h, me, kDispHead, s, c);
   const uint64_t base = ldAcquire(head, h.gpu_scope);
-  const uint8_t* q = h.base[me] + h.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * h.lay.disp_slot;
+  const uint8_t* q = inBase(h, s) + h.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * h.lay.disp_slot;
   bool alive = true;
   for (int k = cb; k < ce; k += RC) {
     const int kend = min(k + RC, ce);

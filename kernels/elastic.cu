@@ -17,9 +17,11 @@ namespace {
 
 using namespace dev;
 
+// Sync entry of `src` in `owner`'s buffer (this rank's: where src's stores land, inBase).
 __device__ __forceinline__ GpuSyncEntry* syncEntry(const HtParams& p, int owner, int kind, uint64_t round, int src) {
   const int slot = kind * kGpuSyncSlots + static_cast<int>(round % kGpuSyncSlots);
-  return reinterpret_cast<GpuSyncEntry*>(p.base[owner] + p.lay.sync) + slot * p.nranks + src;
+  uint8_t* b = owner == p.rank ? inBase(p, src) : p.base[owner];
+  return reinterpret_cast<GpuSyncEntry*>(b + p.lay.sync) + slot * p.nranks + src;
 }
 
 // Thread r publishes to rank r, then (with wait) waits for rank r's entry here. Only plain stores reach the
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
   }
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
     const int s = i / C, c = i % C;
-    const uint64_t dt = ldAcquire(qCounter(p, p.rank, kDispTail, s, c)), ct = ldAcquire(qCounter(p, p.rank, kCombTail, s, c));
+    const uint64_t dt = ldAcquire(qCounterIn(p, kDispTail, s, c)), ct = ldAcquire(qCounterIn(p, kCombTail, s, c));
     stRelaxed(qCounter(p, p.rank, kDispHead, s, c), dt);
     stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ct);
     // A source on another host reads these heads in its own buffer. Everything it sent before its entry of the

@@ -182,18 +182,17 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
     MailboxHead* head = reinterpret_cast<MailboxHead*>(p.base[r] + mailboxOffset(p, e, p.rank));
     publish<kX>(p, r, kRemoteHtBuffer, &head->tag, e, e, p.gpu_scope);
   }
-  uint8_t* me = p.base[p.rank];
   __shared__ int s_ok;
   if (tid == 0) s_ok = 1;
   __syncthreads();
   for (int s = tid; s < R; s += blockDim.x) {
-    MailboxHead* head = reinterpret_cast<MailboxHead*>(me + mailboxOffset(p, e, s));
+    MailboxHead* head = reinterpret_cast<MailboxHead*>(inBase(p, s) + mailboxOffset(p, e, s));
     if (((act >> s) & 1) && !waitAtLeast(p, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
   }
   __syncthreads();
   if (!s_ok) return;
   auto countsOf = [&](int s) {
-    return reinterpret_cast<const int32_t*>(me + mailboxOffset(p, e, s) + sizeof(MailboxHead));
+    return reinterpret_cast<const int32_t*>(inBase(p, s) + mailboxOffset(p, e, s) + sizeof(MailboxHead));
   };
   for (int l = tid; l < L; l += blockDim.x) {
     int sum = 0;
@@ -445,16 +444,15 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   }
   // Receive: rows of source s in rounds of RT; warp g copies rows k + g, k + g + G, ... to their final receive
   // rows, then the group publishes the head (room for the sender). This rank's own rows were written directly.
-  const uint8_t* me = p.base[p.rank];
   if (peer != p.rank) {
     const int s = peer;
     const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
     int dst = p.h.prefix[s];
     for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
-    uint64_t* tail = qCounter(p, p.rank, kDispTail, s, c);
+    uint64_t* tail = qCounterIn(p, kDispTail, s, c);
     uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
     const uint64_t base = ldAcquire(head, p.gpu_scope);
-    const uint8_t* q = me + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
+    const uint8_t* q = inBase(p, s) + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
     bool alive = true;
     for (int k = 0; k < n; k += RT) {
       const int kend = min(k + RT, n);
@@ -546,7 +544,6 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   // move its rows out of the queue, in rounds of G, into this rank's combine staging at the row's position
   // among the tokens this rank sent to r, publishing the head after each round; (2) once the block's rows are
   // all in, a warp per token sums them in ascending rank order, in fp32, and rounds once.
-  const uint8_t* me = p.base[p.rank];
   uint8_t* stage = p.base[p.rank] + p.lay.comb_stage;
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
@@ -558,11 +555,11 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     int n = 0;
     for (int t = tb + lane; t < te; t += 32) n += p.h.in_rank[static_cast<size_t>(t) * R + r];
     n = rankActive(p.el, r) ? warpSum(n) : 0;
-    uint64_t* tail = qCounter(p, p.rank, kCombTail, r, c);
+    uint64_t* tail = qCounterIn(p, kCombTail, r, c);
     uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
     const uint64_t base = ldAcquire(head, p.gpu_scope);
     const int first = p.h.send_chan_base[r * C + c];
-    const uint8_t* q = me + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * Q * p.lay.x_stride;
+    const uint8_t* q = inBase(p, r) + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * Q * p.lay.x_stride;
     bool alive = true;
     for (int k = 0; k < n; k += G) {
       const int i = k + g;

@@ -51,6 +51,15 @@ __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoc
 __device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int kind, int src, int ch) {
   return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.qctrl + kind * p.lay.qctrl_stride) + src * p.C + ch;
 }
+// Where the words that `writer` stores into this rank's HT buffer live: the buffer itself, or, for a writer on
+// another host, the far copy its proxy stores them in (common/gpu_remote.h). Every read of such a word goes here.
+__device__ __forceinline__ uint8_t* inBase(const HtParams& p, int writer) {
+  return ((p.remote >> writer) & 1) ? p.far_in : p.base[p.rank];
+}
+// This rank's counter of `kind` that `peer` writes (a tail it publishes, a head it sends back), for channel ch.
+__device__ __forceinline__ uint64_t* qCounterIn(const HtParams& p, int kind, int peer, int ch) {
+  return reinterpret_cast<uint64_t*>(inBase(p, peer) + p.lay.qctrl + kind * p.lay.qctrl_stride) + peer * p.C + ch;
+}
 // The sending end of the queue (this rank -> owner, channel c) of one family (dispatch: kDispTail, kDispHead,
 // kDispSent, kDispHeadBack; combine: the kComb* four): the tail this rank publishes, the head it waits on for room,
 // and the tail it last published (base). Toward a rank of another host (kFar) the owner's counters are not
@@ -67,7 +76,7 @@ __device__ __forceinline__ QueueSend queueSend(const HtParams& p, int owner, int
   QueueSend q;
   q.tail = qCounter(p, owner, k_tail, p.rank, c);
   q.sent_copy = qCounter(p, p.rank, k_sent, owner, c);
-  q.head = kFar ? qCounter(p, p.rank, k_head_back, owner, c) : qCounter(p, owner, k_head, p.rank, c);
+  q.head = kFar ? qCounterIn(p, k_head_back, owner, c) : qCounter(p, owner, k_head, p.rank, c);
   // This rank is the only writer of the tail; a masked rank's memory is not touched.
   q.base = active ? ldAcquire(kFar ? q.sent_copy : q.tail, p.gpu_scope) : 0;
   return q;

@@ -343,6 +343,8 @@ struct HtParams {
   GpuBufferLayout lay;
   uint64_t remote;              // bit r: rank r is on another host; what is meant for it goes through rem's rings
   const GpuRemote* rem;
+  uint8_t* far_in;              // with ranks of other hosts: what they write into this rank's HT buffer lands at the
+                                // same offsets of this copy in pinned host memory (GpuProxy::farCopy), not in base[rank]
   GpuErrorRecord* err;
   GpuErrorClaims* claims;
   GpuElastic* el;

@@ -5,9 +5,9 @@
 // to this rank's proxy as a record in an outbound ring, one ring per remote rank, in pinned host memory that the
 // kernels write over PCIe:
 //
-//   kernel --records--> ring[r] (host memory) --proxy--> net (NetBridge) --> r's proxy --> r's HT buffer (copy
-//   engines) or the far copy of r's LL buffer (pinned host memory that r's kernels read; stored by the proxy's
-//   thread, no CUDA call)
+//   kernel --records--> ring[r] (host memory) --proxy--> net (NetBridge) --> r's proxy --> the far copy of r's
+//   buffer (pinned host memory at the buffer's offsets, which r's kernels read for every word a rank of another
+//   host writes; stored by the proxy's thread, no CUDA call)
 //
 // A record is a 32-byte header and its payload, padded to 32 bytes: DATA (bytes to store at an offset of one of
 // r's buffers) or FLAG (one 8-byte word, stored with release semantics once every earlier record from this rank
@@ -62,19 +62,6 @@ struct GpuRemoteRing {
 constexpr int kGpuRemoteMaxRanks = 64;  // == kGpuMaxRanks
 struct GpuRemote {
   GpuRemoteRing ring[kGpuRemoteMaxRanks];
-};
-
-// What the proxy of the receiving rank stores into its HT buffer, batch by batch: DATA payloads (copied out of the
-// bridge's inbox into staging the device can read), then FLAG words (copy engines on the GPU,
-// engine/gpu/proxy_cuda.cc; memcpy in the host tests).
-struct ProxyCopy {  // `len` bytes from src (pinned host memory) to dst (this rank's buffer)
-  const uint8_t* src;
-  uint8_t* dst;
-  uint64_t len;
-};
-struct ProxyFlag {  // one protocol word, stored with release semantics
-  uint64_t* dst;
-  uint64_t value;
 };
 
 }  // namespace epcomm

@@ -104,22 +104,19 @@ bool waitWord(const uint8_t* buf, uint64_t off, uint64_t want, int timeout_ms) {
 // One rank: its bootstrap, buffers and proxy, with every other rank on another host.
 struct Rank {
   std::unique_ptr<epcomm::Bootstrap> bs;
-  std::vector<uint8_t> ht, ll;
   std::unique_ptr<GpuProxy> proxy;
   std::vector<RingWriter> to;  // [peer]
-  // What other hosts write into the LL buffer lands in the proxy's far copy of it (the HT buffer is stored in place).
+  // What other hosts write into this rank's buffers lands in the proxy's far copies of them.
   const uint8_t* llFar() const { return proxy->farCopy(epcomm::kRemoteLlBuffer, true); }
+  const uint8_t* htFar() const { return proxy->farCopy(epcomm::kRemoteHtBuffer, true); }
   epResult_t init(const epUniqueId& id, int rank, int R) {
     epResult_t r = epcomm::bootstrapInitSocket(&id, rank, R, 20000, &bs);
     if (r != epSuccess) return r;
-    ht.assign(kHtBytes, 0);
-    ll.assign(kLlBytes, 0);
     std::vector<uint8_t> remote(R, 1);
     remote[rank] = 0;
     proxy = std::make_unique<GpuProxy>(rank, R, remote, epcomm::hostProxyDevice());
-    uint8_t* bufs[epcomm::kRemoteNumBuffers] = {ht.data(), ll.data()};
-    const size_t bytes[epcomm::kRemoteNumBuffers] = {ht.size(), ll.size()};
-    if ((r = proxy->start(bs.get(), bufs, bytes, 20000)) != epSuccess) return r;
+    const size_t bytes[epcomm::kRemoteNumBuffers] = {kHtBytes, kLlBytes};
+    if ((r = proxy->start(bs.get(), bytes, 20000)) != epSuccess) return r;
     const GpuRemote* t = proxy->table();  // host memory on this device
     for (int p = 0; p < R; ++p) to.push_back(RingWriter{t->ring[p]});
     return bs->barrier(20000);
@@ -186,7 +183,7 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
       for (size_t at = 0; at < slice;) {
         const size_t n = std::min<size_t>(1 + rng() % 40000, slice - at);
         for (size_t j = 0; j < n && !bad; ++j)
-          if (me.ht[s * slice + at + j] != pattern(s, rank, k, at + j)) {
+          if (me.htFar()[s * slice + at + j] != pattern(s, rank, k, at + j)) {
             fprintf(stderr, "rank %d: round %d from rank %d: byte %zu of the slice differs\n", rank, k, s, at + j);
             bad = 1;
           }
@@ -247,14 +244,14 @@ TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
         for (int i = 0; kind == 2 && i < 2000 && !me.proxy->failed(1, &why); ++i) usleep(1000);
         CK(kind != 2 || me.proxy->failed(1, &why), "rank 0 forwarded a record of an unknown type");
       } else {
-        CK(waitWord(me.ht.data(), 0, 1, 20000), "the good round never came");
-        CK(me.ht[4096] == 1 && me.ht[4098] == 3, "the good record's bytes");
+        CK(waitWord(me.htFar(), 0, 1, 20000), "the good round never came");
+        CK(me.htFar()[4096] == 1 && me.htFar()[4098] == 3, "the good record's bytes");
         std::string why;
         for (int i = 0; kind != 2 && i < 2000 && !me.proxy->failed(0, &why); ++i) usleep(1000);
         CK(kind == 2 || me.proxy->failed(0, &why), "the bad record (kind %d) was not refused", kind);
         usleep(100000);
-        CK(loadAcquire(me.ht.data(), 8) == 0, "a flag after a refused record was stored");
-        CK(me.ht[kHtBytes - 8] == 0 && me.ht[0] == 1, "a refused record was stored");
+        CK(loadAcquire(me.htFar(), 8) == 0, "a flag after a refused record was stored");
+        CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[0] == 1, "a refused record was stored");
       }
       CK(me.bs->barrier(20000) == epSuccess, "final barrier");
       return 0;

@@ -187,10 +187,9 @@ epResult_t GpuEngine::init() {
   EPCHECK(initElastic());
   EPCHECK(initLl());
   if (remote_mask_ != 0) {
-    uint8_t* bufs[kRemoteNumBuffers] = {static_cast<uint8_t*>(bufs_.local()), static_cast<uint8_t*>(ll_bufs_.local())};
-    const size_t bytes[kRemoteNumBuffers] = {lay_.total, ll_lay_.total};
+    const size_t bytes[kRemoteNumBuffers] = {bufs_.local() ? lay_.total : 0, ll_bufs_.local() ? ll_lay_.total : 0};
     proxy_ = std::make_unique<GpuProxy>(comm_->rank, R, remote_, cudaProxyDevice(device_));
-    EPCHECK(proxy_->start(comm_->bootstrap.get(), bufs, bytes, c.timeout_ms));
+    EPCHECK(proxy_->start(comm_->bootstrap.get(), bytes, c.timeout_ms));
     // Every rank's proxy is up before any kernel writes records for it.
     EPCHECK(comm_->bootstrap->barrier(c.timeout_ms));
   }
@@ -219,7 +218,9 @@ HtParams GpuEngine::baseParams(int op) const {
   p.regions = regions_dev_;
   p.x_region = -1;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
-  p.gpu_scope = gpu_sharing_ == comm_->nranks;
+  // Words in the far copy (host memory the proxy's thread writes) need system-scope loads and fences.
+  p.gpu_scope = gpu_sharing_ == comm_->nranks && remote_mask_ == 0;
+  p.far_in = proxy_ ? proxy_->farCopy(kRemoteHtBuffer) : nullptr;
   p.C = lay_.channels;
   p.Q = lay_.queue_rows;
   // G warps per peer, R * G warps per block (at most 32); named barriers 1..15 need R < 16 when G > 1.

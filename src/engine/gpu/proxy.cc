@@ -20,8 +20,7 @@ EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
 
 namespace {
 
-constexpr int kMaxCopies = 16384;  // DATA records applied per batch
-constexpr int kMaxFlags = 8192;    // FLAG records applied per batch
+constexpr int kInPerTurn = 1024;   // records stored from one inbox per turn of the loop
 constexpr int kOutPerTurn = 1024;  // records moved from one ring per turn of the loop
 std::mutex g_why_mutex;            // guards GpuProxy::why_ (diagnostics only)
 
@@ -52,20 +51,13 @@ GpuProxy::~GpuProxy() {
   if (consumed_) dev_->freeMapped(consumed_);
   if (reserved_dev_) dev_->freeDevice(reserved_dev_);
   if (table_dev_) dev_->freeDevice(table_dev_);
-  if (copies_) dev_->freeMapped(copies_);
-  if (flags_) dev_->freeMapped(flags_);
-  if (staging_) dev_->freeMapped(staging_);
   for (uint8_t* f : far_host_)
     if (f) dev_->freeMapped(f);
 }
 
-epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers], const size_t bytes[kRemoteNumBuffers],
-                           int timeout_ms) {
+epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers], int timeout_ms) {
   EP_REQUIRE(dev_ != nullptr, epNotSupported, "GPU proxy: this build has no CUDA device support");
-  for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) {
-    bufs_[b] = bufs[b];
-    buf_bytes_[b] = bufs[b] ? bytes[b] : 0;
-  }
+  for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) buf_bytes_[b] = bytes[b];
   ring_bytes_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyRingBytes(), 1 << 20)) &
                 ~size_t{kRemoteRecordAlign - 1};
   inbox_bytes_ = ring_bytes_;
@@ -80,27 +72,18 @@ epResult_t GpuProxy::start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers]
     EPCHECK(dev_->allocMapped(ring_bytes_, reinterpret_cast<void**>(&out_[r].ring), &dev));
     table.ring[r] = GpuRemoteRing{static_cast<uint8_t*>(dev), reserved_dev_ + r, consumed_dev + r, ring_bytes_};
   }
-  // The LL buffer's far copy: as large as the buffer (any offset may be written), zeroed like it.
-  if (buf_bytes_[kRemoteLlBuffer] > 0) {
-    EPCHECK(dev_->allocMapped(buf_bytes_[kRemoteLlBuffer], reinterpret_cast<void**>(&far_host_[kRemoteLlBuffer]),
-                              &dev));
-    far_dev_[kRemoteLlBuffer] = static_cast<uint8_t*>(dev);
+  // The far copies: as large as the buffers (any offset may be written), zeroed like them.
+  for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) {
+    if (buf_bytes_[b] == 0) continue;
+    EPCHECK(dev_->allocMapped(buf_bytes_[b], reinterpret_cast<void**>(&far_host_[b]), &dev));
+    far_dev_[b] = static_cast<uint8_t*>(dev);
   }
   EPCHECK(dev_->allocDevice(sizeof(GpuRemote), reinterpret_cast<void**>(&table_dev_)));
   EPCHECK(dev_->upload(table_dev_, &table, sizeof(table)));
 
-  // The bridge's inboxes: a region of this process only (created, then unlinked at once). The payloads of a batch
-  // are copied from there into pinned staging, which the apply step reads (registering the region with CUDA
-  // instead is not offered everywhere: sandboxed drivers refuse cudaHostRegister of shared mappings).
+  // The bridge's inboxes: a region of this process only (created, then unlinked at once).
   EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
   inbox_.unlink();
-  staging_bytes_ = 2 * inbox_bytes_;
-  // Pinned: the apply step's copies read the staged payloads and the flag values from there, asynchronously.
-  EPCHECK(dev_->allocMapped(sizeof(ProxyCopy) * kMaxCopies, reinterpret_cast<void**>(&copies_), &dev));
-  EPCHECK(dev_->allocMapped(sizeof(ProxyFlag) * kMaxFlags, reinterpret_cast<void**>(&flags_), &dev));
-  EPCHECK(dev_->allocMapped(staging_bytes_, reinterpret_cast<void**>(&staging_), &dev));
-
-  EPCHECK(dev_->prepare());
   bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_, remote_, &inbox_);
   EPCHECK(bridge_->connect(bs, timeout_ms));
   thread_ = std::thread([this] { loop(); });
@@ -168,82 +151,48 @@ bool GpuProxy::pumpOut(int r) {
   return moved;
 }
 
-// Whole records of inbox q, checked, into the batch (DATA as copies, FLAG as flags), until the batch is full.
-bool GpuProxy::gatherIn(int q) {
+// Whole records of inbox q, checked, stored into the far copies in order (DATA: the bytes; FLAG: a release store,
+// after everything before it), then released from the inbox.
+bool GpuProxy::storeIn(int q) {
   In& in = in_[q];
   RingEnd inbox(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_);
   const size_t avail = inbox.available();
-  if (in.bad) {  // keep the bridge flowing, apply nothing
-    if (avail > in.parsed) inbox.release(avail - in.parsed);
+  if (in.bad) {  // keep the bridge flowing, store nothing
+    if (avail > 0) inbox.release(avail);
     return false;
   }
   const size_t max_payload = inbox_bytes_ / 4;
-  bool moved = false;
-  while (avail - in.parsed >= sizeof(GpuRemoteRecord) && ncopies_ < kMaxCopies && nflags_ < kMaxFlags) {
+  size_t parsed = 0;
+  for (int n = 0; n < kInPerTurn && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
     GpuRemoteRecord h;
-    inbox.copyOut(&h, in.parsed, sizeof(h));
+    inbox.copyOut(&h, parsed, sizeof(h));
     // Everything a peer sent is checked before use (R5).
     const char* bad = nullptr;
     const uint64_t len = h.type == kRemoteFlag ? 8 : h.len;
     if (h.type != kRemoteData && h.type != kRemoteFlag) bad = "a record of an unknown type";
-    else if (h.buf >= kRemoteNumBuffers || bufs_[h.buf] == nullptr) bad = "a record for a buffer this rank lacks";
+    else if (h.buf >= kRemoteNumBuffers || far_host_[h.buf] == nullptr) bad = "a record for a buffer this rank lacks";
     else if ((h.type == kRemoteFlag && (h.len != 8 || h.off % 8 != 0)) || len > max_payload ||
              h.off > buf_bytes_[h.buf] || len > buf_bytes_[h.buf] - h.off)
       bad = "a record past the end of its buffer, misaligned, or larger than the rings allow";
     if (bad != nullptr) {
       refuse(q, bad);
-      return moved;
+      break;
     }
     const uint64_t size = remoteRecordBytes(len);
-    if (avail - in.parsed < size) break;  // the rest is still on its way
-    if (uint8_t* far = far_host_[h.buf]) {
-      // Stored here, in stream order: what the batch holds goes first (its FLAGs may cover this DATA, or this
-      // FLAG the batch's DATA).
-      if (ncopies_ > 0 || nflags_ > 0) break;
-      if (h.type == kRemoteFlag) {
-        uint64_t v;
-        inbox.copyOut(&v, in.parsed + sizeof(h), 8);
-        __atomic_store_n(reinterpret_cast<uint64_t*>(far + h.off), v, __ATOMIC_RELEASE);
-      } else if (len > 0) {
-        inbox.copyOut(far + h.off, in.parsed + sizeof(h), len);
-      }
-    } else if (h.type == kRemoteFlag) {
+    if (avail - parsed < size) break;  // the rest is still on its way
+    uint8_t* at = far_host_[h.buf] + h.off;
+    if (h.type == kRemoteFlag) {
       uint64_t v;
-      inbox.copyOut(&v, in.parsed + sizeof(h), 8);
-      flags_[nflags_++] = ProxyFlag{reinterpret_cast<uint64_t*>(bufs_[h.buf] + h.off), v};
+      inbox.copyOut(&v, parsed + sizeof(h), 8);
+      __atomic_store_n(reinterpret_cast<uint64_t*>(at), v, __ATOMIC_RELEASE);
     } else if (len > 0) {
-      const uint64_t room = (len + 15) & ~uint64_t{15};  // 16-byte aligned payloads: the kernels' wide copies
-      if (staged_ + room > staging_bytes_) break;        // the batch's staging is full: next batch
-      inbox.copyOut(staging_ + staged_, in.parsed + sizeof(h), len);
-      copies_[ncopies_++] = ProxyCopy{staging_ + staged_, bufs_[h.buf] + h.off, len};
-      staged_ += room;
+      inbox.copyOut(at, parsed + sizeof(h), len);
     }
-    in.parsed += size;
+    parsed += size;
     ++recs_in_;
-    moved = true;
   }
-  return moved;
-}
-
-// Applies the batch (the device's apply waits for it), then frees in the inboxes the bytes stored so far.
-bool GpuProxy::applyBatch() {
-  bool parsed = false;
-  for (int q = 0; q < nranks_; ++q) parsed |= remote_[q] && in_[q].parsed > 0;
-  if (ncopies_ == 0 && nflags_ == 0 && !parsed) return false;
-  ++batches_;
-  if ((ncopies_ > 0 || nflags_ > 0) && dev_->apply(copies_, ncopies_, flags_, nflags_) != epSuccess) {
-    EP_WARN("GPU proxy: rank %d cannot store what ranks of other hosts sent", rank_);
-    for (int q = 0; q < nranks_; ++q)
-      if (remote_[q]) refuse(q, "the apply step failed");
-  }
-  for (int q = 0; q < nranks_; ++q) {
-    if (!remote_[q] || in_[q].parsed == 0) continue;
-    RingEnd(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_).release(in_[q].parsed);
-    in_[q].parsed = 0;
-  }
-  ncopies_ = nflags_ = 0;
-  staged_ = 0;
-  return true;
+  if (parsed > 0) inbox.release(parsed);
+  return parsed > 0;
 }
 
 // One line per remote rank: the ring (taken, the stamp and type at that position), the outbox toward it and the
@@ -256,18 +205,15 @@ void GpuProxy::trace() {
     RingEnd ob = bridge_->outEnd(0, r);
     RingEnd ib(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_);
     fprintf(stderr, "epcomm proxy rank %d -> %d: ring at %llu (stamp there %llu, type %u%s), outbox %zu bytes free; "
-            "inbox from %d: %zu available, %llu parsed%s; records out %llu in %llu, batches %llu\n", rank_, r,
+            "inbox from %d: %zu available%s; records out %llu in %llu\n", rank_, r,
             static_cast<unsigned long long>(o.pos),
             static_cast<unsigned long long>(__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE)),
-            h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(),
-            static_cast<unsigned long long>(in_[r].parsed), in_[r].bad ? ", refused" : "",
-            static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_),
-            static_cast<unsigned long long>(batches_));
+            h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(), in_[r].bad ? ", refused" : "",
+            static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_));
   }
 }
 
 void GpuProxy::loop() {
-  dev_->threadStart();
   const bool tracing = epParamGpuProxyTrace() != 0;
   int64_t next_trace = nowNs();
   Backoff backoff;
@@ -282,8 +228,7 @@ void GpuProxy::loop() {
       if (remote_[r]) moved |= pumpOut(r);
     if (stopping) break;  // flush: only the rings; see stop()
     for (int q = 0; q < nranks_; ++q)
-      if (remote_[q]) moved |= gatherIn(q);
-    moved |= applyBatch();
+      if (remote_[q]) moved |= storeIn(q);
     if (moved) backoff.reset();
     else backoff.pause();
   }
@@ -345,13 +290,6 @@ class HostProxyDevice final : public ProxyDevice {
   }
   epResult_t download(void* dst, const void* dev, size_t bytes) override {
     memcpy(dst, dev, bytes);
-    return epSuccess;
-  }
-  epResult_t prepare() override { return epSuccess; }
-  void threadStart() override {}
-  epResult_t apply(const ProxyCopy* copies, int ncopies, const ProxyFlag* flags, int nflags) override {
-    for (int i = 0; i < ncopies; ++i) memcpy(copies[i].dst, copies[i].src, copies[i].len);
-    for (int i = 0; i < nflags; ++i) __atomic_store_n(flags[i].dst, flags[i].value, __ATOMIC_RELEASE);
     return epSuccess;
   }
 };

@@ -3,15 +3,14 @@
 // record format and the rules the kernels keep).
 //
 //   out: ring[r] (pinned host memory the kernels write) --records in order--> NetBridge outbox toward r
-//   in:  NetBridge inbox from q (host memory) --> LL buffer: stored by this thread into the buffer's far copy
-//        (pinned host memory the kernels read for every word a rank of another host writes; no CUDA call)
-//                                             --> HT buffer: payloads into pinned staging, then the apply step
-//        (copy engines: the DATA copies of a batch, then its FLAG words, on the proxy's stream)
+//   in:  NetBridge inbox from q (host memory) --records in order--> the far copy of the record's buffer
+//        (pinned host memory, mapped: the kernels read there every word a rank of another host writes)
 //
-// The far copy is why LL across hosts does not depend on the CUDA driver while kernels wait: a CUDA call of this
-// thread can block behind the application's own, e.g. a kernel's first launch under lazy module loading
-// (CUDA_MODULE_LOADING=LAZY, the default), which waits for the running kernels, which wait for this thread.
-// Records are applied in stream order across both buffers (a FLAG in one may cover DATA in the other).
+// Storing is a memcpy (DATA) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
+// call while kernels run. One would block behind the application's own, e.g. a kernel's first launch under lazy
+// module loading (CUDA_MODULE_LOADING=LAZY, the default), which waits for the running kernels, which may be
+// waiting for this very thread; copy engines also store a batch's copies in any order. The far copies cost pinned
+// host memory as large as the HT and LL buffers, on ranks that have peers on other hosts only.
 //
 // One thread per communicator does both. It keeps no per-operation state: only how far it has read each ring and
 // each inbox, so captured graphs replay across hosts. Every record received is checked before use (R5): a type it
@@ -20,7 +19,7 @@
 // bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it).
 //
 // The proxy itself touches no CUDA API: what it needs from the GPU (pinned memory the device can reach, device
-// memory, the apply step) comes through ProxyDevice, so that the CPU tests run the very same proxy over host memory
+// memory, set up before the thread starts) comes through ProxyDevice, so that the CPU tests run the very same proxy over host memory
 // (hostProxyDevice) and CI checks the protocol without a GPU.
 #pragma once
 #include <atomic>
@@ -48,17 +47,10 @@ class ProxyDevice {
   virtual void freeDevice(void* dev) = 0;
   virtual epResult_t upload(void* dev, const void* src, size_t bytes) = 0;
   virtual epResult_t download(void* dst, const void* dev, size_t bytes) = 0;
-  // Before any operation, on the creating thread: what the apply step needs (its stream).
-  virtual epResult_t prepare() = 0;
-  // The proxy thread's first call (device selection, capture mode).
-  virtual void threadStart() = 0;
-  // Stores a batch (host arrays: copies from pinned host memory, then flags; a flag is seen only after every copy
-  // of its batch and of earlier ones); complete when it returns.
-  virtual epResult_t apply(const ProxyCopy* copies, int ncopies, const ProxyFlag* flags, int nflags) = 0;
 };
 // The GPU engine's (proxy_cuda.cc); nullptr in a build without CUDA.
 std::unique_ptr<ProxyDevice> cudaProxyDevice(int device);
-// Plain host memory for both sides, memcpy and release stores for apply: the CPU tests' device.
+// Plain host memory for both sides: the CPU tests' device.
 std::unique_ptr<ProxyDevice> hostProxyDevice();
 
 class GpuProxy {
@@ -69,14 +61,13 @@ class GpuProxy {
   GpuProxy(const GpuProxy&) = delete;
   GpuProxy& operator=(const GpuProxy&) = delete;
 
-  // Allocates the rings and the device table, connects to every remote rank through the bootstrap (collective:
-  // every rank of the communicator calls it) and starts the thread. bufs: this rank's buffers by GpuRemoteBuffer
-  // (nullptr / 0 for one it lacks).
-  epResult_t start(Bootstrap* bs, uint8_t* const bufs[kRemoteNumBuffers], const size_t bytes[kRemoteNumBuffers],
-                   int timeout_ms);
+  // Allocates the rings, the far copies and the device table, connects to every remote rank through the bootstrap
+  // (collective: every rank of the communicator calls it) and starts the thread. bytes: the size of this rank's
+  // buffers by GpuRemoteBuffer (0 for one it lacks).
+  epResult_t start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers], int timeout_ms);
   const GpuRemote* table() const { return table_dev_; }  // device memory, for the kernels' parameters
   // The far copy of buffer b (device address; host address with host=true): where what ranks of other hosts write
-  // into b lands, at the same offsets. nullptr for a buffer stored in place (the HT buffer).
+  // into b lands, at the same offsets. nullptr for a buffer this rank lacks.
   uint8_t* farCopy(GpuRemoteBuffer b, bool host = false) const { return host ? far_host_[b] : far_dev_[b]; }
   // Stops the thread. With flush, it first forwards what the rings hold and lets the bridge send it, for at most
   // timeout_ms (call after this rank's kernels have ended); live[r] names the ranks still worth sending to.
@@ -93,13 +84,11 @@ class GpuProxy {
     bool broken = false;      // a malformed record (a bug): nothing more is forwarded
   };
   struct In {
-    uint64_t parsed = 0;  // bytes past the inbox's head already stored or turned into copies of the batch
-    bool bad = false;     // a record failed its checks: nothing more is applied from this rank
+    bool bad = false;  // a record failed its checks: nothing more is stored from this rank
   };
   void loop();
   bool pumpOut(int r);
-  bool gatherIn(int q);
-  bool applyBatch();
+  bool storeIn(int q);
   void refuse(int q, const char* what);
   void noteFailure(int r, const char* what);  // the first reason the stream with r ended (failed() reports it)
 
@@ -107,7 +96,6 @@ class GpuProxy {
   std::vector<uint8_t> remote_;
   std::unique_ptr<ProxyDevice> dev_;
   size_t ring_bytes_ = 0, inbox_bytes_ = 0;
-  uint8_t* bufs_[kRemoteNumBuffers] = {};
   size_t buf_bytes_[kRemoteNumBuffers] = {};
   uint8_t* far_host_[kRemoteNumBuffers] = {};  // far copies (pinned, mapped), see farCopy()
   uint8_t* far_dev_[kRemoteNumBuffers] = {};
@@ -118,15 +106,9 @@ class GpuProxy {
   GpuRemote* table_dev_ = nullptr;
   ShmRegion inbox_;                  // the bridge's inboxes (private to this process)
   std::unique_ptr<NetBridge> bridge_;
-  // A batch: copies and flags for the apply step, and the payloads they copy (pinned).
-  ProxyCopy* copies_ = nullptr;
-  ProxyFlag* flags_ = nullptr;
-  uint8_t* staging_ = nullptr;
   // What moved (EPCOMM_GPU_PROXY_TRACE prints it while the proxy runs).
-  uint64_t recs_out_ = 0, recs_in_ = 0, batches_ = 0;
+  uint64_t recs_out_ = 0, recs_in_ = 0;
   void trace();
-  size_t staging_bytes_ = 0, staged_ = 0;
-  int ncopies_ = 0, nflags_ = 0;
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::vector<std::string> why_;  // per rank: why its stream was refused (guarded by a mutex in proxy.cc)
