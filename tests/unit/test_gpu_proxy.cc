@@ -5,7 +5,8 @@
 //    directions, 2 and 3 ranks;
 //  - what a peer sends is checked (R5): a record past its buffer's end, for a buffer the rank lacks, or of an
 //    unknown type ends that peer's stream, logged, and nothing of it is stored;
-//  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline).
+//  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline);
+//  - the proxy's thread never calls its device (on a GPU, a CUDA call there can block behind the application's).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -101,9 +102,43 @@ bool waitWord(const uint8_t* buf, uint64_t off, uint64_t want, int timeout_ms) {
   return true;
 }
 
+// The host device, counting the calls made from a thread other than the one that created it.
+class WatchedDevice final : public epcomm::ProxyDevice {
+ public:
+  explicit WatchedDevice(std::atomic<int>* elsewhere)
+      : inner_(epcomm::hostProxyDevice()), owner_(std::this_thread::get_id()), elsewhere_(elsewhere) {}
+  epResult_t allocMapped(size_t bytes, void** host, void** dev) override {
+    note();
+    return inner_->allocMapped(bytes, host, dev);
+  }
+  void freeMapped(void* host) override { inner_->freeMapped(host); }
+  epResult_t allocDevice(size_t bytes, void** dev) override {
+    note();
+    return inner_->allocDevice(bytes, dev);
+  }
+  void freeDevice(void* dev) override { inner_->freeDevice(dev); }
+  epResult_t upload(void* dev, const void* src, size_t bytes) override {
+    note();
+    return inner_->upload(dev, src, bytes);
+  }
+  epResult_t download(void* dst, const void* dev, size_t bytes) override {
+    note();
+    return inner_->download(dst, dev, bytes);
+  }
+
+ private:
+  void note() {
+    if (std::this_thread::get_id() != owner_) ++*elsewhere_;
+  }
+  std::unique_ptr<epcomm::ProxyDevice> inner_;
+  std::thread::id owner_;
+  std::atomic<int>* elsewhere_;
+};
+
 // One rank: its bootstrap, buffers and proxy, with every other rank on another host.
 struct Rank {
   std::unique_ptr<epcomm::Bootstrap> bs;
+  std::atomic<int> device_calls_elsewhere{0};  // by the proxy's thread (WatchedDevice)
   std::unique_ptr<GpuProxy> proxy;
   std::vector<RingWriter> to;  // [peer]
   // What other hosts write into this rank's buffers lands in the proxy's far copies of them.
@@ -114,7 +149,7 @@ struct Rank {
     if (r != epSuccess) return r;
     std::vector<uint8_t> remote(R, 1);
     remote[rank] = 0;
-    proxy = std::make_unique<GpuProxy>(rank, R, remote, epcomm::hostProxyDevice());
+    proxy = std::make_unique<GpuProxy>(rank, R, remote, std::make_unique<WatchedDevice>(&device_calls_elsewhere));
     const size_t bytes[epcomm::kRemoteNumBuffers] = {kHtBytes, kLlBytes};
     if ((r = proxy->start(bs.get(), bytes, 20000)) != epSuccess) return r;
     const GpuRemote* t = proxy->table();  // host memory on this device
@@ -201,6 +236,7 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
   CK(me.bs->barrier(20000) == epSuccess, "final barrier");
   std::vector<uint8_t> live(R, 1);
   me.proxy->stop(true, live.data(), 5000);
+  CK(me.device_calls_elsewhere == 0, "the proxy's thread called its device %d times", me.device_calls_elsewhere.load());
   return 0;
 }
 
