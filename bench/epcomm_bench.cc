@@ -13,7 +13,7 @@
 // move (a diagnostic: it grows with extra passes). --csv appends every row to FILE (scripts/plot_bench.py draws
 // it; scripts/bench_sweep.sh sweeps SMs and tokens).
 //
-// Across hosts (host engine, epcomm-run --hosts H) the rows also show the bytes all ranks handed to the
+// Across hosts (epcomm-run --hosts H; GPU engine: its HT rows, the bytes its proxy forwarded) the rows also show the bytes all ranks handed to the
 // inter-host transport per operation (xhost_MB/op, epCommGetNetBytes) and per second (xhost_GB/s), and, measured
 // in the same run between the same processes before the operations, the raw net throughput (epCommNetRawBandwidth:
 // every rank streams --net-raw-mb MiB to every rank of other hosts at once over the same EPCOMM_NET backend, in
@@ -186,7 +186,7 @@ struct Row {
   double deepep_gbs;    // mean over ranks
   double useful_bytes;  // summed over ranks
   double moved_bytes;   // summed over ranks; 0 where not measured
-  double xhost_bytes;   // bytes sent to ranks of other hosts per iteration, summed over ranks (host engine)
+  double xhost_bytes;   // bytes sent to ranks of other hosts per iteration, summed over ranks (GPU: HT rows)
 };
 
 bool g_gpu = false;  // the communicator runs the GPU engine: gathers stage through device memory
@@ -483,12 +483,18 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   c.combined_x = devAlloc(static_cast<size_t>(T) * H * 2);
   c.combined_x_bytes = static_cast<size_t>(T) * H * 2;
   std::vector<double> td, tc, tg;
+  double xd = 0, xc = 0;  // bytes sent to ranks of other hosts per timed dispatch / combine (0 on one host)
   for (int i = 0; i < o.warmup + o.iters; ++i) {
+    const double b0 = netBytes();
     double d = timeOnStream(s, [&] { CHECK(epHtDispatch(comm, &a, h, s)); });
+    const double b1 = netBytes();
     double cb = timeOnStream(s, [&] { CHECK(epHtCombine(comm, &c, h, s)); });
+    const double b2 = netBytes();
     if (i >= o.warmup) {
       td.push_back(d);
       tc.push_back(cb);
+      xd += (b1 - b0) / o.iters;
+      xc += (b2 - b1) / o.iters;
     }
   }
   // The same pair captured once in a CUDA graph and replayed.
@@ -559,11 +565,11 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   // (5 per row + 1). Useful bytes: each received row read once and written once.
   const double disp_bytes = pull_d ? 2 * recv + 2 * T * row : 4 * recv;
   const double comb_bytes = pull ? 3 * recv - 2 * own_tokens * row + T * row : 5 * recv + T * row;
-  rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes));
-  rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes));
+  rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes, xd));
+  rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes, xc));
   if (pull) rows.push_back(reportRow("HT combine zero-copy", T, tz, recv, 2 * recv, recv + T * row));
   if (pull) rows.push_back(reportRow("HT combine registered", T, tr, recv, 2 * recv, recv + T * row));
-  rows.push_back(reportRow("HT graph d+c", T, tg, 2 * recv, 4 * recv, disp_bytes + comb_bytes));
+  rows.push_back(reportRow("HT graph d+c", T, tg, 2 * recv, 4 * recv, disp_bytes + comb_bytes, xd + xc));
   {
     // fp8 dispatch: the same routing, rows of H bytes plus H/128 fp32 scales.
     std::vector<uint8_t> x8(static_cast<size_t>(T) * H);
@@ -579,13 +585,19 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
     a8.recv_x_scales = static_cast<float*>(devAlloc(rows_cap * (H / 128) * 4));
     a8.recv_x_scales_bytes = rows_cap * (H / 128) * 4;
     std::vector<double> t8;
+    double xh8 = 0;
     for (int i = 0; i < o.warmup + o.iters; ++i) {
+      const double b0 = netBytes();
       double d = timeOnStream(s, [&] { CHECK(epHtDispatch(comm, &a8, h, s)); });
-      if (i >= o.warmup) t8.push_back(d);
+      const double b1 = netBytes();
+      if (i >= o.warmup) {
+        t8.push_back(d);
+        xh8 += (b1 - b0) / o.iters;
+      }
     }
     const double row8 = H + H / 128 * 4.0, recv8 = num_recv * row8;
     const double moved8 = pull_d ? 2 * recv8 + 2 * T * row8 : 4 * recv8;
-    rows.push_back(reportRow("HT dispatch fp8", T, t8, recv8, 2 * recv8, moved8));
+    rows.push_back(reportRow("HT dispatch fp8", T, t8, recv8, 2 * recv8, moved8, xh8));
     cudaFree(d_x8);
     cudaFree(d_sc);
     cudaFree(a8.recv_x_scales);
@@ -918,6 +930,7 @@ int main(int argc, char** argv) {
     CUCHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     roof = copyRoofline(s);
     g_p2p = p2pBandwidth(s);
+    raw = netRaw(o);  // across hosts: the proxy's net transport between the same processes
     if (o.ht) benchGpuHt(o, rows, s);
     if (o.ll) benchGpuLl(o, s);
     if (o.a2a) benchGpuA2a(o, rows, s);

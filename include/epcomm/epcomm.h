@@ -679,8 +679,10 @@ EPCOMM_API epResult_t epCommGetMaskedDrops(epComm_t comm, int64_t* token_rows, i
  * its operations sent to ranks of other hosts — message headers, counts, routing and token rows, as the queues
  * carry them, not the transport's own framing or flow control. Read it before and after an operation for that
  * operation's inter-host traffic (an operation has pushed all its sends when it returns, except an LL receive
- * half's later sends, see the LL section). 0 when every rank shares one host. Host engine; the GPU engine
- * returns epNotSupported. Works on a broken communicator. */
+ * half's later sends, see the LL section). 0 when every rank shares one host. GPU engine: the bytes of the
+ * records its proxy forwarded (what the kernels wrote for ranks of other hosts, each record with its 32-byte
+ * header, padded to 32 bytes); it first waits, at most EPCOMM_TIMEOUT_MS, until the proxy has taken every record
+ * the kernels reserved, so read it once the operations' streams have completed. Works on a broken communicator. */
 EPCOMM_API epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent);
 
 /* Raw throughput of the inter-host transport between this communicator's processes, to set the engine's
@@ -693,8 +695,8 @@ EPCOMM_API epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent);
  * one thread driving every send and receive; a third barrier, and the connections are closed. *bytes_sent: the
  * bytes this rank sent; *seconds: from the second barrier until this rank's last send and last receive completed
  * (sum the bytes and take the slowest rank's seconds for the aggregate). Both 0 when every rank shares one host
- * (then nothing is exchanged and no barrier runs). Host engine; the GPU engine returns epNotSupported. When it
- * fails on one rank, the others fail too (at the latest when their barrier passes EPCOMM_TIMEOUT_MS, which breaks
+ * (then nothing is exchanged and no barrier runs). Both engines (the GPU engine's barriers are the bootstrap's,
+ * of all ranks, masked ones included; its connections are its proxy's bridge's). When it fails on one rank, the others fail too (at the latest when their barrier passes EPCOMM_TIMEOUT_MS, which breaks
  * the communicator like a failed operation). */
 EPCOMM_API epResult_t epCommNetRawBandwidth(epComm_t comm, size_t bytes_per_peer, size_t msg_bytes, int window,
                                             uint64_t* bytes_sent, double* seconds);

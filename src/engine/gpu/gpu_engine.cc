@@ -258,6 +258,28 @@ void GpuEngine::pollAsyncError() {
   comm_->num_violations = er->violations;
 }
 
+// Across hosts (epCommGetNetBytes): the record bytes this rank's proxy forwarded, once it has taken what the
+// finished kernels wrote (at most the deadline); 0 on one host.
+epResult_t GpuEngine::netBytesSent(uint64_t* bytes) {
+  *bytes = 0;
+  return proxy_ ? proxy_->bytesForwarded(bytes, comm_->config.timeout_ms) : epSuccess;
+}
+
+// Raw net throughput toward the active ranks of other hosts, between bootstrap barriers of all ranks (every rank
+// has a proxy or none does).
+epResult_t GpuEngine::netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
+                                      double* seconds) {
+  *bytes_sent = 0;
+  *seconds = 0;
+  if (!proxy_) return epSuccess;
+  std::vector<uint8_t> to(comm_->nranks, 0);
+  for (int r = 0; r < comm_->nranks; ++r) to[r] = remote_[r] && ((active_mask_ >> r) & 1) ? 1 : 0;
+  const int timeout_ms = comm_->config.timeout_ms;
+  Bootstrap* bs = comm_->bootstrap.get();
+  return proxy_->rawStream(to, bytes_per_peer, msg_bytes, window, timeout_ms,
+                           [bs, timeout_ms] { return bs->barrier(timeout_ms); }, bytes_sent, seconds);
+}
+
 void GpuEngine::abort() {
   aborted_ = true;
   if (err_host_) reinterpret_cast<volatile GpuErrorRecord*>(err_host_)->abort = 1;

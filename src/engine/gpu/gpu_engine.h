@@ -52,6 +52,9 @@ class GpuEngine final : public Engine {
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
   bool llReceivePending() const override { return ll_sent_[0] != ll_recvd_[0] || ll_sent_[1] != ll_recvd_[1]; }
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
+  epResult_t netBytesSent(uint64_t* bytes) override;
+  epResult_t netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
+                             double* seconds) override;
   void abort() override;
   void pollAsyncError() override;
 

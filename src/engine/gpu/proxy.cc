@@ -141,6 +141,7 @@ bool GpuProxy::pumpOut(int r) {
       o.pushed += put;
       moved |= put > 0;
       if (o.pushed < size) break;  // the outbox is full: the rest next turn
+      forwarded_.fetch_add(size, std::memory_order_relaxed);
     }
     o.pos += size;
     o.pushed = 0;
@@ -232,6 +233,30 @@ void GpuProxy::loop() {
     if (moved) backoff.reset();
     else backoff.pause();
   }
+}
+
+epResult_t GpuProxy::bytesForwarded(uint64_t* bytes, int wait_ms) {
+  // What the kernels reserved so far (complete records once their kernels ended), then the proxy's progress.
+  std::vector<unsigned long long> reserved(nranks_, 0);
+  EPCHECK(dev_->download(reserved.data(), reserved_dev_, sizeof(unsigned long long) * nranks_));
+  const Deadline deadline = Deadline::afterMs(wait_ms);
+  Backoff backoff;
+  for (int r = 0; r < nranks_; ++r)
+    while (remote_[r] && !bridge_->dead(r) && !out_[r].broken &&
+           __atomic_load_n(&consumed_[r], __ATOMIC_ACQUIRE) < reserved[r] && !deadline.expired())
+      backoff.pause();
+  *bytes = forwarded_.load(std::memory_order_relaxed);
+  return epSuccess;
+}
+
+epResult_t GpuProxy::rawStream(const std::vector<uint8_t>& to, size_t bytes_per_peer, size_t msg_bytes, int window,
+                               int timeout_ms, const std::function<epResult_t()>& sync, uint64_t* bytes_sent,
+                               double* seconds) {
+  NetBridge::RawResult res;
+  EPCHECK(bridge_->rawStream(to, bytes_per_peer, msg_bytes, window, timeout_ms, sync, &res));
+  *bytes_sent = res.bytes_sent;
+  *seconds = res.seconds;
+  return epSuccess;
 }
 
 void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {

@@ -23,6 +23,7 @@
 // (hostProxyDevice) and CI checks the protocol without a GPU.
 #pragma once
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -75,6 +76,13 @@ class GpuProxy {
   // Why the stream from or to rank r ended, or false while it flows.
   bool failed(int r, std::string* why) const;
   size_t ringBytes() const { return ring_bytes_; }
+  // Bytes of records forwarded to the net transport so far (epCommGetNetBytes; header and padding included, SKIPs
+  // not). Waits first, at most wait_ms, until the proxy has taken every record the kernels reserved: called after
+  // the operations' streams completed, the count then includes them.
+  epResult_t bytesForwarded(uint64_t* bytes, int wait_ms);
+  // The bridge's raw stream (net_bridge.h rawStream) toward the ranks in `to`; sync is a barrier of all ranks.
+  epResult_t rawStream(const std::vector<uint8_t>& to, size_t bytes_per_peer, size_t msg_bytes, int window,
+                       int timeout_ms, const std::function<epResult_t()>& sync, uint64_t* bytes_sent, double* seconds);
 
  private:
   struct Out {
@@ -108,6 +116,7 @@ class GpuProxy {
   std::unique_ptr<NetBridge> bridge_;
   // What moved (EPCOMM_GPU_PROXY_TRACE prints it while the proxy runs).
   uint64_t recs_out_ = 0, recs_in_ = 0;
+  std::atomic<uint64_t> forwarded_{0};  // record bytes pushed into the bridge's outboxes
   void trace();
   std::thread thread_;
   std::atomic<bool> stop_{false};
