@@ -75,7 +75,12 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   // The far copies: as large as the buffers (any offset may be written), zeroed like them.
   for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) {
     if (buf_bytes_[b] == 0) continue;
-    EPCHECK(dev_->allocMapped(buf_bytes_[b], reinterpret_cast<void**>(&far_host_[b]), &dev));
+    const epResult_t res = dev_->allocMapped(buf_bytes_[b], reinterpret_cast<void**>(&far_host_[b]), &dev);
+    if (res != epSuccess)
+      EP_FAIL(res, "GPU proxy: rank %d cannot allocate the %zu-byte far copy of its %s buffer in pinned host memory "
+              "(what ranks of other hosts write lands there; smaller buffers: config.ll_max_tokens_per_rank, "
+              "ll_num_experts and ll_max_hidden for LL, ht_max_tokens_per_rank and EPCOMM_GPU_QUEUE_ROWS for HT)",
+              rank_, buf_bytes_[b], b == kRemoteLlBuffer ? "LL" : "HT");
     far_dev_[b] = static_cast<uint8_t*>(dev);
   }
   EPCHECK(dev_->allocDevice(sizeof(GpuRemote), reinterpret_cast<void**>(&table_dev_)));
