@@ -20,6 +20,7 @@
 #include "bootstrap/bootstrap.h"
 #include "common/gpu_remote.h"
 #include "engine/gpu/proxy.h"
+#include "engine/gpu/proxy_host_writer.h"
 #include "multiproc.h"
 
 namespace {
@@ -33,63 +34,7 @@ using epcomm::GpuRemoteRing;
 
 constexpr size_t kHtBytes = 8 << 20, kLlBytes = 1 << 20;
 
-// What kernels/remote.cuh does on the device, for a CPU writer: reserve, wait for room, header, payload, stamp.
-struct RingWriter {
-  GpuRemoteRing g;
-  bool room(uint64_t end, int timeout_ms) const {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (end > g.bytes && *g.consumed < end - g.bytes) {
-      if (std::chrono::steady_clock::now() > until) return false;
-      std::this_thread::yield();
-    }
-    return true;
-  }
-  static void stamp(GpuRemoteRecord* h, uint64_t pos) { __atomic_store_n(&h->stamp, pos + 1, __ATOMIC_RELEASE); }
-  // A record's header (stamp not yet stored) and its position; nullptr when no room came in time.
-  GpuRemoteRecord* reserve(uint32_t type, uint32_t buf, uint64_t off, uint32_t len, uint64_t* pos_out,
-                           int timeout_ms = 20000) const {
-    const uint64_t need = epcomm::remoteRecordBytes(type == epcomm::kRemoteFlag ? 8 : len);
-    for (;;) {
-      const uint64_t pos = __atomic_fetch_add(g.reserved, need, __ATOMIC_RELAXED);
-      const uint64_t at = pos % g.bytes;
-      if (!room(pos + need, timeout_ms)) return nullptr;
-      GpuRemoteRecord* h = reinterpret_cast<GpuRemoteRecord*>(g.data + at);
-      if (at + need <= g.bytes) {
-        h->type = type;
-        h->buf = buf;
-        h->off = off;
-        h->len = type == epcomm::kRemoteFlag ? 8 : len;
-        *pos_out = pos;
-        return h;
-      }
-      h->type = epcomm::kRemoteSkip;
-      h->len = static_cast<uint32_t>(g.bytes - at);
-      stamp(h, pos);
-      if (need > g.bytes - at) {
-        h = reinterpret_cast<GpuRemoteRecord*>(g.data);
-        h->type = epcomm::kRemoteSkip;
-        h->len = static_cast<uint32_t>(need - (g.bytes - at));
-        stamp(h, pos + (g.bytes - at));
-      }
-    }
-  }
-  bool data(uint32_t buf, uint64_t off, const void* src, uint32_t len) const {
-    uint64_t pos;
-    GpuRemoteRecord* h = reserve(epcomm::kRemoteData, buf, off, len, &pos);
-    if (h == nullptr) return false;
-    memcpy(h + 1, src, len);
-    stamp(h, pos);
-    return true;
-  }
-  bool flag(uint32_t buf, uint64_t off, uint64_t v) const {
-    uint64_t pos;
-    GpuRemoteRecord* h = reserve(epcomm::kRemoteFlag, buf, off, 8, &pos);
-    if (h == nullptr) return false;
-    memcpy(h + 1, &v, 8);
-    stamp(h, pos);
-    return true;
-  }
-};
+using RingWriter = epcomm::ProxyHostWriter;
 
 uint64_t loadAcquire(const uint8_t* buf, uint64_t off) {
   return __atomic_load_n(reinterpret_cast<const uint64_t*>(buf + off), __ATOMIC_ACQUIRE);
