@@ -13,13 +13,14 @@
 // move (a diagnostic: it grows with extra passes). --csv appends every row to FILE (scripts/plot_bench.py draws
 // it; scripts/bench_sweep.sh sweeps SMs and tokens).
 //
-// Across hosts (epcomm-run --hosts H; GPU engine: its HT rows, the bytes its proxy forwarded) the rows also show the bytes all ranks handed to the
-// inter-host transport per operation (xhost_MB/op, epCommGetNetBytes) and per second (xhost_GB/s), and, measured
-// in the same run between the same processes before the operations, the raw net throughput (epCommNetRawBandwidth:
-// every rank streams --net-raw-mb MiB to every rank of other hosts at once over the same EPCOMM_NET backend, in
-// --net-raw-msg-kb KiB messages, --net-raw-window in flight per peer and direction; median of --iters after
-// --warmup): a "net raw" row (GB/s summed over ranks like xhost_GB/s) and xhost/raw = xhost_GB/s over it for
-// every operation. --net-raw-mb 0 leaves the raw measurement out; with every rank on one host it is off.
+// Across hosts (epcomm-run --hosts H; GPU engine: its HT rows, the bytes its proxy forwarded) the rows also show
+// the bytes all ranks handed to the inter-host transport per operation (xhost_MB/op, epCommGetNetBytes) and per
+// second (xhost_GB/s), and, measured in the same run between the same processes before the operations, the raw
+// net throughput (epCommNetRawBandwidth: every rank streams --net-raw-mb MiB to every rank of other hosts at once
+// over the same EPCOMM_NET backend, in --net-raw-msg-kb KiB messages, --net-raw-window in flight per peer and
+// direction; median of --iters after --warmup): a "net raw" row (GB/s summed over ranks like xhost_GB/s) and
+// xhost/raw = xhost_GB/s over it for every operation. --net-raw-mb 0 leaves the raw measurement out; with every
+// rank on one host it is off.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>

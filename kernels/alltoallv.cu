@@ -15,11 +15,9 @@ namespace {
 using namespace dev;
 
 // Mailbox entry of an alltoallv, written by `src` into the owner's buffer: the bytes src sends the owner, and
-// (host counts) the bytes src expects from the owner, -1 with device counts. This rank's entries are read where
-// their writer's stores land (inBase).
+// (host counts) the bytes src expects from the owner, -1 with device counts.
 __device__ __forceinline__ int64_t* a2aEntry(const A2aParams& p, int owner, uint64_t e, int src) {
-  uint8_t* b = owner == p.ht.rank ? inBase(p.ht, src) : p.ht.base[owner];
-  return reinterpret_cast<int64_t*>(b + mailboxOffset(p.ht, e, src) + sizeof(MailboxHead));
+  return reinterpret_cast<int64_t*>(baseOf(p.ht, owner, src) + mailboxOffset(p.ht, e, src) + sizeof(MailboxHead));
 }
 
 // Bytes of the caller's send range for r (where the next range begins), and what is sent to r: nothing to a

@@ -17,11 +17,10 @@ namespace {
 
 using namespace dev;
 
-// Sync entry of `src` in `owner`'s buffer (this rank's: where src's stores land, inBase).
+// Sync entry of `src` in `owner`'s buffer.
 __device__ __forceinline__ GpuSyncEntry* syncEntry(const HtParams& p, int owner, int kind, uint64_t round, int src) {
   const int slot = kind * kGpuSyncSlots + static_cast<int>(round % kGpuSyncSlots);
-  uint8_t* b = owner == p.rank ? inBase(p, src) : p.base[owner];
-  return reinterpret_cast<GpuSyncEntry*>(b + p.lay.sync) + slot * p.nranks + src;
+  return reinterpret_cast<GpuSyncEntry*>(baseOf(p, owner, src) + p.lay.sync) + slot * p.nranks + src;
 }
 
 // Thread r publishes to rank r, then (with wait) waits for rank r's entry here. Only plain stores reach the

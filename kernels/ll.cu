@@ -26,11 +26,6 @@ constexpr int kLlThreads = 512;
 constexpr int kLlMaxRanks = 16;  // the GPU engine's rank limit (GpuEngine::init): sizes per-warp arrays
 
 __device__ __forceinline__ LlCtrl* ctrlOf(const LlParams& p) { return reinterpret_cast<LlCtrl*>(p.base[p.rank]); }
-// Where the words that `writer` stores into `owner`'s buffer live: owner's buffer, mapped here (or its remote
-// window), except this rank's own words written by a rank of another host, which its proxy stores in the far copy.
-__device__ __forceinline__ uint8_t* baseOf(const LlParams& p, int owner, int writer) {
-  return owner == p.rank && ((p.remote >> writer) & 1) ? p.far_in : p.base[owner];
-}
 // Tag of family `fam`, parity `par`, written by `src` into `owner`'s buffer.
 __device__ __forceinline__ uint64_t* tagPtr(const LlParams& p, int owner, int fam, int par, int src) {
   return reinterpret_cast<uint64_t*>(baseOf(p, owner, src) + p.lay.tag) + (fam * 2 + par) * p.nranks + src;

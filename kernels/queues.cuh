@@ -51,11 +51,8 @@ __device__ __forceinline__ size_t mailboxOffset(const HtParams& p, uint64_t epoc
 __device__ __forceinline__ uint64_t* qCounter(const HtParams& p, int owner, int kind, int src, int ch) {
   return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.qctrl + kind * p.lay.qctrl_stride) + src * p.C + ch;
 }
-// Where the words that `writer` stores into this rank's HT buffer live: the buffer itself, or, for a writer on
-// another host, the far copy its proxy stores them in (common/gpu_remote.h). Every read of such a word goes here.
-__device__ __forceinline__ uint8_t* inBase(const HtParams& p, int writer) {
-  return ((p.remote >> writer) & 1) ? p.far_in : p.base[p.rank];
-}
+// Where the words that `writer` stores into this rank's HT buffer live (remote.cuh baseOf).
+__device__ __forceinline__ uint8_t* inBase(const HtParams& p, int writer) { return baseOf(p, p.rank, writer); }
 // This rank's counter of `kind` that `peer` writes (a tail it publishes, a head it sends back), for channel ch.
 __device__ __forceinline__ uint64_t* qCounterIn(const HtParams& p, int kind, int peer, int ch) {
   return reinterpret_cast<uint64_t*>(inBase(p, peer) + p.lay.qctrl + kind * p.lay.qctrl_stride) + peer * p.C + ch;

@@ -20,6 +20,13 @@ template <bool kFar>
 struct FarTag {
   static constexpr bool value = kFar;
 };
+// Where the words that `writer` stores into `owner`'s buffer live: owner's buffer, mapped here (or its remote
+// window), except this rank's own words written by a rank of another host, which its proxy stores in the far copy
+// (common/gpu_remote.h). Every access of such a word goes through here (HtParams and LlParams alike).
+template <class P>
+__device__ __forceinline__ uint8_t* baseOf(const P& p, int owner, int writer) {
+  return owner == p.rank && isRemote(p.remote, writer) ? p.far_in : p.base[owner];
+}
 // Offset of an address computed in a remote rank's window (base[r] = kGpuRemoteWindow) in that rank's buffer.
 __device__ __forceinline__ uint64_t remoteOff(const void* in_window) {
   return reinterpret_cast<uint64_t>(in_window) - kGpuRemoteWindow;

@@ -696,8 +696,9 @@ EPCOMM_API epResult_t epCommGetNetBytes(epComm_t comm, uint64_t* bytes_sent);
  * bytes this rank sent; *seconds: from the second barrier until this rank's last send and last receive completed
  * (sum the bytes and take the slowest rank's seconds for the aggregate). Both 0 when every rank shares one host
  * (then nothing is exchanged and no barrier runs). Both engines (the GPU engine's barriers are the bootstrap's,
- * of all ranks, masked ones included; its connections are its proxy's bridge's). When it fails on one rank, the others fail too (at the latest when their barrier passes EPCOMM_TIMEOUT_MS, which breaks
- * the communicator like a failed operation). */
+ * of all ranks, masked ones included; its connections are its proxy's bridge's). When it fails on one rank, the
+ * others fail too (at the latest when their barrier passes EPCOMM_TIMEOUT_MS, which breaks the communicator like
+ * a failed operation). */
 EPCOMM_API epResult_t epCommNetRawBandwidth(epComm_t comm, size_t bytes_per_peer, size_t msg_bytes, int window,
                                             uint64_t* bytes_sent, double* seconds);
 

@@ -343,8 +343,8 @@ struct HtParams {
   GpuBufferLayout lay;
   uint64_t remote;              // bit r: rank r is on another host; what is meant for it goes through rem's rings
   const GpuRemote* rem;
-  uint8_t* far_in;              // with ranks of other hosts: what they write into this rank's HT buffer lands at the
-                                // same offsets of this copy in pinned host memory (GpuProxy::farCopy), not in base[rank]
+  uint8_t* far_in;              // with ranks of other hosts: what they write into this rank's HT buffer lands at
+                                // the same offsets of this copy in pinned host memory (GpuProxy::farCopy)
   GpuErrorRecord* err;
   GpuErrorClaims* claims;
   GpuElastic* el;
@@ -385,8 +385,7 @@ struct LlParams {
   LlLayout lay;
   uint64_t remote;              // as in HtParams
   const GpuRemote* rem;
-  uint8_t* far_in;              // with ranks of other hosts: what they write into this rank's LL buffer lands at the
-                                // same offsets of this copy in pinned host memory (GpuProxy::farCopy), not in base[rank]
+  uint8_t* far_in;              // as in HtParams, for the LL buffer
   GpuErrorRecord* err;
   GpuErrorClaims* claims;
   GpuElastic* el;

@@ -19,8 +19,8 @@
 // bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it).
 //
 // The proxy itself touches no CUDA API: what it needs from the GPU (pinned memory the device can reach, device
-// memory, set up before the thread starts) comes through ProxyDevice, so that the CPU tests run the very same proxy over host memory
-// (hostProxyDevice) and CI checks the protocol without a GPU.
+// memory, set up before the thread starts) comes through ProxyDevice, so that the CPU tests run the very same
+// proxy over host memory (hostProxyDevice) and CI checks the protocol without a GPU.
 #pragma once
 #include <atomic>
 #include <functional>
