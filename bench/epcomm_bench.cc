@@ -742,6 +742,32 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
       CHECK(epLlDispatch(comm, &dr, s));
     });
   }
+  // Zero-copy dispatch (config.ll_zero_copy_dispatch): the senders write the final rows into the receivers'
+  // regions, so the receive half moves none. Refused across hosts (epNotSupported): no rows then.
+  void* zx = nullptr;
+  float* zsc = nullptr;
+  size_t zxb = 0, zscb = 0;
+  const epResult_t zd_rc = epLlDispatchBuffer(comm, &zx, &zxb, &zsc, &zscb);
+  if (zd_rc != epNotSupported) CHECK(zd_rc);
+  auto zargs = [&](bool fp8, unsigned phases) {
+    epLlDispatchArgs_t d = dargs(fp8, phases);
+    d.recv_x = zx;
+    d.recv_x_bytes = zxb;
+    d.recv_x_scales = fp8 ? zsc : nullptr;
+    d.recv_x_scales_bytes = fp8 ? zscb : 0;
+    return d;
+  };
+  if (zd_rc == epSuccess)
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
+      epLlDispatchArgs_t d = zargs(fp8, EP_LL_SEND_RECV), ds = zargs(fp8, EP_LL_SEND), dr = zargs(fp8, EP_LL_RECV);
+      const std::string tag = fp8 ? " fp8" : "";
+      const double b = pairs * (fp8 ? row8 : row);
+      measure("dispatch zero-copy" + tag, b, [&] { CHECK(epLlDispatch(comm, &d, s)); });
+      measure("dispatch halves zero-copy" + tag, b, [&] {
+        CHECK(epLlDispatch(comm, &ds, s));
+        CHECK(epLlDispatch(comm, &dr, s));
+      });
+    }
   epLlDispatchArgs_t d = dargs(false, EP_LL_SEND_RECV);
   CHECK(epLlDispatch(comm, &d, s));
   CUCHECK(cudaMemcpyAsync(y, recv_x, rows * H * 2, cudaMemcpyDeviceToDevice, s));
@@ -754,6 +780,11 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
   {
     epLlDispatchArgs_t ds = dargs(false, EP_LL_SEND), dr = dargs(false, EP_LL_RECV);
     halves("dispatch", [&] { CHECK(epLlDispatch(comm, &ds, s)); }, [&] { CHECK(epLlDispatch(comm, &dr, s)); });
+    if (zd_rc == epSuccess) {
+      epLlDispatchArgs_t zs = zargs(false, EP_LL_SEND), zr = zargs(false, EP_LL_RECV);
+      halves("dispatch zero-copy", [&] { CHECK(epLlDispatch(comm, &zs, s)); },
+             [&] { CHECK(epLlDispatch(comm, &zr, s)); });
+    }
     CUCHECK(cudaMemcpyAsync(y, recv_x, rows * H * 2, cudaMemcpyDeviceToDevice, s));
     halves("combine", [&] { CHECK(epLlCombine(comm, &cs, s)); }, [&] { CHECK(epLlCombine(comm, &cr, s)); });
   }
@@ -767,6 +798,13 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
     cz.y = region;
     cz.y_bytes = region_bytes;
     measure("combine zero-copy", pairs * row, [&] { CHECK(epLlCombine(comm, &cz, s)); });
+    if (zd_rc == epSuccess) {  // both zero-copy: what an expert layer that reads and writes the regions runs
+      epLlDispatchArgs_t dz = zargs(false, EP_LL_SEND_RECV);
+      measure("round trip zero-copy", 2 * pairs * row, [&] {
+        CHECK(epLlDispatch(comm, &dz, s));
+        CHECK(epLlCombine(comm, &cz, s));
+      });
+    }
   }
   measure("round trip", 2 * pairs * row, [&] {
     CHECK(epLlDispatch(comm, &d, s));
@@ -909,6 +947,7 @@ int main(int argc, char** argv) {
   epConfig_t cfg = EP_CONFIG_INIT;
   cfg.ll_max_tokens_per_rank = o.ll_tokens;
   cfg.ll_max_hidden = o.hidden;
+  cfg.ll_zero_copy_dispatch = 1;  // the zero-copy dispatch rows (ignored across hosts)
   if (getenv("EPCOMM_QUEUE_BYTES") == nullptr) cfg.queue_bytes = size_t{8} << 20;
   cfg.ht_max_tokens_per_rank = o.ht_tokens;
   cfg.ht_max_hidden = o.hidden;

@@ -60,6 +60,17 @@ __device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, 
          ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
 }
 
+// Zero-copy dispatch entry of `src` in `owner`'s buffer, its per-expert counts, and `owner`'s src_info side array.
+__device__ __forceinline__ LlZdEntry* zdEntry(const LlParams& p, int owner, int par, int src) {
+  return reinterpret_cast<LlZdEntry*>(p.base[owner] + p.lay.zd_ent +
+                                      (static_cast<size_t>(par) * p.nranks + src) * p.lay.zd_ent_size);
+}
+__device__ __forceinline__ int32_t* zdCounts(LlZdEntry* ent) { return reinterpret_cast<int32_t*>(ent + 1); }
+__device__ __forceinline__ int32_t* zdSrcInfo(const LlParams& p, int owner, int par) {
+  return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.zd_src) +
+         static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens;
+}
+
 __device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
   return reinterpret_cast<LlZcHeader*>(p.base[owner] + p.lay.zc + par * p.lay.zc_entry);
 }
@@ -110,6 +121,7 @@ __device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackP
 __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
 }
+__device__ uint64_t* zdEntryFlag(const LlParams& p, int peer, int par) { return &zdEntry(p, p.rank, par, peer)->epoch; }
 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
 // [n*p/P, n*(p+1)/P) of a row of n units (16-byte chunks, or 128-column blocks with fp8). P = warps / rows
@@ -203,6 +215,10 @@ __host__ __device__ __forceinline__ size_t positionTableBytes(int T, int K, int 
 // SendSmem's arrays (3 T K + E ints), rounded up to 16 bytes: what follows them (a table, addresses) is aligned.
 __host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int E) {
   return (sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E) + 15) / 16 * 16;
+}
+// A zero-copy dispatch's send half adds, per expert, where this rank's rows start among the expert's rows.
+__host__ __device__ __forceinline__ size_t zdSendSmemBytes(int T, int K, int E) {
+  return sendSmemArrayBytes(T, K, E) + (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
 }
 
 // With `positions` false only idx, raw and cnt are staged (cnt by shared atomics, in any order); pos is then left
@@ -401,8 +417,125 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
   remoteCommitWarp(rs);
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Zero-copy dispatch, send half (ranks of one host, expert-major; config.ll_zero_copy_dispatch). The receivers'
+// outputs are regions of their LL buffers, so each (token, expert) row is written once, straight to its final row:
+// block 0 first writes this rank's entry (T, every expert's pair count, where its own output region is) to every
+// active rank, every block waits for the peers' entries, derives where this rank's rows start among each expert's
+// rows (after those of lower sources), and a warp per (token, part of its row) writes the part to every expert's
+// row (fp8: quantized once, in registers). A peer's entry of operation n also says that the peer has issued its
+// send half n, so its region's earlier contents are no longer read (the lifetime epLlDispatchBuffer states).
+// ---------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
+  extern __shared__ __align__(16) int32_t s_dyn[];
+  __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
+  launchDependents();
+  LlCtrl* ctrl = ctrlOf(p);
+  const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlDispatch]);
+  const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K, M = p.M;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
+  const uint64_t act = activeMask(p), me = 1ull << p.rank;
+  // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
+  bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlDispatch, e - 2, e);
+  const SendSmem m = stageRouting(p, s_dyn, false);
+  int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, K, p.E) / sizeof(int32_t);
+  if (ok && blockIdx.x == 0)
+    for (int r = warp; r < R; r += nwarps) {
+      if (!((act >> r) & 1)) continue;
+      LlZdEntry* ent = zdEntry(p, r, par, p.rank);
+      int32_t* c = zdCounts(ent);
+      for (int x = lane; x < p.E; x += 32) c[x] = m.cnt[x];
+      if (lane == 0) {
+        ent->T = p.T;
+        ent->x_off = p.zd_x_off;
+        ent->sc_off = p.zd_sc_off;
+      }
+      fenceAcqRel(p.gpu_scope);  // every lane's writes before lane 0's release
+      __syncwarp();
+      if (lane == 0) stRelease(&ent->epoch, e, p.gpu_scope);
+    }
+  // This rank's own part comes from this block's staging, not from block 0's entry (no block waits for another).
+  ok = ok && waitPeers(p, act & ~me, zdEntryFlag, par, e, e);
+  if (ok) {
+    const size_t RM = static_cast<size_t>(R) * M, need = static_cast<size_t>(L) * RM * p.drow;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      uint64_t xo = p.zd_x_off, so = p.zd_sc_off;
+      if (r != p.rank && ((act >> r) & 1)) {
+        const LlZdEntry* ent = zdEntry(p, p.rank, par, r);
+        xo = ent->x_off;
+        so = ent->sc_off;
+      }
+      // A region named by a peer must lie in its zero-copy area (bounds-check what a peer wrote).
+      const uint64_t lo = p.lay.zd, hi = p.lay.zd + 2 * p.lay.zd_region;
+      if (((act >> r) & 1) && (xo < lo || xo + need > hi || (p.srow && (so < lo || so + RM * L * p.srow > hi)))) {
+        recordViolation(p, epInternalError);
+        xo = ~0ull;
+      }
+      s_xoff[r] = xo;
+      s_scoff[r] = so;
+    }
+    for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
+      int acc = 0;
+      for (int s = 0; s < p.rank; ++s) {
+        if (!((act >> s) & 1)) continue;  // a masked source sends nothing
+        LlZdEntry* ent = zdEntry(p, p.rank, par, s);
+        const int T = ent->T;
+        int c = T > 0 ? zdCounts(ent)[x] : 0;
+        if (T > M || c < 0 || c > T) {
+          recordViolation(p, epInternalError);
+          c = 0;
+        }
+        acc += c;
+      }
+      s_beg[x] = acc;
+    }
+    __syncthreads();
+    const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
+    const int P = partsOf(p.T, NW);
+    for (int item = gw; item < p.T * P; item += NW) {
+      const int t = item / P, part = item % P;
+      const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
+      const int rk = xk >= 0 ? xk / L : -1;
+      const unsigned routed = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
+      if (part == 0 && lane == 0)
+        for (unsigned mm = routed & ~static_cast<unsigned>(act); mm; mm &= mm - 1)
+          atomicAdd(&p.el->drops[kDropTokenRows][__ffs(mm) - 1], 1ull);
+      const bool live = rk >= 0 && ((act >> rk) & 1) && s_xoff[rk] != ~0ull;
+      const unsigned lanes = __ballot_sync(kFull, live);
+      if (lanes == 0) continue;
+      const int32_t pos = tokenPositions(m.idx, t, K, xk, lane);
+      const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
+      if (part == 0 && live) zdSrcInfo(p, rk, par)[row] = t;
+      uint8_t* dst[kMaxDst];
+      float* sc[kMaxDst];
+      int nd = 0;
+      for (unsigned b = lanes; b; b &= b - 1) {
+        const int from = __ffs(b) - 1;
+        const int64_t rw = __shfl_sync(kFull, row, from);
+        const int d = __shfl_sync(kFull, rk, from);
+        dst[nd] = p.base[d] + s_xoff[d] + rw * p.drow;
+        sc[nd] = reinterpret_cast<float*>(p.base[d] + s_scoff[d] + rw * p.srow);
+        ++nd;
+      }
+      const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
+      const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
+      if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
+      else if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
+      else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
+      else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
+    }
+  }
+  if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+      if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
+    if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
+  }
+}
+
 template <bool kX>
 __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
+  if (!kX && p.zd) return dispatchSendZeroCopy(p);  // one host only (the engine refuses it across hosts)
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -516,14 +649,30 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   const uint64_t combines_sent = p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
   const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
   if (guard && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
-    // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
+    // Every source's T and per-expert counts are loaded at once (one memory latency), then checked. A zero-copy
+    // dispatch has them in the sources' entries (all of them written before their tags).
     if (em)
       for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
         const int l = i / R, s = i % R;
-        s_begin[l * (R + 1) + s] = countEntry(p, p.rank, par, s)[4 + l];
+        s_begin[l * (R + 1) + s] = p.zd ? zdCounts(zdEntry(p, p.rank, par, s))[p.rank * L + l]
+                                        : countEntry(p, p.rank, par, s)[4 + l];
       }
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
-      int T = (act >> s) & 1 ? countEntry(p, p.rank, par, s)[0] : 0;  // a masked source sends nothing
+      int T = 0;  // a masked source sends nothing
+      if ((act >> s) & 1) {
+        if (!p.zd) {
+          T = countEntry(p, p.rank, par, s)[0];
+        } else {
+          const LlZdEntry* ent = zdEntry(p, p.rank, par, s);
+          T = ent->T;
+          // The tag came without this operation's entry: that source did not dispatch zero-copy (every rank of a
+          // dispatch must, or none). Its rows are not in the region.
+          if (*reinterpret_cast<const volatile uint64_t*>(&ent->epoch) != e) {
+            if (blockIdx.x == 0) recordViolation(p, epInvalidUsage);
+            T = 0;
+          }
+        }
+      }
       if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
         recordViolation(p, epInternalError);
         T = 0;
@@ -550,8 +699,16 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
         if (blockIdx.x == 0) p.recv_count[l] = acc;
       }
     __syncthreads();
+    if (p.zd) {  // the rows are in place (the senders wrote them); only their source tokens are copied out
+      const int32_t* side = zdSrcInfo(p, p.rank, par);
+      for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < L * RM;
+           i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const int l = static_cast<int>(i / RM);
+        if (static_cast<int>(i % RM) < s_begin[l * (R + 1) + R]) p.recv_src_info[i] = side[i];
+      }
+    }
     const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
-    for (int item = gw; item < R * M * P; item += NW) {
+    for (int item = gw; !p.zd && item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
       const uint8_t* slot = slotPtr(p, p.rank, par, s, t);
       const LlSlotMeta* meta = reinterpret_cast<const LlSlotMeta*>(slot);
@@ -935,7 +1092,9 @@ cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, La
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-size_t llSendSmemBytes(int T, int K, int E) { return sendSmemArrayBytes(T, K, E); }
+size_t llSendSmemBytes(int T, int K, int E, bool zero_copy) {
+  return zero_copy ? zdSendSmemBytes(T, K, E) : sendSmemArrayBytes(T, K, E);
+}
 
 size_t dispatchRecvSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
@@ -950,13 +1109,13 @@ size_t llCombineSmemBytes(int T, int K, int E, int L) {
 
 // Every kernel in two instances (kernels/remote.cuh): with ranks of other hosts or without.
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
-  const size_t smem = std::max(llSendSmemBytes(p.T, p.K, p.E), dispatchRecvSmem(p));
+  const size_t smem = std::max(llSendSmemBytes(p.T, p.K, p.E, p.zd), dispatchRecvSmem(p));
   return launchLl(p, p.remote ? llDispatchKernel<true> : llDispatchKernel<false>, smem, Launch::kCooperative, s);
 }
 
 cudaError_t launchLlDispatchSend(const LlParams& p, cudaStream_t s) {
   return launchLl(p, p.remote ? llDispatchSendKernel<true> : llDispatchSendKernel<false>,
-                  llSendSmemBytes(p.T, p.K, p.E), Launch::kPlain, s);
+                  llSendSmemBytes(p.T, p.K, p.E, p.zd), Launch::kPlain, s);
 }
 
 cudaError_t launchLlDispatchRecv(const LlParams& p, cudaStream_t s) {

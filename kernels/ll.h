@@ -7,9 +7,10 @@
 
 namespace epcomm {
 
-// Shared memory the dispatch send kernel stages its routing in; the engine rejects calls above kLlMaxSmem.
+// Shared memory the dispatch send kernel stages its routing in (zero_copy: a zero-copy dispatch's, a little more);
+// the engine rejects calls above kLlMaxSmem.
 constexpr size_t kLlMaxSmem = 200 * 1024;
-size_t llSendSmemBytes(int T, int K, int E);
+size_t llSendSmemBytes(int T, int K, int E, bool zero_copy = false);
 // Shared memory of the fused combine (the receive half's staging and the send half's prefix), the most any
 // combine kernel takes.
 size_t llCombineSmemBytes(int T, int K, int E, int L);

@@ -180,10 +180,13 @@ typedef struct {
                                   staging, nranks rows per token, and the pull dispatch's, one row per
                                   token); 0 = 4096 */
   int ht_max_hidden;           /* GPU engine, HT: largest hidden size in bf16 rows (fp32 rows take two); 0 = 7168 */
+  int ll_zero_copy_dispatch;   /* GPU engine, ranks of one host: 1 = also allocate two zero-copy LL dispatch output
+                                  regions (epLlDispatchBuffer), each ll_num_experts x ll_max_tokens_per_rank rows of
+                                  ll_max_hidden bf16 plus fp8 scales; 0 = none */
 } epConfig_t;
 
 #define EP_CONFIG_INIT \
-  { sizeof(epConfig_t), EP_STRUCT_MAGIC, EPCOMM_VERSION_CODE, EP_ENGINE_AUTO, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(epConfig_t), EP_STRUCT_MAGIC, EPCOMM_VERSION_CODE, EP_ENGINE_AUTO, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* What a failed wait recorded (R1 of the design): operation, its epoch, this rank, the peer, the phase. */
 typedef struct {
@@ -559,6 +562,25 @@ EPCOMM_API epResult_t epLlCombine(epComm_t comm, const epLlCombineArgs_t* args, 
  * rule; complete a zero-copy combine's receive half before the next dispatch's receive half, or that wait
  * ends at the deadline). The host engine returns epNotSupported: its combine already reads y in place. */
 EPCOMM_API epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes);
+
+/* Zero-copy LL dispatch output (GPU engine, ranks of one host, expert-major; the communicator must be created with
+ * config.ll_zero_copy_dispatch = 1, else epInvalidUsage). Returns an output region of this rank's registered
+ * memory: *recv_x, *recv_x_bytes long, for [L, R*M, H] rows of the dispatch's row type (its dtype, or fp8), and
+ * *recv_x_scales, *recv_x_scales_bytes long, for the fp8 scales [L, R*M, H/128]. Pass both as args->recv_x and
+ * args->recv_x_scales (exactly these pointers; the other outputs stay in the caller's memory): the senders then
+ * write every (token, expert) row once, straight into its final row there, and the receive half moves no rows.
+ * Outputs, rows and bits are those of the plain dispatch. The send half of such a dispatch waits on the device
+ * until every active peer has issued its own send half (it needs their counts to place its rows). Every rank of
+ * a dispatch uses a region, or none does: a receiver counts a mix as a violation (epInvalidUsage, outputs
+ * undefined) and a sender waits for the missing peer until the deadline (epTimeout). Two regions alternate; the
+ * one returned is the next dispatch's (calls in between return the same one). Lifetime: a region holds a
+ * dispatch's rows from the return of its receive half until this rank issues the send half of the next dispatch
+ * that names the same region; peers write into it only after that send half has started (a device-side wait),
+ * so readers ordered before that send half (stream order, events) are safe, in captured graphs too. Refused:
+ * rank-major layout or ranks on other hosts (epNotSupported), a call whose rows do not fit the region
+ * (epBufferTooSmall, at the dispatch). The host engine returns epNotSupported. */
+EPCOMM_API epResult_t epLlDispatchBuffer(epComm_t comm, void** recv_x, size_t* recv_x_bytes, float** recv_x_scales,
+                                         size_t* recv_x_scales_bytes);
 
 /* ---------------------------------------------------------------------------------------------------------
  * Size helpers: bytes each output buffer needs. recv_rows is the HT row count (num_recv_tokens in exact

@@ -235,6 +235,11 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //                                              and the peers read from
 //   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
 //                                              row layout (recv_layout_range) they follow
+// Only with config.ll_zero_copy_dispatch (zero-copy dispatches, epLlDispatchBuffer):
+//   [zd entries: 2 par x R] LlZdEntry + E int32 written by src: its T, every expert's pair count, and where its
+//                                              own output region of operation n is; doubles as "src started n"
+//   [zd src_info: 2 par x E x M] int32         source token of each output row, written by the senders
+//   [zd regions: 2] rows [E x M][row], scales  the output regions the senders write final rows into
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
 // its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
 // reads, and its last block acknowledges. Epochs are advanced by the last block of each launch (rule G2).
@@ -257,6 +262,15 @@ struct LlSlotMeta {
                                     // expert-major only, -1 in rank-major)
 };
 
+// A zero-copy dispatch's entry of `src` for operation `epoch`; int32 counts[E] (pairs per expert) follow.
+struct LlZdEntry {
+  uint64_t epoch;  // written last (release): the rest of the entry is of this operation
+  int32_t T;
+  int32_t pad;
+  uint64_t x_off;   // src's recv_x of this operation: offset in its LL buffer
+  uint64_t sc_off;  // and its recv_x_scales (fp8)
+};
+
 struct LlZcHeader {
   uint64_t y_off;  // offset of the expert outputs in the owner's LL buffer
   uint64_t pad;
@@ -264,11 +278,15 @@ struct LlZcHeader {
 };
 
 struct LlLayout {
-  size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, zc, zc_entry, total;
+  size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, zc, zc_entry;
+  // Zero-copy dispatch (all 0 when the communicator has none): entries, src_info side arrays, output regions.
+  size_t zd_ent, zd_ent_size, zd_src, zd, zd_x_bytes, zd_sc_bytes, zd_region;
+  size_t total;
   int nranks, max_tokens, max_experts, max_hidden;
 };
 
-EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hidden) {
+// zero_copy_dispatch: also the areas of zero-copy dispatches (epLlDispatchBuffer), config.ll_zero_copy_dispatch.
+EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hidden, bool zero_copy_dispatch = false) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   auto up16 = [](size_t v) { return (v + 15) & ~size_t{15}; };
   LlLayout l{};
@@ -295,6 +313,19 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   l.zc = off;
   l.zc_entry = up(sizeof(LlZcHeader) + 8 * static_cast<size_t>(max_experts));
   off = up(off + 2 * l.zc_entry);
+  if (zero_copy_dispatch) {
+    const size_t rows = static_cast<size_t>(max_experts) * max_tokens;
+    l.zd_ent = off;
+    l.zd_ent_size = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));
+    off = up(off + 2 * static_cast<size_t>(nranks) * l.zd_ent_size);
+    l.zd_src = off;
+    off = up(off + 2 * rows * 4);
+    l.zd_x_bytes = rows * l.comb_row;                                   // [L][R*M] rows of the call's row size
+    l.zd_sc_bytes = up(rows * (static_cast<size_t>(max_hidden) / 128) * 4);  // fp8 scales [L][R*M][H/128]
+    l.zd_region = rowAreaAlign(l.zd_x_bytes + l.zd_sc_bytes);
+    l.zd = off = rowAreaAlign(off);
+    off = rowAreaAlign(off + 2 * l.zd_region);
+  }
   l.total = off;
   return l;
 }
@@ -412,6 +443,8 @@ struct LlParams {
   int pdl;           // receive kernels may start while the send kernel before them runs (one rank per GPU)
   int gpu_scope;     // every rank runs on this GPU (ranks under MPS): GPU-scope fences suffice
   uint64_t y_off;
+  int zd;            // dispatch: a zero-copy dispatch (recv_x, recv_x_scales: this rank's region at zd_x_off,
+  uint64_t zd_x_off, zd_sc_off;  // zd_sc_off of its LL buffer; senders write the final rows there)
 };
 
 // alltoallv through the HT dispatch queues (slots used as byte chunks): per peer the bytes and offsets of

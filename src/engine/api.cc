@@ -193,6 +193,9 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   out->ll_max_tokens_per_rank = cfg->ll_max_tokens_per_rank;
   out->ll_max_hidden = cfg->ll_max_hidden > 0 ? cfg->ll_max_hidden : 7168;
   out->ll_num_experts = cfg->ll_num_experts > 0 ? cfg->ll_num_experts : 0;
+  EP_REQUIRE(cfg->ll_zero_copy_dispatch == 0 || cfg->ll_zero_copy_dispatch == 1, epInvalidArgument,
+             "config.ll_zero_copy_dispatch = %d must be 0 or 1", cfg->ll_zero_copy_dispatch);
+  out->ll_zero_copy_dispatch = cfg->ll_zero_copy_dispatch != 0;
   EP_REQUIRE(cfg->ht_max_tokens_per_rank >= 0 && cfg->ht_max_hidden >= 0 && cfg->num_sms >= 0, epInvalidArgument,
              "config.ht_max_tokens_per_rank = %d, ht_max_hidden = %d and num_sms = %d must not be negative",
              cfg->ht_max_tokens_per_rank, cfg->ht_max_hidden, cfg->num_sms);
@@ -585,6 +588,20 @@ epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes) {
   return onComm(comm, Need::kUsable, [&]() -> epResult_t {
     EP_REQUIRE(y != nullptr && y_bytes != nullptr, epNullPointer, "%s is NULL", y == nullptr ? "y" : "y_bytes");
     return comm->engine->llCombineBuffer(y, y_bytes);
+  });
+}
+
+epResult_t epLlDispatchBuffer(epComm_t comm, void** recv_x, size_t* recv_x_bytes, float** recv_x_scales,
+                              size_t* recv_x_scales_bytes) {
+  return onComm(comm, Need::kUsable, [&]() -> epResult_t {
+    EP_REQUIRE(recv_x != nullptr && recv_x_bytes != nullptr && recv_x_scales != nullptr &&
+                   recv_x_scales_bytes != nullptr,
+               epNullPointer, "%s is NULL",
+               recv_x == nullptr         ? "recv_x"
+               : recv_x_bytes == nullptr ? "recv_x_bytes"
+               : recv_x_scales == nullptr ? "recv_x_scales"
+                                          : "recv_x_scales_bytes");
+    return comm->engine->llDispatchBuffer(recv_x, recv_x_bytes, recv_x_scales, recv_x_scales_bytes);
   });
 }
 

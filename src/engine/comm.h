@@ -23,6 +23,7 @@ struct CommConfig {
   int ll_max_tokens_per_rank = 0;
   int ll_max_hidden = 7168;
   int ll_num_experts = 0;
+  bool ll_zero_copy_dispatch = false;
   int ht_max_tokens_per_rank = 4096;
   int ht_max_hidden = 7168;
   int cuda_device = -1;

@@ -48,6 +48,8 @@ class Engine {
                                      size_t elem_bytes, epResult_t local, epStream_t stream) = 0;
   // Zero-copy LL combine input: a region of the communicator's registered memory for the next combine's y.
   virtual epResult_t llCombineBuffer(void** y, size_t* bytes) = 0;
+  // Zero-copy LL dispatch output: a region of registered memory the senders write the next dispatch's rows into.
+  virtual epResult_t llDispatchBuffer(void** x, size_t* x_bytes, float** scales, size_t* scales_bytes) = 0;
   // Zero-copy HT combine input: the region of registered memory the token owners read the combine's x from.
   virtual epResult_t htCombineBuffer(void** x, size_t* bytes) = 0;
   virtual epResult_t barrier(epStream_t stream) = 0;

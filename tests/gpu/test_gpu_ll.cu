@@ -34,6 +34,7 @@ epConfig_t llConfig(int M, int E) {
   cfg.ll_max_tokens_per_rank = M;
   cfg.ll_num_experts = E;
   cfg.ll_max_hidden = 7168;
+  cfg.ll_zero_copy_dispatch = 1;  // ignored across hosts (epLlDispatchBuffer then refuses)
   return cfg;
 }
 
@@ -106,38 +107,80 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
   b.recv_src_info = em ? gsrc.p : nullptr;
   b.recv_layout_range = em ? glr.p : nullptr;
   b.recv_topk_idx = em ? nullptr : gti.p;
-  if (c.split) {
-    b.phases = EP_LL_SEND;
-    CKE(epLlDispatch(g, &b, s), g);
-    CKC(cudaStreamSynchronize(s));  // the receive half on another stream, ordered after the send half
-    b.phases = EP_LL_RECV;
-    CKE(epLlDispatch(g, &b, s2), g);
-    CKC(cudaStreamSynchronize(s2));
-  } else {
-    CKE(epLlDispatch(g, &b, s), g);
-    CKC(cudaStreamSynchronize(s));
-  }
   epResult_t ae;
   epErrorInfo_t info = EP_ERROR_INFO_INIT;
-  CKE(epCommGetAsyncError(g, &ae, &info), g);
-  CK(ae == epSuccess && info.num_violations == 0, "LL dispatch (M %d H %d layout %d fp8 %d): async error %s, %llu "
-     "violations (first: %s)", c.M, c.H, c.layout, c.fp8, epGetErrorString(ae),
-     static_cast<unsigned long long>(info.num_violations), epGetErrorString(info.violation));
   const std::string what = "M " + std::to_string(c.M) + " H " + std::to_string(c.H) + " K " + std::to_string(c.K) +
                            " E " + std::to_string(c.E) + " dtype " + std::to_string(c.dtype) + " fp8 " +
                            std::to_string(c.fp8) + " layout " + std::to_string(c.layout) + " split " +
                            std::to_string(c.split) + " T " + std::to_string(T);
-  CK(gcnt.host() == hcnt, "recv_count differs (%s)", what.c_str());
-  auto ghx = gx.host();
-  const size_t drow = c.fp8 ? c.H : c.H * epDataTypeSize(static_cast<epDataType_t>(c.dtype));
-  for (size_t r = 0; r < hx.size() / drow; ++r)
-    CK(memcmp(ghx.data() + r * drow, hx.data() + r * drow, drow) == 0, "recv_x row %zu differs (%s)", r, what.c_str());
-  if (c.fp8) CK(memcmp(gsc.host().data(), hsc.data(), hsc.size() * 4) == 0, "recv_x_scales differ (%s)", what.c_str());
-  if (em) {
-    CK(gsrc.host() == hsrc, "recv_src_info differs (%s)", what.c_str());
-    CK(glr.host() == hlr, "recv_layout_range differs (%s)", what.c_str());
+  // One GPU dispatch into (x_out, sc_out), then every output against the host engine's, unwritten rows included.
+  auto dispatchAndCheck = [&](epLlDispatchArgs_t d, const char* mode) -> int {
+    if (c.split) {
+      d.phases = EP_LL_SEND;
+      CKE(epLlDispatch(g, &d, s), g);
+      CKC(cudaStreamSynchronize(s));  // the receive half on another stream, ordered after the send half
+      d.phases = EP_LL_RECV;
+      CKE(epLlDispatch(g, &d, s2), g);
+      CKC(cudaStreamSynchronize(s2));
+    } else {
+      CKE(epLlDispatch(g, &d, s), g);
+      CKC(cudaStreamSynchronize(s));
+    }
+    CKE(epCommGetAsyncError(g, &ae, &info), g);
+    CK(ae == epSuccess && info.num_violations == 0, "%s LL dispatch (%s): async error %s, %llu violations (first: "
+       "%s)", mode, what.c_str(), epGetErrorString(ae), static_cast<unsigned long long>(info.num_violations),
+       epGetErrorString(info.violation));
+    CK(gcnt.host() == hcnt, "%s: recv_count differs (%s)", mode, what.c_str());
+    std::vector<uint8_t> ghx(hx.size());
+    CKC(cudaMemcpy(ghx.data(), d.recv_x, hx.size(), cudaMemcpyDeviceToHost));
+    const size_t drow = c.fp8 ? c.H : c.H * epDataTypeSize(static_cast<epDataType_t>(c.dtype));
+    for (size_t r = 0; r < hx.size() / drow; ++r)
+      CK(memcmp(ghx.data() + r * drow, hx.data() + r * drow, drow) == 0, "%s: recv_x row %zu differs (%s)", mode, r,
+         what.c_str());
+    if (c.fp8) {
+      std::vector<uint8_t> gs(sz.recv_x_scales);
+      CKC(cudaMemcpy(gs.data(), d.recv_x_scales, gs.size(), cudaMemcpyDeviceToHost));
+      CK(memcmp(gs.data(), hsc.data(), gs.size()) == 0, "%s: recv_x_scales differ (%s)", mode, what.c_str());
+    }
+    if (em) {
+      CK(gsrc.host() == hsrc, "%s: recv_src_info differs (%s)", mode, what.c_str());
+      CK(glr.host() == hlr, "%s: recv_layout_range differs (%s)", mode, what.c_str());
+    } else {
+      CK(gti.host() == hti, "%s: recv_topk_idx differs (%s)", mode, what.c_str());
+    }
+    return 0;
+  };
+  if (dispatchAndCheck(b, "plain")) return 1;
+  // Zero-copy dispatch (expert-major, one host): the senders write the rows straight into this rank's region,
+  // poisoned first like the other outputs; refused across hosts and for rank-major rows.
+  void* zx = nullptr;
+  float* zsc = nullptr;
+  size_t zxb = 0, zscb = 0;
+  const epResult_t zr = epLlDispatchBuffer(g, &zx, &zxb, &zsc, &zscb);
+  if (g_cross_hosts) {
+    CK(zr == epNotSupported, "zero-copy LL dispatch across hosts: %s, not epNotSupported", epGetErrorString(zr));
   } else {
-    CK(gti.host() == hti, "recv_topk_idx differs (%s)", what.c_str());
+    CKE(zr, g);
+    CK(zxb >= hx.size() && zscb >= sz.recv_x_scales, "zero-copy regions of %zu / %zu bytes for %zu / %zu", zxb, zscb,
+       hx.size(), static_cast<size_t>(sz.recv_x_scales));
+    epLlDispatchArgs_t z = b;
+    z.recv_x = zx;
+    z.recv_x_bytes = zxb;
+    z.recv_x_scales = c.fp8 ? zsc : nullptr;
+    z.recv_x_scales_bytes = c.fp8 ? zscb : 0;
+    if (!em) {
+      CK(epLlDispatch(g, &z, s) == epNotSupported, "a rank-major zero-copy dispatch was not refused: %s",
+         epGetLastError(g));
+    } else {
+      CKC(cudaMemset(zx, 0xA5, hx.size()));
+      CKC(cudaMemset(zsc, 0xA5, zscb));
+      gcnt.upload(std::vector<int>(hcnt.size(), -7));
+      gsrc.upload(std::vector<int>(hsrc.size(), -7));
+      glr.upload(std::vector<int64_t>(hlr.size(), -7));
+      // The host engine dispatches again too (same outputs), so that the masked-drop counters stay comparable.
+      CKE(epLlDispatch(h, &a, nullptr), h);
+      if (dispatchAndCheck(z, "zero-copy")) return 1;
+    }
   }
   // ---- combine: y = stand-in over every row of the expert buffers (unwritten rows are poison on both) ----
   const int cdt = c.fp8 ? epBfloat16 : c.dtype;
@@ -497,15 +540,21 @@ struct LlLayer {  // dispatch -> stand-in -> combine on device buffers
   }
   // One layer; the next layer's input is this layer's output (so three layers chain).
   bool zero_copy = false;  // the stand-in writes into the communicator's region (epLlCombineBuffer)
+  bool zero_copy_dispatch = false;  // dispatch writes into the communicator's region (epLlDispatchBuffer)
   epResult_t run(cudaStream_t s, uint16_t* dst) {
     epLlDispatchArgs_t a = dargs(EP_LL_SEND_RECV);
-    epResult_t r = epLlDispatch(comm, &a, s);
-    if (r != epSuccess) return r;
+    epResult_t r;
+    if (zero_copy_dispatch) {
+      float* sc;
+      size_t sc_bytes;
+      if ((r = epLlDispatchBuffer(comm, &a.recv_x, &a.recv_x_bytes, &sc, &sc_bytes)) != epSuccess) return r;
+    }
+    if ((r = epLlDispatch(comm, &a, s)) != epSuccess) return r;
     epLlCombineArgs_t c = cargs(EP_LL_SEND_RECV, dst);
     void* yz = y.p;
     size_t yz_bytes = y.bytes();
     if (zero_copy && (r = epLlCombineBuffer(comm, &yz, &yz_bytes)) != epSuccess) return r;
-    expert(recv_x.p, yz, static_cast<size_t>(E / R) * R * M * H, static_cast<float>(rank + 1), epBfloat16, s);
+    expert(a.recv_x, yz, static_cast<size_t>(E / R) * R * M * H, static_cast<float>(rank + 1), epBfloat16, s);
     c.y = yz;
     c.y_bytes = yz_bytes;
     return epLlCombine(comm, &c, s);
@@ -551,6 +600,8 @@ TEST_P(GpuLl, GraphReplayMatchesEager) {
     // Graph A's middle layer and graph B's last layer combine zero-copy (the region is captured as a fixed y).
     A.l1.zero_copy = !crossHosts();  // across hosts zero-copy is refused
     B.l2.zero_copy = !crossHosts();
+    // Graph A's first two layers dispatch zero-copy (expert-major only): the regions are captured as fixed recv_x.
+    A.l0.zero_copy_dispatch = A.l1.zero_copy_dispatch = !crossHosts();
     cudaGraph_t ga, gb;
     cudaGraphExec_t ea, eb;
     CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -888,6 +939,8 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
     CKC(cudaStreamSynchronize(s));
     const auto want = first.host();
     for (int i = 0; i < ops; i += 2) {  // each step is a dispatch and a combine: ops counts both
+      // Eager steps alternate plain and zero-copy dispatches (one host): the same rows, so the same result.
+      P.zero_copy_dispatch = !crossHosts() && (i / 2) % 3 == 2;
       if ((i / 2) % 3 == 1) CKC(cudaGraphLaunch(ex, s));
       else CKE(P.run(s, again.p), comm);
       if ((i / 2) % 500 == 0 || i + 2 >= ops) {
@@ -934,7 +987,7 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
       std::function<epResult_t()> call;
     };
     DevBuf<uint8_t> raw(1 << 20);
-    const std::vector<Bad> bad = {
+    std::vector<Bad> bad = {
         {"hidden over config.ll_max_hidden", epInvalidHidden,
          [&] { epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV); a.hidden = 2048; return epLlDispatch(comm, &a, s); }},
         {"num_experts over config.ll_num_experts", epInvalidNumExperts,
@@ -954,7 +1007,31 @@ TEST_P(GpuLl, RejectedCallsLeaveTheCommunicatorUsable) {
         {"alltoallv with a NULL count array", epNullPointer,
          [&] { return epAlltoallvDevice(comm, raw.p, nullptr, raw.p, 16, nullptr, nullptr, epFloat32, s); }},
         {"zero-copy buffer with NULL out pointers", epNullPointer, [&] { return epLlCombineBuffer(comm, nullptr, nullptr); }},
+        {"zero-copy dispatch buffer with NULL out pointers", epNullPointer,
+         [&] { return epLlDispatchBuffer(comm, nullptr, nullptr, nullptr, nullptr); }},
     };
+    // Zero-copy dispatch regions used wrongly (one host: across hosts epLlDispatchBuffer refuses, runLlCase checks).
+    void* zx = nullptr;
+    float* zsc = nullptr;
+    size_t zxb = 0, zscb = 0;
+    if (!crossHosts()) {
+      CKE(epLlDispatchBuffer(comm, &zx, &zxb, &zsc, &zscb), comm);
+      bad.push_back({"recv_x inside a zero-copy dispatch region, not at its start", epInvalidArgument, [&] {
+                       epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV);
+                       a.recv_x = static_cast<uint8_t*>(zx) + 1024;
+                       a.recv_x_bytes = zxb - 1024;
+                       return epLlDispatch(comm, &a, s);
+                     }});
+      bad.push_back({"fp8 zero-copy dispatch with scales outside the region", epInvalidArgument, [&] {
+                       epLlDispatchArgs_t a = P.dargs(EP_LL_SEND_RECV);
+                       a.use_fp8 = 1;
+                       a.recv_x = zx;
+                       a.recv_x_bytes = zxb;
+                       a.recv_x_scales = P.scales.p;
+                       a.recv_x_scales_bytes = static_cast<size_t>(E) * 32 * 4 * 4;
+                       return epLlDispatch(comm, &a, s);
+                     }});
+    }
     for (const Bad& b : bad) {
       const epResult_t r = b.call();
       CK(r == b.code, "%s: got %s, want %s (%s)", b.what, epGetErrorString(r), epGetErrorString(b.code),

@@ -259,6 +259,12 @@ TEST(NullPointers, AreEpNullPointerEverywhere) {
     CHECK_CODE(epHtCombineBuffer(comm, &region, &region_bytes), epNotSupported, "GPU engine");
     CHECK_CODE(epLlCombineBuffer(comm, &region, &region_bytes), epNotSupported, "GPU engine");
     CHECK(region == &v && region_bytes == 7, "a refused region request wrote its outputs");
+    float* scales = reinterpret_cast<float*>(&v);
+    size_t scales_bytes = 9;
+    CHECK_CODE(epLlDispatchBuffer(comm, &region, &region_bytes, nullptr, &scales_bytes), epNullPointer, "recv_x_scales");
+    CHECK_CODE(epLlDispatchBuffer(comm, &region, &region_bytes, &scales, &scales_bytes), epNotSupported, "GPU engine");
+    CHECK(region == &v && region_bytes == 7 && scales == reinterpret_cast<float*>(&v) && scales_bytes == 9,
+          "a refused dispatch region request wrote its outputs");
     CHECK(epCommBarrier(comm, nullptr) == epSuccess, "the communicator after the refusals");
     return 0;
   });

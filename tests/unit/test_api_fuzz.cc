@@ -865,6 +865,11 @@ class Fuzzer {
       FZ_CHECK("epCommInitRankWithAllgather",
                epCommInitRankWithAllgather(&c, 1, 0, [](void*, const void*, void*, size_t) { return 0; }, nullptr, &cfg),
                epInvalidArgument, true, nullptr);
+      cfg = EP_CONFIG_INIT;
+      cfg.ll_zero_copy_dispatch = 2;
+      FZ_CHECK("epCommInitRankWithAllgather",
+               epCommInitRankWithAllgather(&c, 1, 0, [](void*, const void*, void*, size_t) { return 0; }, nullptr, &cfg),
+               epInvalidArgument, true, nullptr);
       FZ_CHECK("epCommDestroy", epCommDestroy(nullptr), epNullPointer, true, nullptr);
       FZ_CHECK("epCommDestroy", epCommDestroy(fake_comm_), epInvalidArgument, true, nullptr);
       FZ_CHECK("epCommAbort", epCommAbort(fake_comm_), epInvalidArgument, true, nullptr);

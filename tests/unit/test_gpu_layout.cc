@@ -84,6 +84,22 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
           EXPECT_LE(l.slots + 2 * static_cast<size_t>(R) * M * l.slot, l.comb);
           EXPECT_EQ(l.comb_row % 16, 0u);
           EXPECT_LE(l.comb + 2 * static_cast<size_t>(E) * M * l.comb_row, l.total);
+          EXPECT_EQ(l.zd_region, 0u);  // no zero-copy dispatch areas unless asked for
+          // With zero-copy dispatch: the same areas, then entries, src_info side arrays and two output regions
+          // (rows [E x M] of ll_max_hidden bf16, then fp8 scales), disjoint and at the end.
+          const LlLayout z = llLayout(R, M, E, H, true);
+          EXPECT_EQ(z.comb, l.comb);
+          EXPECT_LE(z.zc + 2 * z.zc_entry, z.zd_ent);
+          EXPECT_GE(z.zd_ent_size, sizeof(LlZdEntry) + 4 * static_cast<size_t>(E));
+          EXPECT_EQ(z.zd_ent_size % 16, 0u);
+          EXPECT_LE(z.zd_ent + 2 * static_cast<size_t>(R) * z.zd_ent_size, z.zd_src);
+          EXPECT_LE(z.zd_src + 2 * static_cast<size_t>(E) * M * 4, z.zd);
+          EXPECT_EQ(z.zd % 65536, 0u);
+          EXPECT_GE(z.zd_x_bytes, static_cast<size_t>(E) * M * H * 2);
+          EXPECT_GE(z.zd_sc_bytes, static_cast<size_t>(E) * M * (H / 128) * 4);
+          EXPECT_GE(z.zd_region, z.zd_x_bytes + z.zd_sc_bytes);
+          EXPECT_EQ(z.zd_region % 65536, 0u);
+          EXPECT_LE(z.zd + 2 * z.zd_region, z.total);
         }
 }
 

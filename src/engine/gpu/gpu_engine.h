@@ -44,6 +44,7 @@ class GpuEngine final : public Engine {
   epResult_t alltoallvDevice(const void*, const int64_t*, void*, size_t, int64_t*, int64_t*, size_t,
                              epResult_t local, epStream_t) override;
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
+  epResult_t llDispatchBuffer(void** x, size_t* x_bytes, float** scales, size_t* scales_bytes) override;
   epResult_t htCombineBuffer(void** x, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
   epResult_t registerMemory(void* ptr, size_t bytes, epResult_t local, int* slot) override;
@@ -118,6 +119,9 @@ class GpuEngine final : public Engine {
   uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
   bool ll_zero_copy_ = false;  // a zero-copy region was handed out: dispatch receives guard its reuse
   int ll_recv_zero_copy_ = 0;  // the mode of the combine whose receive half is outstanding
+  int ll_recv_zd_ = 0;         // whether the dispatch whose receive half is outstanding is zero-copy
+  uint8_t* zdRegion(int i) const;
+  epResult_t zeroCopyDispatch(const epLlDispatchArgs_t& a, LlParams& p) const;
   // Registered memory: the device table the kernels read, this rank's part of each slot, the peer allocations
   // mapped for them (mapped[r], to close), the exchange's rounds and its stream (no wait on the caller's work).
   struct Region {

@@ -34,7 +34,11 @@ epResult_t GpuEngine::initLl() {
              experts, R, kGpuMaxExperts);
   EP_REQUIRE(c.ll_max_hidden % 128 == 0, epInvalidHidden,
              "config.ll_max_hidden = %d must be a multiple of 128 on the GPU engine", c.ll_max_hidden);
-  ll_lay_ = llLayout(R, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden);
+  // Zero-copy dispatch regions only where every peer maps them (the senders write into them).
+  const bool zd = c.ll_zero_copy_dispatch && remote_mask_ == 0;
+  if (c.ll_zero_copy_dispatch && !zd)
+    EP_INFO(kSubsysInit, "config.ll_zero_copy_dispatch ignored: ranks on other hosts cannot write this rank's regions");
+  ll_lay_ = llLayout(R, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, zd);
   EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.timeout_ms, remote_));
   const int64_t want = epParamGpuLlBlocks();
   ll_blocks_ = want > 0 ? static_cast<int>(std::min<int64_t>(want, 1 << 16)) : ll_default_blocks_;
@@ -115,16 +119,22 @@ epResult_t GpuEngine::llCheck(int family, unsigned phases, int num_experts, int 
 epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, epStream_t stream) {
   EPCHECK(local);
   EPCHECK(llCheck(kLlDispatch, a->phases, a->num_experts, a->hidden, a->dtype, a->topk));
-  EP_REQUIRE(llSendSmemBytes(a->num_tokens, a->topk, a->num_experts) <= kLlMaxSmem, epCapacityExceeded,
-             "num_tokens x topk = %d x %d is more routing than the GPU engine's LL dispatch stages (%zu bytes of "
-             "shared memory)",
-             a->num_tokens, a->topk, kLlMaxSmem);
   EPCHECK(checkAligned(a->x, "x"));
   EPCHECK(checkAligned(a->recv_x, "recv_x"));
   LlParams p = llParams(epOpLlDispatch, *a);
   p.use_fp8 = a->use_fp8 != 0;
   p.srow = p.use_fp8 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
   p.drow = p.use_fp8 ? static_cast<size_t>(a->hidden) : p.xrow;
+  if (a->phases & EP_LL_SEND) {
+    EPCHECK(zeroCopyDispatch(*a, p));
+  } else {
+    p.zd = ll_recv_zd_;  // the send half's mode (one dispatch between halves)
+  }
+  EP_REQUIRE(llSendSmemBytes(a->num_tokens, a->topk, a->num_experts, p.zd) <= kLlMaxSmem, epCapacityExceeded,
+             "num_tokens x topk = %d x %d is more routing than the GPU engine's LL dispatch stages (%zu bytes of "
+             "shared memory)",
+             a->num_tokens, a->topk, kLlMaxSmem);
+  if (a->phases & EP_LL_SEND) ll_recv_zd_ = p.zd;
   p.x = a->x;
   p.topk_idx = a->topk_idx;
   p.recv_x = a->recv_x;
@@ -179,6 +189,56 @@ epResult_t GpuEngine::llCombineBuffer(void** y, size_t* bytes) {
   *y = static_cast<uint8_t*>(ll_bufs_.local()) + ll_lay_.comb + (next & 1) * zcRegionBytes(ll_lay_);
   *bytes = zcRegionBytes(ll_lay_);
   ll_zero_copy_ = true;
+  return epSuccess;
+}
+
+// The two zero-copy dispatch output regions, each recv_x rows then fp8 scales (LlLayout::zd).
+uint8_t* GpuEngine::zdRegion(int i) const {
+  return static_cast<uint8_t*>(ll_bufs_.local()) + ll_lay_.zd + static_cast<size_t>(i) * ll_lay_.zd_region;
+}
+
+epResult_t GpuEngine::llDispatchBuffer(void** x, size_t* x_bytes, float** scales, size_t* scales_bytes) {
+  EP_REQUIRE(ll_lay_.total > 0, epInvalidUsage,
+             "the communicator was created without low-latency capacity (config.ll_max_tokens_per_rank = 0)");
+  EP_REQUIRE(remote_mask_ == 0, epNotSupported,
+             "zero-copy LL dispatch: the senders write the receivers' regions, which ranks on other hosts cannot; "
+             "pass recv_x in your own memory");
+  EP_REQUIRE(ll_lay_.zd_region > 0, epInvalidUsage,
+             "zero-copy LL dispatch regions are allocated only with config.ll_zero_copy_dispatch = 1");
+  uint8_t* r = zdRegion(static_cast<int>((ll_sent_[kLlDispatch] + 1) & 1));
+  *x = r;
+  *x_bytes = ll_lay_.zd_x_bytes;
+  *scales = reinterpret_cast<float*>(r + ll_lay_.zd_x_bytes);
+  *scales_bytes = ll_lay_.zd_sc_bytes;
+  return epSuccess;
+}
+
+// A send half whose recv_x is a zero-copy region (epLlDispatchBuffer): checks it and sets p.zd and the offsets
+// the senders write at.
+epResult_t GpuEngine::zeroCopyDispatch(const epLlDispatchArgs_t& a, LlParams& p) const {
+  p.zd = 0;
+  if (ll_lay_.zd_region == 0) return epSuccess;
+  const uint8_t* x = static_cast<const uint8_t*>(a.recv_x);
+  if (x < zdRegion(0) || x >= zdRegion(2)) return epSuccess;
+  const size_t off = static_cast<size_t>(x - zdRegion(0)), in = off % ll_lay_.zd_region;
+  EP_REQUIRE(in == 0, epInvalidArgument,
+             "recv_x lies %zu bytes into a zero-copy LL dispatch region: pass the pointer epLlDispatchBuffer gave",
+             in);
+  EP_REQUIRE(a.layout == EP_LL_EXPERT_MAJOR, epNotSupported,
+             "zero-copy LL dispatch outputs are expert-major only (layout = %d); pass recv_x in your own memory",
+             a.layout);
+  const uint8_t* sc = x + ll_lay_.zd_x_bytes;
+  EP_REQUIRE(!a.use_fp8 || reinterpret_cast<const uint8_t*>(a.recv_x_scales) == sc, epInvalidArgument,
+             "recv_x is a zero-copy LL dispatch region, so recv_x_scales must be that region's scales "
+             "(epLlDispatchBuffer's recv_x_scales)");
+  const size_t rows = static_cast<size_t>(p.L) * comm_->nranks * p.M;
+  EP_REQUIRE(rows * p.drow <= ll_lay_.zd_x_bytes, epBufferTooSmall,
+             "the dispatch's %zu rows of %zu bytes exceed the zero-copy region's %zu bytes (config.ll_num_experts x "
+             "ll_max_tokens_per_rank rows of ll_max_hidden bf16)",
+             rows, p.drow, ll_lay_.zd_x_bytes);
+  p.zd = 1;
+  p.zd_x_off = static_cast<uint64_t>(x - static_cast<const uint8_t*>(ll_bufs_.local()));
+  p.zd_sc_off = p.zd_x_off + ll_lay_.zd_x_bytes;
   return epSuccess;
 }
 

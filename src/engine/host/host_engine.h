@@ -116,6 +116,7 @@ class HostEngine final : public Engine {
                              int64_t* recv_counts, int64_t* num_dropped, size_t elem_bytes, epResult_t local,
                              epStream_t stream) override;
   epResult_t llCombineBuffer(void** y, size_t* bytes) override;
+  epResult_t llDispatchBuffer(void** x, size_t* x_bytes, float** scales, size_t* scales_bytes) override;
   epResult_t htCombineBuffer(void** x, size_t* bytes) override;
   epResult_t barrier(epStream_t stream) override;
   void abort() override;

@@ -436,4 +436,9 @@ epResult_t HostEngine::llCombineBuffer(void**, size_t*) {
                           "already reads y in place)");
 }
 
+epResult_t HostEngine::llDispatchBuffer(void**, size_t*, float**, size_t*) {
+  EP_FAIL(epNotSupported, "zero-copy LL dispatch outputs are a GPU engine feature (the host engine writes the rows "
+                          "into recv_x once already)");
+}
+
 }  // namespace epcomm
