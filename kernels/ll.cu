@@ -190,6 +190,26 @@ __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, co
   }
 }
 
+// 128-column blocks [ub, ue) of row xr (of type p.dtype) quantized to fp8 into nd destinations, each block's scale
+// into sc[d].
+__device__ __forceinline__ void quantizeRowPart(const LlParams& p, uint8_t* const* dst, float* const* sc, int nd,
+                                                const uint8_t* xr, int ub, int ue, int lane) {
+  if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
+  else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
+  else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
+}
+// Units [ub, ue) of row xr to nd destinations: 16-byte chunks copied, or with fp8 128-column blocks quantized.
+__device__ __forceinline__ void writeRowPart(const LlParams& p, uint8_t* const* dst, float* const* sc, int nd,
+                                             const uint8_t* xr, int ub, int ue, int lane) {
+  if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
+  else quantizeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
+}
+
+// Token pairs whose rank is masked (bits of `dropped`) are counted per rank, once per token.
+__device__ __forceinline__ void countMaskedDrops(const LlParams& p, unsigned dropped) {
+  for (unsigned mm = dropped; mm; mm &= mm - 1) atomicAdd(&p.el->drops[kDropTokenRows][__ffs(mm) - 1], 1ull);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Dispatch, send half. Every block first stages this rank's routing in shared memory (repeats of an expert
 // within a token removed) and counts the pairs per expert; the counts go to the experts' ranks. Then per (token,
@@ -374,9 +394,7 @@ __device__ __forceinline__ void sendSlotPartRemote(const LlParams& p, int r, int
   if (rv.hdr == nullptr || rc.hdr == nullptr) return;  // a failed wait: the communicator is broken
   uint8_t* d = rv.payload() - static_cast<size_t>(ub) * EP_FP8_BLOCK;
   float* sc = reinterpret_cast<float*>(rc.payload()) - ub;
-  if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(&d, &sc, 1, xr, ub, ue, lane);
-  else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(&d, &sc, 1, xr, ub, ue, lane);
-  else quantizeBlocks<epBfloat16>(&d, &sc, 1, xr, ub, ue, lane);
+  quantizeRowPart(p, &d, &sc, 1, xr, ub, ue, lane);
   remoteCommitWarp(rv);
   remoteCommitWarp(rc);
 }
@@ -498,9 +516,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
       const int rk = xk >= 0 ? xk / L : -1;
       const unsigned routed = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
-      if (part == 0 && lane == 0)
-        for (unsigned mm = routed & ~static_cast<unsigned>(act); mm; mm &= mm - 1)
-          atomicAdd(&p.el->drops[kDropTokenRows][__ffs(mm) - 1], 1ull);
+      if (part == 0 && lane == 0) countMaskedDrops(p, routed & ~static_cast<unsigned>(act));
       const bool live = rk >= 0 && ((act >> rk) & 1) && s_xoff[rk] != ~0ull;
       const unsigned lanes = __ballot_sync(kFull, live);
       if (lanes == 0) continue;
@@ -520,10 +536,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       }
       const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
-      if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
-      else if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
-      else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
-      else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
+      writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
     }
   }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
@@ -564,9 +577,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
       const int rk = xk >= 0 ? xk / L : -1;
       const unsigned routed = __reduce_or_sync(kFull, rk >= 0 ? 1u << rk : 0u);
       const unsigned reached = routed & static_cast<unsigned>(act);
-      if (part == 0 && lane == 0)
-        for (unsigned mm = routed & ~reached; mm; mm &= mm - 1)
-          atomicAdd(&p.el->drops[kDropTokenRows][__ffs(mm) - 1], 1ull);
+      if (part == 0 && lane == 0) countMaskedDrops(p, routed & ~reached);
       const unsigned mask = reached & ~static_cast<unsigned>(far_mask);  // ranks of other hosts: the loop below
       if (mask == 0) continue;
       uint8_t* dst[kLlMaxRanks];
@@ -599,10 +610,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
       float* sc[kLlMaxRanks];
       for (int d = 0; d < nd; ++d) sc[d] = reinterpret_cast<float*>(dst[d] - p.lay.slot_row + p.lay.slot_scales);
-      if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
-      else if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
-      else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
-      else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
+      writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
     }
     // Ranks of other hosts (a loop of its own, so that the one above keeps its registers): the slot's pieces as
     // records (remote.cuh).
