@@ -619,6 +619,10 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
 // LL on the GPU engine, microseconds. Eager: one call after a host barrier (median over iterations). Graph: a
 // graph holding `kReps` back-to-back operations, replayed after a host barrier; its time / kReps per operation
 // (median over replays), which amortizes the barrier's skew between ranks.
+#ifdef EPCOMM_LL_PROBE  // kernels/ll_probe.cuh: phase stamps of LL dispatches, printed after each graph row
+extern "C" void epcommLlProbeReset();
+extern "C" void epcommLlProbeDump(const char* what, int rank);
+#endif
 struct LlTimes {
   std::string what;
   double eager_us, graph_us;
@@ -698,10 +702,16 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
     for (int r = 0; r < kReps; ++r) op();
     CUCHECK(cudaStreamEndCapture(s, &graph));
     CUCHECK(cudaGraphInstantiate(&exec, graph, 0));
+#ifdef EPCOMM_LL_PROBE
+    epcommLlProbeReset();
+#endif
     for (int i = 0; i < o.warmup + samples; ++i) {
       double t = timeOnStream(s, [&] { CUCHECK(cudaGraphLaunch(exec, s)); });
       if (i >= o.warmup) tg.push_back(t / kReps);
     }
+#ifdef EPCOMM_LL_PROBE
+    epcommLlProbeDump(what.c_str(), rank);
+#endif
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     g_ll.push_back({what, median(te) * 1e6, median(tg) * 1e6, bytes});

@@ -33,6 +33,14 @@ __device__ __forceinline__ void stRelease(uint64_t* p, uint64_t v, bool gpu_scop
   if (gpu_scope) asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
   else asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// A flag's value without ordering, so that its load can be in flight beside others; a fenceAcqRel after it, in the
+// same thread, makes it an acquire (what follows is ordered after the writes the flag's release covered).
+__device__ __forceinline__ uint64_t ldRelaxed(const uint64_t* p, bool gpu_scope = false) {
+  uint64_t v;
+  if (gpu_scope) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  else asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

@@ -9,11 +9,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#ifdef EPCOMM_LL_PROBE
+#include <cstdio>  // epcommLlProbeDump
+#endif
 
 #include "common/dtype.h"
 #include "common/routing.h"
 #include "kernels/device_common.cuh"
+#include "kernels/fp8.cuh"
 #include "kernels/ll.h"
+#include "kernels/ll_probe.cuh"
 #include "kernels/preload.h"
 #include "kernels/remote.cuh"
 
@@ -66,6 +71,9 @@ __device__ __forceinline__ LlZdEntry* zdEntry(const LlParams& p, int owner, int 
                                       (static_cast<size_t>(par) * p.nranks + src) * p.lay.zd_ent_size);
 }
 __device__ __forceinline__ int32_t* zdCounts(LlZdEntry* ent) { return reinterpret_cast<int32_t*>(ent + 1); }
+__device__ __forceinline__ const int32_t* zdCounts(const LlZdEntry* ent) {
+  return reinterpret_cast<const int32_t*>(ent + 1);
+}
 __device__ __forceinline__ int32_t* zdSrcInfo(const LlParams& p, int owner, int par) {
   return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.zd_src) +
          static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens;
@@ -154,38 +162,47 @@ __device__ __forceinline__ void warpCopyChunks(uint8_t* const* dst, int ndst, co
   }
 }
 
-// fp8 quantization of 128-column blocks [b, e) of one row, written to every destination with its scale: a block
-// is 16 bytes x G lanes (bf16/fp16: 8 values per lane, 16 lanes; fp32: 4 values, 32 lanes); amax over the
-// block, scale = fp8BlockScale(amax), values multiplied by fp8BlockScaleInv(amax), as the host engine does.
+// fp8 quantization of 128-column blocks [b, e) of one row, written to every destination with its scale: a lane
+// takes 32 bytes of a block (two 16-byte loads: 16 bf16/fp16 values or 8 fp32), so a block is 8 or 16 lanes and
+// its fp8 values go out as one 16- or 8-byte store per lane (8 values per lane measured about 0.5 us slower per
+// row part at R = 2: twice the rounds, each a load's latency, and half-width stores to every destination). amax
+// over the block, scale = fp8BlockScale(amax), values multiplied by fp8BlockScaleInv(amax), as the host engine does.
 template <int kDtype>
 __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, const uint8_t* xr, int b, int e,
                                int lane) {
-  constexpr int kPer = kDtype == epFloat32 ? 4 : 8, kG = 128 / kPer, kNb = 32 / kG;
+  constexpr int kEl = kDtype == epFloat32 ? 4 : 2, kV = 2, kPer = kV * 16 / kEl;  // bytes in, loads, values
+  constexpr int kG = 128 / kPer, kNb = 32 / kG;  // lanes per block, blocks per round
+  const int4* x4 = reinterpret_cast<const int4*>(xr);
   for (int b0 = b; b0 < e; b0 += kNb) {
-    const int blk = b0 + lane / kG;
+    const int blk = b0 + lane / kG, g = lane % kG;
     const bool live = blk < e;
-    int4 v = make_int4(0, 0, 0, 0);
-    if (live) v = reinterpret_cast<const int4*>(xr)[static_cast<size_t>(blk) * kG + lane % kG];
+    int4 v[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u)
+      v[u] = live ? x4[static_cast<size_t>(blk) * (8 * kEl) + g * kV + u] : make_int4(0, 0, 0, 0);
     float f[kPer], amax = 0.0f;
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      f[u] = kDtype == epFloat32 ? reinterpret_cast<const float*>(&v)[u]
-                                 : (kDtype == epBfloat16 ? bf16ToFloat(reinterpret_cast<const uint16_t*>(&v)[u])
-                                                         : fp16ToFloat(reinterpret_cast<const uint16_t*>(&v)[u]));
-      amax = fmaxf(amax, fabsf(f[u]));
+    for (int j = 0; j < kPer; ++j) {
+      const int4& w = v[j / (16 / kEl)];
+      const int k = j % (16 / kEl);
+      f[j] = kDtype == epFloat32 ? reinterpret_cast<const float*>(&w)[k]
+                                 : (kDtype == epBfloat16 ? bf16ToFloat(reinterpret_cast<const uint16_t*>(&w)[k])
+                                                         : fp16ToFloat(reinterpret_cast<const uint16_t*>(&w)[k]));
+      amax = fmaxf(amax, fabsf(f[j]));
     }
 #pragma unroll
     for (int o = kG / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
     const float inv = fp8BlockScaleInv(amax), scale = fp8BlockScale(amax);
-    uint32_t q[2] = {0, 0};
+    uint32_t q[kPer / 4] = {};
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) q[u / 4] |= static_cast<uint32_t>(floatToFp8(__fmul_rn(f[u], inv))) << (8 * (u % 4));
+    for (int j = 0; j < kPer; j += 2)
+      q[j / 4] |= fp8x2(__fmul_rn(f[j], inv), __fmul_rn(f[j + 1], inv)) << (8 * (j % 4));
     if (!live) continue;
-    const size_t off = static_cast<size_t>(blk) * EP_FP8_BLOCK + (lane % kG) * kPer;
+    const size_t off = static_cast<size_t>(blk) * EP_FP8_BLOCK + g * kPer;
     for (int d = 0; d < nd; ++d) {
-      if (kPer == 8) *reinterpret_cast<uint2*>(dst[d] + off) = make_uint2(q[0], q[1]);
-      else *reinterpret_cast<uint32_t*>(dst[d] + off) = q[0];
-      if (lane % kG == 0) sc[d][blk] = scale;
+      if (kPer == 16) *reinterpret_cast<uint4*>(dst[d] + off) = make_uint4(q[0], q[1], q[2 % (kPer / 4)], q[3 % (kPer / 4)]);
+      else *reinterpret_cast<uint2*>(dst[d] + off) = make_uint2(q[0], q[1]);
+      if (g == 0) sc[d][blk] = scale;
     }
   }
 }
@@ -236,9 +253,50 @@ __host__ __device__ __forceinline__ size_t positionTableBytes(int T, int K, int 
 __host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int E) {
   return (sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E) + 15) / 16 * 16;
 }
-// A zero-copy dispatch's send half adds, per expert, where this rank's rows start among the expert's rows.
+// A zero-copy dispatch's send half adds, per expert, where this rank's rows start among the expert's rows, and
+// stageRouting's table for the positions (dispatchSendZeroCopy).
+__host__ __device__ __forceinline__ size_t zdBeginBytes(int E) {
+  return (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
+}
 __host__ __device__ __forceinline__ size_t zdSendSmemBytes(int T, int K, int E) {
-  return sendSmemArrayBytes(T, K, E) + (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
+  return sendSmemArrayBytes(T, K, E) + zdBeginBytes(E) + positionTableBytes(T, K, E);
+}
+// And in a fused kernel the receive half's layout after that: L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
+__host__ __device__ __forceinline__ size_t zdLayoutBytes(int E) {
+  return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + kGpuMaxRanks) + 15) / 16 * 16;
+}
+
+// Positions by stageRouting's table, for routing already staged in `m` (idx): each chunk of 32 pairs counts its
+// experts into its row of the table (one __match_any_sync per chunk, all chunks at once); a pair's position is the
+// lanes before it in its chunk plus its expert's counts in the earlier chunks, and an expert's total (into m.cnt
+// when `counts`) the sum of its column. `table`: positionTableBytes(T, K, E) bytes.
+__device__ void stageTablePositions(const LlParams& p, const SendSmem& m, uint8_t* table, bool counts) {
+  const int TK = p.T * p.K, C = (TK + 31) / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (size_t i = threadIdx.x; i < (static_cast<size_t>(C) * p.E + 3) / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(table)[i] = 0;  // whole words: the table's size is a multiple of 16 bytes
+  __syncthreads();
+  for (int c = warp; c < C; c += nwarps) {
+    const int i = c * 32 + lane;
+    const int32_t x = i < TK ? m.idx[i] : -1;
+    const unsigned same = __match_any_sync(kFull, x);
+    const int before = __popc(same & ((1u << lane) - 1));
+    if (x >= 0) m.pos[i] = before;
+    if (x >= 0 && before == 0) table[static_cast<size_t>(c) * p.E + x] = static_cast<uint8_t>(__popc(same));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+    const int32_t x = m.idx[i];
+    int n = 0;
+    for (int c = 0; x >= 0 && c < i / 32; ++c) n += table[static_cast<size_t>(c) * p.E + x];
+    if (x >= 0) m.pos[i] += n;
+  }
+  for (int x = threadIdx.x; counts && x < p.E; x += blockDim.x) {
+    int n = 0;
+    for (int c = 0; c < C; ++c) n += table[static_cast<size_t>(c) * p.E + x];
+    m.cnt[x] = n;
+  }
+  __syncthreads();
 }
 
 // With `positions` false only idx, raw and cnt are staged (cnt by shared atomics, in any order); pos is then left
@@ -257,9 +315,6 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool position
     m.raw[i] = static_cast<int32_t>(x);
   }
   for (int i = threadIdx.x; i < p.E; i += blockDim.x) m.cnt[i] = 0;
-  if (positions && table != nullptr)  // whole words: the table's size is a multiple of 16 bytes
-    for (size_t i = threadIdx.x; i < (static_cast<size_t>((TK + 31) / 32) * p.E + 3) / 4; i += blockDim.x)
-      reinterpret_cast<uint32_t*>(table)[i] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
     const int t = i / p.K, k = i % p.K;
@@ -271,35 +326,11 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool position
   }
   __syncthreads();
   if (!positions) return m;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   if (table != nullptr) {
-    // Each chunk of 32 pairs counts its experts into its row of the table (one __match_any_sync per chunk, all
-    // chunks at once); a pair's position is the lanes before it in its chunk plus its expert's counts in the
-    // earlier chunks, and an expert's total the sum of its column.
-    const int C = (TK + 31) / 32;
-    for (int c = warp; c < C; c += nwarps) {
-      const int i = c * 32 + lane;
-      const int32_t x = i < TK ? m.idx[i] : -1;
-      const unsigned same = __match_any_sync(kFull, x);
-      const int before = __popc(same & ((1u << lane) - 1));
-      if (x >= 0) m.pos[i] = before;
-      if (x >= 0 && before == 0) table[static_cast<size_t>(c) * p.E + x] = static_cast<uint8_t>(__popc(same));
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < TK; i += blockDim.x) {
-      const int32_t x = m.idx[i];
-      int n = 0;
-      for (int c = 0; x >= 0 && c < i / 32; ++c) n += table[static_cast<size_t>(c) * p.E + x];
-      if (x >= 0) m.pos[i] += n;
-    }
-    for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
-      int n = 0;
-      for (int c = 0; c < C; ++c) n += table[static_cast<size_t>(c) * p.E + x];
-      m.cnt[x] = n;
-    }
-    __syncthreads();
+    stageTablePositions(p, m, table, true);
     return m;
   }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   // Without room for the table: rounds of one pair per thread; within a round the warps add to the per-expert
   // counters in warp order.
   for (int base = 0; base < TK; base += blockDim.x) {
@@ -345,6 +376,38 @@ __device__ __forceinline__ int32_t tokenPositions(const int32_t* idx, int t, int
       if (lane == k0 + u) r = n[u];
   }
   return r;
+}
+
+// The dispatch send halves' start: the launch's operation number e, the active mask, the acknowledgements of
+// operation e - 2 (every receiver read that parity's slots and entries) and the routing are loaded together, one
+// memory latency instead of three in a row; the acknowledgements are checked once the routing is staged (waited
+// for only when one is not in yet). Only this rank's earlier dispatch send halves wrote the epoch, and they are
+// complete (stream order).
+struct SendStart {
+  uint64_t e, act;
+  bool ok;  // every active receiver acknowledged e - 2 (false: a wait failed; the error is recorded)
+  SendSmem m;
+};
+__device__ __forceinline__ SendStart sendStart(const LlParams& p, LlCtrl* ctrl, int32_t* smem) {
+  __shared__ uint64_t s_e;
+  const uint64_t t_entry = LL_PROBE_CLOCK();
+  const int peer = threadIdx.x;
+  const uint64_t* ack = peer < p.nranks ? ackPtr(p, p.rank, kLlDispatch, peer) : nullptr;
+  const uint64_t seen = ack != nullptr ? ldRelaxed(ack, p.gpu_scope) : 0;
+  if (threadIdx.x == 0) s_e = *reinterpret_cast<const volatile uint64_t*>(&ctrl->send_epoch[kLlDispatch]) + 1;
+  SendStart st;
+  st.act = activeMask(p);
+  st.m = stageRouting(p, smem, false);  // its barriers also publish s_e
+  st.e = s_e;
+  LL_PROBE_AT(st.e, kPrSendStart, t_entry);
+  bool ok = true;
+  if (st.e > 2 && ack != nullptr && ((st.act >> peer) & 1)) {
+    if (seen >= st.e - 2) fenceAcqRel(p.gpu_scope);  // with the relaxed load: an acquire
+    else ok = waitAtLeast(p, ack, st.e - 2, peer, epPhaseData, st.e);
+  }
+  st.ok = __syncthreads_and(ok) != 0;
+  LL_PROBE(st.e, kPrAck);
+  return st;
 }
 
 // Lets the receive half launched after this kernel start now (programmatic dependent launch): it waits on device
@@ -435,29 +498,88 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
   remoteCommitWarp(rs);
 }
 
+// The receive half's row layout, from every source's T and per-expert pair counts (count entries, or a zero-copy
+// dispatch's entries) into s_begin ([L][R + 1]: the first row of each source, then the total; expert-major) and s_T
+// ([R]); block 0 writes recv_count and recv_layout_range. own_cnt: this rank's own counts, staged by the caller
+// (its T is p.T), instead of its entry.
+// In two parts, so that a caller can load other things beside the counts before the barrier between them.
+__device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, uint64_t act, int* s_begin, int* s_T,
+                                                   const int32_t* own_cnt) {
+  const int R = p.nranks, L = p.L, M = p.M;
+  const bool em = p.layout == EP_LL_EXPERT_MAJOR;
+  // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
+  if (em)
+    for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+      const int l = i / R, s = i % R;
+      s_begin[l * (R + 1) + s] = own_cnt != nullptr && s == p.rank ? own_cnt[p.rank * L + l]
+                                 : p.zd ? zdCounts(zdEntry(p, p.rank, par, s))[p.rank * L + l]
+                                        : countEntry(p, p.rank, par, s)[4 + l];
+    }
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    int T = 0;  // a masked source sends nothing
+    if ((act >> s) & 1) {
+      if (own_cnt != nullptr && s == p.rank) T = p.T;
+      else if (!p.zd) T = countEntry(p, p.rank, par, s)[0];
+      else T = zdEntry(p, p.rank, par, s)->T;  // the entry is of this operation (waited for by the caller)
+    }
+    if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
+      recordViolation(p, epInternalError);
+      T = 0;
+    }
+    s_T[s] = T;
+    if (!em && blockIdx.x == 0) p.recv_count[s] = T;
+  }
+}
+// After a barrier that follows dispatchLayoutLoad.
+__device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_begin, const int* s_T) {
+  const int R = p.nranks, L = p.L;
+  if (p.layout == EP_LL_EXPERT_MAJOR)
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      int acc = 0;
+      for (int s = 0; s < R; ++s) {
+        // An entry of a source that sent no token is stale (a count of an earlier operation): ignored.
+        int c = s_T[s] > 0 ? s_begin[l * (R + 1) + s] : 0;
+        if (c < 0 || c > s_T[s]) {
+          recordViolation(p, epInternalError);
+          c = 0;
+        }
+        s_begin[l * (R + 1) + s] = acc;
+        if (blockIdx.x == 0) p.recv_layout_range[static_cast<size_t>(l) * R + s] = packLayoutRange(c, acc);
+        acc += c;
+      }
+      s_begin[l * (R + 1) + R] = acc;
+      if (blockIdx.x == 0) p.recv_count[l] = acc;
+    }
+  __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Zero-copy dispatch, send half (ranks of one host, expert-major; config.ll_zero_copy_dispatch). The receivers'
 // outputs are regions of their LL buffers, so each (token, expert) row is written once, straight to its final row:
 // block 0 first writes this rank's entry (T, every expert's pair count, where its own output region is) to every
-// active rank, every block waits for the peers' entries, derives where this rank's rows start among each expert's
-// rows (after those of lower sources), and a warp per (token, part of its row) writes the part to every expert's
-// row (fp8: quantized once, in registers). A peer's entry of operation n also says that the peer has issued its
+// active rank; every block stages its pairs' positions (stageRouting's table) while the peers' entries come in,
+// waits for them, derives where this rank's rows start among each expert's rows (after those of lower sources),
+// and a warp per (token, part of its row) writes the part to every expert's row (fp8: quantized once, in
+// registers). Measured on one H200 at R = 2, 64 tokens (bench/results/h200-s15.log): positions per warp
+// (tokenPositions, every warp of a block at once) took about a microsecond more than the staged table. A peer's entry of operation n also says that the peer has issued its
 // send half n, so its region's earlier contents are no longer read (the lifetime epLlDispatchBuffer states).
 // ---------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
+// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr.
+__device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
-  const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlDispatch]);
+  int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, p.K, p.E) / sizeof(int32_t);
+  uint8_t* table = positionTableBytes(p.T, p.K, p.E) > 0 ? reinterpret_cast<uint8_t*>(s_beg) + zdBeginBytes(p.E) : nullptr;
+  // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
+  const SendStart st = sendStart(p, ctrl, s_dyn);
+  const uint64_t e = st.e, act = st.act, me = 1ull << p.rank;
+  const SendSmem& m = st.m;
+  bool ok = st.ok;
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K, M = p.M;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
-  const uint64_t act = activeMask(p), me = 1ull << p.rank;
-  // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
-  bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlDispatch, e - 2, e);
-  const SendSmem m = stageRouting(p, s_dyn, false);
-  int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, K, p.E) / sizeof(int32_t);
   if (ok && blockIdx.x == 0)
     for (int r = warp; r < R; r += nwarps) {
       if (!((act >> r) & 1)) continue;
@@ -473,8 +595,13 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       __syncwarp();
       if (lane == 0) stRelease(&ent->epoch, e, p.gpu_scope);
     }
+  // Every warp needs its token's positions (to find its rows): staged once per block while the peers' entries
+  // come in, instead of by each warp (tokenPositions, every warp of the block at once).
+  if (table != nullptr) stageTablePositions(p, m, table, false);
+  LL_PROBE(e, kPrEntries);
   // This rank's own part comes from this block's staging, not from block 0's entry (no block waits for another).
   ok = ok && waitPeers(p, act & ~me, zdEntryFlag, par, e, e);
+  LL_PROBE(e, kPrPeers);
   if (ok) {
     const size_t RM = static_cast<size_t>(R) * M, need = static_cast<size_t>(L) * RM * p.drow;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -497,9 +624,9 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       int acc = 0;
       for (int s = 0; s < p.rank; ++s) {
         if (!((act >> s) & 1)) continue;  // a masked source sends nothing
-        LlZdEntry* ent = zdEntry(p, p.rank, par, s);
-        const int T = ent->T;
-        int c = T > 0 ? zdCounts(ent)[x] : 0;
+        const LlZdEntry* ent = zdEntry(p, p.rank, par, s);
+        const int T = ent->T, c0 = zdCounts(ent)[x];  // both loaded at once
+        int c = T > 0 ? c0 : 0;
         if (T > M || c < 0 || c > T) {
           recordViolation(p, epInternalError);
           c = 0;
@@ -508,7 +635,11 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       }
       s_beg[x] = acc;
     }
+    // A fused kernel's receive half needs the same entries: its layout is derived here, its loads beside these.
+    if (pre != nullptr) dispatchLayoutLoad(p, par, act, pre, pre + L * (R + 1), m.cnt);
     __syncthreads();
+    if (pre != nullptr) dispatchLayoutScan(p, pre, pre + L * (R + 1));
+    LL_PROBE(e, kPrBegins);
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
     const int P = partsOf(p.T, NW);
     for (int item = gw; item < p.T * P; item += NW) {
@@ -520,7 +651,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       const bool live = rk >= 0 && ((act >> rk) & 1) && s_xoff[rk] != ~0ull;
       const unsigned lanes = __ballot_sync(kFull, live);
       if (lanes == 0) continue;
-      const int32_t pos = tokenPositions(m.idx, t, K, xk, lane);
+      const int32_t pos = table != nullptr ? (live ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
       const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
       if (part == 0 && live) zdSrcInfo(p, rk, par)[row] = t;
       uint8_t* dst[kMaxDst];
@@ -539,28 +670,31 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p) {
       writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
     }
   }
+  LL_PROBE(e, kPrSent);
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
       if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
+    LL_PROBE(e, kPrTagged);
   }
 }
 
 template <bool kX>
-__device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
-  if (!kX && p.zd) return dispatchSendZeroCopy(p);  // one host only (the engine refuses it across hosts)
+__device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = nullptr) {
+  if (!kX && p.zd) return dispatchSendZeroCopy(p, pre);  // one host only (the engine refuses it across hosts)
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
-  const uint64_t e = launchEpoch(&ctrl->send_epoch[kLlDispatch]);
+  // Every receiver must have read operation e - 2, which used the same parity. Masked ranks get nothing; their
+  // pairs are counted as dropped.
+  const SendStart st = sendStart(p, ctrl, s_dyn);
+  const uint64_t e = st.e, act = st.act;
+  const SendSmem& m = st.m;
+  const bool ok = st.ok;
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
-  const uint64_t act = activeMask(p);  // masked ranks get nothing; their pairs are counted as dropped
-  // Every receiver must have read operation e - 2, which used the same parity.
-  const bool ok = e <= 2 || waitPeers(p, act, ackFlag, kLlDispatch, e - 2, e);
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
-  const SendSmem m = stageRouting(p, s_dyn, false);
   const uint64_t far_mask = farMask<kX>(p), near = act & ~far_mask;  // near: active ranks mapped here
   if (ok) {
     for (int x = gw; x < p.E; x += NW)
@@ -627,11 +761,13 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
                            rk, pos, m.raw, xr, e);
     }
   }
+  LL_PROBE(e, kPrSent);
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
       if (((act >> r) & 1) && noFailure(p))
         publish<kX>(p, r, kRemoteLlBuffer, tagPtr(p, r, kLlDispatch, par, p.rank), e, e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
+    LL_PROBE(e, kPrTagged);
   }
 }
 
@@ -640,12 +776,14 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p) {
 // count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
 // ---------------------------------------------------------------------------------------------------------
+// pre: the layout (s_begin, then s_T), already derived by a fused kernel's zero-copy send half, or nullptr.
 template <bool kX>
-__device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
-  extern __shared__ __align__(16) int s_begin[];  // [L][R + 1] first row of each source, then the total (expert-major)
-  __shared__ int s_T[kGpuMaxRanks];
+__device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = nullptr) {
+  extern __shared__ __align__(16) int s_dyn_begin[];  // [L][R + 1] first row of each source, then the total
+  __shared__ int s_T_own[kGpuMaxRanks];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlDispatch]);
+  LL_PROBE(e, kPrRecvStart);
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, M = p.M, K = p.K;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + (threadIdx.x >> 5), NW = gridDim.x * nwarps;
@@ -656,58 +794,25 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   // region peers may still be reading from; every combine this rank sent must have been read by every peer.
   const uint64_t combines_sent = p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
   const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
-  if (guard && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
-    // Every source's T and per-expert counts are loaded at once (one memory latency), then checked. A zero-copy
-    // dispatch has them in the sources' entries (all of them written before their tags).
-    if (em)
-      for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
-        const int l = i / R, s = i % R;
-        s_begin[l * (R + 1) + s] = p.zd ? zdCounts(zdEntry(p, p.rank, par, s))[p.rank * L + l]
-                                        : countEntry(p, p.rank, par, s)[4 + l];
-      }
-    for (int s = threadIdx.x; s < R; s += blockDim.x) {
-      int T = 0;  // a masked source sends nothing
-      if ((act >> s) & 1) {
-        if (!p.zd) {
-          T = countEntry(p, p.rank, par, s)[0];
-        } else {
-          const LlZdEntry* ent = zdEntry(p, p.rank, par, s);
-          T = ent->T;
-          // The tag came without this operation's entry: that source did not dispatch zero-copy (every rank of a
-          // dispatch must, or none). Its rows are not in the region.
-          if (*reinterpret_cast<const volatile uint64_t*>(&ent->epoch) != e) {
-            if (blockIdx.x == 0) recordViolation(p, epInvalidUsage);
-            T = 0;
-          }
-        }
-      }
-      if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
-        recordViolation(p, epInternalError);
-        T = 0;
-      }
-      s_T[s] = T;
-      if (!em && blockIdx.x == 0) p.recv_count[s] = T;
+  int* s_begin = pre != nullptr ? pre : s_dyn_begin;
+  int* s_T = pre != nullptr ? pre + L * (R + 1) : s_T_own;
+  // A zero-copy dispatch has every source's T and counts in its entry, which the source writes before its rows:
+  // the layout is derived while the rows are still landing, and only src_info is left once the tags are in.
+  bool in = guard;
+  if (pre == nullptr) {
+    in = in && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
+                     : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
+    LL_PROBE(e, kPrTags);
+    if (in) {
+      dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
+      __syncthreads();
+      dispatchLayoutScan(p, s_begin, s_T);
     }
-    __syncthreads();
-    if (em)
-      for (int l = threadIdx.x; l < L; l += blockDim.x) {
-        int acc = 0;
-        for (int s = 0; s < R; ++s) {
-          // An entry of a source that sent no token is stale (a count of an earlier operation): ignored.
-          int c = s_T[s] > 0 ? s_begin[l * (R + 1) + s] : 0;
-          if (c < 0 || c > s_T[s]) {
-            recordViolation(p, epInternalError);
-            c = 0;
-          }
-          s_begin[l * (R + 1) + s] = acc;
-          if (blockIdx.x == 0) p.recv_layout_range[static_cast<size_t>(l) * R + s] = packLayoutRange(c, acc);
-          acc += c;
-        }
-        s_begin[l * (R + 1) + R] = acc;
-        if (blockIdx.x == 0) p.recv_count[l] = acc;
-      }
-    __syncthreads();
-    if (p.zd) {  // the rows are in place (the senders wrote them); only their source tokens are copied out
+  }
+  if (in) {
+    LL_PROBE(e, kPrLayout);
+    // The rows are in place once the tags are (the senders wrote them); only their source tokens are copied out.
+    if (p.zd && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
       const int32_t* side = zdSrcInfo(p, p.rank, par);
       for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < L * RM;
            i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -761,10 +866,12 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
       warpCopyChunks(dsts, nd, slot + p.lay.slot_row, ub, ue, lane);
     }
   }
+  LL_PROBE(e, kPrCopied);
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
       if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlDispatch, p.rank), e, e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
+    LL_PROBE(e, kPrAcked);
   }
 }
 
@@ -1046,9 +1153,14 @@ template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) { dispatchRecvBody<kX>(p); }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
-  dispatchSendBody<kX>(p);
+  // A zero-copy send half derives the receive half's layout beside its own offsets (from the same entries), into
+  // shared memory past its own: the receive half then only waits for the tags and copies src_info, which matters
+  // most in the block that sends last (its receive half is the operation's tail).
+  extern __shared__ __align__(16) int32_t s_dyn[];
+  int* pre = !kX && p.zd ? s_dyn + zdSendSmemBytes(p.T, p.K, p.E) / sizeof(int32_t) : nullptr;
+  dispatchSendBody<kX>(p, pre);
   __syncthreads();  // the dynamic shared memory changes hands
-  dispatchRecvBody<kX>(p);
+  dispatchRecvBody<kX>(p, pre);
 }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
@@ -1101,7 +1213,7 @@ cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, La
 }
 
 size_t llSendSmemBytes(int T, int K, int E, bool zero_copy) {
-  return zero_copy ? zdSendSmemBytes(T, K, E) : sendSmemArrayBytes(T, K, E);
+  return zero_copy ? zdSendSmemBytes(T, K, E) + zdLayoutBytes(E) : sendSmemArrayBytes(T, K, E);
 }
 
 size_t dispatchRecvSmem(const LlParams& p) {
@@ -1162,6 +1274,41 @@ cudaError_t launchLlCombineRecv(const LlParams& p, cudaStream_t s) {
 cudaError_t launchLlCombine(const LlParams& p, cudaStream_t s) {
   return launchCombineTyped<CombineOf>(p, combineRecvSmem(p) + combineSendSmem(p), Launch::kCooperative, s);
 }
+
+#ifdef EPCOMM_LL_PROBE
+extern "C" __attribute__((visibility("default"))) void epcommLlProbeReset() {
+  static unsigned long long init[kLlProbeOps][kPrPhases][2];
+  for (auto& op : init)
+    for (auto& ph : op) {
+      ph[0] = ~0ull;
+      ph[1] = 0;
+    }
+  cudaDeviceSynchronize();
+  cudaMemcpyToSymbol(g_ll_probe, init, sizeof(init));
+}
+// One line per recorded operation: each phase's earliest / latest block in ns after the first send stamp.
+extern "C" __attribute__((visibility("default"))) void epcommLlProbeDump(const char* what, int rank) {
+  static unsigned long long v[kLlProbeOps][kPrPhases][2];
+  static const char* const names[kPrPhases] = {"s0", "ack", "stage", "ent", "peers", "begin", "sent", "tag",
+                                               "r0", "tags", "layout", "copied", "end"};
+  cudaDeviceSynchronize();
+  cudaMemcpyFromSymbol(v, g_ll_probe, sizeof(v));
+  for (int i = 0; i < kLlProbeOps; i += 2) {
+    const unsigned long long t0 = v[i][kPrSendStart][0];
+    if (t0 == ~0ull) continue;
+    char line[1024];
+    int n = snprintf(line, sizeof(line), "PROBE %s r%d", what, rank);
+    const unsigned long long next = v[i + 1][kPrSendStart][0], end = v[i][kPrAcked][1];
+    if (next != ~0ull && end != 0) n += snprintf(line + n, sizeof(line) - n, " gap %lld |", (long long)(next - end));
+    for (int ph = 0; ph < kPrPhases && n < (int)sizeof(line) - 40; ++ph) {
+      if (v[i][ph][1] == 0) continue;
+      n += snprintf(line + n, sizeof(line) - n, " %s %lld/%lld", names[ph], (long long)(v[i][ph][0] - t0),
+                    (long long)(v[i][ph][1] - t0));
+    }
+    fprintf(stderr, "%s\n", line);
+  }
+}
+#endif
 
 // Every kernel of this file loaded now (kernels/preload.h says why).
 cudaError_t preloadLlKernels() {

@@ -571,8 +571,8 @@ EPCOMM_API epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes
  * write every (token, expert) row once, straight into its final row there, and the receive half moves no rows.
  * Outputs, rows and bits are those of the plain dispatch. The send half of such a dispatch waits on the device
  * until every active peer has issued its own send half (it needs their counts to place its rows). Every rank of
- * a dispatch uses a region, or none does: a receiver counts a mix as a violation (epInvalidUsage, outputs
- * undefined) and a sender waits for the missing peer until the deadline (epTimeout). Two regions alternate; the
+ * a dispatch uses a region, or none does: in a mix the ranks that use one wait for the others' counts until the
+ * deadline (epTimeout, in both halves), and every rank's outputs are undefined. Two regions alternate; the
  * one returned is the next dispatch's (calls in between return the same one). Lifetime: a region holds a
  * dispatch's rows from the return of its receive half until this rank issues the send half of the next dispatch
  * that names the same region; peers write into it only after that send half has started (a device-side wait),

@@ -26,6 +26,7 @@
 
 #include "gpu_test.h"
 #include "common/routing.h"
+#include "kernels/fp8.cuh"
 
 namespace {
 
@@ -1152,6 +1153,31 @@ TEST_P(GpuLl, SanitizerSeesEveryRank) {
     return 0;
   }, 60000);
   (void)codes;  // the verdict is the sanitizer's report, not the exit codes
+}
+
+// The device's fp8 conversion (kernels/fp8.cuh, what LL fp8 dispatches quantize with) gives common/dtype.h
+// floatToFp8's bits for every 32-bit pattern: finite, subnormal, saturating, infinite and NaN of either sign.
+__device__ unsigned long long g_fp8_differ, g_fp8_first;
+__global__ void fp8EveryPair(uint32_t chunk) {
+  const uint32_t u = ((chunk << 24) + blockIdx.x * blockDim.x + threadIdx.x) * 2u;  // the pair (u, u + 1)
+  const float a = __uint_as_float(u), b = __uint_as_float(u + 1);
+  const uint32_t want = epcomm::floatToFp8(a) | static_cast<uint32_t>(epcomm::floatToFp8(b)) << 8;
+  if (epcomm::dev::fp8x2(a, b) != want && atomicAdd(&g_fp8_differ, 1ull) == 0) g_fp8_first = u;
+}
+
+TEST(Fp8Conversion, DeviceMatchesTheHostForEveryFloat) {
+  auto codes = epcomm::test::runRanks(1, [&](int rank) -> int {  // CUDA only in a child (the tests fork)
+    g_rank = rank;
+    CKC(selectDevice(0));
+    for (uint32_t chunk = 0; chunk < 128; ++chunk) fp8EveryPair<<<(1u << 24) / 256, 256>>>(chunk);
+    CKC(cudaDeviceSynchronize());
+    unsigned long long differ = 0, first = 0;
+    CKC(cudaMemcpyFromSymbol(&differ, g_fp8_differ, sizeof(differ)));
+    CKC(cudaMemcpyFromSymbol(&first, g_fp8_first, sizeof(first)));
+    CK(differ == 0, "%llu of 2^31 pairs differ, the first at input bits 0x%08llx", differ, first);
+    return 0;
+  }, 120000);
+  expectAllRanksOk(codes, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuLl, ::testing::ValuesIn(rankCounts()),
