@@ -200,7 +200,8 @@ __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, co
     if (!live) continue;
     const size_t off = static_cast<size_t>(blk) * EP_FP8_BLOCK + g * kPer;
     for (int d = 0; d < nd; ++d) {
-      if (kPer == 16) *reinterpret_cast<uint4*>(dst[d] + off) = make_uint4(q[0], q[1], q[2 % (kPer / 4)], q[3 % (kPer / 4)]);
+      if (kPer == 16)
+        *reinterpret_cast<uint4*>(dst[d] + off) = make_uint4(q[0], q[1], q[2 % (kPer / 4)], q[3 % (kPer / 4)]);
       else *reinterpret_cast<uint2*>(dst[d] + off) = make_uint2(q[0], q[1]);
       if (g == 0) sc[d][blk] = scale;
     }
@@ -560,9 +561,10 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 // active rank; every block stages its pairs' positions (stageRouting's table) while the peers' entries come in,
 // waits for them, derives where this rank's rows start among each expert's rows (after those of lower sources),
 // and a warp per (token, part of its row) writes the part to every expert's row (fp8: quantized once, in
-// registers). Measured on one H200 at R = 2, 64 tokens (bench/results/h200-s15.log): positions per warp
-// (tokenPositions, every warp of a block at once) took about a microsecond more than the staged table. A peer's entry of operation n also says that the peer has issued its
-// send half n, so its region's earlier contents are no longer read (the lifetime epLlDispatchBuffer states).
+// registers). Positions per warp instead (tokenPositions, in every warp of a block at once) kept the goal shape
+// (R = 2, 64 tokens, one H200) about a microsecond slower (bench/results/h200-s15.log, calls 2-3). A peer's entry
+// of operation n also says that the peer has issued its send half n, so its region's earlier contents are no
+// longer read (the lifetime epLlDispatchBuffer states).
 // ---------------------------------------------------------------------------------------------------------
 // pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr.
 __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre) {
@@ -571,7 +573,8 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, p.K, p.E) / sizeof(int32_t);
-  uint8_t* table = positionTableBytes(p.T, p.K, p.E) > 0 ? reinterpret_cast<uint8_t*>(s_beg) + zdBeginBytes(p.E) : nullptr;
+  uint8_t* table =
+      positionTableBytes(p.T, p.K, p.E) > 0 ? reinterpret_cast<uint8_t*>(s_beg) + zdBeginBytes(p.E) : nullptr;
   // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
   const SendStart st = sendStart(p, ctrl, s_dyn);
   const uint64_t e = st.e, act = st.act, me = 1ull << p.rank;

@@ -3,6 +3,7 @@
 # MPS daemon. Rank processes are forked without exec, so the run first proves that the tool instruments every
 # rank: rank 1 writes past the end of a buffer and memcheck must report it.
 #   scripts/gpu_sanitize.sh [BIN_DIR] [ranks]      (defaults: .gpubin, 2); logs in $OUT (default /tmp/epcomm-san)
+# FILTER: a gtest filter (default: every test but the proof); SAN_TESTS: the binaries (default: test_gpu_ll test_gpu_ht).
 set -uo pipefail
 BIN=${1:-.gpubin}
 export EPCOMM_GPU_TEST_RANKS=${2:-2}
@@ -20,7 +21,7 @@ EPCOMM_GPU_TEST_OOB_RANK=1 timeout 120 "$S" --tool memcheck --target-processes a
 grep -E "Invalid __global__ write|rank [0-9]+ \(pid|ERROR SUMMARY" "$OUT/san_proof.log"
 rc=0
 for tool in memcheck racecheck synccheck; do
-  for t in test_gpu_ll test_gpu_ht; do
+  for t in ${SAN_TESTS:-test_gpu_ll test_gpu_ht}; do
     echo "== $tool $t"
     EPCOMM_GPU_TEST_REPLAYS=10 EPCOMM_GPU_TEST_LATE_OPS=40 timeout 300 "$S" --tool $tool --target-processes all \
       --error-exitcode 3 "$BIN/$t" --gtest_filter="${FILTER:--*Sanitizer*}" > "$OUT/san_${tool}_$t.log" 2>&1
