@@ -254,17 +254,33 @@ __host__ __device__ __forceinline__ size_t positionTableBytes(int T, int K, int 
 __host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int E) {
   return (sizeof(int32_t) * (3 * static_cast<size_t>(T) * K + E) + 15) / 16 * 16;
 }
-// A zero-copy dispatch's send half adds, per expert, where this rank's rows start among the expert's rows, and
-// stageRouting's table for the positions (dispatchSendZeroCopy).
+// A zero-copy dispatch's send half adds, per expert, where this rank's rows start among the expert's rows.
 __host__ __device__ __forceinline__ size_t zdBeginBytes(int E) {
   return (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
 }
-__host__ __device__ __forceinline__ size_t zdSendSmemBytes(int T, int K, int E) {
-  return sendSmemArrayBytes(T, K, E) + zdBeginBytes(E) + positionTableBytes(T, K, E);
-}
-// And in a fused kernel the receive half's layout after that: L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
+// A fused kernel's receive layout (dispatchRecvBody's pre): L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
 __host__ __device__ __forceinline__ size_t zdLayoutBytes(int E) {
   return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + kGpuMaxRanks) + 15) / 16 * 16;
+}
+// A zero-copy send half's shared memory: its arrays and per-expert starts, then two optional parts, each taken
+// only while the total stays within kLlMaxSmem (a call whose arrays fit is never refused for them): stageRouting's
+// position table (else positions per warp, tokenPositions) and, in a fused kernel, the receive layout (else the
+// receive half derives it). Offsets are 0 for a part left out; host and device compute the same.
+struct ZdSmem {
+  size_t table_off, pre_off, bytes;
+};
+__host__ __device__ __forceinline__ ZdSmem zdSmem(int T, int K, int E, bool fused) {
+  ZdSmem z{0, 0, sendSmemArrayBytes(T, K, E) + zdBeginBytes(E)};
+  const size_t table = positionTableBytes(T, K, E);
+  if (table > 0 && z.bytes + table <= kLlMaxSmem) {
+    z.table_off = z.bytes;
+    z.bytes += table;
+  }
+  if (fused && z.bytes + zdLayoutBytes(E) <= kLlMaxSmem) {
+    z.pre_off = z.bytes;
+    z.bytes += zdLayoutBytes(E);
+  }
+  return z;
 }
 
 // Positions by stageRouting's table, for routing already staged in `m` (idx): each chunk of 32 pairs counts its
@@ -566,15 +582,16 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 // of operation n also says that the peer has issued its send half n, so its region's earlier contents are no
 // longer read (the lifetime epLlDispatchBuffer states).
 // ---------------------------------------------------------------------------------------------------------
-// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr.
-__device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre) {
+// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr. Returns whether this
+// block's waits succeeded (block-uniform; pre is written only then).
+__device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, p.K, p.E) / sizeof(int32_t);
-  uint8_t* table =
-      positionTableBytes(p.T, p.K, p.E) > 0 ? reinterpret_cast<uint8_t*>(s_beg) + zdBeginBytes(p.E) : nullptr;
+  const size_t table_off = zdSmem(p.T, p.K, p.E, false).table_off;
+  uint8_t* table = table_off > 0 ? reinterpret_cast<uint8_t*>(s_dyn) + table_off : nullptr;
   // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
   const SendStart st = sendStart(p, ctrl, s_dyn);
   const uint64_t e = st.e, act = st.act, me = 1ull << p.rank;
@@ -680,10 +697,12 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
   }
+  return ok;
 }
 
+// Returns whether this block's waits succeeded (block-uniform).
 template <bool kX>
-__device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = nullptr) {
+__device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = nullptr) {
   if (!kX && p.zd) return dispatchSendZeroCopy(p, pre);  // one host only (the engine refuses it across hosts)
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
@@ -772,6 +791,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = n
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
   }
+  return ok;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1160,10 +1180,12 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   // shared memory past its own: the receive half then only waits for the tags and copies src_info, which matters
   // most in the block that sends last (its receive half is the operation's tail).
   extern __shared__ __align__(16) int32_t s_dyn[];
-  int* pre = !kX && p.zd ? s_dyn + zdSendSmemBytes(p.T, p.K, p.E) / sizeof(int32_t) : nullptr;
-  dispatchSendBody<kX>(p, pre);
+  const size_t pre_off = !kX && p.zd ? zdSmem(p.T, p.K, p.E, true).pre_off : 0;
+  int* pre = pre_off > 0 ? s_dyn + pre_off / sizeof(int32_t) : nullptr;
+  // A block whose send half failed has no layout there: its receive half derives its own (and its waits fail).
+  const bool sent = dispatchSendBody<kX>(p, pre);
   __syncthreads();  // the dynamic shared memory changes hands
-  dispatchRecvBody<kX>(p, pre);
+  dispatchRecvBody<kX>(p, sent ? pre : nullptr);
 }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
@@ -1216,7 +1238,7 @@ cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, La
 }
 
 size_t llSendSmemBytes(int T, int K, int E, bool zero_copy) {
-  return zero_copy ? zdSendSmemBytes(T, K, E) + zdLayoutBytes(E) : sendSmemArrayBytes(T, K, E);
+  return zero_copy ? zdSmem(T, K, E, false).bytes : sendSmemArrayBytes(T, K, E);
 }
 
 size_t dispatchRecvSmem(const LlParams& p) {
@@ -1232,7 +1254,8 @@ size_t llCombineSmemBytes(int T, int K, int E, int L) {
 
 // Every kernel in two instances (kernels/remote.cuh): with ranks of other hosts or without.
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
-  const size_t smem = std::max(llSendSmemBytes(p.T, p.K, p.E, p.zd), dispatchRecvSmem(p));
+  const size_t send = p.zd && !p.remote ? zdSmem(p.T, p.K, p.E, true).bytes : llSendSmemBytes(p.T, p.K, p.E, p.zd);
+  const size_t smem = std::max(send, dispatchRecvSmem(p));
   return launchLl(p, p.remote ? llDispatchKernel<true> : llDispatchKernel<false>, smem, Launch::kCooperative, s);
 }
 

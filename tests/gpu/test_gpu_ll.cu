@@ -1158,9 +1158,10 @@ TEST_P(GpuLl, SanitizerSeesEveryRank) {
 // The device's fp8 conversion (kernels/fp8.cuh, what LL fp8 dispatches quantize with) gives common/dtype.h
 // floatToFp8's bits for every 32-bit pattern: finite, subnormal, saturating, infinite and NaN of either sign.
 __device__ unsigned long long g_fp8_differ, g_fp8_first;
-__global__ void fp8EveryPair(uint32_t chunk) {
+// swap: the pair (u + 1, u), so that every pattern goes through both lanes of the conversion.
+__global__ void fp8EveryPair(uint32_t chunk, bool swap) {
   const uint32_t u = ((chunk << 24) + blockIdx.x * blockDim.x + threadIdx.x) * 2u;  // the pair (u, u + 1)
-  const float a = __uint_as_float(u), b = __uint_as_float(u + 1);
+  const float a = __uint_as_float(swap ? u + 1 : u), b = __uint_as_float(swap ? u : u + 1);
   const uint32_t want = epcomm::floatToFp8(a) | static_cast<uint32_t>(epcomm::floatToFp8(b)) << 8;
   if (epcomm::dev::fp8x2(a, b) != want && atomicAdd(&g_fp8_differ, 1ull) == 0) g_fp8_first = u;
 }
@@ -1169,12 +1170,13 @@ TEST(Fp8Conversion, DeviceMatchesTheHostForEveryFloat) {
   auto codes = epcomm::test::runRanks(1, [&](int rank) -> int {  // CUDA only in a child (the tests fork)
     g_rank = rank;
     CKC(selectDevice(0));
-    for (uint32_t chunk = 0; chunk < 128; ++chunk) fp8EveryPair<<<(1u << 24) / 256, 256>>>(chunk);
+    for (int swap = 0; swap < 2; ++swap)
+      for (uint32_t chunk = 0; chunk < 128; ++chunk) fp8EveryPair<<<(1u << 24) / 256, 256>>>(chunk, swap != 0);
     CKC(cudaDeviceSynchronize());
     unsigned long long differ = 0, first = 0;
     CKC(cudaMemcpyFromSymbol(&differ, g_fp8_differ, sizeof(differ)));
     CKC(cudaMemcpyFromSymbol(&first, g_fp8_first, sizeof(first)));
-    CK(differ == 0, "%llu of 2^31 pairs differ, the first at input bits 0x%08llx", differ, first);
+    CK(differ == 0, "%llu of 2 x 2^31 pairs differ, the first at input bits 0x%08llx", differ, first);
     return 0;
   }, 120000);
   expectAllRanksOk(codes, 0);
