@@ -200,8 +200,7 @@ __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, co
     if (!live) continue;
     const size_t off = static_cast<size_t>(blk) * EP_FP8_BLOCK + g * kPer;
     for (int d = 0; d < nd; ++d) {
-      if (kPer == 16)
-        *reinterpret_cast<uint4*>(dst[d] + off) = make_uint4(q[0], q[1], q[2 % (kPer / 4)], q[3 % (kPer / 4)]);
+      if constexpr (kPer == 16) *reinterpret_cast<uint4*>(dst[d] + off) = make_uint4(q[0], q[1], q[2], q[3]);
       else *reinterpret_cast<uint2*>(dst[d] + off) = make_uint2(q[0], q[1]);
       if (g == 0) sc[d][blk] = scale;
     }
@@ -1254,7 +1253,8 @@ size_t llCombineSmemBytes(int T, int K, int E, int L) {
 
 // Every kernel in two instances (kernels/remote.cuh): with ranks of other hosts or without.
 cudaError_t launchLlDispatch(const LlParams& p, cudaStream_t s) {
-  const size_t send = p.zd && !p.remote ? zdSmem(p.T, p.K, p.E, true).bytes : llSendSmemBytes(p.T, p.K, p.E, p.zd);
+  const size_t send =
+      p.zd && !p.remote ? zdSmem(p.T, p.K, p.E, true).bytes : llSendSmemBytes(p.T, p.K, p.E, p.zd);
   const size_t smem = std::max(send, dispatchRecvSmem(p));
   return launchLl(p, p.remote ? llDispatchKernel<true> : llDispatchKernel<false>, smem, Launch::kCooperative, s);
 }
@@ -1315,7 +1315,7 @@ extern "C" __attribute__((visibility("default"))) void epcommLlProbeReset() {
 // One line per recorded operation: each phase's earliest / latest block in ns after the first send stamp.
 extern "C" __attribute__((visibility("default"))) void epcommLlProbeDump(const char* what, int rank) {
   static unsigned long long v[kLlProbeOps][kPrPhases][2];
-  static const char* const names[kPrPhases] = {"s0", "ack", "stage", "ent", "peers", "begin", "sent", "tag",
+  static const char* const names[kPrPhases] = {"s0", "ack", "ent", "peers", "begin", "sent", "tag",
                                                "r0", "tags", "layout", "copied", "end"};
   cudaDeviceSynchronize();
   cudaMemcpyFromSymbol(v, g_ll_probe, sizeof(v));

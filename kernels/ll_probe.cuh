@@ -10,7 +10,7 @@
 
 namespace epcomm {
 enum LlProbePhase {
-  kPrSendStart, kPrAck, kPrStaged, kPrEntries, kPrPeers, kPrBegins, kPrSent, kPrTagged,
+  kPrSendStart, kPrAck, kPrEntries, kPrPeers, kPrBegins, kPrSent, kPrTagged,
   kPrRecvStart, kPrTags, kPrLayout, kPrCopied, kPrAcked, kPrPhases
 };
 }  // namespace epcomm
