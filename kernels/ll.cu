@@ -74,9 +74,15 @@ __device__ __forceinline__ int32_t* zdCounts(LlZdEntry* ent) { return reinterpre
 __device__ __forceinline__ const int32_t* zdCounts(const LlZdEntry* ent) {
   return reinterpret_cast<const int32_t*>(ent + 1);
 }
-__device__ __forceinline__ int32_t* zdSrcInfo(const LlParams& p, int owner, int par) {
-  return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.zd_src) +
+// The side array's words are epochWord(operation, source token).
+__device__ __forceinline__ uint64_t* zdSide(const LlParams& p, int owner, int par) {
+  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.zd_src) +
          static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens;
+}
+// Flag of block b of src's send launch in `owner`'s buffer (launches of at most kLlZdFlagBlocks blocks).
+__device__ __forceinline__ uint64_t* zdFlag(const LlParams& p, int owner, int par, int src, int b) {
+  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.zd_flag) +
+         (static_cast<size_t>(par) * p.nranks + src) * kLlZdFlagBlocks + b;
 }
 
 __device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
@@ -257,9 +263,10 @@ __host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int 
 __host__ __device__ __forceinline__ size_t zdBeginBytes(int E) {
   return (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
 }
-// A fused kernel's receive layout (dispatchRecvBody's pre): L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
+// A fused kernel's receive layout (dispatchRecvBody's pre): L (R + 1) + 2 R ints (first rows, every source's T
+// and its send launch's blocks), at most 2 E + 2 kGpuMaxRanks.
 __host__ __device__ __forceinline__ size_t zdLayoutBytes(int E) {
-  return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + kGpuMaxRanks) + 15) / 16 * 16;
+  return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + 2 * kGpuMaxRanks) + 15) / 16 * 16;
 }
 // A zero-copy send half's shared memory: its arrays and per-expert starts, then two optional parts, each taken
 // only while the total stays within kLlMaxSmem (a call whose arrays fit is never refused for them): stageRouting's
@@ -517,10 +524,10 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
 // The receive half's row layout, from every source's T and per-expert pair counts (count entries, or a zero-copy
 // dispatch's entries) into s_begin ([L][R + 1]: the first row of each source, then the total; expert-major) and s_T
 // ([R]); block 0 writes recv_count and recv_layout_range. own_cnt: this rank's own counts, staged by the caller
-// (its T is p.T), instead of its entry.
+// (its T is p.T), instead of its entry. s_B (zero-copy, or nullptr): every source's send-launch blocks.
 // In two parts, so that a caller can load other things beside the counts before the barrier between them.
 __device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, uint64_t act, int* s_begin, int* s_T,
-                                                   const int32_t* own_cnt) {
+                                                   const int32_t* own_cnt, int* s_B = nullptr) {
   const int R = p.nranks, L = p.L, M = p.M;
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
@@ -532,12 +539,20 @@ __device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, u
                                         : countEntry(p, p.rank, par, s)[4 + l];
     }
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    int T = 0;  // a masked source sends nothing
+    int T = 0, B = 0;  // a masked source sends nothing
     if ((act >> s) & 1) {
-      if (own_cnt != nullptr && s == p.rank) T = p.T;
-      else if (!p.zd) T = countEntry(p, p.rank, par, s)[0];
-      else T = zdEntry(p, p.rank, par, s)->T;  // the entry is of this operation (waited for by the caller)
+      if (own_cnt != nullptr && s == p.rank) {
+        T = p.T;
+        B = gridDim.x;
+      } else if (!p.zd) {
+        T = countEntry(p, p.rank, par, s)[0];
+      } else {
+        const LlZdEntry* ent = zdEntry(p, p.rank, par, s);  // of this operation (waited for by the caller)
+        T = ent->T;
+        B = ent->blocks;
+      }
     }
+    if (s_B != nullptr) s_B[s] = B;
     if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
       recordViolation(p, epInternalError);
       T = 0;
@@ -581,9 +596,10 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 // of operation n also says that the peer has issued its send half n, so its region's earlier contents are no
 // longer read (the lifetime epLlDispatchBuffer states).
 // ---------------------------------------------------------------------------------------------------------
-// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr. Returns whether this
-// block's waits succeeded (block-uniform; pre is written only then).
-__device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre) {
+// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr. fused: the receive
+// half follows in this launch, and its last block ends the launch (*send_e = e) when this one publishes flags.
+// Returns whether this block's waits succeeded (block-uniform; pre is written only then).
+__device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre, uint64_t* send_e) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
   launchDependents();
@@ -607,6 +623,7 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
       for (int x = lane; x < p.E; x += 32) c[x] = m.cnt[x];
       if (lane == 0) {
         ent->T = p.T;
+        ent->blocks = static_cast<int32_t>(gridDim.x);
         ent->x_off = p.zd_x_off;
         ent->sc_off = p.zd_sc_off;
       }
@@ -655,7 +672,7 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
       s_beg[x] = acc;
     }
     // A fused kernel's receive half needs the same entries: its layout is derived here, its loads beside these.
-    if (pre != nullptr) dispatchLayoutLoad(p, par, act, pre, pre + L * (R + 1), m.cnt);
+    if (pre != nullptr) dispatchLayoutLoad(p, par, act, pre, pre + L * (R + 1), m.cnt, pre + L * (R + 1) + R);
     __syncthreads();
     if (pre != nullptr) dispatchLayoutScan(p, pre, pre + L * (R + 1));
     LL_PROBE(e, kPrBegins);
@@ -672,7 +689,7 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
       if (lanes == 0) continue;
       const int32_t pos = table != nullptr ? (live ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
       const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
-      if (part == 0 && live) zdSrcInfo(p, rk, par)[row] = t;
+      if (part == 0 && live) zdSide(p, rk, par)[row] = epochWord(e, t);
       uint8_t* dst[kMaxDst];
       float* sc[kMaxDst];
       int nd = 0;
@@ -690,19 +707,32 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
     }
   }
   LL_PROBE(e, kPrSent);
-  if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
+  // A block's rows are in once its flag is: no block waits for the last one to count itself first. Only its
+  // own waits matter (a block that failed writes no flag, and its receivers time out as they would on the tag).
+  const bool flags = gridDim.x <= kLlZdFlagBlocks;
+  if (flags) {
+    __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x)
+      if (ok && ((act >> r) & 1)) stRelease(zdFlag(p, r, par, p.rank, blockIdx.x), e, p.gpu_scope);
+    LL_PROBE(e, kPrTagged);
+  }
+  if (flags && send_e != nullptr) {
+    *send_e = e;  // the fused receive half's last block advances the send epoch
+    return ok;
+  }
+  if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
+    for (int r = threadIdx.x; !flags && r < R; r += blockDim.x)
       if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
-    LL_PROBE(e, kPrTagged);
+    if (!flags) LL_PROBE(e, kPrTagged);
   }
   return ok;
 }
 
-// Returns whether this block's waits succeeded (block-uniform).
+// Returns whether this block's waits succeeded (block-uniform). pre, send_e: dispatchSendZeroCopy's.
 template <bool kX>
-__device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = nullptr) {
-  if (!kX && p.zd) return dispatchSendZeroCopy(p, pre);  // one host only (the engine refuses it across hosts)
+__device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = nullptr, uint64_t* send_e = nullptr) {
+  if (!kX && p.zd) return dispatchSendZeroCopy(p, pre, send_e);  // one host only (the engine refuses it across hosts)
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -798,11 +828,79 @@ __device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = n
 // count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
 // ---------------------------------------------------------------------------------------------------------
-// pre: the layout (s_begin, then s_T), already derived by a fused kernel's zero-copy send half, or nullptr.
+// Zero-copy receive. Each row's source token comes from the side array, whose words carry their operation (the
+// senders write them before the rows, so they are usually in): every block copies its share out, waiting per word
+// where one is not in yet. That the rows are in, only block 0 waits for: every active source's flags (its tag,
+// for a send launch of more than kLlZdFlagBlocks blocks), before it counts itself done, so the launch's last
+// block acknowledges only after that. One polling block, not all: 64 blocks of each rank polling 128 flags made
+// the last flag about 2 us slower to see (h200-s16.log, call 3). Returns false after a failed wait.
+__device__ __forceinline__ bool zdReceive(const LlParams& p, uint64_t act, int par, uint64_t e, const int* s_begin,
+                                          const int* s_B) {
+  const int R = p.nranks, L = p.L;
+  const size_t RM = static_cast<size_t>(R) * p.M, n = static_cast<size_t>(L) * RM;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x, i0 = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t* side = zdSide(p, p.rank, par);
+  auto valid = [&](size_t i) {
+    return i < n && static_cast<int>(i % RM) < s_begin[static_cast<int>(i / RM) * (R + 1) + R];
+  };
+  constexpr int kSide = 4;
+  uint64_t w[kSide];
+#pragma unroll
+  for (int u = 0; u < kSide; ++u) w[u] = valid(i0 + u * stride) ? ldRelaxed(side + i0 + u * stride, p.gpu_scope) : 0;
+  bool ok = true;
+  if (blockIdx.x == 0) {
+    // Flag j of the R x kLlZdFlagBlocks grid: (source, block), or the tag in block 0's place.
+    auto flagOf = [&](int j) -> const uint64_t* {
+      const int s = j / kLlZdFlagBlocks, b = j % kLlZdFlagBlocks;
+      if (s >= R || !((act >> s) & 1)) return nullptr;
+      if (s_B[s] <= kLlZdFlagBlocks) return b < s_B[s] ? zdFlag(p, p.rank, par, s, b) : nullptr;
+      return b == 0 ? tagPtr(p, p.rank, kLlDispatch, par, s) : nullptr;
+    };
+    constexpr int kPer = kLlZdFlagBlocks * kLlMaxRanks / kLlThreads;
+    static_assert(kPer * kLlThreads == kLlZdFlagBlocks * kLlMaxRanks, "every flag has a thread");
+    uint64_t fv[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const uint64_t* f = flagOf(threadIdx.x + u * kLlThreads);
+      fv[u] = f != nullptr ? ldAcquire(f, p.gpu_scope) : e;
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u)
+      if (fv[u] < e) {
+        const int j = threadIdx.x + u * kLlThreads;
+        ok = ok && waitAtLeast(p, flagOf(j), e, j / kLlZdFlagBlocks, epPhaseData, e);
+      }
+    ok = __syncthreads_and(ok) != 0;
+    LL_PROBE(e, kPrTags);
+  }
+  for (size_t at = i0; ok && at < n; at += kSide * stride) {
+    if (at != i0)
+#pragma unroll
+      for (int u = 0; u < kSide; ++u) w[u] = valid(at + u * stride) ? ldRelaxed(side + at + u * stride, p.gpu_scope) : 0;
+#pragma unroll
+    for (int u = 0; u < kSide; ++u) {
+      const size_t i = at + u * stride;
+      if (!valid(i)) continue;
+      uint64_t v = w[u];
+      if (!epochWordIs(v, e)) {
+        const int l = static_cast<int>(i / RM), q = static_cast<int>(i % RM);
+        int s = 0;  // the source of row q, for the error record
+        while (s + 1 < R && s_begin[l * (R + 1) + s + 1] <= q) ++s;
+        if (!waitEpochWord(p, side + i, &v, s, epPhaseData, e)) return false;
+      }
+      p.recv_src_info[i] = static_cast<int32_t>(static_cast<uint32_t>(v));
+    }
+  }
+  return ok;
+}
+
+// pre: the layout (s_begin, s_T, s_B), already derived by a fused kernel's zero-copy send half, or nullptr.
+// send_e: a fused zero-copy kernel whose send half published flags: its operation, whose send epoch the last block
+// advances here (with the send half's block count), or 0.
 template <bool kX>
-__device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = nullptr) {
+__device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = nullptr, uint64_t send_e = 0) {
   extern __shared__ __align__(16) int s_dyn_begin[];  // [L][R + 1] first row of each source, then the total
-  __shared__ int s_T_own[kGpuMaxRanks];
+  __shared__ int s_T_own[kGpuMaxRanks], s_B_own[kGpuMaxRanks];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlDispatch]);
   LL_PROBE(e, kPrRecvStart);
@@ -818,6 +916,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = n
   const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
   int* s_begin = pre != nullptr ? pre : s_dyn_begin;
   int* s_T = pre != nullptr ? pre + L * (R + 1) : s_T_own;
+  int* s_B = pre != nullptr ? pre + L * (R + 1) + R : s_B_own;
   // A zero-copy dispatch has every source's T and counts in its entry, which the source writes before its rows:
   // the layout is derived while the rows are still landing, and only src_info is left once the tags are in.
   bool in = guard;
@@ -826,22 +925,15 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = n
                      : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
     LL_PROBE(e, kPrTags);
     if (in) {
-      dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
+      dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr, p.zd ? s_B : nullptr);
       __syncthreads();
       dispatchLayoutScan(p, s_begin, s_T);
     }
   }
   if (in) {
     LL_PROBE(e, kPrLayout);
-    // The rows are in place once the tags are (the senders wrote them); only their source tokens are copied out.
-    if (p.zd && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
-      const int32_t* side = zdSrcInfo(p, p.rank, par);
-      for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < L * RM;
-           i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-        const int l = static_cast<int>(i / RM);
-        if (static_cast<int>(i % RM) < s_begin[l * (R + 1) + R]) p.recv_src_info[i] = side[i];
-      }
-    }
+    // The rows are in place once the flags are (the senders wrote them); only their source tokens are copied out.
+    if (p.zd) zdReceive(p, act, par, e, s_begin, s_B);
     const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
     for (int item = gw; !p.zd && item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
@@ -892,7 +984,13 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = n
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
       if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlDispatch, p.rank), e, e, p.gpu_scope);
-    if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
+    if (threadIdx.x == 0) {
+      stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
+      if (send_e != 0) {  // the send half's count kept cumulative, as if it had counted its own blocks
+        atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->send_done[kLlDispatch]), gridDim.x);
+        stRelaxed(&ctrl->send_epoch[kLlDispatch], send_e);
+      }
+    }
     LL_PROBE(e, kPrAcked);
   }
 }
@@ -1182,9 +1280,10 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   const size_t pre_off = !kX && p.zd ? zdSmem(p.T, p.K, p.E, true).pre_off : 0;
   int* pre = pre_off > 0 ? s_dyn + pre_off / sizeof(int32_t) : nullptr;
   // A block whose send half failed has no layout there: its receive half derives its own (and its waits fail).
-  const bool sent = dispatchSendBody<kX>(p, pre);
+  uint64_t send_e = 0;
+  const bool sent = dispatchSendBody<kX>(p, pre, &send_e);
   __syncthreads();  // the dynamic shared memory changes hands
-  dispatchRecvBody<kX>(p, sent ? pre : nullptr);
+  dispatchRecvBody<kX>(p, sent ? pre : nullptr, send_e);
 }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {

@@ -238,11 +238,16 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 // Only with config.ll_zero_copy_dispatch (zero-copy dispatches, epLlDispatchBuffer):
 //   [zd entries: 2 par x R] LlZdEntry + E int32 written by src: its T, every expert's pair count, and where its
 //                                              own output region of operation n is; doubles as "src started n"
-//   [zd src_info: 2 par x E x M] int32         source token of each output row, written by the senders
+//   [zd src_info: 2 par x E x M] uint64        source token of each output row, written by the senders beside
+//                                              the row: (n mod 2^32) << 32 | token, so a receiver copies it out
+//                                              while other rows still land, without waiting for a flag first
+//   [zd flags: 2 par x R x kLlZdFlagBlocks] uint64  written by block b of src's send launch once its rows are
+//                                              in (= n); a launch of more blocks publishes the tag instead
 //   [zd regions: 2] rows [E x M][row], scales  the output regions the senders write final rows into
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
-// its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
-// reads, and its last block acknowledges. Epochs are advanced by the last block of each launch (rule G2).
+// its rows, and the last of its blocks to finish publishes the tags (zero-copy: each block its flag); a
+// receiver waits for every peer's tag (or flags), reads, and its last block acknowledges. Epochs are advanced by
+// the last block of each launch (rule G2).
 // ---------------------------------------------------------------------------------------------------------
 enum LlFamily { kLlDispatch = 0, kLlCombine = 1 };
 
@@ -263,10 +268,14 @@ struct LlSlotMeta {
 };
 
 // A zero-copy dispatch's entry of `src` for operation `epoch`; int32 counts[E] (pairs per expert) follow.
+// Zero-copy send launches of at most this many blocks publish a flag per block instead of a tag: no block waits
+// for the last one (an atomic's round trip) before the receivers see its rows.
+constexpr int kLlZdFlagBlocks = 256;
+
 struct LlZdEntry {
   uint64_t epoch;  // written last (release): the rest of the entry is of this operation
   int32_t T;
-  int32_t pad;
+  int32_t blocks;  // blocks of src's send launch: flags (at most kLlZdFlagBlocks) or the tag
   uint64_t x_off;   // src's recv_x of this operation: offset in its LL buffer
   uint64_t sc_off;  // and its recv_x_scales (fp8)
 };
@@ -280,7 +289,7 @@ struct LlZcHeader {
 struct LlLayout {
   size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, zc, zc_entry;
   // Zero-copy dispatch (all 0 when the communicator has none): entries, src_info side arrays, output regions.
-  size_t zd_ent, zd_ent_size, zd_src, zd, zd_x_bytes, zd_sc_bytes, zd_region;
+  size_t zd_ent, zd_ent_size, zd_src, zd_flag, zd, zd_x_bytes, zd_sc_bytes, zd_region;
   size_t total;
   int nranks, max_tokens, max_experts, max_hidden;
 };
@@ -319,7 +328,9 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
     l.zd_ent_size = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));
     off = up(off + 2 * static_cast<size_t>(nranks) * l.zd_ent_size);
     l.zd_src = off;
-    off = up(off + 2 * rows * 4);
+    off = up(off + 2 * rows * 8);
+    l.zd_flag = off;
+    off = up(off + 2 * static_cast<size_t>(nranks) * kLlZdFlagBlocks * 8);
     l.zd_x_bytes = rows * l.comb_row;                                   // [L][R*M] rows of the call's row size
     l.zd_sc_bytes = up(rows * (static_cast<size_t>(max_hidden) / 128) * 4);  // fp8 scales [L][R*M][H/128]
     l.zd_region = rowAreaAlign(l.zd_x_bytes + l.zd_sc_bytes);

@@ -93,7 +93,8 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
           EXPECT_GE(z.zd_ent_size, sizeof(LlZdEntry) + 4 * static_cast<size_t>(E));
           EXPECT_EQ(z.zd_ent_size % 16, 0u);
           EXPECT_LE(z.zd_ent + 2 * static_cast<size_t>(R) * z.zd_ent_size, z.zd_src);
-          EXPECT_LE(z.zd_src + 2 * static_cast<size_t>(E) * M * 4, z.zd);
+          EXPECT_LE(z.zd_src + 2 * static_cast<size_t>(E) * M * 8, z.zd_flag);
+          EXPECT_LE(z.zd_flag + 2 * static_cast<size_t>(R) * kLlZdFlagBlocks * 8, z.zd);
           EXPECT_EQ(z.zd % 65536, 0u);
           EXPECT_GE(z.zd_x_bytes, static_cast<size_t>(E) * M * H * 2);
           EXPECT_GE(z.zd_sc_bytes, static_cast<size_t>(E) * M * (H / 128) * 4);
