@@ -132,15 +132,17 @@ __device__ __forceinline__ uint64_t epochWord(uint64_t epoch, uint32_t value) {
 __device__ __forceinline__ bool epochWordIs(uint64_t word, uint64_t epoch) {
   return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(epoch);
 }
-// Waits until *word is of operation `epoch` (relaxed loads: the word carries all it says), with the deadline of
-// waitAtLeast. False on timeout or abort; *out gets the word.
+// Waits until *word is of operation `epoch`, with the deadline of waitAtLeast: relaxed loads (the word carries
+// all it says), or acquiring ones where what follows must come after the writer's earlier work. False on timeout
+// or abort; *out gets the word.
 template <class P>
-__device__ bool waitEpochWord(const P& p, const uint64_t* word, uint64_t* out, int peer, int phase, uint64_t epoch) {
+__device__ bool waitEpochWord(const P& p, const uint64_t* word, uint64_t* out, int peer, int phase, uint64_t epoch,
+                              bool acquire = false) {
   const bool gpu_scope = p.gpu_scope != 0;
   WaitClock clock;
   volatile GpuErrorRecord* err = p.err;
   for (uint32_t it = 1;; ++it) {
-    *out = ldRelaxed(word, gpu_scope);
+    *out = acquire ? ldAcquire(word, gpu_scope) : ldRelaxed(word, gpu_scope);
     if (epochWordIs(*out, epoch)) return true;
     if ((it & 127) == 0) {
       if (err->code != 0 || err->abort != 0) return false;

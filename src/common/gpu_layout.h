@@ -236,8 +236,9 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
 //                                              row layout (recv_layout_range) they follow
 // Only with config.ll_zero_copy_dispatch (zero-copy dispatches, epLlDispatchBuffer):
-//   [zd entries: 2 par x R] LlZdEntry + E int32 written by src: its T, every expert's pair count, and where its
-//                                              own output region of operation n is; doubles as "src started n"
+//   [zd entries: 2 par x R] uint64 words     written by src, each epochWord(n, value) (LlZdWord): its T, its
+//                                              send launch's blocks, which of its output regions operation n
+//                                              fills (doubles as "src started n"), every expert's pair count
 //   [zd src_info: 2 par x E x M] uint64        source token of each output row, written by the senders beside
 //                                              the row: (n mod 2^32) << 32 | token, so a receiver copies it out
 //                                              while other rows still land, without waiting for a flag first
@@ -272,13 +273,12 @@ struct LlSlotMeta {
 // for the last one (an atomic's round trip) before the receivers see its rows.
 constexpr int kLlZdFlagBlocks = 256;
 
-struct LlZdEntry {
-  uint64_t epoch;  // written last (release): the rest of the entry is of this operation
-  int32_t T;
-  int32_t blocks;  // blocks of src's send launch: flags (at most kLlZdFlagBlocks) or the tag
-  uint64_t x_off;   // src's recv_x of this operation: offset in its LL buffer
-  uint64_t sc_off;  // and its recv_x_scales (fp8)
-};
+// Words of a zero-copy dispatch entry, each epochWord(operation, value) (kernels/device_common.cuh): a reader waits
+// on the words it needs themselves, not on a flag and then loads. kZdBlocks: blocks of src's send launch (flags
+// when at most kLlZdFlagBlocks, else the tag); kZdRegion: the output region (0 or 1) src's recv_x of the
+// operation is (released: src has issued that send half, so the region's earlier contents are no longer read);
+// kZdCounts + x: src's pair count for expert x.
+enum LlZdWord { kZdT = 0, kZdBlocks = 1, kZdRegion = 2, kZdCounts = 4 };
 
 struct LlZcHeader {
   uint64_t y_off;  // offset of the expert outputs in the owner's LL buffer
@@ -325,7 +325,7 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   if (zero_copy_dispatch) {
     const size_t rows = static_cast<size_t>(max_experts) * max_tokens;
     l.zd_ent = off;
-    l.zd_ent_size = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));
+    l.zd_ent_size = up16(8 * (kZdCounts + static_cast<size_t>(max_experts)));
     off = up(off + 2 * static_cast<size_t>(nranks) * l.zd_ent_size);
     l.zd_src = off;
     off = up(off + 2 * rows * 8);
