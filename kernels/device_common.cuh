@@ -123,38 +123,6 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
   }
 }
 
-// A word that carries its operation in the high half: (n mod 2^32) << 32 | value. A reader takes the value only
-// from the word of its own operation (equality, so the count wrapping past 2^32 is harmless), with no flag to
-// wait for first.
-__device__ __forceinline__ uint64_t epochWord(uint64_t epoch, uint32_t value) {
-  return static_cast<uint64_t>(static_cast<uint32_t>(epoch)) << 32 | value;
-}
-__device__ __forceinline__ bool epochWordIs(uint64_t word, uint64_t epoch) {
-  return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(epoch);
-}
-// Waits until *word is of operation `epoch`, with the deadline of waitAtLeast: relaxed loads (the word carries
-// all it says), or acquiring ones where what follows must come after the writer's earlier work. False on timeout
-// or abort; *out gets the word.
-template <class P>
-__device__ bool waitEpochWord(const P& p, const uint64_t* word, uint64_t* out, int peer, int phase, uint64_t epoch,
-                              bool acquire = false) {
-  const bool gpu_scope = p.gpu_scope != 0;
-  WaitClock clock;
-  volatile GpuErrorRecord* err = p.err;
-  for (uint32_t it = 1;; ++it) {
-    *out = acquire ? ldAcquire(word, gpu_scope) : ldRelaxed(word, gpu_scope);
-    if (epochWordIs(*out, epoch)) return true;
-    if ((it & 127) == 0) {
-      if (err->code != 0 || err->abort != 0) return false;
-      if (clock.over(p.timeout_ns)) {
-        recordError(p, epTimeout, peer, phase, epoch);
-        return false;
-      }
-    }
-    __nanosleep(64);
-  }
-}
-
 // Every thread of the block calls this after its work. The block's writes are made visible to the peers (at system
 // scope, or GPU scope when every rank runs on this GPU: `gpu_scope` below), then
 // counted in a cumulative counter (never reset, so graph replays need no reset); the block that brings it to

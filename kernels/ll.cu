@@ -65,20 +65,18 @@ __device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, 
          ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
 }
 
-// Word i (LlZdWord) of the zero-copy dispatch entry of `src` in `owner`'s buffer, and `owner`'s src_info side array.
-__device__ __forceinline__ uint64_t* zdWord(const LlParams& p, int owner, int par, int src, int i) {
-  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.zd_ent +
-                                     (static_cast<size_t>(par) * p.nranks + src) * p.lay.zd_ent_size) + i;
+// Zero-copy dispatch entry of `src` in `owner`'s buffer, its per-expert counts, and `owner`'s src_info side array.
+__device__ __forceinline__ LlZdEntry* zdEntry(const LlParams& p, int owner, int par, int src) {
+  return reinterpret_cast<LlZdEntry*>(p.base[owner] + p.lay.zd_ent +
+                                      (static_cast<size_t>(par) * p.nranks + src) * p.lay.zd_ent_size);
 }
-// The side array's words are epochWord(operation, source token).
-__device__ __forceinline__ uint64_t* zdSide(const LlParams& p, int owner, int par) {
-  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.zd_src) +
+__device__ __forceinline__ int32_t* zdCounts(LlZdEntry* ent) { return reinterpret_cast<int32_t*>(ent + 1); }
+__device__ __forceinline__ const int32_t* zdCounts(const LlZdEntry* ent) {
+  return reinterpret_cast<const int32_t*>(ent + 1);
+}
+__device__ __forceinline__ int32_t* zdSrcInfo(const LlParams& p, int owner, int par) {
+  return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.zd_src) +
          static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens;
-}
-// Flag of block b of src's send launch in `owner`'s buffer (launches of at most kLlZdFlagBlocks blocks).
-__device__ __forceinline__ uint64_t* zdFlag(const LlParams& p, int owner, int par, int src, int b) {
-  return reinterpret_cast<uint64_t*>(p.base[owner] + p.lay.zd_flag) +
-         (static_cast<size_t>(par) * p.nranks + src) * kLlZdFlagBlocks + b;
 }
 
 __device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
@@ -131,6 +129,7 @@ __device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackP
 __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
 }
+__device__ uint64_t* zdEntryFlag(const LlParams& p, int peer, int par) { return &zdEntry(p, p.rank, par, peer)->epoch; }
 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
 // [n*p/P, n*(p+1)/P) of a row of n units (16-byte chunks, or 128-column blocks with fp8). P = warps / rows
@@ -258,10 +257,9 @@ __host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int 
 __host__ __device__ __forceinline__ size_t zdBeginBytes(int E) {
   return (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
 }
-// A fused kernel's receive layout (dispatchRecvBody's pre): L (R + 1) + 2 R ints (first rows, every source's T
-// and its send launch's blocks), at most 2 E + 2 kGpuMaxRanks.
+// A fused kernel's receive layout (dispatchRecvBody's pre): L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
 __host__ __device__ __forceinline__ size_t zdLayoutBytes(int E) {
-  return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + 2 * kGpuMaxRanks) + 15) / 16 * 16;
+  return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + kGpuMaxRanks) + 15) / 16 * 16;
 }
 // A zero-copy send half's shared memory: its arrays and per-expert starts, then two optional parts, each taken
 // only while the total stays within kLlMaxSmem (a call whose arrays fit is never refused for them): stageRouting's
@@ -516,21 +514,30 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
   remoteCommitWarp(rs);
 }
 
-// The receive half's row layout, from every source's T and per-expert pair counts (count entries; a zero-copy
-// dispatch's come from zdEntriesLoad) into s_begin ([L][R + 1]: the first row of each source, then the total;
-// expert-major) and s_T ([R]); block 0 writes recv_count and recv_layout_range.
+// The receive half's row layout, from every source's T and per-expert pair counts (count entries, or a zero-copy
+// dispatch's entries) into s_begin ([L][R + 1]: the first row of each source, then the total; expert-major) and s_T
+// ([R]); block 0 writes recv_count and recv_layout_range. own_cnt: this rank's own counts, staged by the caller
+// (its T is p.T), instead of its entry.
 // In two parts, so that a caller can load other things beside the counts before the barrier between them.
-__device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, uint64_t act, int* s_begin, int* s_T) {
+__device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, uint64_t act, int* s_begin, int* s_T,
+                                                   const int32_t* own_cnt) {
   const int R = p.nranks, L = p.L, M = p.M;
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
   if (em)
     for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
       const int l = i / R, s = i % R;
-      s_begin[l * (R + 1) + s] = countEntry(p, p.rank, par, s)[4 + l];
+      s_begin[l * (R + 1) + s] = own_cnt != nullptr && s == p.rank ? own_cnt[p.rank * L + l]
+                                 : p.zd ? zdCounts(zdEntry(p, p.rank, par, s))[p.rank * L + l]
+                                        : countEntry(p, p.rank, par, s)[4 + l];
     }
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    int T = (act >> s) & 1 ? countEntry(p, p.rank, par, s)[0] : 0;  // a masked source sends nothing
+    int T = 0;  // a masked source sends nothing
+    if ((act >> s) & 1) {
+      if (own_cnt != nullptr && s == p.rank) T = p.T;
+      else if (!p.zd) T = countEntry(p, p.rank, par, s)[0];
+      else T = zdEntry(p, p.rank, par, s)->T;  // the entry is of this operation (waited for by the caller)
+    }
     if (T < 0 || T > M) {  // bounds-check what a peer wrote before using it as an index
       recordViolation(p, epInternalError);
       T = 0;
@@ -562,83 +569,6 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
   __syncthreads();
 }
 
-// The peers' zero-copy entries (this operation's words in this rank's buffer), for a send half (`xoff`: where each
-// active rank's output region is, ~0 after a violation; `beg`: per expert, this rank's first row, after the lower
-// sources' rows) and for a receive layout (`pre`: dispatchLayoutScan's s_begin counts, then s_T and s_B of
-// dispatchRecvBody; own_cnt: this rank's own counts, staged by the caller, else its own entry is read). Each of
-// the items (a region, an expert's start, a count, a T or block count) loads its words at once and waits only
-// where one is not in yet: one memory latency when everything is there. Either pointer may be nullptr. Returns
-// whether every wait succeeded (this thread's; the caller takes the block's answer at its barrier).
-__device__ __forceinline__ bool zdEntriesLoad(const LlParams& p, int par, uint64_t e, uint64_t act, uint64_t* xoff,
-                                              uint64_t* scoff, int* beg, int* pre, const int32_t* own_cnt) {
-  const int R = p.nranks, L = p.L, M = p.M, me = p.rank;
-  const int nA = xoff != nullptr ? R : 0, nB = beg != nullptr ? p.E : 0;
-  const int nC = pre != nullptr ? L * R : 0, nD = pre != nullptr ? 2 * R : 0;
-  auto on = [&](int s) { return ((act >> s) & 1) != 0; };
-  bool ok = true;
-  // The value of word w of src's entry, v its first load: waited for when not in yet (0 after a failure).
-  auto value = [&](int src, int w, uint64_t v, bool acquire) -> int {
-    if (!epochWordIs(v, e) && !(ok && waitEpochWord(p, zdWord(p, me, par, src, w), &v, src, epPhaseData, e, acquire))) {
-      ok = false;
-      return 0;
-    }
-    return static_cast<int>(static_cast<uint32_t>(v));
-  };
-  for (int i = threadIdx.x; i < nA + nB + nC + nD; i += blockDim.x) {
-    if (i < nA) {  // where rank r's rows go (acquired: r's region is no longer read once r has issued this send)
-      const int r = i;
-      uint64_t xo = p.zd_x_off, so = p.zd_sc_off;
-      if (r != me && on(r)) {
-        const int k = value(r, kZdRegion, ldAcquire(zdWord(p, me, par, r, kZdRegion), p.gpu_scope), true);
-        if (k != 0 && k != 1) {  // bounds-check what a peer wrote
-          recordViolation(p, epInternalError);
-          xo = so = ~0ull;
-        } else {
-          xo = p.lay.zd + static_cast<uint64_t>(k) * p.lay.zd_region;
-          so = xo + p.lay.zd_x_bytes;
-        }
-      }
-      xoff[r] = xo;
-      scoff[r] = so;
-    } else if (i < nA + nB) {  // expert x: the rows of lower sources come first
-      const int x = i - nA;
-      uint64_t v[kLlMaxRanks];
-#pragma unroll
-      for (int s = 0; s < kLlMaxRanks; ++s)
-        v[s] = s < me && on(s) ? ldRelaxed(zdWord(p, me, par, s, kZdCounts + x), p.gpu_scope) : 0;
-      int acc = 0;
-#pragma unroll
-      for (int s = 0; s < kLlMaxRanks; ++s) {
-        if (!(s < me && on(s))) continue;
-        int c = value(s, kZdCounts + x, v[s], false);
-        if (c < 0 || c > M) {
-          recordViolation(p, epInternalError);
-          c = 0;
-        }
-        acc += c;
-      }
-      beg[x] = acc;
-    } else if (i < nA + nB + nC) {  // (local expert l, source s): its pair count
-      const int j = i - nA - nB, l = j / R, s = j % R;
-      int c = 0;  // a masked source sends nothing
-      if (own_cnt != nullptr && s == me) c = own_cnt[me * L + l];
-      else if (on(s)) c = value(s, kZdCounts + me * L + l, ldRelaxed(zdWord(p, me, par, s, kZdCounts + me * L + l), p.gpu_scope), false);
-      pre[l * (R + 1) + s] = c;
-    } else {  // source s's T, or its send launch's blocks
-      const int j = i - nA - nB - nC, s = j % R, w = j < R ? kZdT : kZdBlocks;
-      int v = 0;
-      if (own_cnt != nullptr && s == me) v = w == kZdT ? p.T : static_cast<int>(gridDim.x);
-      else if (on(s)) v = value(s, w, ldRelaxed(zdWord(p, me, par, s, w), p.gpu_scope), false);
-      if (w == kZdT && (v < 0 || v > M)) {  // bounds-check what a peer wrote before using it as an index
-        recordViolation(p, epInternalError);
-        v = 0;
-      }
-      pre[L * (R + 1) + (w == kZdT ? 0 : R) + s] = v;
-    }
-  }
-  return ok;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Zero-copy dispatch, send half (ranks of one host, expert-major; config.ll_zero_copy_dispatch). The receivers'
 // outputs are regions of their LL buffers, so each (token, expert) row is written once, straight to its final row:
@@ -651,10 +581,9 @@ __device__ __forceinline__ bool zdEntriesLoad(const LlParams& p, int par, uint64
 // of operation n also says that the peer has issued its send half n, so its region's earlier contents are no
 // longer read (the lifetime epLlDispatchBuffer states).
 // ---------------------------------------------------------------------------------------------------------
-// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr. fused: the receive
-// half follows in this launch, and its last block ends the launch (*send_e = e) when this one publishes flags.
-// Returns whether this block's waits succeeded (block-uniform; pre is written only then).
-__device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre, uint64_t* send_e) {
+// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr. Returns whether this
+// block's waits succeeded (block-uniform; pre is written only then).
+__device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
   launchDependents();
@@ -664,33 +593,70 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
   uint8_t* table = table_off > 0 ? reinterpret_cast<uint8_t*>(s_dyn) + table_off : nullptr;
   // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
   const SendStart st = sendStart(p, ctrl, s_dyn);
-  const uint64_t e = st.e, act = st.act;
+  const uint64_t e = st.e, act = st.act, me = 1ull << p.rank;
   const SendSmem& m = st.m;
   bool ok = st.ok;
   const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K, M = p.M;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
-  if (ok && blockIdx.x == 0) {
-    const uint32_t region = static_cast<uint32_t>((p.zd_x_off - p.lay.zd) / p.lay.zd_region);
+  if (ok && blockIdx.x == 0)
     for (int r = warp; r < R; r += nwarps) {
       if (!((act >> r) & 1)) continue;
-      uint64_t* w = zdWord(p, r, par, p.rank, 0);
-      for (int x = lane; x < p.E; x += 32) stRelaxed(w + kZdCounts + x, epochWord(e, m.cnt[x]));
-      if (lane == kZdT) stRelaxed(w + kZdT, epochWord(e, p.T));
-      if (lane == kZdBlocks) stRelaxed(w + kZdBlocks, epochWord(e, gridDim.x));
-      if (lane == kZdRegion) stRelease(w + kZdRegion, epochWord(e, region), p.gpu_scope);
+      LlZdEntry* ent = zdEntry(p, r, par, p.rank);
+      int32_t* c = zdCounts(ent);
+      for (int x = lane; x < p.E; x += 32) c[x] = m.cnt[x];
+      if (lane == 0) {
+        ent->T = p.T;
+        ent->x_off = p.zd_x_off;
+        ent->sc_off = p.zd_sc_off;
+      }
+      fenceAcqRel(p.gpu_scope);  // every lane's writes before lane 0's release
+      __syncwarp();
+      if (lane == 0) stRelease(&ent->epoch, e, p.gpu_scope);
     }
-  }
   // Every warp needs its token's positions (to find its rows): staged once per block while the peers' entries
   // come in, instead of by each warp (tokenPositions, every warp of the block at once).
   if (table != nullptr) stageTablePositions(p, m, table, false);
   LL_PROBE(e, kPrEntries);
   // This rank's own part comes from this block's staging, not from block 0's entry (no block waits for another).
-  // A fused kernel's receive half needs the same entries: its layout is derived here, its loads beside these.
-  if (ok) ok = __syncthreads_and(zdEntriesLoad(p, par, e, act, s_xoff, s_scoff, s_beg, pre, m.cnt)) != 0;
+  ok = ok && waitPeers(p, act & ~me, zdEntryFlag, par, e, e);
   LL_PROBE(e, kPrPeers);
   if (ok) {
-    const size_t RM = static_cast<size_t>(R) * M;
+    const size_t RM = static_cast<size_t>(R) * M, need = static_cast<size_t>(L) * RM * p.drow;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      uint64_t xo = p.zd_x_off, so = p.zd_sc_off;
+      if (r != p.rank && ((act >> r) & 1)) {
+        const LlZdEntry* ent = zdEntry(p, p.rank, par, r);
+        xo = ent->x_off;
+        so = ent->sc_off;
+      }
+      // A region named by a peer must lie in its zero-copy area (bounds-check what a peer wrote).
+      const uint64_t lo = p.lay.zd, hi = p.lay.zd + 2 * p.lay.zd_region;
+      if (((act >> r) & 1) && (xo < lo || xo + need > hi || (p.srow && (so < lo || so + RM * L * p.srow > hi)))) {
+        recordViolation(p, epInternalError);
+        xo = ~0ull;
+      }
+      s_xoff[r] = xo;
+      s_scoff[r] = so;
+    }
+    for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
+      int acc = 0;
+      for (int s = 0; s < p.rank; ++s) {
+        if (!((act >> s) & 1)) continue;  // a masked source sends nothing
+        const LlZdEntry* ent = zdEntry(p, p.rank, par, s);
+        const int T = ent->T, c0 = zdCounts(ent)[x];  // both loaded at once
+        int c = T > 0 ? c0 : 0;
+        if (T > M || c < 0 || c > T) {
+          recordViolation(p, epInternalError);
+          c = 0;
+        }
+        acc += c;
+      }
+      s_beg[x] = acc;
+    }
+    // A fused kernel's receive half needs the same entries: its layout is derived here, its loads beside these.
+    if (pre != nullptr) dispatchLayoutLoad(p, par, act, pre, pre + L * (R + 1), m.cnt);
+    __syncthreads();
     if (pre != nullptr) dispatchLayoutScan(p, pre, pre + L * (R + 1));
     LL_PROBE(e, kPrBegins);
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
@@ -706,7 +672,7 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
       if (lanes == 0) continue;
       const int32_t pos = table != nullptr ? (live ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
       const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
-      if (part == 0 && live) zdSide(p, rk, par)[row] = epochWord(e, t);
+      if (part == 0 && live) zdSrcInfo(p, rk, par)[row] = t;
       uint8_t* dst[kMaxDst];
       float* sc[kMaxDst];
       int nd = 0;
@@ -724,32 +690,19 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
     }
   }
   LL_PROBE(e, kPrSent);
-  // A block's rows are in once its flag is: no block waits for the last one to count itself first. Only its
-  // own waits matter (a block that failed writes no flag, and its receivers time out as they would on the tag).
-  const bool flags = gridDim.x <= kLlZdFlagBlocks;
-  if (flags) {
-    __syncthreads();
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-      if (ok && ((act >> r) & 1)) stRelease(zdFlag(p, r, par, p.rank, blockIdx.x), e, p.gpu_scope);
-    LL_PROBE(e, kPrTagged);
-  }
-  if (flags && send_e != nullptr) {
-    *send_e = e;  // the fused receive half's last block advances the send epoch
-    return ok;
-  }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
-    for (int r = threadIdx.x; !flags && r < R; r += blockDim.x)
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
       if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
-    if (!flags) LL_PROBE(e, kPrTagged);
+    LL_PROBE(e, kPrTagged);
   }
   return ok;
 }
 
-// Returns whether this block's waits succeeded (block-uniform). pre, send_e: dispatchSendZeroCopy's.
+// Returns whether this block's waits succeeded (block-uniform).
 template <bool kX>
-__device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = nullptr, uint64_t* send_e = nullptr) {
-  if (!kX && p.zd) return dispatchSendZeroCopy(p, pre, send_e);  // one host only (the engine refuses it across hosts)
+__device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = nullptr) {
+  if (!kX && p.zd) return dispatchSendZeroCopy(p, pre);  // one host only (the engine refuses it across hosts)
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
@@ -845,79 +798,10 @@ __device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = n
 // count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
 // ---------------------------------------------------------------------------------------------------------
-// Zero-copy receive. Each row's source token comes from the side array, whose words carry their operation (the
-// senders write them before the rows, so they are usually in): every block copies its share out, waiting per word
-// where one is not in yet. That the rows are in, only block 0 waits for: every active source's flags (its tag,
-// for a send launch of more than kLlZdFlagBlocks blocks), before it counts itself done, so the launch's last
-// block acknowledges only after that. One polling block, not all: 64 blocks of each rank polling 128 flags made
-// the last flag about 2 us slower to see (h200-s16.log, call 3). Returns false after a failed wait.
-__device__ __forceinline__ bool zdReceive(const LlParams& p, uint64_t act, int par, uint64_t e, const int* s_begin,
-                                          const int* s_B) {
-  const int R = p.nranks, L = p.L;
-  const size_t RM = static_cast<size_t>(R) * p.M, n = static_cast<size_t>(L) * RM;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x, i0 = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint64_t* side = zdSide(p, p.rank, par);
-  auto valid = [&](size_t i) {
-    return i < n && static_cast<int>(i % RM) < s_begin[static_cast<int>(i / RM) * (R + 1) + R];
-  };
-  constexpr int kSide = 4;
-  uint64_t w[kSide];
-#pragma unroll
-  for (int u = 0; u < kSide; ++u) w[u] = valid(i0 + u * stride) ? ldRelaxed(side + i0 + u * stride, p.gpu_scope) : 0;
-  bool ok = true;
-  if (blockIdx.x == 0) {
-    // Flag j of the R x kLlZdFlagBlocks grid: (source, block), or the tag in block 0's place.
-    auto flagOf = [&](int j) -> const uint64_t* {
-      const int s = j / kLlZdFlagBlocks, b = j % kLlZdFlagBlocks;
-      if (s >= R || !((act >> s) & 1)) return nullptr;
-      if (s_B[s] <= kLlZdFlagBlocks) return b < s_B[s] ? zdFlag(p, p.rank, par, s, b) : nullptr;
-      return b == 0 ? tagPtr(p, p.rank, kLlDispatch, par, s) : nullptr;
-    };
-    constexpr int kPer = kLlZdFlagBlocks * kLlMaxRanks / kLlThreads;
-    static_assert(kPer * kLlThreads == kLlZdFlagBlocks * kLlMaxRanks, "every flag has a thread");
-    uint64_t fv[kPer];
-#pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const uint64_t* f = flagOf(threadIdx.x + u * kLlThreads);
-      fv[u] = f != nullptr ? ldAcquire(f, p.gpu_scope) : e;
-    }
-#pragma unroll
-    for (int u = 0; u < kPer; ++u)
-      if (fv[u] < e) {
-        const int j = threadIdx.x + u * kLlThreads;
-        ok = ok && waitAtLeast(p, flagOf(j), e, j / kLlZdFlagBlocks, epPhaseData, e);
-      }
-    ok = __syncthreads_and(ok) != 0;
-    LL_PROBE(e, kPrTags);
-  }
-  for (size_t at = i0; ok && at < n; at += kSide * stride) {
-    if (at != i0)
-#pragma unroll
-      for (int u = 0; u < kSide; ++u) w[u] = valid(at + u * stride) ? ldRelaxed(side + at + u * stride, p.gpu_scope) : 0;
-#pragma unroll
-    for (int u = 0; u < kSide; ++u) {
-      const size_t i = at + u * stride;
-      if (!valid(i)) continue;
-      uint64_t v = w[u];
-      if (!epochWordIs(v, e)) {
-        const int l = static_cast<int>(i / RM), q = static_cast<int>(i % RM);
-        int s = 0;  // the source of row q, for the error record
-        while (s + 1 < R && s_begin[l * (R + 1) + s + 1] <= q) ++s;
-        if (!waitEpochWord(p, side + i, &v, s, epPhaseData, e)) return false;
-      }
-      p.recv_src_info[i] = static_cast<int32_t>(static_cast<uint32_t>(v));
-    }
-  }
-  return ok;
-}
-
-// pre: the layout (s_begin, s_T, s_B), already derived by a fused kernel's zero-copy send half, or nullptr.
-// send_e: a fused zero-copy kernel whose send half published flags: its operation, whose send epoch the last block
-// advances here (with the send half's block count), or 0.
+// pre: the layout (s_begin, then s_T), already derived by a fused kernel's zero-copy send half, or nullptr.
 template <bool kX>
-__device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = nullptr, uint64_t send_e = 0) {
-  // [L][R + 1] first row of each source, then the total; zero-copy: then s_T and s_B (zdEntriesLoad's pre)
-  extern __shared__ __align__(16) int s_dyn_begin[];
+__device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = nullptr) {
+  extern __shared__ __align__(16) int s_dyn_begin[];  // [L][R + 1] first row of each source, then the total
   __shared__ int s_T_own[kGpuMaxRanks];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlDispatch]);
@@ -933,27 +817,31 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = n
   const uint64_t combines_sent = p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
   const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
   int* s_begin = pre != nullptr ? pre : s_dyn_begin;
-  int* s_T = pre != nullptr || p.zd ? s_begin + L * (R + 1) : s_T_own;
-  int* s_B = s_T + R;  // zero-copy only
+  int* s_T = pre != nullptr ? pre + L * (R + 1) : s_T_own;
   // A zero-copy dispatch has every source's T and counts in its entry, which the source writes before its rows:
   // the layout is derived while the rows are still landing, and only src_info is left once the tags are in.
   bool in = guard;
-  if (pre == nullptr && p.zd) {  // the entries' words themselves are waited for
-    in = in && __syncthreads_and(zdEntriesLoad(p, par, e, act, nullptr, nullptr, nullptr, s_begin, nullptr)) != 0;
-    if (in) dispatchLayoutScan(p, s_begin, s_T);
-  } else if (pre == nullptr) {
-    in = in && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
+  if (pre == nullptr) {
+    in = in && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
+                     : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
     LL_PROBE(e, kPrTags);
     if (in) {
-      dispatchLayoutLoad(p, par, act, s_begin, s_T);
+      dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
       __syncthreads();
       dispatchLayoutScan(p, s_begin, s_T);
     }
   }
   if (in) {
     LL_PROBE(e, kPrLayout);
-    // The rows are in place once the flags are (the senders wrote them); only their source tokens are copied out.
-    if (p.zd) zdReceive(p, act, par, e, s_begin, s_B);
+    // The rows are in place once the tags are (the senders wrote them); only their source tokens are copied out.
+    if (p.zd && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
+      const int32_t* side = zdSrcInfo(p, p.rank, par);
+      for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < L * RM;
+           i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        const int l = static_cast<int>(i / RM);
+        if (static_cast<int>(i % RM) < s_begin[l * (R + 1) + R]) p.recv_src_info[i] = side[i];
+      }
+    }
     const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
     for (int item = gw; !p.zd && item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
@@ -1004,13 +892,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = n
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
       if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlDispatch, p.rank), e, e, p.gpu_scope);
-    if (threadIdx.x == 0) {
-      stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
-      if (send_e != 0) {  // the send half's count kept cumulative, as if it had counted its own blocks
-        atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->send_done[kLlDispatch]), gridDim.x);
-        stRelaxed(&ctrl->send_epoch[kLlDispatch], send_e);
-      }
-    }
+    if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrAcked);
   }
 }
@@ -1300,10 +1182,9 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   const size_t pre_off = !kX && p.zd ? zdSmem(p.T, p.K, p.E, true).pre_off : 0;
   int* pre = pre_off > 0 ? s_dyn + pre_off / sizeof(int32_t) : nullptr;
   // A block whose send half failed has no layout there: its receive half derives its own (and its waits fail).
-  uint64_t send_e = 0;
-  const bool sent = dispatchSendBody<kX>(p, pre, &send_e);
+  const bool sent = dispatchSendBody<kX>(p, pre);
   __syncthreads();  // the dynamic shared memory changes hands
-  dispatchRecvBody<kX>(p, sent ? pre : nullptr, send_e);
+  dispatchRecvBody<kX>(p, sent ? pre : nullptr);
 }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {
@@ -1360,8 +1241,7 @@ size_t llSendSmemBytes(int T, int K, int E, bool zero_copy) {
 }
 
 size_t dispatchRecvSmem(const LlParams& p) {
-  const size_t zd = p.zd ? 2 * static_cast<size_t>(p.nranks) : 0;  // zdEntriesLoad's s_T and s_B
-  return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) * (p.nranks + 1) + zd) : 0;
+  return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * static_cast<size_t>(p.L) * (p.nranks + 1) : 0;
 }
 size_t combineSendSmem(const LlParams& p) {
   return p.layout == EP_LL_EXPERT_MAJOR ? sizeof(int) * (static_cast<size_t>(p.L) + 1 + p.E) : 0;

@@ -236,19 +236,13 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
 //                                              row layout (recv_layout_range) they follow
 // Only with config.ll_zero_copy_dispatch (zero-copy dispatches, epLlDispatchBuffer):
-//   [zd entries: 2 par x R] uint64 words     written by src, each epochWord(n, value) (LlZdWord): its T, its
-//                                              send launch's blocks, which of its output regions operation n
-//                                              fills (doubles as "src started n"), every expert's pair count
-//   [zd src_info: 2 par x E x M] uint64        source token of each output row, written by the senders beside
-//                                              the row: (n mod 2^32) << 32 | token, so a receiver copies it out
-//                                              while other rows still land, without waiting for a flag first
-//   [zd flags: 2 par x R x kLlZdFlagBlocks] uint64  written by block b of src's send launch once its rows are
-//                                              in (= n); a launch of more blocks publishes the tag instead
+//   [zd entries: 2 par x R] LlZdEntry + E int32 written by src: its T, every expert's pair count, and where its
+//                                              own output region of operation n is; doubles as "src started n"
+//   [zd src_info: 2 par x E x M] int32         source token of each output row, written by the senders
 //   [zd regions: 2] rows [E x M][row], scales  the output regions the senders write final rows into
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
-// its rows, and the last of its blocks to finish publishes the tags (zero-copy: each block its flag); a
-// receiver waits for every peer's tag (or flags), reads, and its last block acknowledges. Epochs are advanced by
-// the last block of each launch (rule G2).
+// its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
+// reads, and its last block acknowledges. Epochs are advanced by the last block of each launch (rule G2).
 // ---------------------------------------------------------------------------------------------------------
 enum LlFamily { kLlDispatch = 0, kLlCombine = 1 };
 
@@ -269,16 +263,13 @@ struct LlSlotMeta {
 };
 
 // A zero-copy dispatch's entry of `src` for operation `epoch`; int32 counts[E] (pairs per expert) follow.
-// Zero-copy send launches of at most this many blocks publish a flag per block instead of a tag: no block waits
-// for the last one (an atomic's round trip) before the receivers see its rows.
-constexpr int kLlZdFlagBlocks = 256;
-
-// Words of a zero-copy dispatch entry, each epochWord(operation, value) (kernels/device_common.cuh): a reader waits
-// on the words it needs themselves, not on a flag and then loads. kZdBlocks: blocks of src's send launch (flags
-// when at most kLlZdFlagBlocks, else the tag); kZdRegion: the output region (0 or 1) src's recv_x of the
-// operation is (released: src has issued that send half, so the region's earlier contents are no longer read);
-// kZdCounts + x: src's pair count for expert x.
-enum LlZdWord { kZdT = 0, kZdBlocks = 1, kZdRegion = 2, kZdCounts = 4 };
+struct LlZdEntry {
+  uint64_t epoch;  // written last (release): the rest of the entry is of this operation
+  int32_t T;
+  int32_t pad;
+  uint64_t x_off;   // src's recv_x of this operation: offset in its LL buffer
+  uint64_t sc_off;  // and its recv_x_scales (fp8)
+};
 
 struct LlZcHeader {
   uint64_t y_off;  // offset of the expert outputs in the owner's LL buffer
@@ -289,7 +280,7 @@ struct LlZcHeader {
 struct LlLayout {
   size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, zc, zc_entry;
   // Zero-copy dispatch (all 0 when the communicator has none): entries, src_info side arrays, output regions.
-  size_t zd_ent, zd_ent_size, zd_src, zd_flag, zd, zd_x_bytes, zd_sc_bytes, zd_region;
+  size_t zd_ent, zd_ent_size, zd_src, zd, zd_x_bytes, zd_sc_bytes, zd_region;
   size_t total;
   int nranks, max_tokens, max_experts, max_hidden;
 };
@@ -325,12 +316,10 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   if (zero_copy_dispatch) {
     const size_t rows = static_cast<size_t>(max_experts) * max_tokens;
     l.zd_ent = off;
-    l.zd_ent_size = up16(8 * (kZdCounts + static_cast<size_t>(max_experts)));
+    l.zd_ent_size = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));
     off = up(off + 2 * static_cast<size_t>(nranks) * l.zd_ent_size);
     l.zd_src = off;
-    off = up(off + 2 * rows * 8);
-    l.zd_flag = off;
-    off = up(off + 2 * static_cast<size_t>(nranks) * kLlZdFlagBlocks * 8);
+    off = up(off + 2 * rows * 4);
     l.zd_x_bytes = rows * l.comb_row;                                   // [L][R*M] rows of the call's row size
     l.zd_sc_bytes = up(rows * (static_cast<size_t>(max_hidden) / 128) * 4);  // fp8 scales [L][R*M][H/128]
     l.zd_region = rowAreaAlign(l.zd_x_bytes + l.zd_sc_bytes);

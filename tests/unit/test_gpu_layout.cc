@@ -90,11 +90,10 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
           const LlLayout z = llLayout(R, M, E, H, true);
           EXPECT_EQ(z.comb, l.comb);
           EXPECT_LE(z.zc + 2 * z.zc_entry, z.zd_ent);
-          EXPECT_GE(z.zd_ent_size, 8 * (kZdCounts + static_cast<size_t>(E)));
+          EXPECT_GE(z.zd_ent_size, sizeof(LlZdEntry) + 4 * static_cast<size_t>(E));
           EXPECT_EQ(z.zd_ent_size % 16, 0u);
           EXPECT_LE(z.zd_ent + 2 * static_cast<size_t>(R) * z.zd_ent_size, z.zd_src);
-          EXPECT_LE(z.zd_src + 2 * static_cast<size_t>(E) * M * 8, z.zd_flag);
-          EXPECT_LE(z.zd_flag + 2 * static_cast<size_t>(R) * kLlZdFlagBlocks * 8, z.zd);
+          EXPECT_LE(z.zd_src + 2 * static_cast<size_t>(E) * M * 4, z.zd);
           EXPECT_EQ(z.zd % 65536, 0u);
           EXPECT_GE(z.zd_x_bytes, static_cast<size_t>(E) * M * H * 2);
           EXPECT_GE(z.zd_sc_bytes, static_cast<size_t>(E) * M * (H / 128) * 4);
