@@ -3,8 +3,8 @@
     python bench/python/buffer_overhead.py --ranks 2 [--device cuda] [--iters 200] [--csv out.csv]
     torchrun --standalone --nproc-per-node 2 bench/python/buffer_overhead.py [--device cuda] ...
 
-For each operation (HT exact dispatch, HT combine, LL dispatch, LL combine, and LL combine zero-copy where the
-engine has the registered region): the median time of the Buffer call and of the bare C API call (through
+For each operation (HT exact dispatch, HT combine, LL dispatch (into the zero-copy dispatch regions where the
+Buffer uses them), LL combine, and LL combine zero-copy where the engine has the registered region): the median time of the Buffer call and of the bare C API call (through
 epcomm._capi on the same tensors, its arguments and outputs prepared once), alternating, and the difference.
 The host engine (CPU) runs every call synchronously; on CUDA both are timed to completion (synchronize after
 each call). The ranks meet over gloo (any number of ranks may share a GPU; under CUDA MPS for speed).
@@ -112,6 +112,8 @@ def run(args):
         ld.recv_src_info, ld.recv_src_info_bytes = ptr(bufs[2]), nbytes(bufs[2])
         ld.recv_layout_range, ld.recv_layout_range_bytes = ptr(bufs[3]), nbytes(bufs[3])
         ll = buffer.runtime  # the one communicator, re-created with LL capacity by the first LL call
+        if buffer._ll_zd:  # the Buffer's outputs are the zero-copy dispatch regions: the C call names them too
+            ld.recv_x = ll.ll_dispatch_buffer()[0]
         rows.append(("LL dispatch", *timed_pair(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
                                                 lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
         lc = _capi.LlCombineArgs()

@@ -32,32 +32,53 @@ def _buffer_on(engine):
 
 
 def ll_cuda(rank, world, init_method):
-    """LL dispatch/combine on the GPU engine equal the host engine's, or raise epNotSupported cleanly."""
+    """LL dispatch/combine on the GPU engine equal the host engine's, or raise epNotSupported cleanly: bf16 and
+    fp8, with the outputs in the communicator's zero-copy dispatch regions (the default on the GPU engine; three
+    calls, so both regions are used) and in Buffer-owned tensors (Buffer.ll_zero_copy_dispatch = False)."""
     import epcomm
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     torch.cuda.set_device(rank % torch.cuda.device_count())
     host, gpu = _buffer_on("host"), _buffer_on("gpu")
+    epcomm.Buffer.ll_zero_copy_dispatch = False
+    try:
+        gpu_copy = _buffer_on("gpu")
+    finally:
+        epcomm.Buffer.ll_zero_copy_dispatch = True
     gen = torch.Generator().manual_seed(rank)
     num_experts, hidden, max_tokens = 4 * world, 256, 16
-    x = torch.randn((max_tokens, hidden), generator=gen).to(torch.bfloat16)
-    topk_idx = torch.rand((max_tokens, num_experts), generator=gen).topk(3, dim=-1).indices
-    w = torch.rand((max_tokens, 3), generator=gen)
-    ref, ref_count, ref_handle, _, _ = host.low_latency_dispatch(x, topk_idx, max_tokens, num_experts, use_fp8=False)
-    try:
-        got, count, handle, _, _ = gpu.low_latency_dispatch(x.cuda(), topk_idx.cuda(), max_tokens, num_experts,
-                                                            use_fp8=False)
-    except epcomm._capi.Error as e:
-        assert e.code == epcomm._capi.NOT_SUPPORTED, e
-        return
-    assert torch.equal(count.cpu(), ref_count)
-    for e in range(num_experts // world):
-        n = int(ref_count[e])
-        assert torch.equal(got[e, :n].cpu(), ref[e, :n])
-    out_ref = host.low_latency_combine(ref, topk_idx, w, ref_handle)[0]
-    out = gpu.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
-    assert torch.equal(out.cpu(), out_ref)
+    for it in range(3):
+        x = torch.randn((max_tokens, hidden), generator=gen).to(torch.bfloat16)
+        topk_idx = torch.rand((max_tokens, num_experts), generator=gen).topk(3, dim=-1).indices
+        w = torch.rand((max_tokens, 3), generator=gen)
+        for fp8 in (False, True):
+            ref, ref_count, ref_handle, _, _ = host.low_latency_dispatch(x, topk_idx, max_tokens, num_experts,
+                                                                         use_fp8=fp8)
+            for buf, zero_copy in ((gpu, True), (gpu_copy, False)):
+                try:
+                    got, count, handle, _, _ = buf.low_latency_dispatch(x.cuda(), topk_idx.cuda(), max_tokens,
+                                                                        num_experts, use_fp8=fp8)
+                except epcomm._capi.Error as e:
+                    assert e.code == epcomm._capi.NOT_SUPPORTED, e
+                    return
+                assert buf._ll_zd == zero_copy, (buf._ll_zd, zero_copy)  # the GPU engine on one host has regions
+                if zero_copy:  # the rows are in the communicator's memory, not in a Buffer-owned tensor
+                    data = (got[0] if fp8 else got).data_ptr()
+                    assert data in [k[1] for k in buf._ll_zd_slots], hex(data)
+                torch.cuda.synchronize()
+                assert torch.equal(count.cpu(), ref_count)
+                for e in range(num_experts // world):
+                    n = int(ref_count[e])
+                    if fp8:
+                        assert torch.equal(got[0][e, :n].cpu().view(torch.uint8), ref[0][e, :n].view(torch.uint8))
+                        assert torch.equal(got[1][e, :n].cpu(), ref[1][e, :n])
+                    else:
+                        assert torch.equal(got[e, :n].cpu(), ref[e, :n])
+                if not fp8:
+                    out_ref = host.low_latency_combine(ref, topk_idx, w, ref_handle)[0]
+                    out = buf.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
+                    assert torch.equal(out.cpu(), out_ref)
     dist.destroy_process_group()
 
 

@@ -60,7 +60,7 @@ class Comm {
  public:
   Comm(int nranks, int rank, py::object allgather, int engine, int cuda_device, int timeout_ms, int num_channels,
        int num_sms, int ll_max_tokens_per_rank, int ll_max_hidden, int ll_num_experts, int ht_max_tokens_per_rank,
-       int ht_max_hidden) {
+       int ht_max_hidden, int ll_zero_copy_dispatch) {
     epConfig_t cfg = EP_CONFIG_INIT;
     cfg.engine = engine;
     cfg.cuda_device = cuda_device;
@@ -72,6 +72,7 @@ class Comm {
     cfg.ll_num_experts = ll_num_experts;
     cfg.ht_max_tokens_per_rank = ht_max_tokens_per_rank;
     cfg.ht_max_hidden = ht_max_hidden;
+    cfg.ll_zero_copy_dispatch = ll_zero_copy_dispatch;
     PyAllgather ctx{std::move(allgather), static_cast<size_t>(nranks), {}};
     epResult_t rc;
     {
@@ -323,11 +324,11 @@ PYBIND11_MODULE(_capi, m) {
   m.attr("MAX_TOPK") = EP_MAX_TOPK;
 
   py::class_<Comm>(m, "Comm")
-      .def(py::init<int, int, py::object, int, int, int, int, int, int, int, int, int, int>(), py::arg("nranks"),
+      .def(py::init<int, int, py::object, int, int, int, int, int, int, int, int, int, int, int>(), py::arg("nranks"),
            py::arg("rank"), py::arg("allgather"), py::arg("engine") = 0, py::arg("cuda_device") = -1,
            py::arg("timeout_ms") = 0, py::arg("num_channels") = 0, py::arg("num_sms") = 0,
            py::arg("ll_max_tokens_per_rank") = 0, py::arg("ll_max_hidden") = 0, py::arg("ll_num_experts") = 0,
-           py::arg("ht_max_tokens_per_rank") = 0, py::arg("ht_max_hidden") = 0)
+           py::arg("ht_max_tokens_per_rank") = 0, py::arg("ht_max_hidden") = 0, py::arg("ll_zero_copy_dispatch") = 0)
       .def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("size", &Comm::size)
       .def_property_readonly("engine", &Comm::engine)
@@ -463,6 +464,19 @@ PYBIND11_MODULE(_capi, m) {
            py::arg("base"), py::arg("num_tokens"), py::arg("topk"), py::arg("dtype"), py::arg("y"),
            py::arg("y_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("out"), py::arg("out_bytes"),
            py::arg("phases"), py::arg("stream"))
+      .def("ll_dispatch_buffer",
+           [](const Comm& c) {
+             void* x = nullptr;
+             float* scales = nullptr;
+             size_t x_bytes = 0, scales_bytes = 0;
+             c.check(epLlDispatchBuffer(c.get(), &x, &x_bytes, &scales, &scales_bytes));
+             return py::make_tuple(reinterpret_cast<uintptr_t>(x), x_bytes, reinterpret_cast<uintptr_t>(scales),
+                                   scales_bytes);
+           },
+           "epLlDispatchBuffer: (recv_x address, bytes, recv_x_scales address, bytes) of the zero-copy LL dispatch "
+           "region the next dispatch would name (the library alternates two; either may be passed as recv_x). GPU "
+           "engine with config.ll_zero_copy_dispatch, ranks of one host; else raises (epNotSupported, "
+           "epInvalidUsage)")
       .def("ll_combine_buffer", [](const Comm& c) { return regionOf(c, epLlCombineBuffer); },
            "epLlCombineBuffer: (address, bytes) of the registered region the next zero-copy LL combine reads its y "
            "from (GPU engine; the host engine raises epNotSupported)")

@@ -41,13 +41,19 @@ class _LlSlot:
     it: the dispatch's (everything but the call's x, topk_idx, token count, top-k, dtype and phases) and the
     combine's over its layout (everything but the combine's own tensors), filled once per set."""
 
-    def __init__(self, key, dev: torch.device, num_ranks: int, max_tokens: int, num_experts: int):
+    def __init__(self, key, dev: torch.device, num_ranks: int, max_tokens: int, num_experts: int,
+                 region: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
         num_local, slots, hidden, dtype, use_fp8 = key
         self.key = key
-        self.recv_x = torch.empty((num_local, slots, hidden), dtype=dtype, device=dev)
+        # region: uint8 views of a zero-copy dispatch region (recv_x bytes, scales bytes), which the senders write
+        # the rows into: no receive-side copy, no tensor of the slot's own
+        x_elems, sc_elems = num_local * slots * hidden, num_local * slots * (hidden // 128)
+        self.recv_x = torch.empty((num_local, slots, hidden), dtype=dtype, device=dev) if region is None else \
+            region[0][:x_elems * dtype.itemsize].view(dtype).view(num_local, slots, hidden)
         # recv_scales row-major for the C API, scales_out the same scales column-major as DeepEP hands them out
-        self.recv_scales = torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) \
-            if use_fp8 else None
+        self.recv_scales = None if not use_fp8 else \
+            torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) if region is None else \
+            region[1][:sc_elems * 4].view(torch.float32).view(num_local, slots, hidden // 128)
         self.scales_out = torch.empty((num_local, hidden // 128, slots), dtype=torch.float32,
                                       device=dev).transpose(1, 2) if use_fp8 else None
         self.recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
@@ -100,6 +106,11 @@ class Buffer:
     # without communication; DeepEP's own checks read only that column). True (or EPCOMM_FULL_RANK_PREFIX_MATRIX=1)
     # fills every column, at the price of one more exchange of the counts per dispatch. Per instance or class.
     full_rank_prefix_matrix: bool = os.environ.get("EPCOMM_FULL_RANK_PREFIX_MATRIX", "0") not in ("", "0")
+    # LL dispatch outputs straight in the communicator's memory (the GPU engine's zero-copy dispatch regions,
+    # ranks of one host): the senders write the final rows, the receive half copies none. They live as the slots
+    # do (two alternate). False (or EPCOMM_LL_ZERO_COPY_DISPATCH=0) keeps Buffer-owned outputs and the copy.
+    # Read when the Buffer is made.
+    ll_zero_copy_dispatch: bool = os.environ.get("EPCOMM_LL_ZERO_COPY_DISPATCH", "1") not in ("", "0")
 
     def __init__(self,
                  group: Optional[dist.ProcessGroup],
@@ -148,6 +159,10 @@ class Buffer:
         self._ll_combine_buffers: List[torch.Tensor] = []
         self._ll_recv_slots: List = [None, None]
         self._ll_slot_idx = 0
+        # Zero-copy LL dispatch (config.ll_zero_copy_dispatch, GPU engine, one host): the slots whose outputs are the
+        # communicator's two dispatch regions, by region address; False once the engine has said it has none.
+        self._ll_zd = Buffer.ll_zero_copy_dispatch
+        self._ll_zd_slots: dict = {}
         self._ll_buffer_idx = 0
         self._local_buffers = {}
         self._mask_wanted: set = set()  # ranks an update asked to mask (kept when the update itself failed)
@@ -163,6 +178,7 @@ class Buffer:
         self._free_ht_handles.clear()
         self._graph_ht_handles.clear()
         self._ll_region_views.clear()
+        self._ll_zd_slots.clear()
         self._ht_region = None
         self._ht_combine_fallback = None
         if self.runtime is not None:
@@ -594,17 +610,19 @@ class Buffer:
                 "shape, before capturing")
         engine = self.runtime.engine
         self._free_ht_handles.clear()
-        if self._ll_region_views or self._ht_region is not None:
+        if self._ll_region_views or self._ll_zd_slots or self._ht_region is not None:
             self._retired_runtimes.append(self.runtime)  # views of its memory are out there: keep it alive
         else:
             self.runtime.destroy()  # HT handles still held by the caller no longer combine (epcomm says so if used)
         self._ll_region_views.clear()
+        self._ll_zd_slots.clear()
         self._ht_region = None  # the new communicator has its own
         self.runtime = None
         shape = (max(max_tokens, m), max(hidden, h), num_experts)
+        zd = int(self._ll_zd and engine == _capi.ENGINE_GPU)  # the regions only where dispatch can name them
         self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
                                     engine=engine, ll_max_tokens_per_rank=shape[0], ll_max_hidden=shape[1],
-                                    ll_num_experts=shape[2])
+                                    ll_num_experts=shape[2], ll_zero_copy_dispatch=zd)
         self._comm_generation += 1
         self._ll_shape = shape
         # Registrations belong to a communicator: made again on the new one, in the same order on every rank.
@@ -624,6 +642,10 @@ class Buffer:
         Each set also caches the C API's argument structs of the dispatch and of the combines that use its
         layout, filled once (see _LlSlot)."""
         key = (num_local, slots, hidden, dtype, use_fp8)
+        if self._ll_zd:
+            slot = self._ll_zd_slot(key, max_tokens, num_experts)
+            if slot is not None:
+                return slot
         idx = self._ll_slot_idx
         self._ll_slot_idx ^= 1
         slot = self._ll_recv_slots[idx]
@@ -632,6 +654,30 @@ class Buffer:
             # Buffer (or the next shape), and every use of it is ordered after the current stream's work.
             slot = _LlSlot(key, self._device, self.group_size, max_tokens, num_experts)
             self._ll_recv_slots[idx] = slot
+        return slot
+
+    def _ll_zd_slot(self, key, max_tokens: int, num_experts: int) -> Optional["_LlSlot"]:
+        """The slot over the zero-copy dispatch region that the next dispatch takes (epLlDispatchBuffer; the
+        library alternates two, so at most two dispatches' results can be held at once, as with the slots), or
+        None where the engine has none (host engine, ranks of other hosts: the same answer on every rank) or the
+        call's rows do not fit a region (rows wider than bf16)."""
+        try:
+            xa, xb, sa, sb = self.runtime.ll_dispatch_buffer()
+        except _capi.Error as e:
+            if e.code not in (_capi.NOT_SUPPORTED, _capi.INVALID_USAGE):
+                raise
+            self._ll_zd = False
+            return None
+        num_local, slots, hidden, dtype, use_fp8 = key
+        if num_local * slots * hidden * dtype.itemsize > xb:
+            return None
+        slot = self._ll_zd_slots.get((key, xa))
+        if slot is None:
+            device_type, device_id = (2, self._device.index) if self._cuda else (1, 0)
+            region = (torch.from_dlpack(_capi.dlpack_bytes(xa, xb, device_type, device_id)),
+                      torch.from_dlpack(_capi.dlpack_bytes(sa, sb, device_type, device_id)))
+            slot = _LlSlot(key, self._device, self.group_size, max_tokens, num_experts, region)
+            self._ll_zd_slots[(key, xa)] = slot
         return slot
 
     def _current_stream(self) -> int:
