@@ -112,8 +112,8 @@ def run(args):
         ld.recv_src_info, ld.recv_src_info_bytes = ptr(bufs[2]), nbytes(bufs[2])
         ld.recv_layout_range, ld.recv_layout_range_bytes = ptr(bufs[3]), nbytes(bufs[3])
         ll = buffer.runtime  # the one communicator, re-created with LL capacity by the first LL call
-        if buffer._ll_zd:  # the Buffer's outputs are the zero-copy dispatch regions: the C call names them too
-            ld.recv_x = ll.ll_dispatch_buffer()[0]
+        if buffer._ll_zd:  # the Buffer's outputs are zero-copy dispatch regions: the C call names one too (always
+            ld.recv_x = ll.ll_dispatch_buffer()[0]  # the same; bufs[0], the C combine's y, is then never written)
         rows.append(("LL dispatch", *timed_pair(lambda: buffer.low_latency_dispatch(x, topk_idx, M, E, use_fp8=False),
                                                 lambda: ll.ll_dispatch(ld, stream), args.iters, sync)))
         lc = _capi.LlCombineArgs()

@@ -33,8 +33,9 @@ def _buffer_on(engine):
 
 def ll_cuda(rank, world, init_method):
     """LL dispatch/combine on the GPU engine equal the host engine's, or raise epNotSupported cleanly: bf16 and
-    fp8, with the outputs in the communicator's zero-copy dispatch regions (the default on the GPU engine; three
-    calls, so both regions are used) and in Buffer-owned tensors (Buffer.ll_zero_copy_dispatch = False)."""
+    fp8, with the outputs in the communicator's zero-copy dispatch regions (the default on the GPU engine; the
+    two alternate, bf16 taking one and fp8 the other) and in Buffer-owned tensors (Buffer.ll_zero_copy_dispatch =
+    False)."""
     import epcomm
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,

@@ -107,9 +107,11 @@ class Buffer:
     # fills every column, at the price of one more exchange of the counts per dispatch. Per instance or class.
     full_rank_prefix_matrix: bool = os.environ.get("EPCOMM_FULL_RANK_PREFIX_MATRIX", "0") not in ("", "0")
     # LL dispatch outputs straight in the communicator's memory (the GPU engine's zero-copy dispatch regions,
-    # ranks of one host): the senders write the final rows, the receive half copies none. They live as the slots
-    # do (two alternate). False (or EPCOMM_LL_ZERO_COPY_DISPATCH=0) keeps Buffer-owned outputs and the copy.
-    # Read when the Buffer is made.
+    # ranks of one host): the senders write the final rows, the receive half copies none. Two alternate, as the
+    # slots do, but the peers may write a region again as soon as this rank's second dispatch after has started
+    # its send half (hook mode too), and the views are valid only while the Buffer lives (until destroy()).
+    # False (or EPCOMM_LL_ZERO_COPY_DISPATCH=0) keeps Buffer-owned outputs and the copy. Read when the Buffer is
+    # made; the regions are taken only where every rank wants them.
     ll_zero_copy_dispatch: bool = os.environ.get("EPCOMM_LL_ZERO_COPY_DISPATCH", "1") not in ("", "0")
 
     def __init__(self,
@@ -161,7 +163,7 @@ class Buffer:
         self._ll_slot_idx = 0
         # Zero-copy LL dispatch (config.ll_zero_copy_dispatch, GPU engine, one host): the slots whose outputs are the
         # communicator's two dispatch regions, by region address; False once the engine has said it has none.
-        self._ll_zd = Buffer.ll_zero_copy_dispatch
+        self._ll_zd = self.ll_zero_copy_dispatch
         self._ll_zd_slots: dict = {}
         self._ll_buffer_idx = 0
         self._local_buffers = {}
@@ -620,6 +622,10 @@ class Buffer:
         self.runtime = None
         shape = (max(max_tokens, m), max(hidden, h), num_experts)
         zd = int(self._ll_zd and engine == _capi.ENGINE_GPU)  # the regions only where dispatch can name them
+        # Every rank must take the same path (a mix of zero-copy and plain dispatches times out), whatever each
+        # one's EPCOMM_LL_ZERO_COPY_DISPATCH: the regions only where all ranks want them.
+        zd = int(all(self._allgather(bytes([zd]))))
+        self._ll_zd = self._ll_zd and zd == 1
         self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
                                     engine=engine, ll_max_tokens_per_rank=shape[0], ll_max_hidden=shape[1],
                                     ll_num_experts=shape[2], ll_zero_copy_dispatch=zd)
