@@ -565,3 +565,27 @@ def test_dlpack_bytes():
         _capi.dlpack_bytes(base.data_ptr(), 64, 1)  # dropped unconsumed
     with pytest.raises(ValueError):
         _capi.dlpack_bytes(base.data_ptr(), 64, 7)
+    # an owner lives as long as the storage of the tensor made from the capsule (views of it included), or as
+    # the capsule when it is never consumed
+    import gc
+    import weakref
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    view = torch.from_dlpack(_capi.dlpack_bytes(base.data_ptr(), 64, 1, 0, owner))
+    part = view[8:16].view(torch.int32)
+    del owner, view
+    gc.collect()
+    assert alive() is not None and part.data_ptr() == base.data_ptr() + 8
+    del part
+    gc.collect()
+    assert alive() is None
+    owner = Owner()
+    alive = weakref.ref(owner)
+    _capi.dlpack_bytes(base.data_ptr(), 64, 1, 0, owner)  # dropped unconsumed
+    del owner
+    gc.collect()
+    assert alive() is None

@@ -231,11 +231,12 @@ struct DlManagedTensor {
 struct DlView {  // the managed tensor and the shape it points to, freed together by the deleter
   DlManagedTensor managed;
   int64_t shape[1];
+  PyObject* owner;  // a reference the view holds (the memory's owner), or nullptr
 };
 constexpr int32_t kDlCpu = 1, kDlCuda = 2;
 constexpr uint8_t kDlUInt = 1;
 
-py::capsule dlpackBytes(uintptr_t p, int64_t nbytes, int device_type, int device_id) {
+py::capsule dlpackBytes(uintptr_t p, int64_t nbytes, int device_type, int device_id, py::object owner) {
   if (device_type != kDlCpu && device_type != kDlCuda) throw py::value_error("device_type must be 1 (CPU) or 2 (CUDA)");
   if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
   auto* v = new DlView{};
@@ -249,7 +250,17 @@ py::capsule dlpackBytes(uintptr_t p, int64_t nbytes, int device_type, int device
   t.strides = nullptr;  // compact
   t.byte_offset = 0;
   v->managed.manager_ctx = v;
-  v->managed.deleter = [](DlManagedTensor* m) { delete static_cast<DlView*>(m->manager_ctx); };
+  // The consumer may free its storage on a thread without the GIL (torch does so from C++ threads too).
+  v->managed.deleter = [](DlManagedTensor* m) {
+    auto* view = static_cast<DlView*>(m->manager_ctx);
+    if (view->owner != nullptr && Py_IsInitialized()) {
+      PyGILState_STATE g = PyGILState_Ensure();
+      Py_DECREF(view->owner);
+      PyGILState_Release(g);
+    }
+    delete view;
+  };
+  v->owner = owner.is_none() ? nullptr : owner.release().ptr();
   // A capsule never consumed (still named "dltensor") frees its view itself; a consumed one was renamed and
   // belongs to the consumer, which calls the deleter.
   PyObject* cap = PyCapsule_New(&v->managed, "dltensor", [](PyObject* c) {
@@ -259,7 +270,7 @@ py::capsule dlpackBytes(uintptr_t p, int64_t nbytes, int device_type, int device
     }
   });
   if (cap == nullptr) {
-    delete v;
+    v->managed.deleter(&v->managed);
     throw py::error_already_set();
   }
   return py::reinterpret_steal<py::capsule>(cap);
@@ -296,9 +307,11 @@ PYBIND11_MODULE(_capi, m) {
   static uint64_t dummy[2] = {0, 0};
   m.def("dummy_ptr", [] { return reinterpret_cast<uintptr_t>(&dummy[0]); });
   m.def("dlpack_bytes", &dlpackBytes, py::arg("ptr"), py::arg("nbytes"), py::arg("device_type"),
-        py::arg("device_id") = 0,
+        py::arg("device_id") = 0, py::arg("owner") = py::none(),
         "A DLPack capsule of a 1-D uint8 tensor over nbytes at ptr (device_type 1 = CPU, 2 = CUDA) for "
-        "torch.from_dlpack; the memory stays its owner's (the tensor does not keep it alive).");
+        "torch.from_dlpack; the memory stays its owner's. `owner` (any object, e.g. the Comm whose memory it is) is "
+        "kept alive until the tensor's storage is freed, so that a view cannot outlive the memory by garbage "
+        "collection (an explicit destroy still ends it).");
 
   m.attr("ENGINE_AUTO") = static_cast<int>(EP_ENGINE_AUTO);
   m.attr("ENGINE_HOST") = static_cast<int>(EP_ENGINE_HOST);

@@ -573,7 +573,8 @@ class Buffer:
                 self._ht_zero_copy = False  # the engine's answer, the same on every rank
             else:
                 device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
-                self._ht_region = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id))
+                self._ht_region = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id,
+                                                                       self.runtime))
         if self._ht_region is not None:
             raw = self._ht_region
             if need > raw.numel():
@@ -680,8 +681,9 @@ class Buffer:
         slot = self._ll_zd_slots.get((key, xa))
         if slot is None:
             device_type, device_id = (2, self._device.index) if self._cuda else (1, 0)
-            region = (torch.from_dlpack(_capi.dlpack_bytes(xa, xb, device_type, device_id)),
-                      torch.from_dlpack(_capi.dlpack_bytes(sa, sb, device_type, device_id)))
+            # the views keep the communicator alive (a Buffer collected while they are held frees nothing under them)
+            region = (torch.from_dlpack(_capi.dlpack_bytes(xa, xb, device_type, device_id, self.runtime)),
+                      torch.from_dlpack(_capi.dlpack_bytes(sa, sb, device_type, device_id, self.runtime)))
             slot = _LlSlot(key, self._device, self.group_size, max_tokens, num_experts, region)
             self._ll_zd_slots[(key, xa)] = slot
         return slot
@@ -853,7 +855,7 @@ class Buffer:
         cached = self._ll_region_views.get(address)
         if cached is None or cached[0] != size or cached[1] != shape:
             device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
-            raw = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id))
+            raw = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id, self.runtime))
             cached = (size, shape, raw[:need].view(torch.bfloat16).view(shape))
             self._ll_region_views[address] = cached
         return cached[2]
