@@ -109,7 +109,7 @@ class Buffer:
     # LL dispatch outputs straight in the communicator's memory (the GPU engine's zero-copy dispatch regions,
     # ranks of one host): the senders write the final rows, the receive half copies none. Two alternate, as the
     # slots do, but the peers may write a region again as soon as this rank's second dispatch after has started
-    # its send half (hook mode too), and the views are valid only while the Buffer lives (until destroy()).
+    # its send half (hook mode too), and the views are valid until destroy() (they keep the communicator alive).
     # False (or EPCOMM_LL_ZERO_COPY_DISPATCH=0) keeps Buffer-owned outputs and the copy. Read when the Buffer is
     # made; the regions are taken only where every rank wants them.
     ll_zero_copy_dispatch: bool = os.environ.get("EPCOMM_LL_ZERO_COPY_DISPATCH", "1") not in ("", "0")
