@@ -4,10 +4,11 @@
     torchrun --standalone --nproc-per-node 2 bench/python/buffer_overhead.py [--device cuda] ...
 
 For each operation (HT exact dispatch, HT combine, LL dispatch (into the zero-copy dispatch regions where the
-Buffer uses them), LL combine, and LL combine zero-copy where the engine has the registered region): the median time of the Buffer call and of the bare C API call (through
-epcomm._capi on the same tensors, its arguments and outputs prepared once), alternating, and the difference.
-The host engine (CPU) runs every call synchronously; on CUDA both are timed to completion (synchronize after
-each call). The ranks meet over gloo (any number of ranks may share a GPU; under CUDA MPS for speed).
+Buffer uses them), LL combine, and LL combine zero-copy where the engine has the registered region): the median
+time of the Buffer call and of the bare C API call (through epcomm._capi on the same tensors, its arguments and
+outputs prepared once), alternating, and the difference. The host engine (CPU) runs every call synchronously;
+on CUDA both are timed to completion (synchronize after each call). The ranks meet over gloo (any number of
+ranks may share a GPU; under CUDA MPS for speed).
 """
 import argparse
 import os

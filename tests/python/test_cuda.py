@@ -42,11 +42,11 @@ def ll_cuda(rank, world, init_method):
                             timeout=datetime.timedelta(seconds=60))
     torch.cuda.set_device(rank % torch.cuda.device_count())
     host, gpu = _buffer_on("host"), _buffer_on("gpu")
-    epcomm.Buffer.ll_zero_copy_dispatch = False
+    zero_copy_default, epcomm.Buffer.ll_zero_copy_dispatch = epcomm.Buffer.ll_zero_copy_dispatch, False
     try:
         gpu_copy = _buffer_on("gpu")
     finally:
-        epcomm.Buffer.ll_zero_copy_dispatch = True
+        epcomm.Buffer.ll_zero_copy_dispatch = zero_copy_default
     gen = torch.Generator().manual_seed(rank)
     num_experts, hidden, max_tokens = 4 * world, 256, 16
     for it in range(3):

@@ -11,6 +11,7 @@ same LL call -- as does a later LL call that needs more. Every difference from D
 ("Differences from DeepEP").
 """
 import array
+import math
 import os
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -47,13 +48,15 @@ class _LlSlot:
         self.key = key
         # region: uint8 views of a zero-copy dispatch region (recv_x bytes, scales bytes), which the senders write
         # the rows into: no receive-side copy, no tensor of the slot's own
-        x_elems, sc_elems = num_local * slots * hidden, num_local * slots * (hidden // 128)
-        self.recv_x = torch.empty((num_local, slots, hidden), dtype=dtype, device=dev) if region is None else \
-            region[0][:x_elems * dtype.itemsize].view(dtype).view(num_local, slots, hidden)
         # recv_scales row-major for the C API, scales_out the same scales column-major as DeepEP hands them out
-        self.recv_scales = None if not use_fp8 else \
-            torch.empty((num_local, slots, hidden // 128), dtype=torch.float32, device=dev) if region is None else \
-            region[1][:sc_elems * 4].view(torch.float32).view(num_local, slots, hidden // 128)
+        x_shape, sc_shape = (num_local, slots, hidden), (num_local, slots, hidden // 128)
+        if region is None:
+            self.recv_x = torch.empty(x_shape, dtype=dtype, device=dev)
+            self.recv_scales = torch.empty(sc_shape, dtype=torch.float32, device=dev) if use_fp8 else None
+        else:
+            self.recv_x = region[0][:math.prod(x_shape) * dtype.itemsize].view(dtype).view(x_shape)
+            self.recv_scales = region[1][:math.prod(sc_shape) * 4].view(torch.float32).view(sc_shape) \
+                if use_fp8 else None
         self.scales_out = torch.empty((num_local, hidden // 128, slots), dtype=torch.float32,
                                       device=dev).transpose(1, 2) if use_fp8 else None
         self.recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
@@ -572,9 +575,7 @@ class Buffer:
                     raise
                 self._ht_zero_copy = False  # the engine's answer, the same on every rank
             else:
-                device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
-                self._ht_region = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id,
-                                                                       self.runtime))
+                self._ht_region = self._region_bytes(address, size)
         if self._ht_region is not None:
             raw = self._ht_region
             if need > raw.numel():
@@ -626,7 +627,7 @@ class Buffer:
         # Every rank must take the same path (a mix of zero-copy and plain dispatches times out), whatever each
         # one's EPCOMM_LL_ZERO_COPY_DISPATCH: the regions only where all ranks want them.
         zd = int(all(self._allgather(bytes([zd]))))
-        self._ll_zd = self._ll_zd and zd == 1
+        self._ll_zd = zd == 1
         self.runtime = _comm.create(self.group_size, self.rank, self._allgather, num_sms=Buffer.num_sms,
                                     engine=engine, ll_max_tokens_per_rank=shape[0], ll_max_hidden=shape[1],
                                     ll_num_experts=shape[2], ll_zero_copy_dispatch=zd)
@@ -680,10 +681,7 @@ class Buffer:
             return None
         slot = self._ll_zd_slots.get((key, xa))
         if slot is None:
-            device_type, device_id = (2, self._device.index) if self._cuda else (1, 0)
-            # the views keep the communicator alive (a Buffer collected while they are held frees nothing under them)
-            region = (torch.from_dlpack(_capi.dlpack_bytes(xa, xb, device_type, device_id, self.runtime)),
-                      torch.from_dlpack(_capi.dlpack_bytes(sa, sb, device_type, device_id, self.runtime)))
+            region = (self._region_bytes(xa, xb), self._region_bytes(sa, sb))
             slot = _LlSlot(key, self._device, self.group_size, max_tokens, num_experts, region)
             self._ll_zd_slots[(key, xa)] = slot
         return slot
@@ -847,6 +845,13 @@ class Buffer:
             self._ll_buffer_idx ^= 1
         return buf
 
+    def _region_bytes(self, address: int, size: int) -> torch.Tensor:
+        """uint8 tensor over size bytes of the communicator's memory at address (this rank's device). It keeps the
+        communicator alive: a Buffer collected while a view is held frees nothing under it (destroy() still ends
+        the views)."""
+        device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
+        return torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id, self.runtime))
+
     def _ll_region_view(self, address: int, size: int, shape) -> torch.Tensor:
         """shape in bf16 over the first bytes of the region at address (size bytes, this rank's device)."""
         need = shape[0] * shape[1] * shape[2] * 2
@@ -854,8 +859,7 @@ class Buffer:
             raise RuntimeError(f"epcomm.Buffer: the zero-copy region has {size} bytes, the combine needs {need}")
         cached = self._ll_region_views.get(address)
         if cached is None or cached[0] != size or cached[1] != shape:
-            device_type, device_id = (2, self._device.index) if self._device.type == "cuda" else (1, 0)
-            raw = torch.from_dlpack(_capi.dlpack_bytes(address, size, device_type, device_id, self.runtime))
+            raw = self._region_bytes(address, size)
             cached = (size, shape, raw[:need].view(torch.bfloat16).view(shape))
             self._ll_region_views[address] = cached
         return cached[2]
