@@ -134,7 +134,9 @@ __device__ uint64_t* zdEntryFlag(const LlParams& p, int peer, int par) { return 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
 // [n*p/P, n*(p+1)/P) of a row of n units (16-byte chunks, or 128-column blocks with fp8). P = warps / rows
 // (1 to 8), so no warp copies two parts of a phase one after the other: each copy is a chain of memory latencies
-// (metadata, then the row), and those chains, not bandwidth, are what an LL phase takes.
+// (metadata, then the row), and those chains, not bandwidth, are what an LL phase takes. (Up to 11, 16 or 32 parts,
+// every warp busy, measured the same at R = 2, 64 tokens: the zero-copy send's row writes run at the memory's
+// write rate there, bench/results/h200-s17.log.)
 __device__ __forceinline__ int partsOf(int rows, int warps) {
   const int p = rows > 0 ? warps / rows : 8;
   return p < 1 ? 1 : p > 8 ? 8 : p;
@@ -429,6 +431,9 @@ __device__ __forceinline__ SendStart sendStart(const LlParams& p, LlCtrl* ctrl, 
 // Lets the receive half launched after this kernel start now (programmatic dependent launch): it waits on device
 // flags, not on this kernel's completion, and every block of this kernel is already resident.
 __device__ __forceinline__ void launchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// A fused kernel launched as a programmatic dependent (LlParams::pdl_chain) waits here, before its first load, for
+// the kernel before it to complete and its writes to be visible (a no-op in a kernel launched plainly).
+__device__ __forceinline__ void gridDependencyWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // Token t's part `part` (units [ub, ue) of its row) for remote rank r, slot [this rank][t] there, as records (the
 // slot's metadata with part 0, the row piece, and with fp8 the scales): what the mapped path writes in place.
@@ -1175,6 +1180,7 @@ template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) { dispatchRecvBody<kX>(p); }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
+  gridDependencyWait();
   // A zero-copy send half derives the receive half's layout beside its own offsets (from the same entries), into
   // shared memory past its own: the receive half then only waits for the tags and copies src_info, which matters
   // most in the block that sends last (its receive half is the operation's tail).
@@ -1200,6 +1206,7 @@ __global__ void __launch_bounds__(kLlThreads) llCombineRecvKernel(LlParams p) {
 // block publishes the tags and the peers finish their sends.
 template <int kDtype, bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
+  gridDependencyWait();
   extern __shared__ __align__(16) int32_t s_dyn[];
   combineSendBody<kX>(p, s_dyn + combStageBytes(p.T, p.K, p.E) / sizeof(int32_t));
   combineRecvBody<kDtype, kX>(p, stageCombine(p, s_dyn));
@@ -1210,7 +1217,8 @@ __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
 // Every LL launch: the fixed grid, `smem` bytes of dynamic shared memory (opted in above 48 KiB), and how the
 // kernel relates to the one before it on the stream: plainly after it; as a programmatic dependent (a receive
 // half that may start while its send half runs, LlParams::pdl), which the send kernels allow at their start;
-// or as a cooperative launch (both halves in one kernel: every block resident at once).
+// or as a cooperative launch (both halves in one kernel: every block resident at once), itself a programmatic
+// dependent of the kernel before it where LlParams::pdl_chain (it waits for that kernel before its first load).
 enum class Launch { kPlain, kDependent, kCooperative };
 template <typename... Args>
 cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, Launch how, cudaStream_t s) {
@@ -1223,16 +1231,18 @@ cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, La
   cfg.blockDim = dim3(kLlThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
   if (how == Launch::kCooperative) {
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-  } else {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[n].id = cudaLaunchAttributeCooperative;
+    attr[n++].val.cooperative = 1;
+  }
+  if ((how == Launch::kDependent && p.pdl) || (how == Launch::kCooperative && p.pdl_chain)) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
   cfg.attrs = attr;
-  cfg.numAttrs = how == Launch::kCooperative || (how == Launch::kDependent && p.pdl) ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 

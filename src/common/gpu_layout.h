@@ -442,6 +442,7 @@ struct LlParams {
                      // in y by the receive half instead of being copied by the send half (y is the call's, unchanged)
   int pdl;           // receive kernels may start while the send kernel before them runs (one rank per GPU)
   int gpu_scope;     // every rank runs on this GPU (ranks under MPS): GPU-scope fences suffice
+  int pdl_chain;     // fused kernels launched as programmatic dependents of the kernel before them
   uint64_t y_off;
   int zd;            // dispatch: a zero-copy dispatch (recv_x, recv_x_scales: this rank's region at zd_x_off,
   uint64_t zd_x_off, zd_sc_off;  // zd_sc_off of its LL buffer; senders write the final rows there)

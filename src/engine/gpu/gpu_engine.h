@@ -65,6 +65,7 @@ class GpuEngine final : public Engine {
   template <typename Args>
   LlParams llParams(int op, const Args& a) const;
   epResult_t llLaunch(int family, unsigned phases, const LlParams& p, epStream_t stream);
+  bool llChain(cudaStream_t s);
   epResult_t llCheck(int family, unsigned phases, int num_experts, int hidden, int dtype, int topk) const;
   epResult_t initLl();
   HtParams dispatchParams(int op, const epHtDispatchArgs_t* a, const GpuHandleDev& h) const;
@@ -114,7 +115,9 @@ class GpuEngine final : public Engine {
   LlLayout ll_lay_{};
   int ll_blocks_ = 0, ll_default_blocks_ = 1;
   int gpu_sharing_ = 1;  // ranks of this communicator on this rank's GPU
-  bool ll_pdl_ = false, ll_fused_ = false;
+  bool ll_pdl_ = false, ll_fused_ = false, ll_pdl_chain_ = false;
+  bool ll_stream_seen_ = false;
+  cudaStream_t ll_stream_ = nullptr;  // the one stream of every LL launch so far, while chaining (llChain)
   int gpu_sms_ = 1;
   uint64_t ll_sent_[2] = {0, 0}, ll_recvd_[2] = {0, 0};
   bool ll_zero_copy_ = false;  // a zero-copy region was handed out: dispatch receives guard its reuse

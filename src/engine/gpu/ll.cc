@@ -21,6 +21,13 @@ EP_PARAM(GpuLlPdl, "GPU_LL_PDL", 1);
 // Calls with both halves run them in one cooperative launch (when the grid fits on the device at once, one
 // block per SM): one launch and one prologue fewer on the latency path. 0 = always two kernels.
 EP_PARAM(GpuLlFused, "GPU_LL_FUSED", 1);
+// Fused kernels launched as programmatic dependents of the kernel before them (they wait for it with
+// griddepcontrol.wait before their first load): back-to-back LL operations overlap one launch latency with the
+// operation before (0.5-1.1 us an operation at R = 2, one H200; bench/results/h200-s17.log). Only where it cannot
+// hang: a parked kernel holds its SMs while it waits, so with every rank of this GPU holding a running and a
+// parked kernel but one, that one's kernel must still fit: (2 x ranks on the GPU - 1) x blocks <= SMs (one block
+// per SM: the fused kernels use 115-128 registers a thread). R = 8 on one H200 with it forced on timed out.
+EP_PARAM(GpuLlPdlChain, "GPU_LL_PDL_CHAIN", 1);
 
 epResult_t GpuEngine::initLl() {
   const CommConfig& c = comm_->config;
@@ -46,9 +53,12 @@ epResult_t GpuEngine::initLl() {
   int coop = 0;
   cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device_);
   ll_fused_ = coop != 0 && ll_blocks_ <= gpu_sms_ && epParamGpuLlFused() != 0;
-  EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks%s%s",
+  ll_pdl_chain_ = ll_fused_ && epParamGpuLlPdlChain() != 0 && remote_mask_ == 0 &&
+                  static_cast<int64_t>(2 * gpu_sharing_ - 1) * ll_blocks_ <= gpu_sms_;
+  EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks%s%s%s",
           ll_lay_.total, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, ll_blocks_,
-          ll_fused_ ? ", halves fused" : "", ll_pdl_ ? ", receive halves as dependent launches" : "");
+          ll_fused_ ? ", halves fused" : "", ll_pdl_chain_ ? " (chained launches)" : "",
+          ll_pdl_ ? ", receive halves as dependent launches" : "");
   return epSuccess;
 }
 
@@ -147,6 +157,22 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
   return llLaunch(kLlDispatch, a->phases, p, stream);
 }
 
+// Whether a fused launch on `s` may be chained (LlParams::pdl_chain): only while every LL launch of this communicator
+// has gone to one stream, so that a rank holds at most a running and a parked kernel. A receive half spinning on
+// another stream beside those two could hold the SMs a peer's send half needs: the first launch on a second stream
+// turns chaining off for good (graphs captured before keep their chained launches).
+bool GpuEngine::llChain(cudaStream_t s) {
+  if (!ll_pdl_chain_) return false;
+  if (!ll_stream_seen_) {
+    ll_stream_seen_ = true;
+    ll_stream_ = s;
+  } else if (s != ll_stream_) {
+    ll_pdl_chain_ = false;
+    EP_INFO(kSubsysEngine, "GPU engine LL: launches on a second stream; chained launches off for this communicator");
+  }
+  return ll_pdl_chain_;
+}
+
 // The launches of one LL call: both halves in one cooperative kernel when allowed, else one kernel per half;
 // the halves issued are counted for the call-order checks.
 epResult_t GpuEngine::llLaunch(int family, unsigned phases, const LlParams& p, epStream_t stream) {
@@ -156,8 +182,11 @@ epResult_t GpuEngine::llLaunch(int family, unsigned phases, const LlParams& p, e
   static const Launcher kRecv[2] = {launchLlDispatchRecv, launchLlCombineRecv};
   static const char* kName[2] = {"LL dispatch", "LL combine"};
   cudaStream_t s = streamOf(stream);
+  const bool chain = llChain(s);
   if (phases == EP_LL_SEND_RECV && ll_fused_) {
-    EPCHECK(checkLaunch(kBoth[family](p, s), kName[family]));
+    LlParams q = p;
+    q.pdl_chain = chain;
+    EPCHECK(checkLaunch(kBoth[family](q, s), kName[family]));
     ++ll_sent_[family];
     ++ll_recvd_[family];
     return epSuccess;
