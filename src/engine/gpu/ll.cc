@@ -21,12 +21,17 @@ EP_PARAM(GpuLlPdl, "GPU_LL_PDL", 1);
 // Calls with both halves run them in one cooperative launch (when the grid fits on the device at once, one
 // block per SM): one launch and one prologue fewer on the latency path. 0 = always two kernels.
 EP_PARAM(GpuLlFused, "GPU_LL_FUSED", 1);
-// Fused kernels launched as programmatic dependents of the kernel before them (they wait for it with
-// griddepcontrol.wait before their first load): back-to-back LL operations overlap one launch latency with the
-// operation before (0.5-1.1 us an operation at R = 2, one H200; bench/results/h200-s17.log). Only where it cannot
-// hang: a parked kernel holds its SMs while it waits, so with every rank of this GPU holding a running and a
-// parked kernel but one, that one's kernel must still fit: (2 x ranks on the GPU - 1) x blocks <= SMs (one block
-// per SM: the fused kernels use 115-128 registers a thread). R = 8 on one H200 with it forced on timed out.
+// Fused kernels launched as programmatic dependents of the kernel before them on the stream (they wait for it with
+// griddepcontrol.wait before their first load; LL send halves let the next kernel start at their own start):
+// back-to-back LL operations overlap a launch latency with the operation before (0-1.3 us an operation at R = 2,
+// one H200; bench/results/h200-s17.log). A parked kernel holds its SMs while it waits, and a kernel whose peer
+// kernel cannot get SMs waits until the deadline (forced on at R = 8 on one H200, LL timed out). One block per SM
+// (the fused kernels use 115-128 registers a thread), G ranks on this GPU, B blocks:
+//   1: where 2 G B <= SMs: every rank but one holds a running and a parked kernel, and the one left can still
+//      start its kernel beside a kernel it launched on another stream (one rank per GPU: B <= SMs / 2);
+//   2: where (2 G - 1) B <= SMs (R = 2 on one H200 at the default blocks), for callers that never launch LL work
+//      on a second stream while chained kernels run (the first such launch would find no SMs left for a peer);
+//   0: never. Either way only on one host and while every LL launch of the communicator has used one stream.
 EP_PARAM(GpuLlPdlChain, "GPU_LL_PDL_CHAIN", 1);
 
 epResult_t GpuEngine::initLl() {
@@ -53,8 +58,8 @@ epResult_t GpuEngine::initLl() {
   int coop = 0;
   cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device_);
   ll_fused_ = coop != 0 && ll_blocks_ <= gpu_sms_ && epParamGpuLlFused() != 0;
-  ll_pdl_chain_ = ll_fused_ && epParamGpuLlPdlChain() != 0 && remote_mask_ == 0 &&
-                  static_cast<int64_t>(2 * gpu_sharing_ - 1) * ll_blocks_ <= gpu_sms_;
+  const int64_t chain = epParamGpuLlPdlChain(), held = chain >= 2 ? 2 * gpu_sharing_ - 1 : 2 * gpu_sharing_;
+  ll_pdl_chain_ = ll_fused_ && chain > 0 && remote_mask_ == 0 && held * ll_blocks_ <= gpu_sms_;
   EP_INFO(kSubsysInit, "GPU engine LL: %zu-byte buffer for %d tokens per rank, %d experts, hidden %d; %d blocks%s%s%s",
           ll_lay_.total, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, ll_blocks_,
           ll_fused_ ? ", halves fused" : "", ll_pdl_chain_ ? " (chained launches)" : "",
@@ -158,9 +163,10 @@ epResult_t GpuEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local, 
 }
 
 // Whether a fused launch on `s` may be chained (LlParams::pdl_chain): only while every LL launch of this communicator
-// has gone to one stream, so that a rank holds at most a running and a parked kernel. A receive half spinning on
-// another stream beside those two could hold the SMs a peer's send half needs: the first launch on a second stream
-// turns chaining off for good (graphs captured before keep their chained launches).
+// has gone to one stream, so that a rank holds at most a running and a parked kernel (and, once, a kernel on the
+// second stream beside them: EPCOMM_GPU_LL_PDL_CHAIN=1 leaves the SMs for it). The first launch on a second stream
+// turns chaining off for good. Graphs captured before keep their chained launches: a graph is replayed on one
+// stream at a time, not beside other LL work of the communicator.
 bool GpuEngine::llChain(cudaStream_t s) {
   if (!ll_pdl_chain_) return false;
   if (!ll_stream_seen_) {
