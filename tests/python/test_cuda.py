@@ -80,6 +80,37 @@ def ll_cuda(rank, world, init_method):
                     out_ref = host.low_latency_combine(ref, topk_idx, w, ref_handle)[0]
                     out = buf.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
                     assert torch.equal(out.cpu(), out_ref)
+    # Two results held at once, through receive hooks (async_finish on the second): a zero-copy region stays valid
+    # until this rank's second dispatch after the one that filled it has started, so both regions are read after
+    # both dispatches, and each result is combined after the other's dispatch.
+    batches = []
+    for _ in range(2):
+        x = torch.randn((max_tokens, hidden), generator=gen).to(torch.bfloat16)
+        topk_idx = torch.rand((max_tokens, num_experts), generator=gen).topk(3, dim=-1).indices
+        w = torch.rand((max_tokens, 3), generator=gen)
+        ref, ref_count, ref_handle, _, _ = host.low_latency_dispatch(x, topk_idx, max_tokens, num_experts,
+                                                                     use_fp8=False)
+        batches.append((x, topk_idx, w, ref, ref_count, host.low_latency_combine(ref, topk_idx, w, ref_handle)[0]))
+    for buf in (gpu, gpu_copy):
+        held = []
+        for i, (x, topk_idx, _, _, _, _) in enumerate(batches):
+            got, count, handle, event, hook = buf.low_latency_dispatch(
+                x.cuda(), topk_idx.cuda(), max_tokens, num_experts, use_fp8=False, async_finish=i == 1,
+                return_recv_hook=True)
+            hook()
+            held.append((got, count, handle, event))
+        if buf._ll_zd:  # the two results are the two regions
+            assert held[0][0].data_ptr() != held[1][0].data_ptr()
+        held[1][3].current_stream_wait()
+        torch.cuda.synchronize()
+        for (got, count, _, _), (_, _, _, ref, ref_count, _) in zip(held, batches):
+            assert torch.equal(count.cpu(), ref_count)
+            for e in range(num_experts // world):
+                n = int(ref_count[e])
+                assert torch.equal(got[e, :n].cpu(), ref[e, :n])
+        for (got, _, handle, _), (_, topk_idx, w, _, _, out_ref) in zip(held, batches):
+            out = buf.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
+            assert torch.equal(out.cpu(), out_ref)
     dist.destroy_process_group()
 
 
