@@ -23,7 +23,7 @@ rc=0
 for tool in memcheck racecheck synccheck; do
   for t in ${SAN_TESTS:-test_gpu_ll test_gpu_ht}; do
     echo "== $tool $t"
-    EPCOMM_GPU_TEST_REPLAYS=10 EPCOMM_GPU_TEST_LATE_OPS=40 timeout 300 "$S" --tool $tool --target-processes all \
+    EPCOMM_GPU_TEST_REPLAYS=10 EPCOMM_GPU_TEST_LATE_OPS=40 EPCOMM_GPU_TEST_CHAIN_OPS=40 timeout 300 "$S" --tool $tool --target-processes all \
       --error-exitcode 3 "$BIN/$t" --gtest_filter="${FILTER:--*Sanitizer*}" > "$OUT/san_${tool}_$t.log" 2>&1
     r=$?
     echo "exit $r"

@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -954,6 +955,63 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 900000);
+  expectAllRanksOk(codes, seed);
+}
+
+// Chained launches (EPCOMM_GPU_LL_PDL_CHAIN=2: each fused kernel parked behind the one before it) at the block count
+// that just fits the bound, (2 x ranks on the GPU - 1) x blocks <= SMs, many operations back to back on one stream
+// with no host sync between them, eager steps and graph replays mixed: no deadline passes, every checked result
+// equals the first run. At R = 2 on one H200 that is the default 44 blocks.
+TEST_P(GpuLl, ChainedLaunchesManyOperations) {
+  const int R = GetParam();
+  if (crossHosts()) GTEST_SKIP() << "chained launches are for ranks of one host";
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const int ops = getenv("EPCOMM_GPU_TEST_CHAIN_OPS") ? atoi(getenv("EPCOMM_GPU_TEST_CHAIN_OPS")) : 2000;
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    int dev = 0, sms = 0, count = 0;
+    CKC(cudaGetDevice(&dev));
+    CKC(cudaGetDeviceCount(&count));
+    CKC(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int sharing = (R + count - 1) / count;  // ranks on this GPU (selectDevice: rank % devices)
+    const int blocks = std::max(1, std::min(64, sms / (2 * sharing - 1)));
+    setenv("EPCOMM_GPU_LL_PDL_CHAIN", "2", 1);
+    setenv("EPCOMM_GPU_LL_BLOCKS", std::to_string(blocks).c_str(), 1);
+    const int E = 4 * R;
+    epConfig_t cfg = llConfig(16, E);
+    epComm_t comm;
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
+    DevBuf<uint16_t> first(static_cast<size_t>(16) * 128), again(static_cast<size_t>(16) * 128);
+    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
+    CKE(P.run(s, first.p), comm);
+    cudaGraph_t gph;
+    cudaGraphExec_t ex;
+    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int r = 0; r < 3; ++r) CKE(P.run(s, again.p), comm);  // three steps: chained edges inside the graph
+    CKC(cudaStreamEndCapture(s, &gph));
+    CKC(cudaGraphInstantiate(&ex, gph, 0));
+    CKC(cudaStreamSynchronize(s));
+    const auto want = first.host();
+    for (int i = 0; i < ops; i += 2) {  // each step is a dispatch and a combine: ops counts both
+      P.zero_copy_dispatch = (i / 2) % 4 >= 2;  // plain and zero-copy dispatches: the same rows
+      if ((i / 2) % 4 == 3) CKC(cudaGraphLaunch(ex, s));
+      else CKE(P.run(s, again.p), comm);
+      if ((i / 2) % 250 == 0 || i + 2 >= ops) {
+        CKC(cudaStreamSynchronize(s));
+        CK(again.host() == want, "operation %d (%d blocks, chained): result differs from the first run", i, blocks);
+      }
+    }
+    CK_CLEAN(comm, "after the run");
+    cudaGraphExecDestroy(ex);
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 600000);
   expectAllRanksOk(codes, seed);
 }
 
