@@ -297,7 +297,12 @@ TEST_P(SuspendedJob, IsNoStall) {
   ASSERT_NE(sh, MAP_FAILED);
   new (sh) Shared{};
   sh->stoppedAtOp.store(-1);
-  std::thread controller([sh] {
+  // The ranks are forked while this thread runs: they must not inherit an allocator lock it held, which under
+  // AddressSanitizer (no fork handlers in its allocator) deadlocks a rank's first allocation of that size (seen in
+  // CI: rank 0 stuck in calloc, its peers timed out). Its start-up allocates, its loop does not: fork once it runs.
+  std::atomic<bool> running{false};
+  std::thread controller([sh, &running] {
+    running.store(true);
     auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (sh->op.load() < kStopAtOp && std::chrono::steady_clock::now() < end) usleep(100);
     if (sh->op.load() < kStopAtOp) return;
@@ -310,6 +315,7 @@ TEST_P(SuspendedJob, IsNoStall) {
     usleep(50 * 1000);
     kill(sh->pid[0].load(), SIGCONT);
   });
+  while (!running.load()) std::this_thread::yield();
   epUniqueId id;
   ASSERT_EQ(epGetUniqueId(&id), epSuccess);
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
