@@ -909,6 +909,49 @@ TEST_P(GpuLl, RecoveryWithoutADeath) {
   expectAllRanksOk(codes, seed);
 }
 
+// The rank body of the many-operations tests: an LL layer (16 tokens, hidden 128, top-4, 4 R experts) run once
+// eagerly for the reference, a graph of `graph_steps` steps captured, then `ops` operations (a dispatch and a
+// combine per step) back to back on one stream, each step a replay or eager as `replay` says, each dispatch
+// zero-copy or plain as `zero_copy` says, results checked every `check_every` steps and at the end.
+struct ManyOps {
+  int ops, graph_steps, check_every;
+  const char* what;  // the configuration, for the failure message
+  std::function<bool(int step)> replay, zero_copy;
+};
+int manyOperations(int R, int rank, const epUniqueId& gid, uint64_t seed, const ManyOps& m) {
+  const int E = 4 * R;
+  epConfig_t cfg = llConfig(16, E);
+  epComm_t comm;
+  CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
+  cudaStream_t s;
+  CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
+  DevBuf<uint16_t> first(static_cast<size_t>(16) * 128), again(static_cast<size_t>(16) * 128);
+  genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
+  CKE(P.run(s, first.p), comm);
+  cudaGraph_t gph;
+  cudaGraphExec_t ex;
+  CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int r = 0; r < m.graph_steps; ++r) CKE(P.run(s, again.p), comm);
+  CKC(cudaStreamEndCapture(s, &gph));
+  CKC(cudaGraphInstantiate(&ex, gph, 0));
+  CKC(cudaStreamSynchronize(s));
+  const auto want = first.host();
+  for (int i = 0; i < m.ops; i += 2) {  // each step is a dispatch and a combine: ops counts both
+    P.zero_copy_dispatch = m.zero_copy(i / 2);
+    if (m.replay(i / 2)) CKC(cudaGraphLaunch(ex, s));
+    else CKE(P.run(s, again.p), comm);
+    if ((i / 2) % m.check_every == 0 || i + 2 >= m.ops) {
+      CKC(cudaStreamSynchronize(s));
+      CK(again.host() == want, "operation %d (%s): result differs from the first run", i, m.what);
+    }
+  }
+  CK_CLEAN(comm, "after the run");
+  cudaGraphExecDestroy(ex);
+  CKE(epCommDestroy(comm), comm);
+  return 0;
+}
+
 TEST_P(GpuLl, LateBlocksManyOperations) {
   const int R = GetParam();
   epUniqueId gid;
@@ -922,38 +965,9 @@ TEST_P(GpuLl, LateBlocksManyOperations) {
     // cannot occupy the SMs a peer's send half needs (a scheduling limit of one shared GPU, not of the protocol).
     setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(100 / (R + 1)).c_str(), 1);
     CKC(selectDevice(rank));
-    const int E = 4 * R;
-    epConfig_t cfg = llConfig(16, E);
-    epComm_t comm;
-    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
-    cudaStream_t s;
-    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
-    DevBuf<uint16_t> first(static_cast<size_t>(16) * 128), again(static_cast<size_t>(16) * 128);
-    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
-    CKE(P.run(s, first.p), comm);
-    cudaGraph_t gph;
-    cudaGraphExec_t ex;
-    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    CKE(P.run(s, again.p), comm);
-    CKC(cudaStreamEndCapture(s, &gph));
-    CKC(cudaGraphInstantiate(&ex, gph, 0));
-    CKC(cudaStreamSynchronize(s));
-    const auto want = first.host();
-    for (int i = 0; i < ops; i += 2) {  // each step is a dispatch and a combine: ops counts both
-      // Eager steps alternate plain and zero-copy dispatches (one host): the same rows, so the same result.
-      P.zero_copy_dispatch = !crossHosts() && (i / 2) % 3 == 2;
-      if ((i / 2) % 3 == 1) CKC(cudaGraphLaunch(ex, s));
-      else CKE(P.run(s, again.p), comm);
-      if ((i / 2) % 500 == 0 || i + 2 >= ops) {
-        CKC(cudaStreamSynchronize(s));
-        CK(again.host() == want, "operation %d: result differs from the first run", i);
-      }
-    }
-    CK_CLEAN(comm, "after the run");
-    cudaGraphExecDestroy(ex);
-    CKE(epCommDestroy(comm), comm);
-    return 0;
+    // Eager steps alternate plain and zero-copy dispatches (one host): the same rows, so the same result.
+    return manyOperations(R, rank, gid, seed, {ops, 1, 500, "2048 blocks", [](int step) { return step % 3 == 1; },
+                                               [](int step) { return !crossHosts() && step % 3 == 2; }});
   }, 900000);
   expectAllRanksOk(codes, seed);
 }
@@ -980,37 +994,10 @@ TEST_P(GpuLl, ChainedLaunchesManyOperations) {
     const int blocks = std::max(1, std::min(64, sms / (2 * sharing - 1)));
     setenv("EPCOMM_GPU_LL_PDL_CHAIN", "2", 1);
     setenv("EPCOMM_GPU_LL_BLOCKS", std::to_string(blocks).c_str(), 1);
-    const int E = 4 * R;
-    epConfig_t cfg = llConfig(16, E);
-    epComm_t comm;
-    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
-    cudaStream_t s;
-    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    LlLayer P(comm, R, rank, 16, 16, 128, 4, E, EP_LL_EXPERT_MAJOR);
-    DevBuf<uint16_t> first(static_cast<size_t>(16) * 128), again(static_cast<size_t>(16) * 128);
-    genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed + rank, false);
-    CKE(P.run(s, first.p), comm);
-    cudaGraph_t gph;
-    cudaGraphExec_t ex;
-    CKC(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int r = 0; r < 3; ++r) CKE(P.run(s, again.p), comm);  // three steps: chained edges inside the graph
-    CKC(cudaStreamEndCapture(s, &gph));
-    CKC(cudaGraphInstantiate(&ex, gph, 0));
-    CKC(cudaStreamSynchronize(s));
-    const auto want = first.host();
-    for (int i = 0; i < ops; i += 2) {  // each step is a dispatch and a combine: ops counts both
-      P.zero_copy_dispatch = (i / 2) % 4 >= 2;  // plain and zero-copy dispatches: the same rows
-      if ((i / 2) % 4 == 3) CKC(cudaGraphLaunch(ex, s));
-      else CKE(P.run(s, again.p), comm);
-      if ((i / 2) % 250 == 0 || i + 2 >= ops) {
-        CKC(cudaStreamSynchronize(s));
-        CK(again.host() == want, "operation %d (%d blocks, chained): result differs from the first run", i, blocks);
-      }
-    }
-    CK_CLEAN(comm, "after the run");
-    cudaGraphExecDestroy(ex);
-    CKE(epCommDestroy(comm), comm);
-    return 0;
+    const std::string what = std::to_string(blocks) + " blocks, chained";
+    // Three steps per replay (chained edges inside the graph); plain and zero-copy dispatches alike.
+    return manyOperations(R, rank, gid, seed, {ops, 3, 250, what.c_str(), [](int step) { return step % 4 == 3; },
+                                               [](int step) { return step % 4 >= 2; }});
   }, 600000);
   expectAllRanksOk(codes, seed);
 }

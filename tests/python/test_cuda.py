@@ -49,6 +49,17 @@ def ll_cuda(rank, world, init_method):
         epcomm.Buffer.ll_zero_copy_dispatch = zero_copy_default
     gen = torch.Generator().manual_seed(rank)
     num_experts, hidden, max_tokens = 4 * world, 256, 16
+
+    def same_rows(got, count, ref, ref_count, fp8):
+        """The GPU dispatch's counts and received rows (fp8: values and scales) equal the host engine's."""
+        assert torch.equal(count.cpu(), ref_count)
+        for e in range(num_experts // world):
+            n = int(ref_count[e])
+            if fp8:
+                assert torch.equal(got[0][e, :n].cpu().view(torch.uint8), ref[0][e, :n].view(torch.uint8))
+                assert torch.equal(got[1][e, :n].cpu(), ref[1][e, :n])
+            else:
+                assert torch.equal(got[e, :n].cpu(), ref[e, :n])
     for it in range(3):
         x = torch.randn((max_tokens, hidden), generator=gen).to(torch.bfloat16)
         topk_idx = torch.rand((max_tokens, num_experts), generator=gen).topk(3, dim=-1).indices
@@ -68,14 +79,7 @@ def ll_cuda(rank, world, init_method):
                     data = (got[0] if fp8 else got).data_ptr()
                     assert data in [k[1] for k in buf._ll_zd_slots], hex(data)
                 torch.cuda.synchronize()
-                assert torch.equal(count.cpu(), ref_count)
-                for e in range(num_experts // world):
-                    n = int(ref_count[e])
-                    if fp8:
-                        assert torch.equal(got[0][e, :n].cpu().view(torch.uint8), ref[0][e, :n].view(torch.uint8))
-                        assert torch.equal(got[1][e, :n].cpu(), ref[1][e, :n])
-                    else:
-                        assert torch.equal(got[e, :n].cpu(), ref[e, :n])
+                same_rows(got, count, ref, ref_count, fp8)
                 if not fp8:
                     out_ref = host.low_latency_combine(ref, topk_idx, w, ref_handle)[0]
                     out = buf.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
@@ -104,10 +108,7 @@ def ll_cuda(rank, world, init_method):
         held[1][3].current_stream_wait()
         torch.cuda.synchronize()
         for (got, count, _, _), (_, _, _, ref, ref_count, _) in zip(held, batches):
-            assert torch.equal(count.cpu(), ref_count)
-            for e in range(num_experts // world):
-                n = int(ref_count[e])
-                assert torch.equal(got[e, :n].cpu(), ref[e, :n])
+            same_rows(got, count, ref, ref_count, False)
         for (got, _, handle, _), (_, topk_idx, w, _, _, out_ref) in zip(held, batches):
             out = buf.low_latency_combine(got, topk_idx.cuda(), w.cuda(), handle)[0]
             assert torch.equal(out.cpu(), out_ref)
