@@ -29,6 +29,8 @@ using namespace dev;
 
 constexpr int kLlThreads = 512;
 constexpr int kLlMaxRanks = 16;  // the GPU engine's rank limit (GpuEngine::init): sizes per-warp arrays
+// The routing words' index field (llZdRoutingWord) holds any T the dispatch stages (12 bytes of routing a pair).
+static_assert(kLlMaxSmem / 12 < 65536, "a token index fits 16 bits");
 
 __device__ __forceinline__ LlCtrl* ctrlOf(const LlParams& p) { return reinterpret_cast<LlCtrl*>(p.base[p.rank]); }
 // Tag of family `fam`, parity `par`, written by `src` into `owner`'s buffer.
@@ -65,7 +67,7 @@ __device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, 
          ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
 }
 
-// Zero-copy dispatch entry of `src` in `owner`'s buffer, its per-expert counts, and `owner`'s src_info side array.
+// Zero-copy dispatch entry of `src` in `owner`'s buffer, its per-expert counts and its routing words.
 __device__ __forceinline__ LlZdEntry* zdEntry(const LlParams& p, int owner, int par, int src) {
   return reinterpret_cast<LlZdEntry*>(p.base[owner] + p.lay.zd_ent +
                                       (static_cast<size_t>(par) * p.nranks + src) * p.lay.zd_ent_size);
@@ -74,9 +76,8 @@ __device__ __forceinline__ int32_t* zdCounts(LlZdEntry* ent) { return reinterpre
 __device__ __forceinline__ const int32_t* zdCounts(const LlZdEntry* ent) {
   return reinterpret_cast<const int32_t*>(ent + 1);
 }
-__device__ __forceinline__ int32_t* zdSrcInfo(const LlParams& p, int owner, int par) {
-  return reinterpret_cast<int32_t*>(p.base[owner] + p.lay.zd_src) +
-         static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens;
+__device__ __forceinline__ uint32_t* zdRouting(const LlParams& p, int owner, int par, int src) {
+  return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(zdEntry(p, owner, par, src)) + p.lay.zd_routing);
 }
 
 __device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
@@ -130,6 +131,9 @@ __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
 }
 __device__ uint64_t* zdEntryFlag(const LlParams& p, int peer, int par) { return &zdEntry(p, p.rank, par, peer)->epoch; }
+__device__ uint64_t* zdRoutedFlag(const LlParams& p, int peer, int par) {
+  return &zdEntry(p, p.rank, par, peer)->routed;
+}
 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
 // [n*p/P, n*(p+1)/P) of a row of n units (16-byte chunks, or 128-column blocks with fp8). P = warps / rows
@@ -259,7 +263,7 @@ __host__ __device__ __forceinline__ size_t sendSmemArrayBytes(int T, int K, int 
 __host__ __device__ __forceinline__ size_t zdBeginBytes(int E) {
   return (sizeof(int32_t) * static_cast<size_t>(E) + 15) / 16 * 16;
 }
-// A fused kernel's receive layout (dispatchRecvBody's pre): L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
+// A fused kernel's receive layout (dispatchSendZeroCopy's pre): L (R + 1) + R ints, at most 2 E + kGpuMaxRanks.
 __host__ __device__ __forceinline__ size_t zdLayoutBytes(int E) {
   return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + kGpuMaxRanks) + 15) / 16 * 16;
 }
@@ -575,8 +579,8 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Zero-copy dispatch, send half (ranks of one host, expert-major; config.ll_zero_copy_dispatch). The receivers'
-// outputs are regions of their LL buffers, so each (token, expert) row is written once, straight to its final row:
+// Zero-copy dispatch (ranks of one host, expert-major; config.ll_zero_copy_dispatch). The receivers' outputs are
+// regions of their LL buffers, so each (token, expert) row is written once, straight to its final row:
 // block 0 first writes this rank's entry (T, every expert's pair count, where its own output region is) to every
 // active rank; every block stages its pairs' positions (stageRouting's table) while the peers' entries come in,
 // waits for them, derives where this rank's rows start among each expert's rows (after those of lower sources),
@@ -585,9 +589,72 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 // (R = 2, 64 tokens, one H200) about a microsecond slower (bench/results/h200-s15.log, calls 2-3). A peer's entry
 // of operation n also says that the peer has issued its send half n, so its region's earlier contents are no
 // longer read (the lifetime epLlDispatchBuffer states).
+// The last block also publishes this rank's routing words (expert and index of each pair) in the same entries;
+// from them each receiver derives recv_src_info itself, while the rows are still landing, so nothing is left to
+// read once the tags are in. In a fused kernel the blocks that have no rows to write do that, and the last block
+// to finish acknowledges the peers' entries beside publishing the tags: one block then waits for the peers' tags
+// and the launch ends (the receive half's copy of the source tokens after the tags and its own last-block
+// acknowledgement were 3 us of the goal shape's 17: bench/results/h200-s17.log probe lines).
 // ---------------------------------------------------------------------------------------------------------
-// pre: where a fused kernel wants the receive half's layout (dispatchRecvBody), or nullptr. Returns whether this
-// block's waits succeeded (block-uniform; pre is written only then).
+
+// This rank's routing words (llZdRoutingWord: expert and index among this rank's pairs of that expert, the
+// positions the rows are written at) into the entry of every active rank, then `routed` = e. One block; positions
+// from the block's table when staged, else a warp per token.
+__device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool staged, uint64_t act, int par,
+                                    uint64_t e) {
+  const int K = p.K, TK = p.T * K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (!staged) {
+    for (int t = warp; t < p.T; t += nwarps) {
+      const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
+      const int32_t pos = tokenPositions(m.idx, t, K, xk, lane);
+      if (lane < K) m.pos[t * K + lane] = pos;
+    }
+    __syncthreads();
+  }
+  for (int r = 0; r < p.nranks; ++r) {
+    if (!((act >> r) & 1)) continue;
+    uint32_t* w = zdRouting(p, r, par, p.rank);
+    for (int i = threadIdx.x; i < TK; i += blockDim.x) w[i] = llZdRoutingWord(m.idx[i], m.pos[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x < p.nranks && ((act >> threadIdx.x) & 1)) {
+    fenceAcqRel(p.gpu_scope);  // the block's words (ordered before this thread by the barrier) before the release
+    stRelease(&zdEntry(p, threadIdx.x, par, p.rank)->routed, e, p.gpu_scope);
+  }
+}
+
+// recv_src_info of zero-copy dispatch e from every active source's routing words (in its entry here): source s's
+// pair (t, k) naming local expert l sits at row begin(l, s) + its index, and that row's source token is t. Blocks
+// [b0, gridDim.x) share the pairs; s_begin / s_T: the layout (dispatchLayoutScan). Waits for the words first;
+// false if that failed. What a peer wrote is bounds-checked before it indexes anything.
+__device__ bool zdSourceInfo(const LlParams& p, int par, uint64_t act, const int* s_begin, const int* s_T, uint64_t e,
+                             int b0) {
+  if (!waitPeers(p, act, zdRoutedFlag, par, e, e)) return false;
+  const int R = p.nranks, L = p.L, K = p.K;
+  const size_t RM = static_cast<size_t>(R) * p.M;
+  int total = 0;
+  for (int s = 0; s < R; ++s) total += s_T[s] * K;  // 0 for masked sources
+  const int stride = (gridDim.x - b0) * blockDim.x;
+  for (int j = (blockIdx.x - b0) * blockDim.x + threadIdx.x; j < total; j += stride) {
+    int s = 0, i = j;
+    while (i >= s_T[s] * K) i -= s_T[s++] * K;
+    const uint32_t w = zdRouting(p, p.rank, par, s)[i];
+    const int x = llZdRoutingExpert(w), pos = llZdRoutingPos(w);
+    if (x < 0 || x / L != p.rank) continue;  // an id past E names no rank here (x / L >= R)
+    const int l = x - p.rank * L, b = s_begin[l * (R + 1) + s], c = s_begin[l * (R + 1) + s + 1] - b;
+    if (pos >= c) {
+      recordViolation(p, epInternalError);
+      continue;
+    }
+    p.recv_src_info[static_cast<size_t>(l) * RM + b + pos] = i / K;
+  }
+  return true;
+}
+
+// pre: where a fused kernel wants the receive half's layout, or nullptr (a send half launched alone, or a fused
+// kernel without room for it, whose receive half then derives it: dispatchRecvBody). With pre the whole operation
+// ends here (the fused path above). Returns whether this block's waits succeeded (block-uniform; pre is written
+// only then).
 __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
@@ -622,6 +689,7 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
   // Every warp needs its token's positions (to find its rows): staged once per block while the peers' entries
   // come in, instead of by each warp (tokenPositions, every warp of the block at once).
   if (table != nullptr) stageTablePositions(p, m, table, false);
+  if (ok && blockIdx.x == gridDim.x - 1) publishRoutingWords(p, m, table != nullptr, act, par, e);
   LL_PROBE(e, kPrEntries);
   // This rank's own part comes from this block's staging, not from block 0's entry (no block waits for another).
   ok = ok && waitPeers(p, act & ~me, zdEntryFlag, par, e, e);
@@ -677,7 +745,6 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
       if (lanes == 0) continue;
       const int32_t pos = table != nullptr ? (live ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
       const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
-      if (part == 0 && live) zdSrcInfo(p, rk, par)[row] = t;
       uint8_t* dst[kMaxDst];
       float* sc[kMaxDst];
       int nd = 0;
@@ -693,13 +760,41 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
       writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
     }
+    // A fused kernel's receive side: recv_src_info, by the blocks that had no rows to write (every block when
+    // each has some); the rest of the layout was derived above (pre).
+    if (pre != nullptr) {
+      const int busy = (p.T * P + nwarps - 1) / nwarps, b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
+      if (static_cast<int>(blockIdx.x) >= b0) ok = zdSourceInfo(p, par, act, pre, pre + L * (R + 1), e, b0);
+    }
   }
   LL_PROBE(e, kPrSent);
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
       if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
+    if (pre != nullptr) {
+      // Every block has read the peers' entries (counts and routing words) of operation e: acknowledged now, and
+      // the receive half's epoch and completion count advance as a receive launch's would (every block of this
+      // launch took e from the send epoch, which a fused launch shares with the receive: none is outstanding).
+      for (int s = threadIdx.x; s < R; s += blockDim.x)
+        if ((act >> s) & 1) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e, p.gpu_scope);
+      if (threadIdx.x == 0) {
+        stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
+        atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->recv_done[kLlDispatch]), gridDim.x);
+      }
+    }
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
+  }
+  if (pre != nullptr && blockIdx.x == 0) {
+    // One block waits for the peers' rows (their tags), and, with zero-copy combines, until every peer has read the
+    // last combine this rank sent: its expert outputs are written next, into the region those peers read.
+    LL_PROBE(e, kPrRecvStart);
+    const uint64_t combines_sent =
+        p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
+    if (!p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e))
+      waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
+    LL_PROBE(e, kPrTags);
+    LL_PROBE(e, kPrAcked);
   }
   return ok;
 }
@@ -802,12 +897,13 @@ __device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = n
 // Dispatch, receive half: once every peer's tag is in, each block derives the expert-major row ranges from the
 // count entries (rows of local expert l from source s begin after those of lower sources), and a warp per slot
 // [s][t] copies the token's row to its final rows: expert-major [l][begin(l, s) + index], or rank-major [s][t].
+// A zero-copy dispatch's rows are in place already: the layout comes from the entries and recv_src_info from the
+// routing words, both before the tags.
 // ---------------------------------------------------------------------------------------------------------
-// pre: the layout (s_begin, then s_T), already derived by a fused kernel's zero-copy send half, or nullptr.
 template <bool kX>
-__device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = nullptr) {
-  extern __shared__ __align__(16) int s_dyn_begin[];  // [L][R + 1] first row of each source, then the total
-  __shared__ int s_T_own[kGpuMaxRanks];
+__device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
+  extern __shared__ __align__(16) int s_begin[];  // [L][R + 1] first row of each source, then the total
+  __shared__ int s_T[kGpuMaxRanks];
   LlCtrl* ctrl = ctrlOf(p);
   const uint64_t e = launchEpoch(&ctrl->recv_epoch[kLlDispatch]);
   LL_PROBE(e, kPrRecvStart);
@@ -821,32 +917,21 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p, int* pre = n
   // region peers may still be reading from; every combine this rank sent must have been read by every peer.
   const uint64_t combines_sent = p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
   const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
-  int* s_begin = pre != nullptr ? pre : s_dyn_begin;
-  int* s_T = pre != nullptr ? pre + L * (R + 1) : s_T_own;
   // A zero-copy dispatch has every source's T and counts in its entry, which the source writes before its rows:
-  // the layout is derived while the rows are still landing, and only src_info is left once the tags are in.
-  bool in = guard;
-  if (pre == nullptr) {
-    in = in && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
-                     : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
-    LL_PROBE(e, kPrTags);
-    if (in) {
-      dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
-      __syncthreads();
-      dispatchLayoutScan(p, s_begin, s_T);
-    }
+  // the layout is derived while the rows are still landing.
+  bool in = guard && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
+                           : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
+  LL_PROBE(e, kPrTags);
+  if (in) {
+    dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
+    __syncthreads();
+    dispatchLayoutScan(p, s_begin, s_T);
   }
   if (in) {
     LL_PROBE(e, kPrLayout);
-    // The rows are in place once the tags are (the senders wrote them); only their source tokens are copied out.
-    if (p.zd && waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e)) {
-      const int32_t* side = zdSrcInfo(p, p.rank, par);
-      for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < L * RM;
-           i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-        const int l = static_cast<int>(i / RM);
-        if (static_cast<int>(i % RM) < s_begin[l * (R + 1) + R]) p.recv_src_info[i] = side[i];
-      }
-    }
+    // The rows are in place once the tags are (the senders wrote them); their source tokens come from the routing
+    // words, before.
+    if (p.zd && zdSourceInfo(p, par, act, s_begin, s_T, e, 0)) waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
     const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
     for (int item = gw; !p.zd && item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
@@ -1182,15 +1267,15 @@ template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   gridDependencyWait();
   // A zero-copy send half derives the receive half's layout beside its own offsets (from the same entries), into
-  // shared memory past its own: the receive half then only waits for the tags and copies src_info, which matters
-  // most in the block that sends last (its receive half is the operation's tail).
+  // shared memory past its own, and then does what the receive half would (dispatchSendZeroCopy): the operation
+  // ends there. Without room for the layout, the receive half follows as in any other fused kernel.
   extern __shared__ __align__(16) int32_t s_dyn[];
   const size_t pre_off = !kX && p.zd ? zdSmem(p.T, p.K, p.E, true).pre_off : 0;
   int* pre = pre_off > 0 ? s_dyn + pre_off / sizeof(int32_t) : nullptr;
-  // A block whose send half failed has no layout there: its receive half derives its own (and its waits fail).
-  const bool sent = dispatchSendBody<kX>(p, pre);
+  dispatchSendBody<kX>(p, pre);
+  if (pre != nullptr) return;
   __syncthreads();  // the dynamic shared memory changes hands
-  dispatchRecvBody<kX>(p, sent ? pre : nullptr);
+  dispatchRecvBody<kX>(p);
 }
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llCombineSendKernel(LlParams p) {

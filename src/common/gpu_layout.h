@@ -236,9 +236,12 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
 //                                              row layout (recv_layout_range) they follow
 // Only with config.ll_zero_copy_dispatch (zero-copy dispatches, epLlDispatchBuffer):
-//   [zd entries: 2 par x R] LlZdEntry + E int32 written by src: its T, every expert's pair count, and where its
-//                                              own output region of operation n is; doubles as "src started n"
-//   [zd src_info: 2 par x E x M] int32         source token of each output row, written by the senders
+//   [zd entries: 2 par x R] LlZdEntry + E int32 + M x kGpuMaxTopk routing words
+//                                              written by src: its T, every expert's pair count, and where its
+//                                              own output region of operation n is (epoch; doubles as "src
+//                                              started n"); then, per (token, k), the expert and the pair's index
+//                                              among src's pairs of that expert (routed), from which the receiver
+//                                              derives recv_src_info while the rows are still landing
 //   [zd regions: 2] rows [E x M][row], scales  the output regions the senders write final rows into
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
 // its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
@@ -262,14 +265,26 @@ struct LlSlotMeta {
                                     // expert-major only, -1 in rank-major)
 };
 
-// A zero-copy dispatch's entry of `src` for operation `epoch`; int32 counts[E] (pairs per expert) follow.
+// A zero-copy dispatch's entry of `src` for operation `epoch`; int32 counts[max_experts] (pairs per expert) follow,
+// then uint32 routing words [T][K] (llZdRoutingWord), published on their own by `routed`.
 struct LlZdEntry {
-  uint64_t epoch;  // written last (release): the rest of the entry is of this operation
+  uint64_t epoch;  // written last of T, x_off, sc_off and the counts (release): they are of this operation
   int32_t T;
   int32_t pad;
   uint64_t x_off;   // src's recv_x of this operation: offset in its LL buffer
   uint64_t sc_off;  // and its recv_x_scales (fp8)
+  uint64_t routed;  // written after the routing words (release): they are of operation `routed`
+  uint64_t pad2;
 };
+// Routing word of src's pair (t, k): expert x + 1 in the low 16 bits (0: no expert, or a repeat within the token),
+// the pair's index among src's pairs of x (token order) in the high 16 bits. A token count fits: the LL dispatch
+// stages T x K routing in kLlMaxSmem bytes of shared memory, so T < 2^16.
+static_assert(kGpuMaxExperts < 0xffff, "an expert id + 1 fits the routing word's low half");
+EP_HD uint32_t llZdRoutingWord(int expert, int pos) {
+  return expert < 0 ? 0u : static_cast<uint32_t>(expert + 1) | (static_cast<uint32_t>(pos) << 16);
+}
+EP_HD int llZdRoutingExpert(uint32_t w) { return static_cast<int>(w & 0xffffu) - 1; }
+EP_HD int llZdRoutingPos(uint32_t w) { return static_cast<int>(w >> 16); }
 
 struct LlZcHeader {
   uint64_t y_off;  // offset of the expert outputs in the owner's LL buffer
@@ -280,7 +295,7 @@ struct LlZcHeader {
 struct LlLayout {
   size_t tag, ack, counts, count_entry, slots, slot, slot_row, slot_scales, comb, comb_row, zc, zc_entry;
   // Zero-copy dispatch (all 0 when the communicator has none): entries, src_info side arrays, output regions.
-  size_t zd_ent, zd_ent_size, zd_src, zd, zd_x_bytes, zd_sc_bytes, zd_region;
+  size_t zd_ent, zd_ent_size, zd_routing, zd, zd_x_bytes, zd_sc_bytes, zd_region;
   size_t total;
   int nranks, max_tokens, max_experts, max_hidden;
 };
@@ -316,10 +331,9 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
   if (zero_copy_dispatch) {
     const size_t rows = static_cast<size_t>(max_experts) * max_tokens;
     l.zd_ent = off;
-    l.zd_ent_size = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));
+    l.zd_routing = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));  // offset in an entry
+    l.zd_ent_size = l.zd_routing + up16(4 * static_cast<size_t>(max_tokens) * kGpuMaxTopk);
     off = up(off + 2 * static_cast<size_t>(nranks) * l.zd_ent_size);
-    l.zd_src = off;
-    off = up(off + 2 * rows * 4);
     l.zd_x_bytes = rows * l.comb_row;                                   // [L][R*M] rows of the call's row size
     l.zd_sc_bytes = up(rows * (static_cast<size_t>(max_hidden) / 128) * 4);  // fp8 scales [L][R*M][H/128]
     l.zd_region = rowAreaAlign(l.zd_x_bytes + l.zd_sc_bytes);

@@ -85,15 +85,16 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
           EXPECT_EQ(l.comb_row % 16, 0u);
           EXPECT_LE(l.comb + 2 * static_cast<size_t>(E) * M * l.comb_row, l.total);
           EXPECT_EQ(l.zd_region, 0u);  // no zero-copy dispatch areas unless asked for
-          // With zero-copy dispatch: the same areas, then entries, src_info side arrays and two output regions
-          // (rows [E x M] of ll_max_hidden bf16, then fp8 scales), disjoint and at the end.
+          // With zero-copy dispatch: the same areas, then entries (header, counts, routing words) and two output
+          // regions (rows [E x M] of ll_max_hidden bf16, then fp8 scales), disjoint and at the end.
           const LlLayout z = llLayout(R, M, E, H, true);
           EXPECT_EQ(z.comb, l.comb);
           EXPECT_LE(z.zc + 2 * z.zc_entry, z.zd_ent);
-          EXPECT_GE(z.zd_ent_size, sizeof(LlZdEntry) + 4 * static_cast<size_t>(E));
+          EXPECT_GE(z.zd_routing, sizeof(LlZdEntry) + 4 * static_cast<size_t>(E));
+          EXPECT_EQ(z.zd_routing % 16, 0u);
+          EXPECT_GE(z.zd_ent_size, z.zd_routing + 4 * static_cast<size_t>(M) * kGpuMaxTopk);
           EXPECT_EQ(z.zd_ent_size % 16, 0u);
-          EXPECT_LE(z.zd_ent + 2 * static_cast<size_t>(R) * z.zd_ent_size, z.zd_src);
-          EXPECT_LE(z.zd_src + 2 * static_cast<size_t>(E) * M * 4, z.zd);
+          EXPECT_LE(z.zd_ent + 2 * static_cast<size_t>(R) * z.zd_ent_size, z.zd);
           EXPECT_EQ(z.zd % 65536, 0u);
           EXPECT_GE(z.zd_x_bytes, static_cast<size_t>(E) * M * H * 2);
           EXPECT_GE(z.zd_sc_bytes, static_cast<size_t>(E) * M * (H / 128) * 4);
@@ -101,6 +102,19 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
           EXPECT_EQ(z.zd_region % 65536, 0u);
           EXPECT_LE(z.zd + 2 * z.zd_region, z.total);
         }
+}
+
+// A zero-copy dispatch's routing word (expert, index among the sender's pairs of it) round-trips over the whole
+// range the kernels use: expert ids up to kGpuMaxExperts - 1, indices below 2^16; no expert packs to 0.
+TEST(GpuLayout, LlZdRoutingWordRoundTrips) {
+  EXPECT_EQ(llZdRoutingWord(-1, 12345), 0u);
+  EXPECT_EQ(llZdRoutingExpert(0u), -1);
+  for (int x : {0, 1, 63, 255, kGpuMaxExperts - 1})
+    for (int pos : {0, 1, 127, 40000, 65535}) {
+      const uint32_t w = llZdRoutingWord(x, pos);
+      EXPECT_EQ(llZdRoutingExpert(w), x);
+      EXPECT_EQ(llZdRoutingPos(w), pos);
+    }
 }
 
 TEST(Routing, ExpertMapLayoutRangeAndRepeats) {
