@@ -9,7 +9,10 @@
 //   proxy_bench [--ranks 2] [--mb 256] [--record-kb 14] [--writers 4] [--flag-every 16] [--reps 3]
 //
 // Prints, on rank 0: GB/s summed over ranks (bytes sent to other hosts over the slowest rank's time) for the raw
-// stream and for the proxy, and their ratio. EPCOMM_NET picks the backend, as for the engines.
+// stream and for the proxy, and their ratio; and the CPU time all ranks spent per byte sent in each (the proxy's
+// without the writers' own): where the cores are few, what the proxy costs shows there rather than in the ratio.
+// EPCOMM_NET picks the backend, as for the engines.
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -41,6 +44,14 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// CPU seconds (user + system) of this process (RUSAGE_SELF) or of the calling thread (RUSAGE_THREAD).
+double cpuSeconds(int who) {
+  rusage u{};
+  getrusage(who, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
 #define BENCH_CHECK(cond, ...)                     \
   do {                                             \
     if (!(cond)) {                                 \
@@ -68,9 +79,11 @@ int runRank(const Options& o, const epUniqueId& id, int rank) {
   // The raw stream between the same processes, the same backend.
   uint64_t raw_sent = 0;
   double raw_s = 0;
+  const double raw_cpu0 = cpuSeconds(RUSAGE_SELF);
   BENCH_CHECK(proxy.rawStream(remote, static_cast<size_t>(o.mb) << 20, 1 << 20, 4, kTimeoutMs,
                               [&] { return bs->barrier(kTimeoutMs); }, &raw_sent, &raw_s) == epSuccess,
               "raw stream: %s", epGetLastError(nullptr));
+  const double raw_cpu = cpuSeconds(RUSAGE_SELF) - raw_cpu0;
 
   const epcomm::GpuRemote* t = proxy.table();
   std::vector<epcomm::ProxyHostWriter> to;
@@ -79,14 +92,19 @@ int runRank(const Options& o, const epUniqueId& id, int rank) {
   const size_t per_peer = (static_cast<size_t>(o.mb) << 20) / rec;  // records per peer per repetition
   std::vector<uint8_t> payload(rec);
   for (size_t i = 0; i < rec; ++i) payload[i] = static_cast<uint8_t>(i * 7 + rank);
-  double best = 1e30;
+  double best = 1e30, proxy_cpu = 0;
   for (int rep = 1; rep <= o.reps; ++rep) {
     BENCH_CHECK(bs->barrier(kTimeoutMs) == epSuccess, "barrier");
-    const double t0 = now();
+    const double t0 = now(), cpu0 = cpuSeconds(RUSAGE_SELF);
     std::atomic<int> failed{0};
     std::vector<std::thread> ws;
+    std::vector<double> writer_cpu(o.writers, 0);
     for (int w = 0; w < o.writers; ++w)
       ws.emplace_back([&, w] {
+        struct Note {  // the thread's CPU time, however it ends
+          double* at;
+          ~Note() { *at = cpuSeconds(RUSAGE_THREAD); }
+        } note{&writer_cpu[w]};
         for (int q = 0; q < R; ++q) {
           if (q == rank) continue;
           uint64_t mine = 0;
@@ -116,28 +134,36 @@ int runRank(const Options& o, const epUniqueId& id, int rank) {
       }
     }
     best = std::min(best, now() - t0);
+    proxy_cpu += cpuSeconds(RUSAGE_SELF) - cpu0;
+    for (double c : writer_cpu) proxy_cpu -= c;
   }
   // Rank 0 prints: sent bytes summed over ranks, over the slowest rank's time.
   struct Mine {
-    double raw_bytes, raw_s, bytes, s;
-  } mine{static_cast<double>(raw_sent), raw_s, static_cast<double>(per_peer * rec * (R - 1)), best};
+    double raw_bytes, raw_s, bytes, s, raw_cpu, proxy_cpu;
+  } mine{static_cast<double>(raw_sent), raw_s, static_cast<double>(per_peer * rec * (R - 1)), best, raw_cpu,
+         proxy_cpu};
   std::vector<Mine> all(R);
   all[rank] = mine;
   BENCH_CHECK(bs->allgather(all.data(), sizeof(Mine), kTimeoutMs) == epSuccess, "allgather");
   if (rank == 0) {
-    double rb = 0, rs = 0, pb = 0, ps = 0;
+    double rb = 0, rs = 0, pb = 0, ps = 0, rc = 0, pc = 0;
     for (const Mine& m : all) {
       rb += m.raw_bytes;
       rs = std::max(rs, m.raw_s);
       pb += m.bytes;
       ps = std::max(ps, m.s);
+      rc += m.raw_cpu;
+      pc += m.proxy_cpu;
     }
     const double raw = rs > 0 ? rb / rs / 1e9 : 0, prox = ps > 0 ? pb / ps / 1e9 : 0;
     printf("proxy_bench: %d ranks (one per host), %d MiB per peer, %d KiB records, %d writers, a FLAG every %d "
            "records, best of %d, net/%s\n", R, o.mb, o.record_kb, o.writers, o.flag_every, o.reps,
            getenv("EPCOMM_NET") ? getenv("EPCOMM_NET") : "default");
-    printf("%-10s %10s %10s %10s\n", "ranks", "raw_GB/s", "proxy_GB/s", "proxy/raw");
-    printf("%-10d %10.3f %10.3f %10.3f\n", R, raw, prox, raw > 0 ? prox / raw : 0.0);
+    // CPU per byte: all reps' bytes for the proxy (its CPU is summed over them), one stream's for raw.
+    printf("%-10s %10s %10s %10s %12s %12s\n", "ranks", "raw_GB/s", "proxy_GB/s", "proxy/raw", "raw_cpu_ns/B",
+           "proxy_cpu_ns/B");
+    printf("%-10d %10.3f %10.3f %10.3f %12.3f %12.3f\n", R, raw, prox, raw > 0 ? prox / raw : 0.0,
+           rb > 0 ? rc / rb * 1e9 : 0.0, pb > 0 ? pc / (pb * o.reps) * 1e9 : 0.0);
   }
   std::vector<uint8_t> live(R, 1);
   proxy.stop(true, live.data(), 5000);
