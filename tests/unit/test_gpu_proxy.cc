@@ -264,4 +264,26 @@ TEST(GpuProxy, RingsTowardADeadRankKeepDraining) {
   EXPECT_EQ(codes[0], 0);
 }
 
+// Ranks whose rings differ in size (EPCOMM_GPU_PROXY_RING_BYTES) cannot carry each other's records (a payload lands
+// at its offset in the sender's ring): the connection is refused at set-up with that reason instead of a stream
+// that breaks later. The rank that reads the other's greeting first says so; the other may only time out.
+TEST(GpuProxy, RingsOfDifferentSizesAreRefusedAtSetUp) {
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+    setenv("EPCOMM_GPU_PROXY_RING_BYTES", rank == 0 ? "1048576" : "2097152", 1);
+    std::unique_ptr<epcomm::Bootstrap> bs;
+    if (epcomm::bootstrapInitSocket(&id, rank, 2, 20000, &bs) != epSuccess) return 3;
+    std::vector<uint8_t> remote(2, 1);
+    remote[rank] = 0;
+    GpuProxy proxy(rank, 2, remote, epcomm::hostProxyDevice());
+    const size_t bytes[epcomm::kRemoteNumBuffers] = {kHtBytes, kLlBytes};
+    if (proxy.start(bs.get(), bytes, 3000) == epSuccess) return 1;
+    return strstr(epGetLastError(nullptr), "rings") != nullptr ? 0 : 2;
+  }, 60000);
+  EXPECT_TRUE(codes[0] == 0 || codes[0] == 2) << codes[0];
+  EXPECT_TRUE(codes[1] == 0 || codes[1] == 2) << codes[1];
+  EXPECT_TRUE(codes[0] == 0 || codes[1] == 0) << "neither rank named the rings' sizes";
+}
+
 }  // namespace

@@ -18,23 +18,30 @@ namespace epcomm {
 namespace {
 
 constexpr uint32_t kFrameMagic = 0x65704e42u;  // "epNB"
-constexpr uint16_t kHello = 1, kData = 2, kCredit = 3, kReadDone = 4, kCtrl = 5, kBye = 6, kByeAck = 7;
+constexpr uint16_t kHello = 1, kData = 2, kCredit = 3, kReadDone = 4, kCtrl = 5, kBye = 6, kByeAck = 7, kDataNext = 8;
 constexpr int kSendSlots = 16;  // frames in flight per peer
-constexpr int kRecvSlots = 8;   // receives posted per peer
+constexpr int kRecvSlots = 8;   // frames received and not yet applied, per peer
+constexpr size_t kMaxSendsInFlight = 32;  // frames and payloads, per peer
 
-// Every message on a connection is one frame: this header, then `len` payload bytes (DATA only).
+// A message on a connection is a frame (this header, then `len` payload bytes, DATA only) or the payload that a
+// DATA_NEXT frame announces, which follows it at once.
 struct FrameHdr {
   uint32_t magic;
   uint16_t type;
   uint16_t ch;
   uint32_t len;
   int32_t src;
-  uint64_t v[4];  // DATA: stream offset; CREDIT: consumer head; READDONE: epoch; CTRL: rs word, hash, epoch, status
+  uint64_t v[4];  // DATA, DATA_NEXT: stream offset (DATA_NEXT: payload bytes in v[1]); CREDIT: consumer head;
+                  // READDONE: epoch; CTRL: rs word, hash, epoch, status; HELLO: secret, gen, ring bytes
 };
 static_assert(sizeof(FrameHdr) == 48, "frame header size is part of the wire format");
-// Payload per frame: frames of 64 KiB go whole on the socket backend's control socket (its inline size).
-constexpr size_t kFramePayload = (64u << 10) - sizeof(FrameHdr);
+// Outbox bytes up to this go inside a DATA frame (copied into the frame, then out of it into the inbox: cheaper
+// than a second message for a few bytes); more go as a DATA_NEXT frame and a message of their own, sent straight
+// from the outbox and received straight into the inbox, no copy by this process.
+constexpr size_t kFramePayload = (16u << 10) - sizeof(FrameHdr);
 constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
+// Largest payload message (also at most an eighth of the ring, so that several are in flight within the credit).
+constexpr size_t kMaxPayloadMsg = 1u << 20;
 
 }  // namespace
 
@@ -43,21 +50,25 @@ struct NetBridge::Peer {
   uint8_t handle[net::kNetHandleSize] = {};  // the peer's listen handle as exchanged (establish connects with a copy)
   void* send = nullptr;
   void* recv = nullptr;
-  // Outboxes toward this peer, one per channel: the producer ends the engine pushes into.
+  // Outboxes toward this peer, one per channel: the producer ends the engine pushes into (bridge memory, or the
+  // caller's, see useOutboxMemory).
   std::unique_ptr<RingCtl[]> out_ctl;
-  std::vector<std::vector<uint8_t>> out_data;
+  std::vector<std::vector<uint8_t>> out_own;
+  std::vector<uint8_t*> out_data;  // [ch]
   std::vector<uint64_t> sent;      // [ch] outbox bytes already framed
   std::vector<uint64_t> credited;  // [ch] inbox head last reported to the peer
   std::vector<uint64_t> rd_sent;   // [ch] inbox read_done last reported
   uint64_t ctrl_sent[4] = {~0ull, 0, 0, 0};
-  // Frames to send, in order; the first `posted` are in flight in slots[slot_of[i]].
+  std::vector<void*> out_mh, in_mh;  // [ch] the outboxes registered with `send`, the inboxes with `recv`
+  // Frames to send, in order.
   struct Desc {
     uint16_t type, ch;
     uint64_t v[4];
     uint32_t len;
+    bool hdr_posted;  // DATA_NEXT: the frame is out, its payload not yet
   };
   std::deque<Desc> q;
-  std::deque<int> inflight_slots;  // slot of each posted frame, in posting order
+  std::deque<int> inflight_slots;  // send slot of each posted message in posting order (-1: a payload)
   std::deque<void*> inflight_reqs;
   std::vector<std::vector<uint8_t>> send_buf;
   std::vector<void*> send_mh;
@@ -65,10 +76,29 @@ struct NetBridge::Peer {
   std::vector<std::vector<uint8_t>> recv_buf;
   std::vector<void*> recv_mh;
   std::vector<int> free_recv;
-  std::deque<int> rx_slots;
-  std::deque<void*> rx_reqs;
+  // Receives in posting order: frames into recv_buf slots, payloads straight into the inbox (slot -1). What follows
+  // a frame (another frame, or the payload a DATA_NEXT announces) is known once the frame is in, so at most one
+  // frame receive is posted at a time: the last entry until it completes. Entries are applied front first.
+  struct Rx {
+    void* req;
+    int slot;
+    uint16_t ch;
+    uint32_t len;  // payload: bytes announced
+    bool done;
+    size_t got;
+  };
+  std::deque<Rx> rx;
+  bool frame_posted = false;
+  bool payload_due = false;  // a DATA_NEXT is in: its payload receive (below) is the next one to post
+  uint16_t payload_ch = 0;
+  uint64_t payload_off = 0;
+  uint32_t payload_len = 0;
+  std::vector<uint64_t> rx_expect;  // [ch] stream offset the next DATA must start at (all before it announced)
+  bool bye_in = false;              // a BYE frame came in (applied or not): nothing follows it
   bool send_failed = false, recv_failed = false, bye = false, bye_queued = false, bye_acked = false;
   std::atomic<bool> dead{false};
+  // stopSending(): asked by the caller; done once the send connection is closed (nothing reads the outbox then).
+  std::atomic<bool> stop_send{false}, send_closed{false};
   // Held by the thread making this peer's net calls (everything above but `rank` and `handle` is its state).
   std::atomic<bool> busy{false};
   bool tryLock() { return !busy.load(std::memory_order_relaxed) && !busy.exchange(true, std::memory_order_acquire); }
@@ -83,7 +113,8 @@ struct NetBridge::Peer {
 
 NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, std::vector<uint8_t> remote,
                      ShmRegion* own)
-    : rank_(rank), nranks_(nranks), nchan_(nchannels), ring_bytes_(ring_bytes), remote_(std::move(remote)),
+    : rank_(rank), nranks_(nranks), nchan_(nchannels), ring_bytes_(ring_bytes),
+      max_payload_(std::min<size_t>(kMaxPayloadMsg, ring_bytes / 8)), remote_(std::move(remote)),
       own_(own) {
   peers_.resize(nranks_);
   mirrors_.resize(nranks_);
@@ -97,8 +128,10 @@ NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, std
       p->out_ctl[c].head.store(0);
       p->out_ctl[c].read_done.store(0);
     }
-    p->out_data.assign(nchan_, std::vector<uint8_t>(ring_bytes_));
+    p->out_own.resize(nchan_);  // allocated by connect() where useOutboxMemory gave none
+    p->out_data.assign(nchan_, nullptr);
     p->sent.assign(nchan_, 0);
+    p->rx_expect.assign(nchan_, 0);
     p->credited.assign(nchan_, 0);
     p->rd_sent.assign(nchan_, 0);
     peers_[r] = std::move(p);
@@ -119,8 +152,16 @@ const char* NetBridge::backendName() const { return backend_ ? backend_->name() 
 
 RingEnd NetBridge::outEnd(int ch, int p) const {
   Peer& q = *peers_[p];
-  return RingEnd(&q.out_ctl[ch], q.out_data[ch].data(), ring_bytes_);
+  return RingEnd(&q.out_ctl[ch], q.out_data[ch], ring_bytes_);
 }
+
+RingCtl* NetBridge::outCtl(int ch, int p) const { return &peers_[p]->out_ctl[ch]; }
+
+void NetBridge::stopSending(int p) { peers_[p]->stop_send.store(true, std::memory_order_release); }
+
+bool NetBridge::sendingStopped(int p) const { return peers_[p]->send_closed.load(std::memory_order_acquire); }
+
+void NetBridge::useOutboxMemory(int ch, int p, uint8_t* data) { peers_[p]->out_data[ch] = data; }
 
 bool NetBridge::dead(int p, std::string* why) const {
   const Peer* q = peers_[p].get();
@@ -190,8 +231,16 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
     return epSuccess;
   };
 
-  for (int r = 0; r < nranks_; ++r)
-    if (remote_[r]) memcpy(peers_[r]->handle, all[r].handle, net::kNetHandleSize);
+  for (int r = 0; r < nranks_; ++r) {
+    if (!remote_[r]) continue;
+    Peer& p = *peers_[r];
+    memcpy(p.handle, all[r].handle, net::kNetHandleSize);
+    for (int c = 0; c < nchan_; ++c)
+      if (!p.out_data[c]) {
+        p.out_own[c].assign(ring_bytes_, 0);
+        p.out_data[c] = p.out_own[c].data();
+      }
+  }
   std::vector<void*> send, recv;
   EPCHECK(establish(remote_, 0, send, recv, timeout_ms));
   for (auto& pp : peers_) {
@@ -200,6 +249,14 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
     pp->recv = recv[pp->rank];
     EPCHECK(regSlots(pp->send, pp->send_buf, pp->send_mh, pp->free_send, kSendSlots));
     EPCHECK(regSlots(pp->recv, pp->recv_buf, pp->recv_mh, pp->free_recv, kRecvSlots));
+    // Payloads go out of the outboxes and into the inboxes directly.
+    pp->out_mh.assign(nchan_, nullptr);
+    pp->in_mh.assign(nchan_, nullptr);
+    for (int c = 0; c < nchan_; ++c)
+      if (backend_->regMr(pp->send, pp->out_data[c], ring_bytes_, net::kNetPtrHost, &pp->out_mh[c]) != epSuccess ||
+          backend_->regMr(pp->recv, own_->ringData(pp->rank, c), ring_bytes_, net::kNetPtrHost, &pp->in_mh[c]) !=
+              epSuccess)
+        EP_FAIL(epSystemError, "registering the net bridge's rings with the net transport: %s", net::netLastError());
   }
   // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
   // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
@@ -256,7 +313,7 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
         if (!send[r]) continue;
         moved = true;
         FrameHdr& h = hello[r];
-        h = FrameHdr{kFrameMagic, kHello, 0, 0, rank_, {0, 0, gen, 0}};
+        h = FrameHdr{kFrameMagic, kHello, 0, 0, rank_, {0, 0, gen, ring_bytes_}};
         memcpy(h.v, secret_, kSecretBytes);
         if (backend_->regMr(send[r], &h, sizeof(h), net::kNetPtrHost, &hello_mh[r]) != epSuccess) {
           res = EP_ERROR(epSystemError, "registering a greeting with the net transport: %s", net::netLastError());
@@ -339,6 +396,15 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
         a.comm = nullptr;
         continue;
       }
+      if (h.v[3] != ring_bytes_) {  // DATA_NEXT payloads land where they stand in the sender's ring
+        res = EP_ERROR(epInvalidUsage, "rank %d has %llu-byte net bridge rings, rank %d %zu: ranks must agree "
+                       "(EPCOMM_QUEUE_BYTES, config.queue_bytes; EPCOMM_GPU_PROXY_RING_BYTES)", h.src,
+                       static_cast<unsigned long long>(h.v[3]), rank_, ring_bytes_);
+        backend_->closeRecv(a.comm);
+        backend_->deregMr(a.comm, a.mh);
+        a.comm = nullptr;
+        break;
+      }
       recv[h.src] = a.comm;
       greet_buf[h.src] = std::move(a.buf);
       greet_mh[h.src] = a.mh;
@@ -386,15 +452,15 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
 // Progress
 // ------------------------------------------------------------------------------------------------------
 
-void NetBridge::queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, const uint8_t*, size_t len,
-                           const uint8_t*, size_t) {
-  Peer::Desc d{type, ch, {0, 0, 0, 0}, static_cast<uint32_t>(len)};
+void NetBridge::queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len) {
+  Peer::Desc d{type, ch, {0, 0, 0, 0}, len, false};
   if (v) memcpy(d.v, v, sizeof(d.v));
   p.q.push_back(d);
 }
 
-// Posts queued frames in order (DATA payload copied out of the outbox at post time: it stays there until the
-// peer credits it, which it cannot before receiving it) and completes sends from the front.
+// Posts queued frames in order and completes sends from the front. A DATA frame's payload is copied out of the
+// outbox into the frame; a DATA_NEXT's goes as the next message straight from the outbox (it stays there until the
+// peer credits it, which it cannot before receiving it).
 bool NetBridge::pumpSends(Peer& p) {
   bool moved = false;
   while (!p.send_failed && !p.inflight_reqs.empty()) {
@@ -406,100 +472,184 @@ bool NetBridge::pumpSends(Peer& p) {
       break;
     }
     if (!done) break;
-    p.free_send.push_back(p.inflight_slots.front());
+    if (p.inflight_slots.front() >= 0) p.free_send.push_back(p.inflight_slots.front());
     p.inflight_slots.pop_front();
     p.inflight_reqs.pop_front();
     moved = true;
   }
-  while (!p.send_failed && !p.q.empty() && !p.free_send.empty()) {
-    const Peer::Desc& d = p.q.front();
-    const int slot = p.free_send.back();
-    uint8_t* buf = p.send_buf[slot].data();
-    FrameHdr h{kFrameMagic, d.type, d.ch, d.len, rank_, {d.v[0], d.v[1], d.v[2], d.v[3]}};
-    memcpy(buf, &h, sizeof(h));
-    if (d.type == kData) {
-      const uint8_t* ring = p.out_data[d.ch].data();
-      const size_t off = d.v[0] % ring_bytes_, first = std::min<size_t>(d.len, ring_bytes_ - off);
-      memcpy(buf + sizeof(h), ring + off, first);
-      if (first < d.len) memcpy(buf + sizeof(h) + first, ring, d.len - first);
-    }
+  auto post = [&](void* buf, size_t n, void* mh, int slot) -> bool {
     void* req = nullptr;
-    const epResult_t r = backend_->isend(p.send, buf, sizeof(h) + d.len, 0, p.send_mh[slot], &req);
+    const epResult_t r = backend_->isend(p.send, buf, n, 0, mh, &req);
     if (r != epSuccess) {
       p.send_failed = true;
       if (r == epTimeout) markDead(p, net::netLastError());
-      break;
+      return false;
     }
-    if (!req) break;
-    p.free_send.pop_back();
+    if (!req) return false;
     p.inflight_slots.push_back(slot);
     p.inflight_reqs.push_back(req);
-    p.q.pop_front();
     moved = true;
+    return true;
+  };
+  while (!p.send_failed && !p.q.empty() && p.inflight_reqs.size() < kMaxSendsInFlight) {
+    Peer::Desc& d = p.q.front();
+    if (!d.hdr_posted) {
+      if (p.free_send.empty()) break;
+      const int slot = p.free_send.back();
+      uint8_t* buf = p.send_buf[slot].data();
+      FrameHdr h{kFrameMagic, d.type, d.ch, d.len, rank_, {d.v[0], d.v[1], d.v[2], d.v[3]}};
+      memcpy(buf, &h, sizeof(h));
+      if (d.type == kData) {
+        const uint8_t* ring = p.out_data[d.ch];
+        const size_t off = d.v[0] % ring_bytes_, first = std::min<size_t>(d.len, ring_bytes_ - off);
+        memcpy(buf + sizeof(h), ring + off, first);
+        if (first < d.len) memcpy(buf + sizeof(h) + first, ring, d.len - first);
+      }
+      if (!post(buf, sizeof(h) + d.len, p.send_mh[slot], slot)) break;
+      p.free_send.pop_back();
+      if (d.type != kDataNext) {
+        p.q.pop_front();
+        continue;
+      }
+      d.hdr_posted = true;  // its payload must be the very next message
+      if (p.inflight_reqs.size() >= kMaxSendsInFlight) break;
+    }
+    if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1)) break;
+    p.q.pop_front();
   }
   return moved;
 }
 
+// Receives frames and payloads in posting order (see Peer::rx): the front completes and is applied first; the frame
+// receive at the back is completed early, so that the payload it announces is posted while earlier ones still land.
 bool NetBridge::pumpRecvs(Peer& p) {
   bool moved = false;
-  while (!p.recv_failed && !p.bye && !p.rx_reqs.empty()) {  // after a goodbye nothing more will come
+  // -1: failed (recorded), 0: not yet, 1: complete.
+  auto test = [&](Peer::Rx& e) -> int {
     int done = 0;
     size_t got = 0;
-    if (backend_->test(p.rx_reqs.front(), &done, &got) != epSuccess) {
-      if (p.bye) p.recv_failed = true;  // it said goodbye: everything it sent is in
+    if (backend_->test(e.req, &done, &got) != epSuccess) {
+      if (p.bye_in) p.recv_failed = true;  // it said goodbye: everything it sent is in
       else markDead(p, net::netLastError());
-      break;
+      return -1;
     }
-    if (!done) break;
-    const int slot = p.rx_slots.front();
-    p.rx_slots.pop_front();
-    p.rx_reqs.pop_front();
-    applyFrame(p, p.recv_buf[slot].data(), got);
-    p.free_recv.push_back(slot);
+    if (!done) return 0;
+    e.done = true;
+    e.got = got;
+    moved = true;
+    if (e.slot >= 0) {
+      p.frame_posted = false;
+      checkFrame(p, p.recv_buf[e.slot].data(), got);
+    }
+    else if (got != e.len) markDead(p, "a payload of another size than its frame announced");
+    return 1;
+  };
+  for (;;) {
+    if (p.recv_failed) return moved;
+    bool step = false;
+    // The front, in order.
+    while (!p.rx.empty()) {
+      Peer::Rx& e = p.rx.front();
+      if (!e.done && test(e) <= 0) break;
+      if (p.recv_failed) return moved;
+      if (e.slot >= 0) {
+        applyFrame(p, p.recv_buf[e.slot].data(), e.got);
+        p.free_recv.push_back(e.slot);
+      } else {
+        RingCtl* ctl = own_->ringCtl(p.rank, e.ch);
+        ctl->tail.store(ctl->tail.load(std::memory_order_relaxed) + e.len, std::memory_order_release);
+      }
+      p.rx.pop_front();
+      step = true;
+    }
+    // The frame receive at the back.
+    if (p.frame_posted && !p.rx.back().done) {
+      const int t = test(p.rx.back());
+      if (t < 0 || p.recv_failed) return moved;
+      if (t > 0) step = true;
+    }
+    // Post what comes next: the announced payload, then a frame.
+    if (p.payload_due) {
+      void* data = own_->ringData(p.rank, p.payload_ch) + p.payload_off % ring_bytes_;
+      size_t size = p.payload_len;
+      int tag = 0;
+      void* req = nullptr;
+      if (backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[p.payload_ch], &req) != epSuccess) {
+        markDead(p, net::netLastError());
+        return moved;
+      }
+      if (req) {
+        p.rx.push_back(Peer::Rx{req, -1, p.payload_ch, p.payload_len, false, 0});
+        p.payload_due = false;
+        step = true;
+      }
+    }
+    if (!p.payload_due && !p.frame_posted && !p.bye_in && !p.free_recv.empty()) {
+      const int slot = p.free_recv.back();
+      void* data = p.recv_buf[slot].data();
+      size_t size = kFrameBytes;
+      int tag = 0;
+      void* req = nullptr;
+      if (backend_->irecv(p.recv, 1, &data, &size, &tag, &p.recv_mh[slot], &req) != epSuccess) {
+        markDead(p, net::netLastError());
+        return moved;
+      }
+      if (req) {
+        p.free_recv.pop_back();
+        p.rx.push_back(Peer::Rx{req, slot, 0, 0, false, 0});
+        p.frame_posted = true;
+        step = true;
+      }
+    }
+    if (!step) return moved;
     moved = true;
   }
-  while (!p.recv_failed && !p.bye && !p.free_recv.empty()) {
-    const int slot = p.free_recv.back();
-    void* data = p.recv_buf[slot].data();
-    size_t size = kFrameBytes;
-    int tag = 0;
-    void* req = nullptr;
-    if (backend_->irecv(p.recv, 1, &data, &size, &tag, &p.recv_mh[slot], &req) != epSuccess) {
-      if (!p.bye) markDead(p, net::netLastError());
-      break;
-    }
-    if (!req) break;
-    p.free_recv.pop_back();
-    p.rx_slots.push_back(slot);
-    p.rx_reqs.push_back(req);
-    moved = true;
-  }
-  return moved;
 }
 
-// One frame from peer p. Everything in it is checked before use; a violation ends the connection (R5).
-void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
-  if (p.recv_failed || p.bye) return;
+// A frame from peer p as it comes in, before anything later is posted: everything in it is checked before use, a
+// violation ends the connection (R5). DATA and DATA_NEXT must continue the stream and fit the inbox's free room
+// (the consumer's head only grows, so they still fit when applied); a DATA_NEXT's payload receive is due next.
+void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
   FrameHdr h;
   if (n < sizeof(h)) return markDead(p, "a frame shorter than its header");
   memcpy(&h, buf, sizeof(h));
   if (h.magic != kFrameMagic || h.src != p.rank || h.len != n - sizeof(h) || (h.type != kData && h.len != 0) ||
       h.ch >= nchan_)
     return markDead(p, "a malformed frame (stream out of sync)");
+  if (h.type == kBye) p.bye_in = true;
+  if (h.type != kData && h.type != kDataNext) return;
+  const uint64_t len = h.type == kData ? h.len : h.v[1];
+  const uint64_t head = own_->ringCtl(p.rank, h.ch)->head.load(std::memory_order_acquire);
+  if (h.v[0] != p.rx_expect[h.ch] || len == 0 || (h.type == kDataNext && len > max_payload_) ||
+      h.v[0] + len - head > ring_bytes_)
+    return markDead(p, "a data frame beyond its credit or out of order");
+  p.rx_expect[h.ch] += len;
+  if (h.type == kData) return;
+  if (h.v[0] % ring_bytes_ + len > ring_bytes_) return markDead(p, "a data payload across the end of the ring");
+  p.payload_due = true;
+  p.payload_ch = h.ch;
+  p.payload_off = h.v[0];
+  p.payload_len = static_cast<uint32_t>(len);
+}
+
+// A frame from peer p, in stream order (checkFrame passed it when it came in).
+void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
+  if (p.recv_failed || p.bye) return;
+  FrameHdr h;
+  memcpy(&h, buf, sizeof(h));
+  (void)n;
   switch (h.type) {
     case kData: {
       RingCtl* ctl = own_->ringCtl(p.rank, h.ch);
       uint8_t* ring = own_->ringData(p.rank, h.ch);
       const uint64_t tail = ctl->tail.load(std::memory_order_relaxed);
-      const uint64_t head = ctl->head.load(std::memory_order_acquire);
-      if (h.v[0] != tail || h.len > kFramePayload || tail + h.len - head > ring_bytes_)
-        return markDead(p, "a data frame beyond its credit or out of order");
       const size_t off = tail % ring_bytes_, first = std::min<size_t>(h.len, ring_bytes_ - off);
       memcpy(ring + off, buf + sizeof(h), first);
       if (first < h.len) memcpy(ring, buf + sizeof(h) + first, h.len - first);
       ctl->tail.store(tail + h.len, std::memory_order_release);
       return;
     }
+    case kDataNext: return;  // its payload, next in line, moves the tail
     case kCredit: {
       RingCtl& ctl = p.out_ctl[h.ch];
       const uint64_t head = ctl.head.load(std::memory_order_relaxed);
@@ -519,7 +669,7 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
     case kBye:  // everything it sent is in; the acknowledgement tells it that it may close
       p.bye = true;
       // (Not needed when this rank said goodbye too: that ends the peer's wait as well.)
-      if (!p.send_failed && !p.bye_queued) queueFrame(p, kByeAck, 0, nullptr, nullptr, 0);
+      if (!p.send_failed && !p.bye_queued) queueFrame(p, kByeAck, 0, nullptr, 0);
       return;
     case kByeAck: p.bye_acked = true; return;
     default: return markDead(p, "a frame of an unknown type");
@@ -530,13 +680,29 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
 // rank's resynchronization words (read by the caller BEFORE the outboxes, see net_bridge.h "Order").
 bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
   bool moved = false;
+  if (p.stop_send.load(std::memory_order_acquire) && !p.send_closed.load(std::memory_order_relaxed)) {
+    // Closing cancels what is in flight and returns once the backend no longer reads the outboxes (net.h).
+    if (p.send) backend_->closeSend(p.send);
+    p.send = nullptr;
+    p.send_failed = true;
+    p.q.clear();
+    p.inflight_reqs.clear();
+    p.inflight_slots.clear();
+    p.send_closed.store(true, std::memory_order_release);
+    moved = true;
+  }
   if (!p.send_failed && !p.bye) {  // a peer that said goodbye needs nothing more (but its acknowledgement)
     for (int c = 0; c < nchan_; ++c) {
       const uint64_t tail = p.out_ctl[c].tail.load(std::memory_order_acquire);
       while (p.sent[c] < tail) {
-        const size_t n = std::min<uint64_t>(tail - p.sent[c], kFramePayload);
-        const uint64_t v[4] = {p.sent[c], 0, 0, 0};
-        queueFrame(p, kData, static_cast<uint16_t>(c), v, nullptr, n);
+        // A DATA_NEXT payload is contiguous in the ring (and lands at the same place in the peer's).
+        const size_t contiguous = ring_bytes_ - p.sent[c] % ring_bytes_;
+        const size_t ready = std::min<uint64_t>(tail - p.sent[c], contiguous);
+        const size_t n = ready <= kFramePayload ? std::min<uint64_t>(tail - p.sent[c], kFramePayload)
+                                                : std::min(ready, max_payload_);
+        const uint64_t v[4] = {p.sent[c], n, 0, 0};
+        queueFrame(p, n <= kFramePayload ? kData : kDataNext, static_cast<uint16_t>(c), v,
+                   n <= kFramePayload ? static_cast<uint32_t>(n) : 0);
         p.sent[c] += n;
         data_sent_.fetch_add(n, std::memory_order_relaxed);
         moved = true;
@@ -548,14 +714,14 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
       // than 7/8 of what the consumer has freed, which keeps every wait for a row (<= half a ring) live.
       if (head != p.credited[c] && (head - p.credited[c] >= ring_bytes_ / 8 || head == in_tail)) {
         const uint64_t v[4] = {head, 0, 0, 0};
-        queueFrame(p, kCredit, static_cast<uint16_t>(c), v, nullptr, 0);
+        queueFrame(p, kCredit, static_cast<uint16_t>(c), v, 0);
         p.credited[c] = head;
         moved = true;
       }
       const uint64_t rd = in->read_done.load(std::memory_order_acquire);
       if (rd != p.rd_sent[c]) {
         const uint64_t v[4] = {rd, 0, 0, 0};
-        queueFrame(p, kReadDone, static_cast<uint16_t>(c), v, nullptr, 0);
+        queueFrame(p, kReadDone, static_cast<uint16_t>(c), v, 0);
         p.rd_sent[c] = rd;
         moved = true;
       }
@@ -563,7 +729,7 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
     if (word != p.ctrl_sent[0] || words[0] != p.ctrl_sent[1] || words[1] != p.ctrl_sent[2] ||
         words[2] != p.ctrl_sent[3]) {
       const uint64_t v[4] = {word, words[0], words[1], words[2]};
-      queueFrame(p, kCtrl, 0, v, nullptr, 0);
+      queueFrame(p, kCtrl, 0, v, 0);
       memcpy(p.ctrl_sent, v, sizeof(v));
       moved = true;
     }
@@ -621,7 +787,7 @@ void NetBridge::progressLoop() {
           bool framed = true;
           for (int c = 0; c < nchan_; ++c) framed = framed && pp->sent[c] == pp->out_ctl[c].tail.load();
           if (framed) {
-            queueFrame(*pp, kBye, 0, nullptr, nullptr, 0);
+            queueFrame(*pp, kBye, 0, nullptr, 0);
             pp->bye_queued = true;
             moved = true;
           }
@@ -666,8 +832,7 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
     // The requests belonged to the closed connections (freed by close).
     pp->inflight_reqs.clear();
     pp->inflight_slots.clear();
-    pp->rx_reqs.clear();
-    pp->rx_slots.clear();
+    pp->rx.clear();
   }
   for (auto& pp : peers_) {
     if (!pp) continue;
@@ -675,6 +840,12 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
       if (mh) backend_->deregMr(pp->send, mh);
     for (void* mh : pp->recv_mh)
       if (mh) backend_->deregMr(pp->recv, mh);
+    for (void* mh : pp->out_mh)
+      if (mh) backend_->deregMr(pp->send, mh);
+    for (void* mh : pp->in_mh)
+      if (mh) backend_->deregMr(pp->recv, mh);
+    pp->out_mh.clear();
+    pp->in_mh.clear();
     pp->send = nullptr;
     pp->recv = nullptr;
     pp->send_mh.clear();

@@ -10,9 +10,18 @@
 //   producer (this rank)                                          consumer (rank p, another host)
 //   engine --push--> outbox ring  --DATA frames-->  progress thread --copy--> inbox ring (p's own region,
 //                    (private)                      of p                      ring of source = this rank)
+//                                 --DATA_NEXT frame, then the payload as a message of its own, sent from the
+//                                   outbox and received into the inbox where it belongs (no copy in either process)
 //   outbox head  <--CREDIT frames (p's consumed bytes)----------------------- engine pulls / releases
 //   outbox read_done <--READDONE frames (p's RingEnd::setReadDone)----------- engine
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
+//
+// A few outbox bytes (up to a frame's payload, 16 KiB) go inside a DATA frame; more as DATA_NEXT, in messages of up
+// to 1 MiB (at most an eighth of the ring), which the socket backend spreads over its data sockets and helper
+// threads. The receiver posts one frame receive at a time (what follows a frame is known once it is in) and, as a
+// DATA_NEXT comes in, the payload receive into the inbox, then the next frame's: payloads land while the frames
+// after them are read. A payload never crosses the ring's end and lands at the sender's ring offset, so both ends
+// have rings of one size (checked at connection: the greeting carries it).
 //
 // Credit. The outbox's head is not where the local progress thread has read to but the consumer's head as last
 // reported: RingEnd::push then admits only bytes the remote inbox has room for, so the progress thread can send
@@ -71,6 +80,16 @@ class NetBridge {
   epResult_t connect(Bootstrap* bs, int timeout_ms);
   // Producer end toward remote rank p on channel ch.
   RingEnd outEnd(int ch, int p) const;
+  // Makes `data` (ring bytes, the caller's) the outbox toward p on channel ch instead of the bridge's own; call
+  // before connect(). The caller then writes it and moves its tail itself (outCtl), as RingEnd::push would: the
+  // GPU proxy's record ring, sent from where the kernels wrote it.
+  void useOutboxMemory(int ch, int p, uint8_t* data);
+  RingCtl* outCtl(int ch, int p) const;
+  // Sends nothing more to p: the progress thread closes the send connection (cancelling what is in flight), after
+  // which sendingStopped(p) is true and the outboxes toward p are the caller's again (a dead peer's ring may then
+  // be reused without its stale bytes going out).
+  void stopSending(int p);
+  bool sendingStopped(int p) const;
   // What remote rank p last published in its region header (elastic resynchronization words).
   RegionHeader* mirror(int p) const { return mirrors_[p].get(); }
   // Whether remote rank p is gone (its connection failed without a goodbye); why says how.
@@ -115,13 +134,14 @@ class NetBridge {
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
   bool pumpRecvs(Peer& p);
+  void checkFrame(Peer& p, const uint8_t* buf, size_t n);
   void applyFrame(Peer& p, const uint8_t* buf, size_t n);
-  void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, const uint8_t* payload,
-                  size_t len, const uint8_t* payload2 = nullptr, size_t len2 = 0);
+  void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len);
   void markDead(Peer& p, const char* what);
 
   int rank_, nranks_, nchan_;
   size_t ring_bytes_;
+  size_t max_payload_;  // largest DATA_NEXT payload
   std::vector<uint8_t> remote_;
   ShmRegion* own_;
   net::NetBackend* backend_ = nullptr;
