@@ -90,6 +90,8 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
   inbox_.unlink();
   bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_, remote_, &inbox_);
+  for (int r = 0; r < nranks_; ++r)
+    if (remote_[r]) bridge_->useOutboxMemory(0, r, out_[r].ring);  // sent from where the kernels wrote it
   EPCHECK(bridge_->connect(bs, timeout_ms));
   thread_ = std::thread([this] { loop(); });
   EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings", rank_,
@@ -120,38 +122,45 @@ bool GpuProxy::failed(int r, std::string* why) const {
   return true;
 }
 
-// Records of ring r, in order, into the bridge's outbox toward r (dropped when r is dead); each counts as consumed
-// once all of it is in the outbox.
+// Takes the whole records of ring r, in order, into the bridge's outbox toward r (the ring itself: its tail moves
+// over them), and gives the kernels back what r's bridge has credited. Toward a dead rank records are dropped
+// instead, once the bridge has stopped sending (the kernels may then write over bytes it would have sent).
 bool GpuProxy::pumpOut(int r) {
   Out& o = out_[r];
   bool moved = false;
   if (o.broken) return false;
-  const bool dead = bridge_->dead(r);
-  RingEnd outbox = bridge_->outEnd(0, r);
+  if (!o.dropping && bridge_->dead(r)) {
+    bridge_->stopSending(r);
+    o.dropping = true;
+  }
+  uint64_t pos = o.pos;
   for (int n = 0; n < kOutPerTurn; ++n) {
-    const size_t at = o.pos % ring_bytes_;
+    const size_t at = pos % ring_bytes_;
     GpuRemoteRecord* h = reinterpret_cast<GpuRemoteRecord*>(o.ring + at);
-    if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != o.pos + 1) break;
+    if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != pos + 1) break;
     const uint64_t size = recordSize(*h);
     if (size < sizeof(GpuRemoteRecord) || size % kRemoteRecordAlign != 0 || size > ring_bytes_ - at) {
       // This rank's own kernels wrote it: a bug. Nothing after it can be trusted; the peer times out.
       EP_WARN("GPU proxy: rank %d's ring toward rank %d holds a malformed record (type %u, %u bytes) at %llu",
-              rank_, r, h->type, h->len, static_cast<unsigned long long>(o.pos));
+              rank_, r, h->type, h->len, static_cast<unsigned long long>(pos));
       o.broken = true;
       noteFailure(r, "this rank's ring toward it held a malformed record");
-      return moved;
+      break;
     }
-    if (h->type != kRemoteSkip && !dead) {
-      const size_t put = outbox.push(o.ring + at + o.pushed, size - o.pushed);
-      o.pushed += put;
-      moved |= put > 0;
-      if (o.pushed < size) break;  // the outbox is full: the rest next turn
-      forwarded_.fetch_add(size, std::memory_order_relaxed);
-    }
-    o.pos += size;
-    o.pushed = 0;
-    __atomic_store_n(&consumed_[r], o.pos, __ATOMIC_RELEASE);
+    if (h->type != kRemoteSkip && !o.dropping) forwarded_.fetch_add(size, std::memory_order_relaxed);
+    pos += size;
     ++recs_out_;
+  }
+  RingCtl* ctl = bridge_->outCtl(0, r);
+  if (pos != o.pos) {
+    __atomic_store_n(&o.pos, pos, __ATOMIC_RELEASE);
+    if (!o.dropping) ctl->tail.store(pos, std::memory_order_release);  // SKIPs go too: the inbox mirrors the ring
+    moved = true;
+  }
+  const uint64_t free_to = o.dropping ? (bridge_->sendingStopped(r) ? pos : consumed_[r])
+                                      : ctl->head.load(std::memory_order_acquire);
+  if (free_to != consumed_[r]) {
+    __atomic_store_n(&consumed_[r], free_to, __ATOMIC_RELEASE);
     moved = true;
   }
   return moved;
@@ -174,6 +183,15 @@ bool GpuProxy::storeIn(int q) {
     inbox.copyOut(&h, parsed, sizeof(h));
     // Everything a peer sent is checked before use (R5).
     const char* bad = nullptr;
+    if (h.type == kRemoteSkip) {  // the rest of a lap of the sender's ring (the inbox mirrors it)
+      if (h.len < sizeof(h) || h.len % kRemoteRecordAlign != 0 || h.len > remoteRecordBytes(max_payload)) {
+        refuse(q, "a SKIP record of a size no ring holds");
+        break;
+      }
+      if (avail - parsed < h.len) break;
+      parsed += h.len;
+      continue;
+    }
     const uint64_t len = h.type == kRemoteFlag ? 8 : h.len;
     if (h.type != kRemoteData && h.type != kRemoteFlag) bad = "a record of an unknown type";
     else if (h.buf >= kRemoteNumBuffers || far_host_[h.buf] == nullptr) bad = "a record for a buffer this rank lacks";
@@ -248,7 +266,7 @@ epResult_t GpuProxy::bytesForwarded(uint64_t* bytes, int wait_ms) {
   Backoff backoff;
   for (int r = 0; r < nranks_; ++r)
     while (remote_[r] && !bridge_->dead(r) && !out_[r].broken &&
-           __atomic_load_n(&consumed_[r], __ATOMIC_ACQUIRE) < reserved[r] && !deadline.expired())
+           __atomic_load_n(&out_[r].pos, __ATOMIC_ACQUIRE) < reserved[r] && !deadline.expired())
       backoff.pause();
   *bytes = forwarded_.load(std::memory_order_relaxed);
   return epSuccess;

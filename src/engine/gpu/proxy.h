@@ -2,9 +2,12 @@
 // and what those ranks' kernels wrote for this one, stored into this rank's buffers (common/gpu_remote.h has the
 // record format and the rules the kernels keep).
 //
-//   out: ring[r] (pinned host memory the kernels write) --records in order--> NetBridge outbox toward r
-//   in:  NetBridge inbox from q (host memory) --records in order--> the far copy of the record's buffer
-//        (pinned host memory, mapped: the kernels read there every word a rank of another host writes)
+//   out: ring[r] (pinned host memory the kernels write), which is the NetBridge's outbox toward r: the proxy moves
+//        its tail over whole records in order, the bridge sends from it, and the kernels get ring room back
+//        (`consumed`) as r's bridge credits what it took, so no byte is copied on this side
+//   in:  NetBridge inbox from q (host memory, the bridge receives into it) --records in order--> the far copy of
+//        the record's buffer (pinned host memory, mapped: the kernels read there every word a rank of another
+//        host writes)
 //
 // Storing is a memcpy (DATA) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
 // call while kernels run. One would block behind the application's own, e.g. a kernel's first launch under lazy
@@ -16,7 +19,8 @@
 // each inbox, so captured graphs replay across hosts. Every record received is checked before use (R5): a type it
 // does not know, a buffer this rank lacks, a range past the buffer's end, or a size past the limit end the
 // stream from that rank (logged); the kernels waiting for it then end at their deadline. Records toward a rank the
-// bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it).
+// bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it): the bridge first
+// closes the connection toward it, so that none of the ring's bytes go out once the kernels may write them again.
 //
 // The proxy itself touches no CUDA API: what it needs from the GPU (pinned memory the device can reach, device
 // memory, set up before the thread starts) comes through ProxyDevice, so that the CPU tests run the very same
@@ -86,10 +90,10 @@ class GpuProxy {
 
  private:
   struct Out {
-    uint8_t* ring = nullptr;  // host address of the ring
-    uint64_t pos = 0;         // consumed so far (== *consumed)
-    uint64_t pushed = 0;      // bytes of the record at pos already in the outbox
+    uint8_t* ring = nullptr;  // host address of the ring, which is also the bridge's outbox toward the rank
+    uint64_t pos = 0;         // taken so far: the whole records before it are the outbox's (atomic access)
     bool broken = false;      // a malformed record (a bug): nothing more is forwarded
+    bool dropping = false;    // the rank is dead: records are dropped once the bridge stopped sending to it
   };
   struct In {
     bool bad = false;  // a record failed its checks: nothing more is stored from this rank
