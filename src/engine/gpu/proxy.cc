@@ -133,7 +133,7 @@ bool GpuProxy::pumpOut(int r) {
     bridge_->stopSending(r);
     o.dropping = true;
   }
-  uint64_t pos = o.pos;
+  uint64_t pos = o.pos, records = 0;
   for (int n = 0; n < kOutPerTurn; ++n) {
     const size_t at = pos % ring_bytes_;
     GpuRemoteRecord* h = reinterpret_cast<GpuRemoteRecord*>(o.ring + at);
@@ -147,10 +147,11 @@ bool GpuProxy::pumpOut(int r) {
       noteFailure(r, "this rank's ring toward it held a malformed record");
       break;
     }
-    if (h->type != kRemoteSkip && !o.dropping) forwarded_.fetch_add(size, std::memory_order_relaxed);
+    if (h->type != kRemoteSkip && !o.dropping) records += size;
     pos += size;
     ++recs_out_;
   }
+  if (records) forwarded_.fetch_add(records, std::memory_order_relaxed);
   RingCtl* ctl = bridge_->outCtl(0, r);
   if (pos != o.pos) {
     __atomic_store_n(&o.pos, pos, __ATOMIC_RELEASE);
