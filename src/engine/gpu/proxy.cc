@@ -17,6 +17,10 @@ namespace epcomm {
 EP_PARAM(GpuProxyRingBytes, "GPU_PROXY_RING_BYTES", 8 << 20);
 // 1: the proxy prints where every stream stands once a second (diagnostics).
 EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
+// Largest message the proxy's net bridge sends a run of records in (at most an eighth of the ring). Above the socket
+// backend's inline size (64 KiB) its helper threads move it over several data sockets at once, which the proxy's
+// bulk streams want; below, the proxy's bridge thread does, on one socket, with a syscall or more per message.
+EP_PARAM(GpuProxyMsgBytes, "GPU_PROXY_MSG_BYTES", 1 << 20);
 
 namespace {
 
@@ -89,7 +93,9 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   // The bridge's inboxes: a region of this process only (created, then unlinked at once).
   EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
   inbox_.unlink();
-  bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_, remote_, &inbox_);
+  bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_,
+                                        static_cast<size_t>(std::max<int64_t>(epParamGpuProxyMsgBytes(), 4096)),
+                                        remote_, &inbox_);
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) bridge_->useOutboxMemory(0, r, out_[r].ring);  // sent from where the kernels wrote it
   EPCHECK(bridge_->connect(bs, timeout_ms));

@@ -40,8 +40,6 @@ static_assert(sizeof(FrameHdr) == 48, "frame header size is part of the wire for
 // from the outbox and received straight into the inbox, no copy by this process.
 constexpr size_t kFramePayload = (16u << 10) - sizeof(FrameHdr);
 constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
-// Largest payload message (also at most an eighth of the ring, so that several are in flight within the credit).
-constexpr size_t kMaxPayloadMsg = 1u << 20;
 
 }  // namespace
 
@@ -111,10 +109,10 @@ struct NetBridge::Peer {
   std::string why;
 };
 
-NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, std::vector<uint8_t> remote,
-                     ShmRegion* own)
+NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, size_t max_payload,
+                     std::vector<uint8_t> remote, ShmRegion* own)
     : rank_(rank), nranks_(nranks), nchan_(nchannels), ring_bytes_(ring_bytes),
-      max_payload_(std::min<size_t>(kMaxPayloadMsg, ring_bytes / 8)), remote_(std::move(remote)),
+      max_payload_(std::min(max_payload, ring_bytes / 8)), remote_(std::move(remote)),
       own_(own) {
   peers_.resize(nranks_);
   mirrors_.resize(nranks_);
@@ -562,8 +560,8 @@ bool NetBridge::pumpRecvs(Peer& p) {
       p.rx.pop_front();
       step = true;
     }
-    // The frame receive at the back.
-    if (p.frame_posted && !p.rx.back().done) {
+    // The frame receive at the back (unless it is the front, tested just now).
+    if (p.frame_posted && p.rx.size() > 1 && !p.rx.back().done) {
       const int t = test(p.rx.back());
       if (t < 0 || p.recv_failed) return moved;
       if (t > 0) step = true;
@@ -620,7 +618,7 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
   if (h.type != kData && h.type != kDataNext) return;
   const uint64_t len = h.type == kData ? h.len : h.v[1];
   const uint64_t head = own_->ringCtl(p.rank, h.ch)->head.load(std::memory_order_acquire);
-  if (h.v[0] != p.rx_expect[h.ch] || len == 0 || (h.type == kDataNext && len > max_payload_) ||
+  if (h.v[0] != p.rx_expect[h.ch] || len == 0 || (h.type == kDataNext && len > ring_bytes_ / 8) ||
       h.v[0] + len - head > ring_bytes_)
     return markDead(p, "a data frame beyond its credit or out of order");
   p.rx_expect[h.ch] += len;

@@ -17,11 +17,12 @@
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
 //
 // A few outbox bytes (up to a frame's payload, 16 KiB) go inside a DATA frame; more as DATA_NEXT, in messages of up
-// to 1 MiB (at most an eighth of the ring), which the socket backend spreads over its data sockets and helper
-// threads. The receiver posts one frame receive at a time (what follows a frame is known once it is in) and, as a
-// DATA_NEXT comes in, the payload receive into the inbox, then the next frame's: payloads land while the frames
-// after them are read. A payload never crosses the ring's end and lands at the sender's ring offset, so both ends
-// have rings of one size (checked at connection: the greeting carries it).
+// to the user's max_payload (at most an eighth of the ring; the host engine 64 KiB, the GPU proxy 1 MiB, which the
+// socket backend spreads over its data sockets and helper threads). The receiver posts one frame receive at a time
+// (what follows a frame is known once it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox,
+// then the next frame's: payloads land while the frames after them are read. A payload never crosses the ring's
+// end and lands at the sender's ring offset, so both ends have rings of one size (checked at connection: the
+// greeting carries it).
 //
 // Credit. The outbox's head is not where the local progress thread has read to but the consumer's head as last
 // reported: RingEnd::push then admits only bytes the remote inbox has room for, so the progress thread can send
@@ -69,8 +70,11 @@ class NetBackend;
 class NetBridge {
  public:
   // remote[r] != 0: rank r is on another host. own: this rank's region (the inboxes of remote sources live there
-  // as for local ones).
-  NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, std::vector<uint8_t> remote, ShmRegion* own);
+  // as for local ones). max_payload: the largest DATA_NEXT payload message this rank sends (then at most an eighth
+  // of the ring, all a receiver accepts): up to the socket backend's inline size (64 KiB) its caller moves it on the
+  // control socket; above, its data sockets and helper threads do, in parallel, after a hand-off.
+  NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, size_t max_payload, std::vector<uint8_t> remote,
+            ShmRegion* own);
   ~NetBridge();
   NetBridge(const NetBridge&) = delete;
   NetBridge& operator=(const NetBridge&) = delete;
@@ -141,7 +145,7 @@ class NetBridge {
 
   int rank_, nranks_, nchan_;
   size_t ring_bytes_;
-  size_t max_payload_;  // largest DATA_NEXT payload
+  size_t max_payload_;  // largest DATA_NEXT payload this rank sends
   std::vector<uint8_t> remote_;
   ShmRegion* own_;
   net::NetBackend* backend_ = nullptr;
