@@ -129,8 +129,9 @@ bool GpuProxy::failed(int r, std::string* why) const {
 }
 
 // Takes the whole records of ring r, in order, into the bridge's outbox toward r (the ring itself: its tail moves
-// over them), and gives the kernels back what r's bridge has credited. Toward a dead rank records are dropped
-// instead, once the bridge has stopped sending (the kernels may then write over bytes it would have sent).
+// over them as far as r's credit allows), and gives the kernels back what the bridge has sent. Toward a dead rank
+// records are dropped instead, once the bridge has stopped sending (the kernels may then write over bytes it would
+// have sent).
 bool GpuProxy::pumpOut(int r) {
   Out& o = out_[r];
   bool moved = false;
@@ -158,14 +159,21 @@ bool GpuProxy::pumpOut(int r) {
     ++recs_out_;
   }
   if (records) forwarded_.fetch_add(records, std::memory_order_relaxed);
-  RingCtl* ctl = bridge_->outCtl(0, r);
   if (pos != o.pos) {
     __atomic_store_n(&o.pos, pos, __ATOMIC_RELEASE);
-    if (!o.dropping) ctl->tail.store(pos, std::memory_order_release);  // SKIPs go too: the inbox mirrors the ring
     moved = true;
   }
-  const uint64_t free_to = o.dropping ? (bridge_->sendingStopped(r) ? pos : consumed_[r])
-                                      : ctl->head.load(std::memory_order_acquire);
+  // The outbox tail: what was taken, within the peer's credit (the kernels may be up to a ring ahead of it, since
+  // their room is what the bridge has sent). SKIPs go too: the inbox mirrors the ring.
+  RingCtl* ctl = bridge_->outCtl(0, r);
+  if (!o.dropping) {
+    const uint64_t tail = std::min<uint64_t>(pos, ctl->head.load(std::memory_order_acquire) + ring_bytes_);
+    if (tail != ctl->tail.load(std::memory_order_relaxed)) {
+      ctl->tail.store(tail, std::memory_order_release);
+      moved = true;
+    }
+  }
+  const uint64_t free_to = o.dropping ? (bridge_->sendingStopped(r) ? pos : consumed_[r]) : bridge_->outRead(0, r);
   if (free_to != consumed_[r]) {
     __atomic_store_n(&consumed_[r], free_to, __ATOMIC_RELEASE);
     moved = true;
@@ -308,7 +316,8 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
       for (int r = 0; r < nranks_; ++r) {
         if (!remote_[r] || (live && !live[r]) || bridge_->dead(r)) continue;
         moved |= pumpOut(r);
-        left |= !out_[r].broken && out_[r].pos < reserved[r];
+        const uint64_t tail = bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed);  // the credit's
+        left |= !out_[r].broken && (out_[r].pos < reserved[r] || tail < out_[r].pos);
       }
       if (!left || deadline.expired()) break;
       if (moved) backoff.reset();

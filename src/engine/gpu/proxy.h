@@ -3,8 +3,9 @@
 // record format and the rules the kernels keep).
 //
 //   out: ring[r] (pinned host memory the kernels write), which is the NetBridge's outbox toward r: the proxy moves
-//        its tail over whole records in order, the bridge sends from it, and the kernels get ring room back
-//        (`consumed`) as r's bridge credits what it took, so no byte is copied on this side
+//        its tail over whole records in order (within r's credit), the bridge sends from it, and the kernels get
+//        ring room back (`consumed`) as those sends complete (NetBridge::outRead), so no byte is copied on this
+//        side and the ring and r's inbox are two stages of the pipeline
 //   in:  NetBridge inbox from q (host memory, the bridge receives into it) --records in order--> the far copy of
 //        the record's buffer (pinned host memory, mapped: the kernels read there every word a rank of another
 //        host writes)

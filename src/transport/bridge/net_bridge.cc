@@ -66,8 +66,15 @@ struct NetBridge::Peer {
     bool hdr_posted;  // DATA_NEXT: the frame is out, its payload not yet
   };
   std::deque<Desc> q;
-  std::deque<int> inflight_slots;  // send slot of each posted message in posting order (-1: a payload)
-  std::deque<void*> inflight_reqs;
+  // Posted messages, in posting order: the send slot (-1: a payload) and, for DATA and DATA_NEXT payloads, the
+  // channel (else -1) and the stream offset where the outbox bytes they carry end.
+  struct Sent {
+    void* req;
+    int slot, ch;
+    uint64_t end;
+  };
+  std::deque<Sent> inflight;
+  std::unique_ptr<std::atomic<uint64_t>[]> out_read;  // [ch] outbox bytes whose sends completed (see outRead)
   std::vector<std::vector<uint8_t>> send_buf;
   std::vector<void*> send_mh;
   std::vector<int> free_send;
@@ -121,10 +128,12 @@ NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, siz
     auto p = std::make_unique<Peer>();
     p->rank = r;
     p->out_ctl.reset(new RingCtl[nchan_]);
+    p->out_read.reset(new std::atomic<uint64_t>[nchan_]);
     for (int c = 0; c < nchan_; ++c) {
       p->out_ctl[c].tail.store(0);
       p->out_ctl[c].head.store(0);
       p->out_ctl[c].read_done.store(0);
+      p->out_read[c].store(0);
     }
     p->out_own.resize(nchan_);  // allocated by connect() where useOutboxMemory gave none
     p->out_data.assign(nchan_, nullptr);
@@ -158,6 +167,8 @@ RingCtl* NetBridge::outCtl(int ch, int p) const { return &peers_[p]->out_ctl[ch]
 void NetBridge::stopSending(int p) { peers_[p]->stop_send.store(true, std::memory_order_release); }
 
 bool NetBridge::sendingStopped(int p) const { return peers_[p]->send_closed.load(std::memory_order_acquire); }
+
+uint64_t NetBridge::outRead(int ch, int p) const { return peers_[p]->out_read[ch].load(std::memory_order_acquire); }
 
 void NetBridge::useOutboxMemory(int ch, int p, uint8_t* data) { peers_[p]->out_data[ch] = data; }
 
@@ -461,21 +472,22 @@ void NetBridge::queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* 
 // peer credits it, which it cannot before receiving it).
 bool NetBridge::pumpSends(Peer& p) {
   bool moved = false;
-  while (!p.send_failed && !p.inflight_reqs.empty()) {
+  while (!p.send_failed && !p.inflight.empty()) {
     int done = 0;
-    const epResult_t r = backend_->test(p.inflight_reqs.front(), &done, nullptr);
+    const epResult_t r = backend_->test(p.inflight.front().req, &done, nullptr);
     if (r != epSuccess) {
       p.send_failed = true;  // the peer closed its end, or stopped taking frames: nothing more goes to it
       if (r == epTimeout) markDead(p, net::netLastError());  // stalled (the backend's deadline), if still open
       break;
     }
     if (!done) break;
-    if (p.inflight_slots.front() >= 0) p.free_send.push_back(p.inflight_slots.front());
-    p.inflight_slots.pop_front();
-    p.inflight_reqs.pop_front();
+    const Peer::Sent& s = p.inflight.front();
+    if (s.slot >= 0) p.free_send.push_back(s.slot);
+    if (s.ch >= 0) p.out_read[s.ch].store(s.end, std::memory_order_release);
+    p.inflight.pop_front();
     moved = true;
   }
-  auto post = [&](void* buf, size_t n, void* mh, int slot) -> bool {
+  auto post = [&](void* buf, size_t n, void* mh, int slot, int ch, uint64_t end) -> bool {
     void* req = nullptr;
     const epResult_t r = backend_->isend(p.send, buf, n, 0, mh, &req);
     if (r != epSuccess) {
@@ -484,12 +496,11 @@ bool NetBridge::pumpSends(Peer& p) {
       return false;
     }
     if (!req) return false;
-    p.inflight_slots.push_back(slot);
-    p.inflight_reqs.push_back(req);
+    p.inflight.push_back(Peer::Sent{req, slot, ch, end});
     moved = true;
     return true;
   };
-  while (!p.send_failed && !p.q.empty() && p.inflight_reqs.size() < kMaxSendsInFlight) {
+  while (!p.send_failed && !p.q.empty() && p.inflight.size() < kMaxSendsInFlight) {
     Peer::Desc& d = p.q.front();
     if (!d.hdr_posted) {
       if (p.free_send.empty()) break;
@@ -503,16 +514,17 @@ bool NetBridge::pumpSends(Peer& p) {
         memcpy(buf + sizeof(h), ring + off, first);
         if (first < d.len) memcpy(buf + sizeof(h) + first, ring, d.len - first);
       }
-      if (!post(buf, sizeof(h) + d.len, p.send_mh[slot], slot)) break;
+      const bool data = d.type == kData;
+      if (!post(buf, sizeof(h) + d.len, p.send_mh[slot], slot, data ? d.ch : -1, data ? d.v[0] + d.len : 0)) break;
       p.free_send.pop_back();
       if (d.type != kDataNext) {
         p.q.pop_front();
         continue;
       }
       d.hdr_posted = true;  // its payload must be the very next message
-      if (p.inflight_reqs.size() >= kMaxSendsInFlight) break;
+      if (p.inflight.size() >= kMaxSendsInFlight) break;
     }
-    if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1)) break;
+    if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1, d.ch, d.v[0] + d.v[1])) break;
     p.q.pop_front();
   }
   return moved;
@@ -684,8 +696,7 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
     p.send = nullptr;
     p.send_failed = true;
     p.q.clear();
-    p.inflight_reqs.clear();
-    p.inflight_slots.clear();
+    p.inflight.clear();
     p.send_closed.store(true, std::memory_order_release);
     moved = true;
   }
@@ -790,7 +801,7 @@ void NetBridge::progressLoop() {
             moved = true;
           }
         }
-        if (!pp->bye_queued || !pp->q.empty() || !pp->inflight_reqs.empty() ||
+        if (!pp->bye_queued || !pp->q.empty() || !pp->inflight.empty() ||
             !(pp->bye || pp->bye_acked || pp->recv_failed))
           all = false;
       }
@@ -828,8 +839,7 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
     if (pp->send) backend_->closeSend(pp->send);
     if (pp->recv) backend_->closeRecv(pp->recv);
     // The requests belonged to the closed connections (freed by close).
-    pp->inflight_reqs.clear();
-    pp->inflight_slots.clear();
+    pp->inflight.clear();
     pp->rx.clear();
   }
   for (auto& pp : peers_) {

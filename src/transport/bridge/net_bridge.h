@@ -89,6 +89,10 @@ class NetBridge {
   // GPU proxy's record ring, sent from where the kernels wrote it.
   void useOutboxMemory(int ch, int p, uint8_t* data);
   RingCtl* outCtl(int ch, int p) const;
+  // Outbox bytes toward p on channel ch that the bridge has finished reading (their sends completed), a stream
+  // offset: memory of the caller's outbox below it may be written again even before the peer credits it, as long
+  // as the tail stays within the credit (head + ring bytes).
+  uint64_t outRead(int ch, int p) const;
   // Sends nothing more to p: the progress thread closes the send connection (cancelling what is in flight), after
   // which sendingStopped(p) is true and the outboxes toward p are the caller's again (a dead peer's ring may then
   // be reused without its stale bytes going out).
