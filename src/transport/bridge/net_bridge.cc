@@ -468,8 +468,9 @@ void NetBridge::queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* 
 }
 
 // Posts queued frames in order and completes sends from the front. A DATA frame's payload is copied out of the
-// outbox into the frame; a DATA_NEXT's goes as the next message straight from the outbox (it stays there until the
-// peer credits it, which it cannot before receiving it).
+// outbox into the frame; a DATA_NEXT's goes as the next message straight from the outbox, which keeps it until the
+// send completes (the bridge's own outbox until the peer credits it, which it cannot before receiving it; a caller's
+// until outRead passes it).
 bool NetBridge::pumpSends(Peer& p) {
   bool moved = false;
   while (!p.send_failed && !p.inflight.empty()) {
@@ -550,8 +551,9 @@ bool NetBridge::pumpRecvs(Peer& p) {
     if (e.slot >= 0) {
       p.frame_posted = false;
       checkFrame(p, p.recv_buf[e.slot].data(), got);
+    } else if (got != e.len) {
+      markDead(p, "a payload of another size than its frame announced");
     }
-    else if (got != e.len) markDead(p, "a payload of another size than its frame announced");
     return 1;
   };
   for (;;) {
