@@ -2,7 +2,7 @@
 // kernels' side of the rings (kernels/remote.cuh) written by CPU threads instead:
 //  - DATA records of every size and alignment land at their offsets, and a FLAG after them is seen only once they
 //    are all there; several writers at once (as warps), over many laps of a small ring (SKIP records), both
-//    directions, 2 and 3 ranks;
+//    directions, 2 and 3 ranks, over the socket and the ofi backend;
 //  - what a peer sends is checked (R5): a record past its buffer's end, for a buffer the rank lacks, or of an
 //    unknown type ends that peer's stream, logged, and nothing of it is stored;
 //  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline);
@@ -22,6 +22,7 @@
 #include "engine/gpu/proxy.h"
 #include "engine/gpu/proxy_host_writer.h"
 #include "multiproc.h"
+#include "transport/net/net.h"
 
 namespace {
 
@@ -185,15 +186,30 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
   return 0;
 }
 
-TEST(GpuProxy, RecordsArriveInOrderAcrossLaps) {
+// Over both net backends: runs of records longer than a frame go as DATA_NEXT payload messages (net_bridge.h).
+class GpuProxyNet : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
+  const char* net = GetParam();
+  setenv("EPCOMM_NET", net, 1);
+  std::string why;
+  const bool offered = strcmp(net, "ofi") != 0 || epcomm::net::netOfiBackend(&why) != nullptr;
+  if (!offered) {
+    unsetenv("EPCOMM_NET");
+    GTEST_SKIP() << "EPCOMM_NET=ofi is not offered here: " << why;
+  }
   setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);  // the smallest: many laps, SKIP records at every end
   for (int R : {2, 3}) {
     epUniqueId id;
     ASSERT_EQ(epGetUniqueId(&id), epSuccess);
     auto codes = epcomm::test::runRanks(R, [&](int rank) { return exchangeRounds(rank, R, id, 12, 4); }, 240000);
-    for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R;
+    for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << " over " << net;
   }
+  unsetenv("EPCOMM_NET");
 }
+
+INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet, ::testing::Values("socket", "ofi"),
+                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
 
 // Rank 0 sends rank 1 a good round, then a record that must be refused, one kind per run: past its buffer's end,
 // for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), or of an unknown type

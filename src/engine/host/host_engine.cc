@@ -280,10 +280,10 @@ epResult_t HostEngine::init() {
   // Ranks of other hosts: connections over the net transport (every rank takes part in its exchange, also
   // when all ranks share this host, so that they agree on whether it works).
   if (nhosts_ > 1) {
-    // Payloads up to the socket backend's inline size: its helper threads' hand-off costs the host engine's
-    // latency-bound operations more than their parallel streams give (512 KiB frames were slower at every shape
-    // on the 16-core H200 host, bench/results/h200-s9-host-xhost.log).
-    bridge_ = std::make_unique<NetBridge>(rank_, nranks_, C, ring_bytes_, size_t{64} << 10, remote_, &own_);
+    // Frames only (no DATA_NEXT): with them, the 2-core VM measured parity on socket and LL 0.88-0.90x on ofi
+    // (bench/results/cpu-proxy-s18.log), and 512 KiB frames through the socket helpers were slower at every shape
+    // on the 16-core H200 host (bench/results/h200-s9-host-xhost.log).
+    bridge_ = std::make_unique<NetBridge>(rank_, nranks_, C, ring_bytes_, 0, remote_, &own_);
     EPCHECK(bridge_->connect(bs, comm_->config.timeout_ms));
     EPCHECK(bs->barrier(comm_->config.timeout_ms));
   }

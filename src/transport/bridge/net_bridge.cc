@@ -35,10 +35,11 @@ struct FrameHdr {
                   // READDONE: epoch; CTRL: rs word, hash, epoch, status; HELLO: secret, gen, ring bytes
 };
 static_assert(sizeof(FrameHdr) == 48, "frame header size is part of the wire format");
-// Outbox bytes up to this go inside a DATA frame (copied into the frame, then out of it into the inbox: cheaper
-// than a second message for a few bytes); more go as a DATA_NEXT frame and a message of their own, sent straight
-// from the outbox and received straight into the inbox, no copy by this process.
-constexpr size_t kFramePayload = (16u << 10) - sizeof(FrameHdr);
+// Outbox bytes up to this go inside a DATA frame (copied into the frame, then out of it into the inbox); frames of
+// 64 KiB go whole on the socket backend's control socket (its inline size). Where the bridge's user allows them
+// (max_payload), more go as a DATA_NEXT frame and a message of their own, sent straight from the outbox and received
+// straight into the inbox, no copy by this process.
+constexpr size_t kFramePayload = (64u << 10) - sizeof(FrameHdr);
 constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
 
 }  // namespace
@@ -93,7 +94,7 @@ struct NetBridge::Peer {
     size_t got;
   };
   std::deque<Rx> rx;
-  bool frame_posted = false;
+  int frames_posted = 0;  // frame receives not yet complete
   bool payload_due = false;  // a DATA_NEXT is in: its payload receive (below) is the next one to post
   uint16_t payload_ch = 0;
   uint64_t payload_off = 0;
@@ -531,10 +532,13 @@ bool NetBridge::pumpSends(Peer& p) {
   return moved;
 }
 
-// Receives frames and payloads in posting order (see Peer::rx): the front completes and is applied first; the frame
-// receive at the back is completed early, so that the payload it announces is posted while earlier ones still land.
+// Receives frames and payloads in posting order (see Peer::rx): the front completes and is applied first. Where the
+// peer may send DATA_NEXT, one frame receive is posted at a time, and it is completed early, at the back, so that
+// the payload it announces is posted while earlier ones still land; otherwise every message is a frame, and
+// kRecvSlots frame receives stay posted (a backend such as ofi then has a buffer for each as it comes).
 bool NetBridge::pumpRecvs(Peer& p) {
   bool moved = false;
+  const bool one_frame = max_payload_ > 0;
   // -1: failed (recorded), 0: not yet, 1: complete.
   auto test = [&](Peer::Rx& e) -> int {
     int done = 0;
@@ -549,7 +553,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
     e.got = got;
     moved = true;
     if (e.slot >= 0) {
-      p.frame_posted = false;
+      --p.frames_posted;
       checkFrame(p, p.recv_buf[e.slot].data(), got);
     } else if (got != e.len) {
       markDead(p, "a payload of another size than its frame announced");
@@ -557,7 +561,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
     return 1;
   };
   for (;;) {
-    if (p.recv_failed) return moved;
+    if (p.recv_failed || p.bye) return moved;  // after a goodbye nothing more will come
     bool step = false;
     // The front, in order.
     while (!p.rx.empty()) {
@@ -575,7 +579,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
       step = true;
     }
     // The frame receive at the back (unless it is the front, tested just now).
-    if (p.frame_posted && p.rx.size() > 1 && !p.rx.back().done) {
+    if (one_frame && p.frames_posted > 0 && p.rx.size() > 1 && !p.rx.back().done) {
       const int t = test(p.rx.back());
       if (t < 0 || p.recv_failed) return moved;
       if (t > 0) step = true;
@@ -596,7 +600,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
         step = true;
       }
     }
-    if (!p.payload_due && !p.frame_posted && !p.bye_in && !p.free_recv.empty()) {
+    while (!p.payload_due && !(one_frame && p.frames_posted > 0) && !p.bye_in && !p.free_recv.empty()) {
       const int slot = p.free_recv.back();
       void* data = p.recv_buf[slot].data();
       size_t size = kFrameBytes;
@@ -606,12 +610,11 @@ bool NetBridge::pumpRecvs(Peer& p) {
         markDead(p, net::netLastError());
         return moved;
       }
-      if (req) {
-        p.free_recv.pop_back();
-        p.rx.push_back(Peer::Rx{req, slot, 0, 0, false, 0});
-        p.frame_posted = true;
-        step = true;
-      }
+      if (!req) break;
+      p.free_recv.pop_back();
+      p.rx.push_back(Peer::Rx{req, slot, 0, 0, false, 0});
+      ++p.frames_posted;
+      step = true;
     }
     if (!step) return moved;
     moved = true;
@@ -630,6 +633,8 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
     return markDead(p, "a malformed frame (stream out of sync)");
   if (h.type == kBye) p.bye_in = true;
   if (h.type != kData && h.type != kDataNext) return;
+  if (h.type == kDataNext && max_payload_ == 0)  // its payload would land in the frame receives posted ahead
+    return markDead(p, "a DATA_NEXT frame on a connection that takes none");
   const uint64_t len = h.type == kData ? h.len : h.v[1];
   const uint64_t head = own_->ringCtl(p.rank, h.ch)->head.load(std::memory_order_acquire);
   if (h.v[0] != p.rx_expect[h.ch] || len == 0 || (h.type == kDataNext && len > ring_bytes_ / 8) ||
@@ -709,11 +714,10 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         // A DATA_NEXT payload is contiguous in the ring (and lands at the same place in the peer's).
         const size_t contiguous = ring_bytes_ - p.sent[c] % ring_bytes_;
         const size_t ready = std::min<uint64_t>(tail - p.sent[c], contiguous);
-        const size_t n = ready <= kFramePayload ? std::min<uint64_t>(tail - p.sent[c], kFramePayload)
-                                                : std::min(ready, max_payload_);
+        const bool next = ready > kFramePayload && max_payload_ > kFramePayload;
+        const size_t n = next ? std::min(ready, max_payload_) : std::min<uint64_t>(tail - p.sent[c], kFramePayload);
         const uint64_t v[4] = {p.sent[c], n, 0, 0};
-        queueFrame(p, n <= kFramePayload ? kData : kDataNext, static_cast<uint16_t>(c), v,
-                   n <= kFramePayload ? static_cast<uint32_t>(n) : 0);
+        queueFrame(p, next ? kDataNext : kData, static_cast<uint16_t>(c), v, next ? 0 : static_cast<uint32_t>(n));
         p.sent[c] += n;
         data_sent_.fetch_add(n, std::memory_order_relaxed);
         moved = true;

@@ -16,13 +16,14 @@
 //   outbox read_done <--READDONE frames (p's RingEnd::setReadDone)----------- engine
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
 //
-// A few outbox bytes (up to a frame's payload, 16 KiB) go inside a DATA frame; more as DATA_NEXT, in messages of up
-// to the user's max_payload (at most an eighth of the ring; the host engine 64 KiB, the GPU proxy 1 MiB, which the
-// socket backend spreads over its data sockets and helper threads). The receiver posts one frame receive at a time
-// (what follows a frame is known once it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox,
-// then the next frame's: payloads land while the frames after them are read. A payload never crosses the ring's
-// end and lands at the sender's ring offset, so both ends have rings of one size (checked at connection: the
-// greeting carries it).
+// Outbox bytes go inside DATA frames of up to 64 KiB (the socket backend's inline size: its caller moves them on the
+// control socket). Where the user allows it (max_payload; the GPU proxy, 1 MiB by default), a longer contiguous run
+// goes as DATA_NEXT instead, in one message of up to max_payload that the socket backend spreads over its data
+// sockets and helper threads. Such a receiver posts one frame receive at a time (what follows a frame is known once
+// it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox, then the next frame's: payloads land
+// while the frames after them are read. A payload never crosses the ring's end and lands at the sender's ring
+// offset, so both ends have rings of one size (checked at connection: the greeting carries it). The host engine
+// sends frames only, and keeps several frame receives posted.
 //
 // Credit. The outbox's head is not where the local progress thread has read to but the consumer's head as last
 // reported: RingEnd::push then admits only bytes the remote inbox has room for, so the progress thread can send
@@ -70,9 +71,9 @@ class NetBackend;
 class NetBridge {
  public:
   // remote[r] != 0: rank r is on another host. own: this rank's region (the inboxes of remote sources live there
-  // as for local ones). max_payload: the largest DATA_NEXT payload message this rank sends (then at most an eighth
-  // of the ring, all a receiver accepts): up to the socket backend's inline size (64 KiB) its caller moves it on the
-  // control socket; above, its data sockets and helper threads do, in parallel, after a hand-off.
+  // as for local ones). max_payload: 0, frames only (every rank of the communicator the same); else DATA_NEXT
+  // payloads of up to max_payload (and an eighth of the ring) go out, and come in from peers (any size up to an
+  // eighth of the ring).
   NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, size_t max_payload, std::vector<uint8_t> remote,
             ShmRegion* own);
   ~NetBridge();
@@ -149,7 +150,7 @@ class NetBridge {
 
   int rank_, nranks_, nchan_;
   size_t ring_bytes_;
-  size_t max_payload_;  // largest DATA_NEXT payload this rank sends
+  size_t max_payload_;  // largest DATA_NEXT payload this rank sends; 0: frames only, both ways
   std::vector<uint8_t> remote_;
   ShmRegion* own_;
   net::NetBackend* backend_ = nullptr;
