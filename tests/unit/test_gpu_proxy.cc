@@ -14,7 +14,9 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "bootstrap/bootstrap.h"
@@ -186,11 +188,12 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
   return 0;
 }
 
-// Over both net backends: runs of records longer than a frame go as DATA_NEXT payload messages (net_bridge.h).
-class GpuProxyNet : public ::testing::TestWithParam<const char*> {};
+// Over both net backends, with the smallest ring (1 MiB: many laps, SKIP records at every end; frames only) and
+// one of 4 MiB (long runs of records go as DATA_NEXT payload messages, net_bridge.h).
+class GpuProxyNet : public ::testing::TestWithParam<std::tuple<const char*, const char*>> {};
 
 TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
-  const char* net = GetParam();
+  const char* net = std::get<0>(GetParam());
   setenv("EPCOMM_NET", net, 1);
   std::string why;
   const bool offered = strcmp(net, "ofi") != 0 || epcomm::net::netOfiBackend(&why) != nullptr;
@@ -198,7 +201,7 @@ TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
     unsetenv("EPCOMM_NET");
     GTEST_SKIP() << "EPCOMM_NET=ofi is not offered here: " << why;
   }
-  setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);  // the smallest: many laps, SKIP records at every end
+  setenv("EPCOMM_GPU_PROXY_RING_BYTES", std::get<1>(GetParam()), 1);
   for (int R : {2, 3}) {
     epUniqueId id;
     ASSERT_EQ(epGetUniqueId(&id), epSuccess);
@@ -208,8 +211,11 @@ TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
   unsetenv("EPCOMM_NET");
 }
 
-INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet, ::testing::Values("socket", "ofi"),
-                         [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
+INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet,
+                         ::testing::Combine(::testing::Values("socket", "ofi"), ::testing::Values("1048576", "4194304")),
+                         [](const ::testing::TestParamInfo<std::tuple<const char*, const char*>>& i) {
+                           return std::string(std::get<0>(i.param)) + "_ring" + std::get<1>(i.param);
+                         });
 
 // Rank 0 sends rank 1 a good round, then a record that must be refused, one kind per run: past its buffer's end,
 // for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), or of an unknown type

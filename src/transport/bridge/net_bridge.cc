@@ -41,6 +41,9 @@ static_assert(sizeof(FrameHdr) == 48, "frame header size is part of the wire for
 // straight into the inbox, no copy by this process.
 constexpr size_t kFramePayload = (64u << 10) - sizeof(FrameHdr);
 constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
+// Shorter runs go in frames even where DATA_NEXT is allowed: a payload message costs the socket backend a hand-off
+// to its helper threads, which only long runs repay.
+constexpr size_t kMinPayloadMsg = 256u << 10;
 
 }  // namespace
 
@@ -714,7 +717,7 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         // A DATA_NEXT payload is contiguous in the ring (and lands at the same place in the peer's).
         const size_t contiguous = ring_bytes_ - p.sent[c] % ring_bytes_;
         const size_t ready = std::min<uint64_t>(tail - p.sent[c], contiguous);
-        const bool next = ready > kFramePayload && max_payload_ > kFramePayload;
+        const bool next = ready >= kMinPayloadMsg && max_payload_ >= kMinPayloadMsg;
         const size_t n = next ? std::min(ready, max_payload_) : std::min<uint64_t>(tail - p.sent[c], kFramePayload);
         const uint64_t v[4] = {p.sent[c], n, 0, 0};
         queueFrame(p, next ? kDataNext : kData, static_cast<uint16_t>(c), v, next ? 0 : static_cast<uint32_t>(n));

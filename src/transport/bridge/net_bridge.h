@@ -17,11 +17,11 @@
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
 //
 // Outbox bytes go inside DATA frames of up to 64 KiB (the socket backend's inline size: its caller moves them on the
-// control socket). Where the user allows it (max_payload; the GPU proxy, 1 MiB by default), a longer contiguous run
-// goes as DATA_NEXT instead, in one message of up to max_payload that the socket backend spreads over its data
-// sockets and helper threads. Such a receiver posts one frame receive at a time (what follows a frame is known once
-// it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox, then the next frame's: payloads land
-// while the frames after them are read. A payload never crosses the ring's end and lands at the sender's ring
+// control socket). Where the user allows it (max_payload; the GPU proxy, 1 MiB by default), a contiguous run of
+// 256 KiB or more goes as DATA_NEXT instead, in one message of up to max_payload that the socket backend spreads
+// over its data sockets and helper threads. Such a receiver posts one frame receive at a time (what follows a frame
+// is known once it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox, then the next frame's:
+// payloads land while the frames after them are read. A payload never crosses the ring's end and lands at the sender's ring
 // offset, so both ends have rings of one size (checked at connection: the greeting carries it). The host engine
 // sends frames only, and keeps several frame receives posted.
 //
