@@ -93,7 +93,7 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   // The bridge's inboxes: a region of this process only (created, then unlinked at once).
   EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
   inbox_.unlink();
-  bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, inbox_bytes_,
+  bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, ring_bytes_,  // the outbox is the ring
                                         static_cast<size_t>(std::max<int64_t>(epParamGpuProxyMsgBytes(), 4096)),
                                         remote_, &inbox_);
   for (int r = 0; r < nranks_; ++r)

@@ -280,9 +280,9 @@ epResult_t HostEngine::init() {
   // Ranks of other hosts: connections over the net transport (every rank takes part in its exchange, also
   // when all ranks share this host, so that they agree on whether it works).
   if (nhosts_ > 1) {
-    // Frames only (no DATA_NEXT): with them, the 2-core VM measured parity on socket and LL 0.88-0.90x on ofi
-    // (bench/results/cpu-proxy-s18.log), and 512 KiB frames through the socket helpers were slower at every shape
-    // on the 16-core H200 host (bench/results/h200-s9-host-xhost.log).
+    // Frames only (no DATA_NEXT): on the 2-core VM it made no consistent difference here (0.55-1.8x from session to
+    // session, bench/results/cpu-proxy-s18.log), and 512 KiB frames through the socket backend's helper threads
+    // were slower at every shape on the 16-core H200 host (bench/results/h200-s9-host-xhost.log).
     bridge_ = std::make_unique<NetBridge>(rank_, nranks_, C, ring_bytes_, 0, remote_, &own_);
     EPCHECK(bridge_->connect(bs, comm_->config.timeout_ms));
     EPCHECK(bs->barrier(comm_->config.timeout_ms));
