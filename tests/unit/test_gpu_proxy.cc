@@ -212,7 +212,8 @@ TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet,
-                         ::testing::Combine(::testing::Values("socket", "ofi"), ::testing::Values("1048576", "4194304")),
+                         ::testing::Combine(::testing::Values("socket", "ofi"),
+                                            ::testing::Values("1048576", "4194304")),
                          [](const ::testing::TestParamInfo<std::tuple<const char*, const char*>>& i) {
                            return std::string(std::get<0>(i.param)) + "_ring" + std::get<1>(i.param);
                          });

@@ -21,9 +21,9 @@
 // 256 KiB or more goes as DATA_NEXT instead, in one message of up to max_payload that the socket backend spreads
 // over its data sockets and helper threads. Such a receiver posts one frame receive at a time (what follows a frame
 // is known once it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox, then the next frame's:
-// payloads land while the frames after them are read. A payload never crosses the ring's end and lands at the sender's ring
-// offset, so both ends have rings of one size (checked at connection: the greeting carries it). The host engine
-// sends frames only, and keeps several frame receives posted.
+// payloads land while the frames after them are read. A payload never crosses the ring's end and lands at the
+// sender's ring offset, so both ends have rings of one size (checked at connection: the greeting carries it). The
+// host engine sends frames only, and keeps several frame receives posted.
 //
 // Credit. The outbox's head is not where the local progress thread has read to but the consumer's head as last
 // reported: RingEnd::push then admits only bytes the remote inbox has room for, so the progress thread can send
