@@ -566,8 +566,8 @@ bool NetBridge::pumpRecvs(Peer& p) {
   for (;;) {
     if (p.recv_failed || p.bye) return moved;  // after a goodbye nothing more will come
     bool step = false;
-    // The front, in order.
-    while (!p.rx.empty()) {
+    // The front, in order (and no further test once a goodbye is applied: receives posted after it may fail).
+    while (!p.rx.empty() && !p.bye) {
       Peer::Rx& e = p.rx.front();
       if (!e.done && test(e) <= 0) break;
       if (p.recv_failed) return moved;
