@@ -127,6 +127,14 @@ __device__ bool waitPeers(const LlParams& p, uint64_t act, uint64_t* (*flag)(con
   return __syncthreads_and(ok) != 0;  // no shared flag: a kernel may call this twice in a row
 }
 __device__ uint64_t* ackFlag(const LlParams& p, int peer, int fam) { return ackPtr(p, p.rank, fam, peer); }
+// Zero-copy combines: the expert outputs of the next combine are written after a dispatch's receive half, into a
+// region peers may still be reading from; every combine this rank sent must have been read by every active peer
+// (waited for only with zc_guard). False in every thread if the wait failed.
+__device__ bool combinesRead(const LlParams& p, const LlCtrl* ctrl, uint64_t act, uint64_t e) {
+  if (!p.zc_guard) return true;
+  const uint64_t sent = *reinterpret_cast<const volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]);
+  return waitPeers(p, act, ackFlag, kLlCombine, sent, e);
+}
 __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
 }
@@ -653,9 +661,8 @@ __device__ bool zdSourceInfo(const LlParams& p, int par, uint64_t act, const int
 
 // pre: where a fused kernel wants the receive half's layout, or nullptr (a send half launched alone, or a fused
 // kernel without room for it, whose receive half then derives it: dispatchRecvBody). With pre the whole operation
-// ends here (the fused path above). Returns whether this block's waits succeeded (block-uniform; pre is written
-// only then).
-__device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre) {
+// ends here (the fused path above); a block writes pre only where its waits succeeded.
+__device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre) {
   extern __shared__ __align__(16) int32_t s_dyn[];
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
   launchDependents();
@@ -764,7 +771,7 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
     // each has some); the rest of the layout was derived above (pre).
     if (pre != nullptr) {
       const int busy = (p.T * P + nwarps - 1) / nwarps, b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
-      if (static_cast<int>(blockIdx.x) >= b0) ok = zdSourceInfo(p, par, act, pre, pre + L * (R + 1), e, b0);
+      if (static_cast<int>(blockIdx.x) >= b0) zdSourceInfo(p, par, act, pre, pre + L * (R + 1), e, b0);
     }
   }
   LL_PROBE(e, kPrSent);
@@ -786,22 +793,16 @@ __device__ __forceinline__ bool dispatchSendZeroCopy(const LlParams& p, int* pre
     LL_PROBE(e, kPrTagged);
   }
   if (pre != nullptr && blockIdx.x == 0) {
-    // One block waits for the peers' rows (their tags), and, with zero-copy combines, until every peer has read the
-    // last combine this rank sent: its expert outputs are written next, into the region those peers read.
+    // One block waits for the peers' rows (their tags), after the zero-copy combine guard (combinesRead).
     LL_PROBE(e, kPrRecvStart);
-    const uint64_t combines_sent =
-        p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
-    if (!p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e))
-      waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
+    if (combinesRead(p, ctrl, act, e)) waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
     LL_PROBE(e, kPrTags);
     LL_PROBE(e, kPrAcked);
   }
-  return ok;
 }
 
-// Returns whether this block's waits succeeded (block-uniform).
 template <bool kX>
-__device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = nullptr) {
+__device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = nullptr) {
   if (!kX && p.zd) return dispatchSendZeroCopy(p, pre);  // one host only (the engine refuses it across hosts)
   extern __shared__ __align__(16) int32_t s_dyn[];
   launchDependents();
@@ -890,7 +891,6 @@ __device__ __forceinline__ bool dispatchSendBody(const LlParams& p, int* pre = n
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
   }
-  return ok;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -913,21 +913,15 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   const size_t RM = static_cast<size_t>(R) * M;
   const uint64_t act = activeMask(p);
-  // Zero-copy combines: the expert outputs of the next combine are written after this receive half, into a
-  // region peers may still be reading from; every combine this rank sent must have been read by every peer.
-  const uint64_t combines_sent = p.zc_guard ? *reinterpret_cast<volatile uint64_t*>(&ctrl->send_epoch[kLlCombine]) : 0;
-  const bool guard = !p.zc_guard || waitPeers(p, act, ackFlag, kLlCombine, combines_sent, e);
   // A zero-copy dispatch has every source's T and counts in its entry, which the source writes before its rows:
   // the layout is derived while the rows are still landing.
-  bool in = guard && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
-                           : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
+  const bool in = combinesRead(p, ctrl, act, e) && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
+                                                        : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
   LL_PROBE(e, kPrTags);
   if (in) {
     dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
     __syncthreads();
     dispatchLayoutScan(p, s_begin, s_T);
-  }
-  if (in) {
     LL_PROBE(e, kPrLayout);
     // The rows are in place once the tags are (the senders wrote them); their source tokens come from the routing
     // words, before.
