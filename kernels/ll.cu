@@ -67,17 +67,19 @@ __device__ __forceinline__ uint8_t* combPackedPtr(const LlParams& p, int owner, 
          ((static_cast<size_t>(par) * p.lay.max_experts * p.lay.max_tokens) + A * block + q) * p.lay.comb_row;
 }
 
-// Zero-copy dispatch entry of `src` in `owner`'s buffer, its per-expert counts and its routing words.
-__device__ __forceinline__ LlZdEntry* zdEntry(const LlParams& p, int owner, int par, int src) {
+// Zero-copy dispatch entry of `src` in `owner`'s buffer, its per-expert counts and its routing words; slot: the
+// operation number % kLlZdSlots (zdSlot).
+__device__ __forceinline__ int zdSlot(uint64_t e) { return static_cast<int>(e % kLlZdSlots); }
+__device__ __forceinline__ LlZdEntry* zdEntry(const LlParams& p, int owner, int slot, int src) {
   return reinterpret_cast<LlZdEntry*>(p.base[owner] + p.lay.zd_ent +
-                                      (static_cast<size_t>(par) * p.nranks + src) * p.lay.zd_ent_size);
+                                      (static_cast<size_t>(slot) * p.nranks + src) * p.lay.zd_ent_size);
 }
 __device__ __forceinline__ int32_t* zdCounts(LlZdEntry* ent) { return reinterpret_cast<int32_t*>(ent + 1); }
 __device__ __forceinline__ const int32_t* zdCounts(const LlZdEntry* ent) {
   return reinterpret_cast<const int32_t*>(ent + 1);
 }
-__device__ __forceinline__ uint32_t* zdRouting(const LlParams& p, int owner, int par, int src) {
-  return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(zdEntry(p, owner, par, src)) + p.lay.zd_routing);
+__device__ __forceinline__ uint32_t* zdRouting(const LlParams& p, int owner, int slot, int src) {
+  return reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(zdEntry(p, owner, slot, src)) + p.lay.zd_routing);
 }
 
 __device__ __forceinline__ LlZcHeader* zcHeader(const LlParams& p, int owner, int par) {
@@ -138,9 +140,14 @@ __device__ bool combinesRead(const LlParams& p, const LlCtrl* ctrl, uint64_t act
 __device__ uint64_t* tagFlag(const LlParams& p, int peer, int fam_par) {
   return tagPtr(p, p.rank, fam_par >> 1, fam_par & 1, peer);
 }
-__device__ uint64_t* zdEntryFlag(const LlParams& p, int peer, int par) { return &zdEntry(p, p.rank, par, peer)->epoch; }
-__device__ uint64_t* zdRoutedFlag(const LlParams& p, int peer, int par) {
-  return &zdEntry(p, p.rank, par, peer)->routed;
+__device__ uint64_t* zdEntryFlag(const LlParams& p, int peer, int slot) {
+  return &zdEntry(p, p.rank, slot, peer)->epoch;
+}
+__device__ uint64_t* zdStartedFlag(const LlParams& p, int peer, int slot) {
+  return &zdEntry(p, p.rank, slot, peer)->started;
+}
+__device__ uint64_t* zdRoutedFlag(const LlParams& p, int peer, int slot) {
+  return &zdEntry(p, p.rank, slot, peer)->routed;
 }
 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
@@ -275,17 +282,32 @@ __host__ __device__ __forceinline__ size_t zdBeginBytes(int E) {
 __host__ __device__ __forceinline__ size_t zdLayoutBytes(int E) {
   return (sizeof(int32_t) * (2 * static_cast<size_t>(E) + kGpuMaxRanks) + 15) / 16 * 16;
 }
-// A zero-copy send half's shared memory: its arrays and per-expert starts, then two optional parts, each taken
-// only while the total stays within kLlMaxSmem (a call whose arrays fit is never refused for them): stageRouting's
-// position table (else positions per warp, tokenPositions) and, in a fused kernel, the receive layout (else the
-// receive half derives it). Offsets are 0 for a part left out; host and device compute the same.
+// Token masks: per expert, bit t of word t / 32 says that token t names it (stageRouting), so a token's index among
+// the tokens of an expert is a few popcounts (maskPosition).
+__host__ __device__ __forceinline__ size_t tokenMaskBytes(int T, int E) {
+  return (sizeof(uint32_t) * static_cast<size_t>((T + 31) / 32) * E + 15) / 16 * 16;
+}
+__device__ __forceinline__ int32_t maskPosition(const uint32_t* masks, int W, int x, int t) {
+  const uint32_t* w = masks + static_cast<size_t>(x) * W;
+  int n = __popc(w[t >> 5] & ((1u << (t & 31)) - 1));
+  for (int i = 0; i < (t >> 5); ++i) n += __popc(w[i]);
+  return n;
+}
+
+// A zero-copy send half's shared memory: its arrays and per-expert starts, then optional parts, each taken only
+// while the total stays within kLlMaxSmem (a call whose arrays fit is never refused for them): token masks, else
+// stageRouting's position table, else positions per warp (tokenPositions); and in a fused kernel the receive
+// layout (else the receive half derives it). Offsets are 0 for a part left out; host and device compute the same.
 struct ZdSmem {
-  size_t table_off, pre_off, bytes;
+  size_t mask_off, table_off, pre_off, bytes;
 };
 __host__ __device__ __forceinline__ ZdSmem zdSmem(int T, int K, int E, bool fused) {
-  ZdSmem z{0, 0, sendSmemArrayBytes(T, K, E) + zdBeginBytes(E)};
-  const size_t table = positionTableBytes(T, K, E);
-  if (table > 0 && z.bytes + table <= kLlMaxSmem) {
+  ZdSmem z{0, 0, 0, sendSmemArrayBytes(T, K, E) + zdBeginBytes(E)};
+  const size_t masks = tokenMaskBytes(T, E), table = positionTableBytes(T, K, E);
+  if (z.bytes + masks <= kLlMaxSmem) {
+    z.mask_off = z.bytes;
+    z.bytes += masks;
+  } else if (table > 0 && z.bytes + table <= kLlMaxSmem) {
     z.table_off = z.bytes;
     z.bytes += table;
   }
@@ -333,7 +355,9 @@ __device__ void stageTablePositions(const LlParams& p, const SendSmem& m, uint8_
 // to tokenPositions, per token, by the warps that need it. An expert id outside [-1, E) is taken as -1; the
 // dispatch counts it as a violation, the combine (same routing) does not count it again. `table`: scratch for
 // positions, one byte per (chunk of 32 pairs, expert), or nullptr (a slower count without it).
-__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool positions, uint8_t* table = nullptr) {
+// masks (positions false only): also the token masks (tokenMaskBytes), for maskPosition.
+__device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool positions, uint8_t* table = nullptr,
+                                 uint32_t* masks = nullptr) {
   SendSmem m{smem, smem + p.T * p.K, smem + 2 * p.T * p.K, smem + 3 * p.T * p.K};
   const int TK = p.T * p.K;
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
@@ -345,6 +369,8 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool position
     m.raw[i] = static_cast<int32_t>(x);
   }
   for (int i = threadIdx.x; i < p.E; i += blockDim.x) m.cnt[i] = 0;
+  const int W = (p.T + 31) / 32;
+  for (int i = threadIdx.x; masks != nullptr && i < W * p.E; i += blockDim.x) masks[i] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < TK; i += blockDim.x) {
     const int t = i / p.K, k = i % p.K;
@@ -353,6 +379,7 @@ __device__ SendSmem stageRouting(const LlParams& p, int32_t* smem, bool position
       if (m.raw[t * p.K + j] == x) x = -1;
     m.idx[i] = x;
     if (!positions && x >= 0) atomicAdd(&m.cnt[x], 1);
+    if (masks != nullptr && x >= 0) atomicOr(&masks[x * W + (t >> 5)], 1u << (t & 31));
   }
   __syncthreads();
   if (!positions) return m;
@@ -418,16 +445,19 @@ struct SendStart {
   bool ok;  // every active receiver acknowledged e - 2 (false: a wait failed; the error is recorded)
   SendSmem m;
 };
-__device__ __forceinline__ SendStart sendStart(const LlParams& p, LlCtrl* ctrl, int32_t* smem) {
+// acks false: the block writes nothing the e - 2 acknowledgements guard (a zero-copy dispatch's row writers: the
+// receivers' started words guard their regions), so it skips the check and its fence (ok stays true).
+__device__ __forceinline__ SendStart sendStart(const LlParams& p, LlCtrl* ctrl, int32_t* smem, bool acks = true,
+                                               uint32_t* masks = nullptr) {
   __shared__ uint64_t s_e;
   const uint64_t t_entry = LL_PROBE_CLOCK();
   const int peer = threadIdx.x;
-  const uint64_t* ack = peer < p.nranks ? ackPtr(p, p.rank, kLlDispatch, peer) : nullptr;
+  const uint64_t* ack = acks && peer < p.nranks ? ackPtr(p, p.rank, kLlDispatch, peer) : nullptr;
   const uint64_t seen = ack != nullptr ? ldRelaxed(ack, p.gpu_scope) : 0;
   if (threadIdx.x == 0) s_e = *reinterpret_cast<const volatile uint64_t*>(&ctrl->send_epoch[kLlDispatch]) + 1;
   SendStart st;
   st.act = activeMask(p);
-  st.m = stageRouting(p, smem, false);  // its barriers also publish s_e
+  st.m = stageRouting(p, smem, false, nullptr, masks);  // its barriers also publish s_e
   st.e = s_e;
   LL_PROBE_AT(st.e, kPrSendStart, t_entry);
   bool ok = true;
@@ -533,11 +563,12 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
 
 // The receive half's row layout, from every source's T and per-expert pair counts (count entries, or a zero-copy
 // dispatch's entries) into s_begin ([L][R + 1]: the first row of each source, then the total; expert-major) and s_T
-// ([R]); block 0 writes recv_count and recv_layout_range. own_cnt: this rank's own counts, staged by the caller
+// ([R]); the block with `out` writes recv_count and recv_layout_range. own_cnt: this rank's own counts, staged by the caller
 // (its T is p.T), instead of its entry.
 // In two parts, so that a caller can load other things beside the counts before the barrier between them.
+// par: the operation's parity (count entries), or a zero-copy dispatch's entry slot (zdSlot).
 __device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, uint64_t act, int* s_begin, int* s_T,
-                                                   const int32_t* own_cnt) {
+                                                   const int32_t* own_cnt, bool out) {
   const int R = p.nranks, L = p.L, M = p.M;
   const bool em = p.layout == EP_LL_EXPERT_MAJOR;
   // Every source's T and per-expert counts are loaded at once (one memory latency), then checked.
@@ -560,11 +591,11 @@ __device__ __forceinline__ void dispatchLayoutLoad(const LlParams& p, int par, u
       T = 0;
     }
     s_T[s] = T;
-    if (!em && blockIdx.x == 0) p.recv_count[s] = T;
+    if (!em && out) p.recv_count[s] = T;
   }
 }
 // After a barrier that follows dispatchLayoutLoad.
-__device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_begin, const int* s_T) {
+__device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_begin, const int* s_T, bool out) {
   const int R = p.nranks, L = p.L;
   if (p.layout == EP_LL_EXPERT_MAJOR)
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
@@ -577,11 +608,11 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
           c = 0;
         }
         s_begin[l * (R + 1) + s] = acc;
-        if (blockIdx.x == 0) p.recv_layout_range[static_cast<size_t>(l) * R + s] = packLayoutRange(c, acc);
+        if (out) p.recv_layout_range[static_cast<size_t>(l) * R + s] = packLayoutRange(c, acc);
         acc += c;
       }
       s_begin[l * (R + 1) + R] = acc;
-      if (blockIdx.x == 0) p.recv_count[l] = acc;
+      if (out) p.recv_count[l] = acc;
     }
   __syncthreads();
 }
@@ -607,11 +638,15 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 
 // This rank's routing words (llZdRoutingWord: expert and index among this rank's pairs of that expert, the
 // positions the rows are written at) into the entry of every active rank, then `routed` = e. One block; positions
-// from the block's table when staged, else a warp per token.
-__device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool staged, uint64_t act, int par,
-                                    uint64_t e) {
+// from the token masks, or the block's table when staged, else a warp per token.
+__device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool staged, const uint32_t* masks, int W,
+                                    uint64_t act, int zs, uint64_t e) {
   const int K = p.K, TK = p.T * K, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (!staged) {
+  if (masks != nullptr) {
+    for (int i = threadIdx.x; i < TK; i += blockDim.x)
+      m.pos[i] = m.idx[i] >= 0 ? maskPosition(masks, W, m.idx[i], i / K) : 0;
+    __syncthreads();
+  } else if (!staged) {
     for (int t = warp; t < p.T; t += nwarps) {
       const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
       const int32_t pos = tokenPositions(m.idx, t, K, xk, lane);
@@ -621,13 +656,13 @@ __device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool s
   }
   for (int r = 0; r < p.nranks; ++r) {
     if (!((act >> r) & 1)) continue;
-    uint32_t* w = zdRouting(p, r, par, p.rank);
+    uint32_t* w = zdRouting(p, r, zs, p.rank);
     for (int i = threadIdx.x; i < TK; i += blockDim.x) w[i] = llZdRoutingWord(m.idx[i], m.pos[i]);
   }
   __syncthreads();
   if (threadIdx.x < p.nranks && ((act >> threadIdx.x) & 1)) {
     fenceAcqRel(p.gpu_scope);  // the block's words (ordered before this thread by the barrier) before the release
-    stRelease(&zdEntry(p, threadIdx.x, par, p.rank)->routed, e, p.gpu_scope);
+    stRelease(&zdEntry(p, threadIdx.x, zs, p.rank)->routed, e, p.gpu_scope);
   }
 }
 
@@ -635,9 +670,9 @@ __device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool s
 // pair (t, k) naming local expert l sits at row begin(l, s) + its index, and that row's source token is t. Blocks
 // [b0, gridDim.x) share the pairs; s_begin / s_T: the layout (dispatchLayoutScan). Waits for the words first;
 // false if that failed. What a peer wrote is bounds-checked before it indexes anything.
-__device__ bool zdSourceInfo(const LlParams& p, int par, uint64_t act, const int* s_begin, const int* s_T, uint64_t e,
+__device__ bool zdSourceInfo(const LlParams& p, int zs, uint64_t act, const int* s_begin, const int* s_T, uint64_t e,
                              int b0) {
-  if (!waitPeers(p, act, zdRoutedFlag, par, e, e)) return false;
+  if (!waitPeers(p, act, zdRoutedFlag, zs, e, e)) return false;
   const int R = p.nranks, L = p.L, K = p.K;
   const size_t RM = static_cast<size_t>(R) * p.M;
   int total = 0;
@@ -646,7 +681,7 @@ __device__ bool zdSourceInfo(const LlParams& p, int par, uint64_t act, const int
   for (int j = (blockIdx.x - b0) * blockDim.x + threadIdx.x; j < total; j += stride) {
     int s = 0, i = j;
     while (i >= s_T[s] * K) i -= s_T[s++] * K;
-    const uint32_t w = zdRouting(p, p.rank, par, s)[i];
+    const uint32_t w = zdRouting(p, p.rank, zs, s)[i];
     const int x = llZdRoutingExpert(w), pos = llZdRoutingPos(w);
     if (x < 0 || x / L != p.rank) continue;  // an id past E names no rank here (x / L >= R)
     const int l = x - p.rank * L, b = s_begin[l * (R + 1) + s], c = s_begin[l * (R + 1) + s + 1] - b;
@@ -667,63 +702,89 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
+  const int R = p.nranks, L = p.L, K = p.K, M = p.M;
+  // First of all, block 0 tells every active peer that this rank's output region is free for operation e, and
+  // which of the two it is: the peers' rows may come in from then on (no count is needed for that). The same
+  // threads load the acknowledgements of e - 2, checked at the end (the entries of e go to slot e % 4, last read
+  // in e - 4).
+  uint64_t seen = ~0ull;
+  if (blockIdx.x == 0 && threadIdx.x < R) {
+    seen = ldRelaxed(ackPtr(p, p.rank, kLlDispatch, threadIdx.x), p.gpu_scope);
+    const uint64_t e0 = *reinterpret_cast<const volatile uint64_t*>(&ctrl->send_epoch[kLlDispatch]) + 1;
+    if (threadIdx.x != p.rank && ((activeMask(p) >> threadIdx.x) & 1)) {
+      const int region = p.zd_x_off >= p.lay.zd + p.lay.zd_region ? 1 : 0;
+      stRelease(&zdEntry(p, threadIdx.x, zdSlot(e0), p.rank)->started, llZdStartedWord(e0, region), p.gpu_scope);
+    }
+  }
+  const ZdSmem zsm = zdSmem(p.T, p.K, p.E, false);
   int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, p.K, p.E) / sizeof(int32_t);
-  const size_t table_off = zdSmem(p.T, p.K, p.E, false).table_off;
-  uint8_t* table = table_off > 0 ? reinterpret_cast<uint8_t*>(s_dyn) + table_off : nullptr;
-  // Every receiver must have finished receiving operation e - 2, which used the same entries and side arrays.
-  const SendStart st = sendStart(p, ctrl, s_dyn);
+  uint8_t* table = zsm.table_off > 0 ? reinterpret_cast<uint8_t*>(s_dyn) + zsm.table_off : nullptr;
+  uint32_t* masks = zsm.mask_off > 0 ? reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s_dyn) + zsm.mask_off)
+                                     : nullptr;
+  const int W = (p.T + 31) / 32;  // words of a token mask
+  const SendStart st = sendStart(p, ctrl, s_dyn, false, masks);
   const uint64_t e = st.e, act = st.act, me = 1ull << p.rank;
   const SendSmem& m = st.m;
-  bool ok = st.ok;
-  const int par = static_cast<int>(e & 1), R = p.nranks, L = p.L, K = p.K, M = p.M;
+  bool ok = true;
+  const int par = static_cast<int>(e & 1), zs = zdSlot(e);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
-  if (ok && blockIdx.x == 0)
+  if (blockIdx.x == 0)
     for (int r = warp; r < R; r += nwarps) {
       if (!((act >> r) & 1)) continue;
-      LlZdEntry* ent = zdEntry(p, r, par, p.rank);
+      LlZdEntry* ent = zdEntry(p, r, zs, p.rank);
       int32_t* c = zdCounts(ent);
       for (int x = lane; x < p.E; x += 32) c[x] = m.cnt[x];
-      if (lane == 0) {
-        ent->T = p.T;
-        ent->x_off = p.zd_x_off;
-        ent->sc_off = p.zd_sc_off;
-      }
+      if (lane == 0) ent->T = p.T;
       fenceAcqRel(p.gpu_scope);  // every lane's writes before lane 0's release
       __syncwarp();
       if (lane == 0) stRelease(&ent->epoch, e, p.gpu_scope);
     }
-  // Every warp needs its token's positions (to find its rows): staged once per block while the peers' entries
-  // come in, instead of by each warp (tokenPositions, every warp of the block at once).
-  if (table != nullptr) stageTablePositions(p, m, table, false);
-  if (ok && blockIdx.x == gridDim.x - 1) publishRoutingWords(p, m, table != nullptr, act, par, e);
+  // Every warp needs its token's positions (to find its rows): from the token masks stageRouting built, else
+  // staged once per block while the peers' entries come in (instead of by each warp, tokenPositions).
+  if (masks == nullptr && table != nullptr) stageTablePositions(p, m, table, false);
+  if (blockIdx.x == gridDim.x - 1) publishRoutingWords(p, m, table != nullptr, masks, W, act, zs, e);
   LL_PROBE(e, kPrEntries);
-  // This rank's own part comes from this block's staging, not from block 0's entry (no block waits for another).
-  ok = ok && waitPeers(p, act & ~me, zdEntryFlag, par, e, e);
-  LL_PROBE(e, kPrPeers);
-  if (ok) {
+  // The rows need every active receiver's started word (its region) and the counts of the active sources below
+  // this rank (its rows follow theirs): rank 0 waits for no count. Thread r < R waits for receiver r, thread 32 + s
+  // for source s; this rank's own part comes from this block's staging.
+  {
+    const uint64_t want = llZdStartedWord(e, 0), hi = p.lay.zd + 2 * p.lay.zd_region;
     const size_t RM = static_cast<size_t>(R) * M, need = static_cast<size_t>(L) * RM * p.drow;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-      uint64_t xo = p.zd_x_off, so = p.zd_sc_off;
+    bool w = true;
+    if (threadIdx.x < R) {
+      const int r = threadIdx.x;
+      uint64_t xo = p.zd_x_off;
       if (r != p.rank && ((act >> r) & 1)) {
-        const LlZdEntry* ent = zdEntry(p, p.rank, par, r);
-        xo = ent->x_off;
-        so = ent->sc_off;
-      }
-      // A region named by a peer must lie in its zero-copy area (bounds-check what a peer wrote).
-      const uint64_t lo = p.lay.zd, hi = p.lay.zd + 2 * p.lay.zd_region;
-      if (((act >> r) & 1) && (xo < lo || xo + need > hi || (p.srow && (so < lo || so + RM * L * p.srow > hi)))) {
-        recordViolation(p, epInternalError);
-        xo = ~0ull;
+        const uint64_t* f = zdStartedFlag(p, r, zs);
+        uint64_t v = ldAcquire(f, p.gpu_scope);
+        if (v < want && (w = waitAtLeast(p, f, want, r, epPhaseData, e))) v = ldAcquire(f, p.gpu_scope);
+        xo = p.lay.zd + llZdStartedRegion(v) * p.lay.zd_region;
+        // Bounds-check the rows against the region (the peer's shapes are the operation's, as this rank's).
+        if (w && ((v >> 1) != e || xo + need > hi || (p.srow && xo + p.lay.zd_x_bytes + RM * L * p.srow > hi))) {
+          recordViolation(p, epInternalError);
+          xo = ~0ull;
+        }
       }
       s_xoff[r] = xo;
-      s_scoff[r] = so;
+      s_scoff[r] = xo + p.lay.zd_x_bytes;  // p.zd_sc_off for this rank's own region
+    } else if (threadIdx.x >= 32 && threadIdx.x < 32 + p.rank) {
+      const int s = threadIdx.x - 32;
+      if ((act >> s) & 1) {
+        const uint64_t* f = zdEntryFlag(p, s, zs);
+        w = ldAcquire(f, p.gpu_scope) >= e || waitAtLeast(p, f, e, s, epPhaseData, e);
+      }
     }
+    ok = __syncthreads_and(w) != 0;
+  }
+  LL_PROBE(e, kPrPeers);
+  if (ok) {
+    const size_t RM = static_cast<size_t>(R) * M;
     for (int x = threadIdx.x; x < p.E; x += blockDim.x) {
       int acc = 0;
       for (int s = 0; s < p.rank; ++s) {
         if (!((act >> s) & 1)) continue;  // a masked source sends nothing
-        const LlZdEntry* ent = zdEntry(p, p.rank, par, s);
+        const LlZdEntry* ent = zdEntry(p, p.rank, zs, s);
         const int T = ent->T, c0 = zdCounts(ent)[x];  // both loaded at once
         int c = T > 0 ? c0 : 0;
         if (T > M || c < 0 || c > T) {
@@ -734,10 +795,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       }
       s_beg[x] = acc;
     }
-    // A fused kernel's receive half needs the same entries: its layout is derived here, its loads beside these.
-    if (pre != nullptr) dispatchLayoutLoad(p, par, act, pre, pre + L * (R + 1), m.cnt);
     __syncthreads();
-    if (pre != nullptr) dispatchLayoutScan(p, pre, pre + L * (R + 1));
     LL_PROBE(e, kPrBegins);
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
     const int P = partsOf(p.T, NW);
@@ -750,7 +808,9 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       const bool live = rk >= 0 && ((act >> rk) & 1) && s_xoff[rk] != ~0ull;
       const unsigned lanes = __ballot_sync(kFull, live);
       if (lanes == 0) continue;
-      const int32_t pos = table != nullptr ? (live ? m.pos[t * K + lane] : -1) : tokenPositions(m.idx, t, K, xk, lane);
+      const int32_t pos = masks != nullptr   ? (live ? maskPosition(masks, W, xk, t) : -1)
+                          : table != nullptr ? (live ? m.pos[t * K + lane] : -1)
+                                             : tokenPositions(m.idx, t, K, xk, lane);
       const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
       uint8_t* dst[kMaxDst];
       float* sc[kMaxDst];
@@ -767,11 +827,18 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
       writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
     }
-    // A fused kernel's receive side: recv_src_info, by the blocks that had no rows to write (every block when
-    // each has some); the rest of the layout was derived above (pre).
+    // A fused kernel's receive side, by the blocks that had no rows to write (every block when each has some): the
+    // layout from every source's counts (the first of them writes recv_count and recv_layout_range), then
+    // recv_src_info.
     if (pre != nullptr) {
       const int busy = (p.T * P + nwarps - 1) / nwarps, b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
-      if (static_cast<int>(blockIdx.x) >= b0) zdSourceInfo(p, par, act, pre, pre + L * (R + 1), e, b0);
+      if (static_cast<int>(blockIdx.x) >= b0 && waitPeers(p, act & ~me, zdEntryFlag, zs, e, e)) {
+        const bool out = static_cast<int>(blockIdx.x) == b0;
+        dispatchLayoutLoad(p, zs, act, pre, pre + L * (R + 1), m.cnt, out);
+        __syncthreads();
+        dispatchLayoutScan(p, pre, pre + L * (R + 1), out);
+        zdSourceInfo(p, zs, act, pre, pre + L * (R + 1), e, b0);
+      }
     }
   }
   LL_PROBE(e, kPrSent);
@@ -792,13 +859,18 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
   }
-  if (pre != nullptr && blockIdx.x == 0) {
+  if (blockIdx.x != 0) return;
+  if (pre != nullptr) {
     // One block waits for the peers' rows (their tags), after the zero-copy combine guard (combinesRead).
     LL_PROBE(e, kPrRecvStart);
     if (combinesRead(p, ctrl, act, e)) waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
     LL_PROBE(e, kPrTags);
     LL_PROBE(e, kPrAcked);
   }
+  // Every active receiver must have read operation e - 2 before operation e + 2 overwrites its slot: checked by the
+  // end of e (the loads at the start, with the end of this launch as their fence when they were in).
+  if (threadIdx.x < R && e > 2 && seen < e - 2 && ((act >> threadIdx.x) & 1))
+    waitAtLeast(p, ackPtr(p, p.rank, kLlDispatch, threadIdx.x), e - 2, threadIdx.x, epPhaseData, e);
 }
 
 template <bool kX>
@@ -915,17 +987,18 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   const uint64_t act = activeMask(p);
   // A zero-copy dispatch has every source's T and counts in its entry, which the source writes before its rows:
   // the layout is derived while the rows are still landing.
-  const bool in = combinesRead(p, ctrl, act, e) && (p.zd ? waitPeers(p, act, zdEntryFlag, par, e, e)
+  const int zs = zdSlot(e);
+  const bool in = combinesRead(p, ctrl, act, e) && (p.zd ? waitPeers(p, act, zdEntryFlag, zs, e, e)
                                                         : waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e));
   LL_PROBE(e, kPrTags);
   if (in) {
-    dispatchLayoutLoad(p, par, act, s_begin, s_T, nullptr);
+    dispatchLayoutLoad(p, p.zd ? zs : par, act, s_begin, s_T, nullptr, blockIdx.x == 0);
     __syncthreads();
-    dispatchLayoutScan(p, s_begin, s_T);
+    dispatchLayoutScan(p, s_begin, s_T, blockIdx.x == 0);
     LL_PROBE(e, kPrLayout);
     // The rows are in place once the tags are (the senders wrote them); their source tokens come from the routing
     // words, before.
-    if (p.zd && zdSourceInfo(p, par, act, s_begin, s_T, e, 0)) waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
+    if (p.zd && zdSourceInfo(p, zs, act, s_begin, s_T, e, 0)) waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
     const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
     for (int item = gw; !p.zd && item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;

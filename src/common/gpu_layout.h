@@ -236,16 +236,21 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
 //   [zero-copy headers: 2 par] LlZcHeader      where this rank's expert outputs of operation n are, and the
 //                                              row layout (recv_layout_range) they follow
 // Only with config.ll_zero_copy_dispatch (zero-copy dispatches, epLlDispatchBuffer):
-//   [zd entries: 2 par x R] LlZdEntry + E int32 + M x kGpuMaxTopk routing words
-//                                              written by src: its T, every expert's pair count, and where its
-//                                              own output region of operation n is (epoch; doubles as "src
-//                                              started n"); then, per (token, k), the expert and the pair's index
+//   [zd entries: 4 slots x R] LlZdEntry + E int32 + M x kGpuMaxTopk routing words
+//                                              written by src in slot n % 4: first which of its output regions
+//                                              operation n uses (started: src issued n, the region is free);
+//                                              then its T and every expert's pair count (epoch); then, per
+//                                              (token, k), the expert and the pair's index
 //                                              among src's pairs of that expert (routed), from which the receiver
 //                                              derives recv_src_info while the rows are still landing
 //   [zd regions: 2] rows [E x M][row], scales  the output regions the senders write final rows into
 // A sender first waits until the receiver acknowledged operation n - 2 (it read that parity's slots), writes
 // its rows, and the last of its blocks to finish publishes the tags; a receiver waits for every peer's tag,
 // reads, and its last block acknowledges. Epochs are advanced by the last block of each launch (rule G2).
+// A zero-copy dispatch's sender waits for no acknowledgement first: its entries go to slot n % 4, whose operation
+// n - 4 every receiver acknowledged before the sender's n - 2 ended; it checks the acknowledgements of n - 2 by
+// the end of n. Its rows wait for the receivers' started words (their regions are free) and the counts of the
+// lower sources (the rows follow theirs).
 // ---------------------------------------------------------------------------------------------------------
 enum LlFamily { kLlDispatch = 0, kLlCombine = 1 };
 
@@ -265,17 +270,22 @@ struct LlSlotMeta {
                                     // expert-major only, -1 in rank-major)
 };
 
-// A zero-copy dispatch's entry of `src` for operation `epoch`; int32 counts[max_experts] (pairs per expert) follow,
-// then uint32 routing words [T][K] (llZdRoutingWord), published on their own by `routed`.
+// A zero-copy dispatch's entry of `src` for operation `epoch`, in slot epoch % kLlZdSlots; int32 counts[max_experts]
+// (pairs per expert) follow, then uint32 routing words [T][K] (llZdRoutingWord), published on their own by `routed`.
+// Four slots, so that a sender overwrites the slot of operation e - 4, whose acknowledgements it saw in e - 2: no
+// sender waits for an acknowledgement before its entries (it checks those of e - 2 by the end of e).
+constexpr int kLlZdSlots = 4;
 struct LlZdEntry {
-  uint64_t epoch;  // written last of T, x_off, sc_off and the counts (release): they are of this operation
+  uint64_t epoch;  // written last of T and the counts (release): they are of this operation
   int32_t T;
   int32_t pad;
-  uint64_t x_off;   // src's recv_x of this operation: offset in its LL buffer
-  uint64_t sc_off;  // and its recv_x_scales (fp8)
-  uint64_t routed;  // written after the routing words (release): they are of operation `routed`
-  uint64_t pad2;
+  uint64_t routed;   // written after the routing words (release): they are of operation `routed`
+  uint64_t started;  // llZdStartedWord, written by src first thing in its send half: its output region is free
 };
+// What a zero-copy dispatch's sender needs from a receiver before writing rows there: that the receiver issued its
+// send half of operation e (so its region's earlier rows are no longer read) and which region it named.
+EP_HD uint64_t llZdStartedWord(uint64_t e, int region) { return (e << 1) | static_cast<uint64_t>(region & 1); }
+EP_HD int llZdStartedRegion(uint64_t w) { return static_cast<int>(w & 1); }
 // Routing word of src's pair (t, k): expert x + 1 in the low 16 bits (0: no expert, or a repeat within the token),
 // the pair's index among src's pairs of x (token order) in the high 16 bits. A token count fits: the LL dispatch
 // stages T x K routing in kLlMaxSmem bytes of shared memory, so T < 2^16.
@@ -333,7 +343,7 @@ EP_HD LlLayout llLayout(int nranks, int max_tokens, int max_experts, int max_hid
     l.zd_ent = off;
     l.zd_routing = up16(sizeof(LlZdEntry) + 4 * static_cast<size_t>(max_experts));  // offset in an entry
     l.zd_ent_size = l.zd_routing + up16(4 * static_cast<size_t>(max_tokens) * kGpuMaxTopk);
-    off = up(off + 2 * static_cast<size_t>(nranks) * l.zd_ent_size);
+    off = up(off + kLlZdSlots * static_cast<size_t>(nranks) * l.zd_ent_size);
     l.zd_x_bytes = rows * l.comb_row;                                   // [L][R*M] rows of the call's row size
     l.zd_sc_bytes = up(rows * (static_cast<size_t>(max_hidden) / 128) * 4);  // fp8 scales [L][R*M][H/128]
     l.zd_region = rowAreaAlign(l.zd_x_bytes + l.zd_sc_bytes);

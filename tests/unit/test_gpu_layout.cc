@@ -94,7 +94,7 @@ TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
           EXPECT_EQ(z.zd_routing % 16, 0u);
           EXPECT_GE(z.zd_ent_size, z.zd_routing + 4 * static_cast<size_t>(M) * kGpuMaxTopk);
           EXPECT_EQ(z.zd_ent_size % 16, 0u);
-          EXPECT_LE(z.zd_ent + 2 * static_cast<size_t>(R) * z.zd_ent_size, z.zd);
+          EXPECT_LE(z.zd_ent + kLlZdSlots * static_cast<size_t>(R) * z.zd_ent_size, z.zd);
           EXPECT_EQ(z.zd % 65536, 0u);
           EXPECT_GE(z.zd_x_bytes, static_cast<size_t>(E) * M * H * 2);
           EXPECT_GE(z.zd_sc_bytes, static_cast<size_t>(E) * M * (H / 128) * 4);
