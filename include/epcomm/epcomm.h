@@ -570,7 +570,8 @@ EPCOMM_API epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes
  * args->recv_x_scales (exactly these pointers; the other outputs stay in the caller's memory): the senders then
  * write every (token, expert) row once, straight into its final row there, and the receive half moves no rows.
  * Outputs, rows and bits are those of the plain dispatch. The send half of such a dispatch waits on the device
- * until every active peer has issued its own send half (it needs their counts to place its rows). Every rank of
+ * until every active peer has issued its own send half (from then on the peer's region is free), and for the
+ * counts of the active ranks below it (its rows follow theirs). Every rank of
  * a dispatch uses a region, or none does: in a mix the ranks that use one wait for the others' counts until the
  * deadline (epTimeout, in both halves), and every rank's outputs are undefined. Two regions alternate; the
  * one returned is the next dispatch's (calls in between return the same one). Lifetime: a region holds a
