@@ -304,7 +304,7 @@ struct ZdSmem {
 __host__ __device__ __forceinline__ ZdSmem zdSmem(int T, int K, int E, bool fused) {
   ZdSmem z{0, 0, 0, sendSmemArrayBytes(T, K, E) + zdBeginBytes(E)};
   const size_t masks = tokenMaskBytes(T, E), table = positionTableBytes(T, K, E);
-  if (z.bytes + masks <= kLlMaxSmem) {
+  if (masks <= 32 * 1024 && z.bytes + masks <= kLlMaxSmem) {
     z.mask_off = z.bytes;
     z.bytes += masks;
   } else if (table > 0 && z.bytes + table <= kLlMaxSmem) {
@@ -620,17 +620,19 @@ __device__ __forceinline__ void dispatchLayoutScan(const LlParams& p, int* s_beg
 // ---------------------------------------------------------------------------------------------------------
 // Zero-copy dispatch (ranks of one host, expert-major; config.ll_zero_copy_dispatch). The receivers' outputs are
 // regions of their LL buffers, so each (token, expert) row is written once, straight to its final row:
-// block 0 first writes this rank's entry (T, every expert's pair count, where its own output region is) to every
-// active rank; every block stages its pairs' positions (stageRouting's table) while the peers' entries come in,
-// waits for them, derives where this rank's rows start among each expert's rows (after those of lower sources),
-// and a warp per (token, part of its row) writes the part to every expert's row (fp8: quantized once, in
-// registers). Positions per warp instead (tokenPositions, in every warp of a block at once) kept the goal shape
-// (R = 2, 64 tokens, one H200) about a microsecond slower (bench/results/h200-s15.log, calls 2-3). A peer's entry
-// of operation n also says that the peer has issued its send half n, so its region's earlier contents are no
-// longer read (the lifetime epLlDispatchBuffer states).
+// block 0 first publishes to every active rank a started word (this rank issued send half n, so its region's
+// earlier contents are no longer read, the lifetime epLlDispatchBuffer states, and which region n uses), then
+// writes this rank's entry (T, every expert's pair count) to every active rank, in slot n % 4; every block stages
+// its routing with per-expert token masks (a pair's position is a few popcounts), waits for the receivers' started
+// words and the lower sources' counts, derives where this rank's rows start among each expert's rows (after those
+// of lower sources), and a warp per (token, part of its row) writes the part to every expert's row (fp8:
+// quantized once, in registers). Positions per warp instead (tokenPositions, in every warp of a block at once)
+// kept the goal shape (R = 2, 64 tokens, one H200) about a microsecond slower (bench/results/h200-s15.log, calls
+// 2-3); the position table, about 1.4 us per block, gave way to the masks (bench/results/h200-s19.log).
 // The last block also publishes this rank's routing words (expert and index of each pair) in the same entries;
 // from them each receiver derives recv_src_info itself, while the rows are still landing, so nothing is left to
-// read once the tags are in. In a fused kernel the blocks that have no rows to write do that, and the last block
+// read once the tags are in. In a fused kernel the blocks that have no rows to write do that (with the layout,
+// from every source's entry; the first of them writes recv_count and recv_layout_range), and the last block
 // to finish acknowledges the peers' entries beside publishing the tags: one block then waits for the peers' tags
 // and the launch ends (the receive half's copy of the source tokens after the tags and its own last-block
 // acknowledgement were 3 us of the goal shape's 17: bench/results/h200-s17.log probe lines).
@@ -705,8 +707,8 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   const int R = p.nranks, L = p.L, K = p.K, M = p.M;
   // First of all, block 0 tells every active peer that this rank's output region is free for operation e, and
   // which of the two it is: the peers' rows may come in from then on (no count is needed for that). The same
-  // threads load the acknowledgements of e - 2, checked at the end (the entries of e go to slot e % 4, last read
-  // in e - 4).
+  // threads load the acknowledgements of e - 2, checked before this block completes (the entries of e go to slot
+  // e % 4, last read in e - 4, whose acknowledgements were checked in e - 2).
   uint64_t seen = ~0ull;
   if (blockIdx.x == 0 && threadIdx.x < R) {
     seen = ldRelaxed(ackPtr(p, p.rank, kLlDispatch, threadIdx.x), p.gpu_scope);
@@ -719,6 +721,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   const ZdSmem zsm = zdSmem(p.T, p.K, p.E, false);
   int32_t* s_beg = s_dyn + sendSmemArrayBytes(p.T, p.K, p.E) / sizeof(int32_t);
   uint8_t* table = zsm.table_off > 0 ? reinterpret_cast<uint8_t*>(s_dyn) + zsm.table_off : nullptr;
+  static_assert(kLlMaxRanks <= 32, "threads 0..R-1 and 32..32+R-1 wait for different things");
   uint32_t* masks = zsm.mask_off > 0 ? reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(s_dyn) + zsm.mask_off)
                                      : nullptr;
   const int W = (p.T + 31) / 32;  // words of a token mask
@@ -747,7 +750,10 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   LL_PROBE(e, kPrEntries);
   // The rows need every active receiver's started word (its region) and the counts of the active sources below
   // this rank (its rows follow theirs): rank 0 waits for no count. Thread r < R waits for receiver r, thread 32 + s
-  // for source s; this rank's own part comes from this block's staging.
+  // for source s; this rank's own part comes from this block's staging. Every active rank's started word, also of
+  // ranks this one sends nothing to: a rank's started word of e means its send half e - 2 is complete, so no
+  // sender's rows of e - 2 still land in the region that e reuses (the wait that keeps two operations' writes
+  // apart).
   {
     const uint64_t want = llZdStartedWord(e, 0), hi = p.lay.zd + 2 * p.lay.zd_region;
     const size_t RM = static_cast<size_t>(R) * M, need = static_cast<size_t>(L) * RM * p.drow;
@@ -842,6 +848,15 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
     }
   }
   LL_PROBE(e, kPrSent);
+  // Every active receiver must have read operation e - 2 before operation e + 2 overwrites its slot: checked before
+  // this block's completion counts (so before the tags; a receive that completes e implies the check), with the
+  // loads of the start made acquires by a fence when they were in. Free in a fused run: a peer's started word of e
+  // means its launch e - 2, which acknowledged e - 2, is complete. Timing out here still leaves e's rows and tags
+  // sent (the peers complete e; this rank reports the error, and the elastic resync realigns the epochs).
+  if (blockIdx.x == 0 && threadIdx.x < R && e > 2 && ((act >> threadIdx.x) & 1)) {
+    if (seen >= e - 2) fenceAcqRel(p.gpu_scope);
+    else waitAtLeast(p, ackPtr(p, p.rank, kLlDispatch, threadIdx.x), e - 2, threadIdx.x, epPhaseData, e);
+  }
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
     for (int r = threadIdx.x; r < R; r += blockDim.x)
       if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
@@ -867,10 +882,6 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
     LL_PROBE(e, kPrTags);
     LL_PROBE(e, kPrAcked);
   }
-  // Every active receiver must have read operation e - 2 before operation e + 2 overwrites its slot: checked by the
-  // end of e (the loads at the start, with the end of this launch as their fence when they were in).
-  if (threadIdx.x < R && e > 2 && seen < e - 2 && ((act >> threadIdx.x) & 1))
-    waitAtLeast(p, ackPtr(p, p.rank, kLlDispatch, threadIdx.x), e - 2, threadIdx.x, epPhaseData, e);
 }
 
 template <bool kX>
@@ -1333,8 +1344,8 @@ __global__ void __launch_bounds__(kLlThreads) llDispatchRecvKernel(LlParams p) {
 template <bool kX>
 __global__ void __launch_bounds__(kLlThreads) llDispatchKernel(LlParams p) {
   gridDependencyWait();
-  // A zero-copy send half derives the receive half's layout beside its own offsets (from the same entries), into
-  // shared memory past its own, and then does what the receive half would (dispatchSendZeroCopy): the operation
+  // A zero-copy send half's blocks without rows derive the receive half's layout (from the same entries), into
+  // shared memory past the send half's, and do what the receive half would (dispatchSendZeroCopy): the operation
   // ends there. Without room for the layout, the receive half follows as in any other fused kernel.
   extern __shared__ __align__(16) int32_t s_dyn[];
   const size_t pre_off = !kX && p.zd ? zdSmem(p.T, p.K, p.E, true).pre_off : 0;

@@ -467,7 +467,8 @@ EPCOMM_API epResult_t epCommDeregister(epMemRegion_t region);
  * GPU engine: each half is one kernel on the call's stream; the receive half may go on another stream than the
  * send half, ordered after it by the caller (an event, or stream order): sends of one kind (dispatch or combine)
  * must run in issue order, and so must receives. A rank's send half of operation n + 2 waits on the device
- * until every peer has finished receiving operation n (two operations in flight per kind, no host involvement).
+ * until every peer has finished receiving operation n (two operations in flight per kind, no host involvement;
+ * a zero-copy dispatch's send half issues its rows first and does not complete before that).
  * Each block stages the call's routing in shared memory, at most 200 KiB: a dispatch needs 12 T K + 4 E bytes,
  * a combine 20 T K + 16 E + 4 L bytes plus ceil(T K / 32) E bytes where that is at most 32 KiB (T = num_tokens,
  * K = topk, E = num_experts, L = E / nranks); a larger call returns epCapacityExceeded (top-8, 256 experts:
@@ -570,16 +571,16 @@ EPCOMM_API epResult_t epLlCombineBuffer(epComm_t comm, void** y, size_t* y_bytes
  * args->recv_x_scales (exactly these pointers; the other outputs stay in the caller's memory): the senders then
  * write every (token, expert) row once, straight into its final row there, and the receive half moves no rows.
  * Outputs, rows and bits are those of the plain dispatch. The send half of such a dispatch waits on the device
- * until every active peer has issued its own send half (from then on the peer's region is free), and for the
- * counts of the active ranks below it (its rows follow theirs). Every rank of
- * a dispatch uses a region, or none does: in a mix the ranks that use one wait for the others' counts until the
- * deadline (epTimeout, in both halves), and every rank's outputs are undefined. Two regions alternate; the
- * one returned is the next dispatch's (calls in between return the same one). Lifetime: a region holds a
- * dispatch's rows from the return of its receive half until this rank issues the send half of the next dispatch
- * that names the same region; peers write into it only after that send half has started (a device-side wait),
- * so readers ordered before that send half (stream order, events) are safe, in captured graphs too. Refused:
- * rank-major layout or ranks on other hosts (epNotSupported), a call whose rows do not fit the region
- * (epBufferTooSmall, at the dispatch). The host engine returns epNotSupported. */
+ * until every active peer has issued its own send half (from then on the peer's region is free), and for the counts
+ * of the active ranks below it (its rows follow theirs). Every rank of a dispatch uses a region, or none does: in a
+ * mix the ranks that use one wait for the others' started words and counts until the deadline (epTimeout, in both
+ * halves), and every rank's outputs are undefined. Two regions alternate; the one returned is the next dispatch's
+ * (calls in between return the same one). Lifetime: a region holds a dispatch's rows from the return of its receive
+ * half until this rank issues the send half of the next dispatch that names the same region; peers write into it
+ * only after that send half has started (a device-side wait), so readers ordered before that send half (stream
+ * order, events) are safe, in captured graphs too. Refused: rank-major layout or ranks on other hosts
+ * (epNotSupported), a call whose rows do not fit the region (epBufferTooSmall, at the dispatch). The host engine
+ * returns epNotSupported. */
 EPCOMM_API epResult_t epLlDispatchBuffer(epComm_t comm, void** recv_x, size_t* recv_x_bytes, float** recv_x_scales,
                                          size_t* recv_x_scales_bytes);
 
