@@ -10,7 +10,8 @@
 //    graphs on one communicator replayed alternately; the halves captured in separate graphs with work
 //    between; alltoallv with device counts captured and replayed;
 //  - late blocks: LL kernels on grids far larger than can be resident (EPCOMM_GPU_LL_BLOCKS), 10,000
-//    operations with eager and captured launches mixed, results checked.
+//    operations with eager and captured launches mixed, results checked;
+//  - split halves whose receives lag behind on a second stream (events only), send halves two operations ahead.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -21,6 +22,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -999,6 +1001,125 @@ TEST_P(GpuLl, ChainedLaunchesManyOperations) {
     return manyOperations(R, rank, gid, seed, {ops, 3, 250, what.c_str(), [](int step) { return step % 4 == 3; },
                                                [](int step) { return step % 4 >= 2; }});
   }, 600000);
+  expectAllRanksOk(codes, seed);
+}
+
+// Holds the calling stream for `ns` nanoseconds (a receive that lags behind its send half).
+__global__ void holdStream(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+// Split halves with the receives on a second stream, ordered after their send halves by events only, and the last
+// rank's receives held back: its send halves run up to two operations ahead of its receives. Zero-copy dispatches
+// whose rows this test does not read, so each send half may be issued at once (the region's lifetime allows it);
+// that makes the send half of e + 2 wait for its own rank's acknowledgement of e (zero-copy entries live in four
+// slots, and the check of e - 2 comes before a send half completes). Every operation's recv_count,
+// recv_src_info and recv_layout_range (caller memory, one set per operation) equal the host engine's.
+TEST_P(GpuLl, SplitHalvesWithALaggingReceive) {
+  const int R = GetParam();
+  if (crossHosts()) GTEST_SKIP() << "zero-copy dispatch is for ranks of one host";
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    const int ops = 24, M = 32, H = 512, K = 4, E = 4 * R;
+    epComm_t g, h;
+    if (initPair(rank, R, gid, hid, M, E, &g, &h)) return 1;
+    cudaStream_t s, s2;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    const int T = tokensOf(rank, R, M);
+    epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+    a.num_tokens = T;
+    a.max_tokens_per_rank = M;
+    a.hidden = H;
+    a.topk = K;
+    a.num_experts = E;
+    a.dtype = epBfloat16;
+    a.layout = EP_LL_EXPERT_MAJOR;
+    epBufferSizes_t sz = EP_BUFFER_SIZES_INIT;
+    CKE(epLlDispatchSizes(h, &a, &sz), h);
+    std::vector<Inputs> in;
+    std::vector<std::unique_ptr<DevBuf<uint8_t>>> dx;
+    std::vector<std::unique_ptr<DevBuf<int64_t>>> didx, glr;
+    std::vector<std::unique_ptr<DevBuf<int>>> gcnt, gsrc;
+    std::vector<cudaEvent_t> sent(ops);
+    for (int i = 0; i < ops; ++i) {
+      in.push_back(makeInputs(seed * 31 + i, rank, T, H, K, E, epBfloat16, true));
+      dx.emplace_back(new DevBuf<uint8_t>(in[i].x.size() + 16));
+      didx.emplace_back(new DevBuf<int64_t>(in[i].idx.size() + 1));
+      dx[i]->upload(in[i].x);
+      didx[i]->upload(in[i].idx);
+      gcnt.emplace_back(new DevBuf<int>(sz.recv_count / 4));
+      gsrc.emplace_back(new DevBuf<int>(sz.recv_src_info / 4));
+      glr.emplace_back(new DevBuf<int64_t>(sz.recv_layout_range / 8));
+      CKC(cudaEventCreateWithFlags(&sent[i], cudaEventDisableTiming));
+    }
+    for (int i = 0; i < ops; ++i) {
+      void* zx = nullptr;
+      float* zsc = nullptr;
+      size_t zxb = 0, zscb = 0;
+      CKE(epLlDispatchBuffer(g, &zx, &zxb, &zsc, &zscb), g);
+      epLlDispatchArgs_t d = a;
+      d.x = dx[i]->p;
+      d.topk_idx = didx[i]->p;
+      d.recv_x = zx;
+      d.recv_x_bytes = zxb;
+      d.recv_count = gcnt[i]->p;
+      d.recv_count_bytes = gcnt[i]->bytes();
+      d.recv_src_info = gsrc[i]->p;
+      d.recv_src_info_bytes = gsrc[i]->bytes();
+      d.recv_layout_range = glr[i]->p;
+      d.recv_layout_range_bytes = glr[i]->bytes();
+      d.phases = EP_LL_SEND;
+      CKE(epLlDispatch(g, &d, s), g);
+      CKC(cudaEventRecord(sent[i], s));
+      CKC(cudaStreamWaitEvent(s2, sent[i], 0));
+      if (rank == R - 1) holdStream<<<1, 1, 0, s2>>>(200000);  // 0.2 ms
+      d.phases = EP_LL_RECV;
+      CKE(epLlDispatch(g, &d, s2), g);
+    }
+    CKC(cudaStreamSynchronize(s));
+    CKC(cudaStreamSynchronize(s2));
+    CK_CLEAN(g, "after the lagging receives");
+    for (int i = 0; i < ops; ++i) {
+      std::vector<uint8_t> hx(sz.recv_x);
+      std::vector<int> hcnt(sz.recv_count / 4, -7), hsrc(sz.recv_src_info / 4, -7);
+      std::vector<int64_t> hlr(sz.recv_layout_range / 8, -7);
+      epLlDispatchArgs_t d = a;
+      d.x = in[i].x.data();
+      d.topk_idx = in[i].idx.data();
+      d.recv_x = hx.data();
+      d.recv_x_bytes = hx.size();
+      d.recv_count = hcnt.data();
+      d.recv_count_bytes = hcnt.size() * 4;
+      d.recv_src_info = hsrc.data();
+      d.recv_src_info_bytes = hsrc.size() * 4;
+      d.recv_layout_range = hlr.data();
+      d.recv_layout_range_bytes = hlr.size() * 8;
+      CKE(epLlDispatch(h, &d, nullptr), h);
+      CK(gcnt[i]->host() == hcnt, "operation %d: recv_count differs", i);
+      CK(glr[i]->host() == hlr, "operation %d: recv_layout_range differs", i);
+      // recv_src_info: the rows each expert received (the rest is unwritten poison on both sides).
+      const std::vector<int> gs = gsrc[i]->host();
+      for (int l = 0; l < E / R; ++l)
+        for (int r = 0; r < hcnt[l]; ++r) {
+          const size_t k = static_cast<size_t>(l) * R * M + r;
+          CK(gs[k] == hsrc[k], "operation %d: recv_src_info[%d][%d] = %d, not %d", i, l, r, gs[k], hsrc[k]);
+        }
+    }
+    for (cudaEvent_t ev : sent) cudaEventDestroy(ev);
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
   expectAllRanksOk(codes, seed);
 }
 
