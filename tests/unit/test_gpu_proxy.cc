@@ -6,6 +6,7 @@
 //  - what a peer sends is checked (R5): a record past its buffer's end, for a buffer the rank lacks, or of an
 //    unknown type ends that peer's stream, logged, and nothing of it is stored;
 //  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline);
+//  - stop with a flush right after writing delivers what the rings hold (the proxy drives the bridge itself);
 //  - the proxy's thread never calls its device (on a GPU, a CUDA call there can block behind the application's).
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -285,6 +286,48 @@ TEST(GpuProxy, RingsTowardADeadRankKeepDraining) {
     return 0;
   }, 120000);
   EXPECT_EQ(codes[0], 0);
+}
+
+// Rank 0 writes most of a ring's worth of records and a flag after them, then stops its proxy at once with a flush:
+// the proxy's thread is gone by then, and the bridge has no progress thread of its own (the proxy drives it), so
+// stop() itself must forward the rings, let the bridge send them (with the credits rank 1 returns meanwhile) and
+// say goodbye. Rank 1 gets every byte, and rank 0's stop ends with the goodbye acknowledged, not at its deadline.
+TEST(GpuProxy, StopWithFlushDeliversWhatTheRingsHold) {
+  setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);
+  for (int run = 0; run < 3; ++run) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+    auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+      Rank me;
+      CK(me.init(id, rank, 2) == epSuccess, "init: %s", epGetLastError(nullptr));
+      constexpr int kRecords = 64;
+      constexpr size_t kRow = 14000;  // 64 records: 0.9 MB of the 1 MiB ring
+      if (rank == 0) {
+        std::vector<uint8_t> row(kRow);
+        for (int i = 0; i < kRecords; ++i) {
+          for (size_t j = 0; j < kRow; ++j) row[j] = pattern(0, 1, i, j);
+          CK(me.to[1].data(epcomm::kRemoteHtBuffer, i * kRow, row.data(), kRow), "record %d", i);
+        }
+        CK(me.to[1].flag(epcomm::kRemoteLlBuffer, 0, 1), "the flag");
+        std::vector<uint8_t> live(2, 1);
+        const auto t0 = std::chrono::steady_clock::now();
+        me.proxy->stop(true, live.data(), 10000);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        CK(s < 5, "stop took %.1f s: the goodbye was not acknowledged", s);
+      } else {
+        CK(waitWord(me.llFar(), 0, 1, 20000), "the flag never came");
+        for (int i = 0; i < kRecords; ++i)
+          for (size_t j = 0; j < kRow; ++j)
+            CK(me.htFar()[i * kRow + j] == pattern(0, 1, i, j), "record %d, byte %zu", i, j);
+        std::string why;
+        CK(!me.proxy->failed(0, &why), "the stream from rank 0 failed: %s", why.c_str());
+      }
+      CK(me.bs->barrier(20000) == epSuccess, "final barrier");
+      return 0;
+    }, 120000);
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", run " << run;
+  }
+  unsetenv("EPCOMM_GPU_PROXY_RING_BYTES");
 }
 
 // Ranks whose rings differ in size (EPCOMM_GPU_PROXY_RING_BYTES) cannot carry each other's records (a payload lands

@@ -98,7 +98,8 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
                                         remote_, &inbox_);
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) bridge_->useOutboxMemory(0, r, out_[r].ring);  // sent from where the kernels wrote it
-  EPCHECK(bridge_->connect(bs, timeout_ms));
+  // No progress thread of the bridge's own: this proxy's thread makes its net calls (loop(), stop()).
+  EPCHECK(bridge_->connect(bs, timeout_ms, NetBridge::Progress::kCaller));
   thread_ = std::thread([this] { loop(); });
   EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings", rank_,
           static_cast<int>(std::count(remote_.begin(), remote_.end(), 1)), bridge_->backendName(), ring_bytes_);
@@ -192,8 +193,11 @@ bool GpuProxy::storeIn(int q) {
     return false;
   }
   const size_t max_payload = inbox_bytes_ / 4;
+  // At most about a credit step (an eighth of the inbox) per turn: the same thread then makes the bridge's net calls
+  // again (receives to post, this inbox's credit, the rings' sends) before it copies on.
+  const size_t turn_bytes = inbox_bytes_ / 8;
   size_t parsed = 0;
-  for (int n = 0; n < kInPerTurn && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
+  for (int n = 0; n < kInPerTurn && parsed < turn_bytes && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
     GpuRemoteRecord h;
     inbox.copyOut(&h, parsed, sizeof(h));
     // Everything a peer sent is checked before use (R5).
@@ -266,6 +270,9 @@ void GpuProxy::loop() {
     for (int r = 0; r < nranks_; ++r)
       if (remote_[r]) moved |= pumpOut(r);
     if (stopping) break;  // flush: only the rings; see stop()
+    // The bridge's net calls: what pumpOut just took goes out, what came in lands in the inboxes, and what storeIn
+    // released on the last turn is credited.
+    moved |= bridge_->assist();
     for (int q = 0; q < nranks_; ++q)
       if (remote_[q]) moved |= storeIn(q);
     if (moved) backoff.reset();
@@ -319,6 +326,7 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
         const uint64_t tail = bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed);  // the credit's
         left |= !out_[r].broken && (out_[r].pos < reserved[r] || tail < out_[r].pos);
       }
+      moved |= bridge_->assist();  // sends, and the credits that let the tails on (the thread no longer does it)
       if (!left || deadline.expired()) break;
       if (moved) backoff.reset();
       else backoff.pause();

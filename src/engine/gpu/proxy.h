@@ -16,12 +16,16 @@
 // waiting for this very thread; copy engines also store a batch's copies in any order. The far copies cost pinned
 // host memory as large as the HT and LL buffers, on ranks that have peers on other hosts only.
 //
-// One thread per communicator does both. It keeps no per-operation state: only how far it has read each ring and
-// each inbox, so captured graphs replay across hosts. Every record received is checked before use (R5): a type it
-// does not know, a buffer this rank lacks, a range past the buffer's end, or a size past the limit end the
-// stream from that rank (logged); the kernels waiting for it then end at their deadline. Records toward a rank the
-// bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it): the bridge first
-// closes the connection toward it, so that none of the ring's bytes go out once the kernels may write them again.
+// One thread per communicator does both, and makes the bridge's net calls too (NetBridge::Progress::kCaller: the
+// bridge has no progress thread of its own here). On a 16-core host a second polling thread per rank only took
+// cores from the net transport's helper threads: with it, the proxy's CPU time per byte was about a quarter
+// higher at the same throughput (bench/results/cpu-proxy-s19.log). It keeps no per-operation state: only how far
+// it has read each ring and each inbox, so captured graphs replay across hosts. Every record received is checked
+// before use (R5): a type it does not know, a buffer this rank lacks, a range past the buffer's end, or a size past
+// the limit end the stream from that rank (logged); the kernels waiting for it then end at their deadline. Records
+// toward a rank the bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it): the
+// bridge first closes the connection toward it, so that none of the ring's bytes go out once the kernels may write
+// them again.
 //
 // The proxy itself touches no CUDA API: what it needs from the GPU (pinned memory the device can reach, device
 // memory, set up before the thread starts) comes through ProxyDevice, so that the CPU tests run the very same

@@ -200,7 +200,7 @@ void NetBridge::markDead(Peer& p, const char* what) {
 // Setup
 // ------------------------------------------------------------------------------------------------------
 
-epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
+epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms, Progress progress) {
   memcpy(secret_, bs->secret(), kSecretBytes);
   int nremote = 0;
   for (int r = 0; r < nranks_; ++r) nremote += remote_[r] ? 1 : 0;
@@ -272,8 +272,10 @@ epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms) {
         EP_FAIL(epSystemError, "registering the net bridge's rings with the net transport: %s", net::netLastError());
   }
   // Nobody sends data before every rank is connected (the creation barrier after this), so the receives
-  // posted by the progress thread are in place before the first frame; the backends queue early ones anyway.
-  thread_ = std::thread([this] { progressLoop(); });
+  // posted by the progress thread (or the owner's first assist) are in place before the first frame; the backends
+  // queue early ones anyway.
+  if (progress == Progress::kOwnThread) thread_ = std::thread([this] { progressLoop(); });
+  driven_ = true;
   closed_.store(false, std::memory_order_release);
   EP_INFO(kSubsysInit, "net bridge: rank %d reaches %d ranks of other hosts over net/%s", rank_, nremote,
           backend_->name());
@@ -793,7 +795,8 @@ void NetBridge::progressLoop() {
     }
     if (stop_.load(std::memory_order_acquire)) {
       // Every engine thread is out of assist() by now (shutdown took every peer's lock after closed_), so this
-      // thread alone touches the peers.
+      // thread (the progress thread, or shutdown's caller where the owner drives the bridge) alone touches the
+      // peers.
       if (!flush_.load(std::memory_order_relaxed) || nowNs() > flush_deadline_ns_) break;
       // Flushing: once a live peer's outboxes are framed and its queue is empty, say goodbye; done when every
       // such peer has acknowledged it (or said goodbye itself). Closing earlier could cost the peer frames: a
@@ -822,7 +825,8 @@ void NetBridge::progressLoop() {
 }
 
 void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
-  if (thread_.joinable()) {
+  if (driven_) {
+    driven_ = false;
     // No engine thread starts serving a peer from here on; wait for those that are serving one now.
     closed_.store(true, std::memory_order_release);
     for (auto& pp : peers_)
@@ -835,7 +839,11 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
     flush_deadline_ns_ = nowNs() + static_cast<int64_t>(timeout_ms) * 1000000LL;
     flush_.store(flush && live != nullptr, std::memory_order_relaxed);
     stop_.store(true, std::memory_order_release);
-    thread_.join();
+    // Progress::kCaller: nobody else drives the peers any more, so this thread makes the last pass and the flush
+    // (progressLoop ends as it does in the progress thread: at once without a flush, else when every live peer
+    // acknowledged the goodbye or the deadline passed).
+    if (thread_.joinable()) thread_.join();
+    else progressLoop();
   }
   if (!backend_) return;
   // Close first, then deregister. A connection may still have receives posted (always: the progress thread keeps

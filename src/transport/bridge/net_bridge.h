@@ -44,7 +44,8 @@
 // counts as a dead peer.
 //
 // Threads. Setup (connect) runs on the creating thread; afterwards the net calls of a peer's connections are made
-// by one thread at a time: the progress thread, or an engine thread that waits and lends a hand (assist()). Each
+// by one thread at a time: the progress thread, or an engine thread that waits and lends a hand (assist()); or,
+// where the owner asks for no progress thread (Progress::kCaller: the GPU proxy), the owner's thread alone. Each
 // peer has a lock that the one making its calls holds, so the engine's waiting threads move frames the moment
 // there is something to move instead of handing every step to the progress thread (a wake-up, and on a loaded
 // machine a scheduling turn, per hop), and threads waiting on different peers move them at once. Otherwise the
@@ -80,9 +81,15 @@ class NetBridge {
   NetBridge(const NetBridge&) = delete;
   NetBridge& operator=(const NetBridge&) = delete;
 
+  // Who makes the peers' net calls between operations: the bridge's own progress thread (the host engine: its
+  // channel threads only lend a hand while they wait), or the owner alone, through assist() (the GPU proxy, whose
+  // thread polls anyway: a second polling thread per rank only took cores from the transport's helpers). With
+  // kCaller nothing moves unless the owner calls assist() (until shutdown, which then makes the last pass and the
+  // flush on its caller's thread); liveness (dead()) is noticed in those calls too.
+  enum class Progress { kOwnThread, kCaller };
   // Listens, exchanges handles through the bootstrap, connects to and accepts every remote peer (each presents
-  // the communicator's secret and its rank), then starts the progress thread.
-  epResult_t connect(Bootstrap* bs, int timeout_ms);
+  // the communicator's secret and its rank), then starts the progress thread (kOwnThread).
+  epResult_t connect(Bootstrap* bs, int timeout_ms, Progress progress = Progress::kOwnThread);
   // Producer end toward remote rank p on channel ch.
   RingEnd outEnd(int ch, int p) const;
   // Makes `data` (ring bytes, the caller's) the outbox toward p on channel ch instead of the bridge's own; call
@@ -103,8 +110,9 @@ class NetBridge {
   RegionHeader* mirror(int p) const { return mirrors_[p].get(); }
   // Whether remote rank p is gone (its connection failed without a goodbye); why says how.
   bool dead(int p, std::string* why = nullptr) const;
-  // Stops the progress thread. With flush, it first sends what the outboxes toward the ranks `live` names still
-  // hold, and a goodbye, for at most timeout_ms; then every connection is closed.
+  // Stops the progress thread (kCaller: call it once the owner no longer calls assist()). With flush, it first sends
+  // what the outboxes toward the ranks `live` names still hold, and a goodbye, for at most timeout_ms; then every
+  // connection is closed.
   void shutdown(bool flush, const uint8_t* live, int timeout_ms);
   const char* backendName() const;
   // One pass of progress over the peers whose lock is free (the ones another thread is serving are skipped), from
@@ -161,7 +169,8 @@ class NetBridge {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> flush_{false};
-  std::atomic<bool> closed_{true};  // no progress thread yet, or shutdown has begun: assist() does nothing
+  std::atomic<bool> closed_{true};  // not connected yet, or shutdown has begun: assist() does nothing
+  bool driven_ = false;             // connected, not yet shut down (the progress thread runs, or the owner drives)
   std::atomic<uint64_t> data_sent_{0};
   std::vector<uint8_t> flush_live_;
   int64_t flush_deadline_ns_ = 0;
