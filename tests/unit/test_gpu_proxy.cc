@@ -107,6 +107,22 @@ struct Rank {
   }
 };
 
+// body(rank, me) on 2 ranks, each on a host of its own with its proxy started (`me`), once per run (a fresh
+// communicator each time); every rank must return 0.
+template <class Body>
+void onTwoRanks(int runs, Body body) {
+  for (int run = 0; run < runs; ++run) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+    auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+      Rank me;
+      CK(me.init(id, rank, 2) == epSuccess, "init: %s", epGetLastError(nullptr));
+      return body(rank, run, me);
+    }, 120000);
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", run " << run;
+  }
+}
+
 // Round k's byte i of the data `src` sends `dst`.
 uint8_t pattern(int src, int dst, int k, size_t i) {
   return static_cast<uint8_t>(src * 131 + dst * 29 + k * 7 + i * 13 + (i >> 9));
@@ -223,46 +239,39 @@ INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet,
 // for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), or of an unknown type
 // (rank 0's proxy refuses to forward its own ring past it). Nothing after the bad record is stored.
 TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
-  for (int kind = 0; kind < 3; ++kind) {
-    epUniqueId id;
-    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
-    auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
-      Rank me;
-      CK(me.init(id, rank, 2) == epSuccess, "init: %s", epGetLastError(nullptr));
-      if (rank == 0) {
-        const uint8_t good[64] = {1, 2, 3};
-        CK(me.to[1].data(epcomm::kRemoteHtBuffer, 4096, good, sizeof(good)), "good record");
-        CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 0, 1), "good flag");
-        uint64_t pos;
-        GpuRemoteRecord* h = nullptr;
-        if (kind == 0) h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, kHtBytes - 8, 64, &pos);
-        if (kind == 1) h = me.to[1].reserve(epcomm::kRemoteFlag, 7, 0, 8, &pos);
-        if (kind == 2) {
-          h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, 0, 64, &pos);
-          if (h) h->type = 77;
-        }
-        CK(h != nullptr, "reserving the bad record");
-        memset(h + 1, 0xEE, 64);
-        RingWriter::stamp(h, pos);
-        CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 8, 2), "a flag after it");
-        std::string why;
-        for (int i = 0; kind == 2 && i < 2000 && !me.proxy->failed(1, &why); ++i) usleep(1000);
-        CK(kind != 2 || me.proxy->failed(1, &why), "rank 0 forwarded a record of an unknown type");
-      } else {
-        CK(waitWord(me.htFar(), 0, 1, 20000), "the good round never came");
-        CK(me.htFar()[4096] == 1 && me.htFar()[4098] == 3, "the good record's bytes");
-        std::string why;
-        for (int i = 0; kind != 2 && i < 2000 && !me.proxy->failed(0, &why); ++i) usleep(1000);
-        CK(kind == 2 || me.proxy->failed(0, &why), "the bad record (kind %d) was not refused", kind);
-        usleep(100000);
-        CK(loadAcquire(me.htFar(), 8) == 0, "a flag after a refused record was stored");
-        CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[0] == 1, "a refused record was stored");
+  onTwoRanks(3, [](int rank, int kind, Rank& me) -> int {
+    if (rank == 0) {
+      const uint8_t good[64] = {1, 2, 3};
+      CK(me.to[1].data(epcomm::kRemoteHtBuffer, 4096, good, sizeof(good)), "good record");
+      CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 0, 1), "good flag");
+      uint64_t pos;
+      GpuRemoteRecord* h = nullptr;
+      if (kind == 0) h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, kHtBytes - 8, 64, &pos);
+      if (kind == 1) h = me.to[1].reserve(epcomm::kRemoteFlag, 7, 0, 8, &pos);
+      if (kind == 2) {
+        h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, 0, 64, &pos);
+        if (h) h->type = 77;
       }
-      CK(me.bs->barrier(20000) == epSuccess, "final barrier");
-      return 0;
-    }, 120000);
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", kind " << kind;
-  }
+      CK(h != nullptr, "reserving the bad record");
+      memset(h + 1, 0xEE, 64);
+      RingWriter::stamp(h, pos);
+      CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 8, 2), "a flag after it");
+      std::string why;
+      for (int i = 0; kind == 2 && i < 2000 && !me.proxy->failed(1, &why); ++i) usleep(1000);
+      CK(kind != 2 || me.proxy->failed(1, &why), "rank 0 forwarded a record of an unknown type");
+    } else {
+      CK(waitWord(me.htFar(), 0, 1, 20000), "the good round never came");
+      CK(me.htFar()[4096] == 1 && me.htFar()[4098] == 3, "the good record's bytes");
+      std::string why;
+      for (int i = 0; kind != 2 && i < 2000 && !me.proxy->failed(0, &why); ++i) usleep(1000);
+      CK(kind == 2 || me.proxy->failed(0, &why), "the bad record (kind %d) was not refused", kind);
+      usleep(100000);
+      CK(loadAcquire(me.htFar(), 8) == 0, "a flag after a refused record was stored");
+      CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[0] == 1, "a refused record was stored");
+    }
+    CK(me.bs->barrier(20000) == epSuccess, "final barrier");
+    return 0;
+  });
 }
 
 // Rank 1 dies; rank 0 keeps writing far more than its ring holds toward it: the proxy drops what is meant for the
@@ -294,39 +303,32 @@ TEST(GpuProxy, RingsTowardADeadRankKeepDraining) {
 // say goodbye. Rank 1 gets every byte, and rank 0's stop ends with the goodbye acknowledged, not at its deadline.
 TEST(GpuProxy, StopWithFlushDeliversWhatTheRingsHold) {
   setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);
-  for (int run = 0; run < 3; ++run) {
-    epUniqueId id;
-    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
-    auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
-      Rank me;
-      CK(me.init(id, rank, 2) == epSuccess, "init: %s", epGetLastError(nullptr));
-      constexpr int kRecords = 64;
-      constexpr size_t kRow = 14000;  // 64 records: 0.9 MB of the 1 MiB ring
-      if (rank == 0) {
-        std::vector<uint8_t> row(kRow);
-        for (int i = 0; i < kRecords; ++i) {
-          for (size_t j = 0; j < kRow; ++j) row[j] = pattern(0, 1, i, j);
-          CK(me.to[1].data(epcomm::kRemoteHtBuffer, i * kRow, row.data(), kRow), "record %d", i);
-        }
-        CK(me.to[1].flag(epcomm::kRemoteLlBuffer, 0, 1), "the flag");
-        std::vector<uint8_t> live(2, 1);
-        const auto t0 = std::chrono::steady_clock::now();
-        me.proxy->stop(true, live.data(), 10000);
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        CK(s < 5, "stop took %.1f s: the goodbye was not acknowledged", s);
-      } else {
-        CK(waitWord(me.llFar(), 0, 1, 20000), "the flag never came");
-        for (int i = 0; i < kRecords; ++i)
-          for (size_t j = 0; j < kRow; ++j)
-            CK(me.htFar()[i * kRow + j] == pattern(0, 1, i, j), "record %d, byte %zu", i, j);
-        std::string why;
-        CK(!me.proxy->failed(0, &why), "the stream from rank 0 failed: %s", why.c_str());
+  onTwoRanks(3, [](int rank, int, Rank& me) -> int {
+    constexpr int kRecords = 64;
+    constexpr size_t kRow = 14000;  // 64 records: 0.9 MB of the 1 MiB ring
+    if (rank == 0) {
+      std::vector<uint8_t> row(kRow);
+      for (int i = 0; i < kRecords; ++i) {
+        for (size_t j = 0; j < kRow; ++j) row[j] = pattern(0, 1, i, j);
+        CK(me.to[1].data(epcomm::kRemoteHtBuffer, i * kRow, row.data(), kRow), "record %d", i);
       }
-      CK(me.bs->barrier(20000) == epSuccess, "final barrier");
-      return 0;
-    }, 120000);
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", run " << run;
-  }
+      CK(me.to[1].flag(epcomm::kRemoteLlBuffer, 0, 1), "the flag");
+      std::vector<uint8_t> live(2, 1);
+      const auto t0 = std::chrono::steady_clock::now();
+      me.proxy->stop(true, live.data(), 10000);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      CK(s < 5, "stop took %.1f s: the goodbye was not acknowledged", s);
+    } else {
+      CK(waitWord(me.llFar(), 0, 1, 20000), "the flag never came");
+      for (int i = 0; i < kRecords; ++i)
+        for (size_t j = 0; j < kRow; ++j)
+          CK(me.htFar()[i * kRow + j] == pattern(0, 1, i, j), "record %d, byte %zu", i, j);
+      std::string why;
+      CK(!me.proxy->failed(0, &why), "the stream from rank 0 failed: %s", why.c_str());
+    }
+    CK(me.bs->barrier(20000) == epSuccess, "final barrier");
+    return 0;
+  });
   unsetenv("EPCOMM_GPU_PROXY_RING_BYTES");
 }
 

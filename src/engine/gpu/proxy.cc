@@ -21,9 +21,17 @@ EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
 // backend's inline size (64 KiB) its helper threads move it over several data sockets at once, which the proxy's
 // bulk streams want; below, the proxy's bridge thread does, on one socket, with a syscall or more per message.
 EP_PARAM(GpuProxyMsgBytes, "GPU_PROXY_MSG_BYTES", 1 << 20);
+// Who makes the net bridge's calls (sends, receives, credits): 0, the proxy's own thread, between its turns over the
+// rings and inboxes (one polling thread per rank); 1, a progress thread of the bridge's; -1 (the default), the
+// proxy's thread where this rank reaches at most kDriveMaxPeers ranks of other hosts, else the bridge's.
+EP_PARAM(GpuProxyNetThread, "GPU_PROXY_NET_THREAD", -1);
 
 namespace {
 
+// Measured with proxy_bench on a 16-core H200 host (bench/results/cpu-proxy-s19.log), the proxy's thread making the
+// bridge's calls against a bridge thread: 1 rank of another host, +21% GB/s and -28% CPU time per byte; 3, +6% and
+// -10%; 7, -18% and +12% (why is not measured yet; that run had no per-turn budget in loop(), see there).
+constexpr int kDriveMaxPeers = 3;
 constexpr int kInPerTurn = 1024;   // records stored from one inbox per turn of the loop
 constexpr int kOutPerTurn = 1024;  // records moved from one ring per turn of the loop
 std::mutex g_why_mutex;            // guards GpuProxy::why_ (diagnostics only)
@@ -98,11 +106,16 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
                                         remote_, &inbox_);
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) bridge_->useOutboxMemory(0, r, out_[r].ring);  // sent from where the kernels wrote it
-  // No progress thread of the bridge's own: this proxy's thread makes its net calls (loop(), stop()).
-  EPCHECK(bridge_->connect(bs, timeout_ms, NetBridge::Progress::kCaller));
+  const int64_t net_thread = epParamGpuProxyNetThread();
+  const int npeers = static_cast<int>(std::count(remote_.begin(), remote_.end(), 1));
+  drives_bridge_ = net_thread == 0 || (net_thread < 0 && npeers <= kDriveMaxPeers);
+  // Driven: no progress thread of the bridge's own, this proxy's thread makes its net calls (loop(), stop()).
+  EPCHECK(bridge_->connect(bs, timeout_ms,
+                           drives_bridge_ ? NetBridge::Progress::kCaller : NetBridge::Progress::kOwnThread));
   thread_ = std::thread([this] { loop(); });
-  EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings", rank_,
-          static_cast<int>(std::count(remote_.begin(), remote_.end(), 1)), bridge_->backendName(), ring_bytes_);
+  EP_INFO(kSubsysInit, "GPU proxy: rank %d reaches %d ranks of other hosts over net/%s, %zu-byte rings, net calls by "
+          "%s", rank_, npeers, bridge_->backendName(), ring_bytes_,
+          drives_bridge_ ? "the proxy's thread" : "the bridge's thread");
   return epSuccess;
 }
 
@@ -183,8 +196,9 @@ bool GpuProxy::pumpOut(int r) {
 }
 
 // Whole records of inbox q, checked, stored into the far copies in order (DATA: the bytes; FLAG: a release store,
-// after everything before it), then released from the inbox.
-bool GpuProxy::storeIn(int q) {
+// after everything before it), then released from the inbox. Stops once it has parsed *budget bytes (at least one
+// record), and takes what it parsed off *budget.
+bool GpuProxy::storeIn(int q, size_t* budget) {
   In& in = in_[q];
   RingEnd inbox(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_);
   const size_t avail = inbox.available();
@@ -193,11 +207,8 @@ bool GpuProxy::storeIn(int q) {
     return false;
   }
   const size_t max_payload = inbox_bytes_ / 4;
-  // At most about a credit step (an eighth of the inbox) per turn: the same thread then makes the bridge's net calls
-  // again (receives to post, this inbox's credit, the rings' sends) before it copies on.
-  const size_t turn_bytes = inbox_bytes_ / 8;
   size_t parsed = 0;
-  for (int n = 0; n < kInPerTurn && parsed < turn_bytes && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
+  for (int n = 0; n < kInPerTurn && parsed < *budget && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
     GpuRemoteRecord h;
     inbox.copyOut(&h, parsed, sizeof(h));
     // Everything a peer sent is checked before use (R5).
@@ -234,6 +245,7 @@ bool GpuProxy::storeIn(int q) {
     parsed += size;
     ++recs_in_;
   }
+  *budget -= std::min(parsed, *budget);
   if (parsed > 0) inbox.release(parsed);
   return parsed > 0;
 }
@@ -270,11 +282,17 @@ void GpuProxy::loop() {
     for (int r = 0; r < nranks_; ++r)
       if (remote_[r]) moved |= pumpOut(r);
     if (stopping) break;  // flush: only the rings; see stop()
-    // The bridge's net calls: what pumpOut just took goes out, what came in lands in the inboxes, and what storeIn
-    // released on the last turn is credited.
-    moved |= bridge_->assist();
-    for (int q = 0; q < nranks_; ++q)
-      if (remote_[q]) moved |= storeIn(q);
+    // Where this thread drives the bridge, its net calls: what pumpOut just took goes out, what came in lands in the
+    // inboxes, and what storeIn released on the last turn is credited. Then at most a credit step (an eighth of an
+    // inbox) of records in all, from the inboxes in turn, before the next turn makes the net calls again (receives
+    // to post, credits, the rings' sends), which would otherwise wait for every inbox to be stored whole.
+    if (drives_bridge_) moved |= bridge_->assist();
+    size_t budget = drives_bridge_ ? inbox_bytes_ / 8 : SIZE_MAX;
+    for (int i = 0; i < nranks_ && budget > 0; ++i) {
+      const int q = (in_first_ + i) % nranks_;
+      if (remote_[q]) moved |= storeIn(q, &budget);
+    }
+    in_first_ = (in_first_ + 1) % nranks_;
     if (moved) backoff.reset();
     else backoff.pause();
   }
@@ -326,7 +344,7 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
         const uint64_t tail = bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed);  // the credit's
         left |= !out_[r].broken && (out_[r].pos < reserved[r] || tail < out_[r].pos);
       }
-      moved |= bridge_->assist();  // sends, and the credits that let the tails on (the thread no longer does it)
+      if (drives_bridge_) moved |= bridge_->assist();  // sends, and the credits that let the tails on
       if (!left || deadline.expired()) break;
       if (moved) backoff.reset();
       else backoff.pause();

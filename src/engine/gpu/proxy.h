@@ -16,16 +16,16 @@
 // waiting for this very thread; copy engines also store a batch's copies in any order. The far copies cost pinned
 // host memory as large as the HT and LL buffers, on ranks that have peers on other hosts only.
 //
-// One thread per communicator does both, and makes the bridge's net calls too (NetBridge::Progress::kCaller: the
-// bridge has no progress thread of its own here). On a 16-core host a second polling thread per rank only took
-// cores from the net transport's helper threads: with it, the proxy's CPU time per byte was about a quarter
-// higher at the same throughput (bench/results/cpu-proxy-s19.log). It keeps no per-operation state: only how far
-// it has read each ring and each inbox, so captured graphs replay across hosts. Every record received is checked
-// before use (R5): a type it does not know, a buffer this rank lacks, a range past the buffer's end, or a size past
-// the limit end the stream from that rank (logged); the kernels waiting for it then end at their deadline. Records
-// toward a rank the bridge found dead are dropped, so that the rings never stall on it (elastic ranks mask it): the
-// bridge first closes the connection toward it, so that none of the ring's bytes go out once the kernels may write
-// them again.
+// One thread per communicator does both, and, where the rank reaches few ranks of other hosts, makes the bridge's
+// net calls too (NetBridge::Progress::kCaller: no progress thread of the bridge's own; EPCOMM_GPU_PROXY_NET_THREAD).
+// There a second polling thread per rank only took cores from the net transport's helper threads (on a 16-core
+// host, one peer: 10.3 against 12.5 GB/s, 0.80 against 0.58 ns of CPU time per byte); with 7 peers one thread was
+// slower (bench/results/cpu-proxy-s19.log). It keeps no per-operation state: only how far it has read each ring and
+// each inbox, so captured graphs replay across hosts. Every record received is checked before use (R5): a type it
+// does not know, a buffer this rank lacks, a range past the buffer's end, or a size past the limit end the stream
+// from that rank (logged); the kernels waiting for it then end at their deadline. Records toward a rank the bridge
+// found dead are dropped, so that the rings never stall on it (elastic ranks mask it): the bridge first closes the
+// connection toward it, so that none of the ring's bytes go out once the kernels may write them again.
 //
 // The proxy itself touches no CUDA API: what it needs from the GPU (pinned memory the device can reach, device
 // memory, set up before the thread starts) comes through ProxyDevice, so that the CPU tests run the very same
@@ -105,7 +105,7 @@ class GpuProxy {
   };
   void loop();
   bool pumpOut(int r);
-  bool storeIn(int q);
+  bool storeIn(int q, size_t* budget);
   void refuse(int q, const char* what);
   void noteFailure(int r, const char* what);  // the first reason the stream with r ended (failed() reports it)
 
@@ -118,6 +118,8 @@ class GpuProxy {
   uint8_t* far_dev_[kRemoteNumBuffers] = {};
   std::vector<Out> out_;
   std::vector<In> in_;
+  int in_first_ = 0;  // the inbox a turn of the loop stores from first (each turn the next: fair under the budget)
+  bool drives_bridge_ = false;  // this proxy's thread makes the bridge's net calls (no bridge thread)
   uint64_t* consumed_ = nullptr;  // [R] host-mapped: what the proxy took from each ring
   unsigned long long* reserved_dev_ = nullptr;  // [R] device memory: the kernels' reservations
   GpuRemote* table_dev_ = nullptr;
