@@ -33,11 +33,11 @@
 
 namespace {
 
-epConfig_t llConfig(int M, int E) {
+epConfig_t llConfig(int M, int E, int max_hidden = 7168) {
   epConfig_t cfg = gpuConfig();
   cfg.ll_max_tokens_per_rank = M;
   cfg.ll_num_experts = E;
-  cfg.ll_max_hidden = 7168;
+  cfg.ll_max_hidden = max_hidden;
   cfg.ll_zero_copy_dispatch = 1;  // ignored across hosts (epLlDispatchBuffer then refuses)
   return cfg;
 }
@@ -295,8 +295,8 @@ int runLlCase(epComm_t g, epComm_t h, int rank, int R, const LlCase& c, uint64_t
 
 // The GPU communicator under test and its host-engine reference; timeout_ms 0 keeps llConfig()'s deadline.
 int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int M, int E, epComm_t* g, epComm_t* h,
-             int timeout_ms = 0, int hosts = testHosts()) {
-  epConfig_t cfg = llConfig(M, E);
+             int timeout_ms = 0, int hosts = testHosts(), int max_hidden = 7168) {
+  epConfig_t cfg = llConfig(M, E, max_hidden);
   if (timeout_ms > 0) cfg.timeout_ms = timeout_ms;
   CKE(initGpuComm(g, R, &gid, rank, &cfg, hosts), nullptr);
   epConfig_t hc = EP_CONFIG_INIT;
@@ -313,9 +313,9 @@ class GpuLl : public ::testing::TestWithParam<int> {};
 int runA2aRound(epComm_t g, epComm_t h, int rank, int R, int round, uint64_t seed, cudaStream_t s);
 
 // hosts: virtual hosts of the GPU communicator (default EPCOMM_GPU_TEST_HOSTS); a2a_rounds: alltoallv rounds after
-// the LL cases on the same pair.
+// the LL cases on the same pair; max_hidden: config.ll_max_hidden (smaller for large M).
 void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases, int hosts = testHosts(),
-                           int a2a_rounds = 0) {
+                           int a2a_rounds = 0, int max_hidden = 7168) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
@@ -324,7 +324,7 @@ void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases
     g_rank = rank;
     CKC(selectDevice(rank));
     epComm_t g, h;
-    if (initPair(rank, R, gid, hid, M, E, &g, &h, 0, hosts)) return 1;
+    if (initPair(rank, R, gid, hid, M, E, &g, &h, 0, hosts, max_hidden)) return 1;
     cudaStream_t s, s2;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
@@ -362,6 +362,17 @@ TEST_P(GpuLl, BitExactAgainstHostEngine) {
 
 // 128 tokens x top-16 over 528 experts: the combine's table for positions would take 64 chunks x 528 bytes,
 // over its 32 KiB, so the expert-major receive half counts positions without it (stageRouting's fallback).
+// The zero-copy dispatch's positions without the token masks (more than 32 KiB of them: 1100 tokens x 256 experts):
+// from the position table (top-2: the table is half the masks' size) and per warp (top-8: neither fits). Ranks with
+// half the tokens still take the masks, so every way meets in one operation.
+TEST_P(GpuLl, ZeroCopyDispatchPositionsWithoutTheMasks) {
+  const int R = GetParam();
+  runCasesOnBothEngines(R, 1100, 256, {
+      {1100, 256, 2, 256, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 0},
+      {1100, 256, 8, 256, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 1},
+  }, testHosts(), 0, 256);
+}
+
 TEST_P(GpuLl, CombinePositionsWithoutTheTable) {
   const int R = GetParam();
   const int E = 528;  // a multiple of 2, 4 and 8
