@@ -701,7 +701,7 @@ __device__ bool zdSourceInfo(const LlParams& p, int zs, uint64_t act, const int*
 // ends here (the fused path above); a block writes pre only where its waits succeeded.
 __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre) {
   extern __shared__ __align__(16) int32_t s_dyn[];
-  __shared__ uint64_t s_xoff[kGpuMaxRanks], s_scoff[kGpuMaxRanks];
+  __shared__ uint64_t s_xoff[kGpuMaxRanks];  // each rank's region (its scales zd_x_bytes further)
   launchDependents();
   LlCtrl* ctrl = ctrlOf(p);
   const int R = p.nranks, L = p.L, K = p.K, M = p.M;
@@ -773,7 +773,6 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
         }
       }
       s_xoff[r] = xo;
-      s_scoff[r] = xo + p.lay.zd_x_bytes;  // p.zd_sc_off for this rank's own region
     } else if (threadIdx.x >= 32 && threadIdx.x < 32 + p.rank) {
       const int s = threadIdx.x - 32;
       if ((act >> s) & 1) {
@@ -826,7 +825,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
         const int64_t rw = __shfl_sync(kFull, row, from);
         const int d = __shfl_sync(kFull, rk, from);
         dst[nd] = p.base[d] + s_xoff[d] + rw * p.drow;
-        sc[nd] = reinterpret_cast<float*>(p.base[d] + s_scoff[d] + rw * p.srow);
+        sc[nd] = reinterpret_cast<float*>(p.base[d] + s_xoff[d] + p.lay.zd_x_bytes + rw * p.srow);
         ++nd;
       }
       const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);

@@ -469,7 +469,7 @@ struct LlParams {
   int pdl_chain;     // fused kernels launched as programmatic dependents of the kernel before them
   uint64_t y_off;
   int zd;            // dispatch: a zero-copy dispatch (recv_x, recv_x_scales: this rank's region at zd_x_off,
-  uint64_t zd_x_off, zd_sc_off;  // zd_sc_off of its LL buffer; senders write the final rows there)
+  uint64_t zd_x_off;  // of its LL buffer, scales zd_x_bytes further; senders write the final rows there)
 };
 
 // alltoallv through the HT dispatch queues (slots used as byte chunks): per peer the bytes and offsets of

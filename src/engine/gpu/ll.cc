@@ -273,7 +273,6 @@ epResult_t GpuEngine::zeroCopyDispatch(const epLlDispatchArgs_t& a, LlParams& p)
              rows, p.drow, ll_lay_.zd_x_bytes);
   p.zd = 1;
   p.zd_x_off = static_cast<uint64_t>(x - static_cast<const uint8_t*>(ll_bufs_.local()));
-  p.zd_sc_off = p.zd_x_off + ll_lay_.zd_x_bytes;
   return epSuccess;
 }
 
