@@ -309,17 +309,17 @@ int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, int 
 
 class GpuLl : public ::testing::TestWithParam<int> {};
 
-// Every rank runs `cases` (fresh seeds) on a GPU / host communicator pair with capacity M and E experts.
 int runA2aRound(epComm_t g, epComm_t h, int rank, int R, int round, uint64_t seed, cudaStream_t s);
 
-// hosts: virtual hosts of the GPU communicator (default EPCOMM_GPU_TEST_HOSTS); a2a_rounds: alltoallv rounds after
-// the LL cases on the same pair; max_hidden: config.ll_max_hidden (smaller for large M).
-void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases, int hosts = testHosts(),
-                           int a2a_rounds = 0, int max_hidden = 7168) {
+// Every rank runs `body` on a GPU / host communicator pair with capacity M and E experts, and two streams (the second
+// for receive halves); the pair is destroyed after it. hosts: virtual hosts of the GPU communicator (default
+// EPCOMM_GPU_TEST_HOSTS); max_hidden: config.ll_max_hidden (smaller for large M).
+using PairBody = std::function<int(epComm_t g, epComm_t h, int rank, cudaStream_t s, cudaStream_t s2)>;
+void runOnLlPair(int R, int M, int E, const PairBody& body, int hosts = testHosts(), int max_hidden = 7168,
+                 int timeout_ms = 600000) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
-  const uint64_t seed = g_seed;
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
     CKC(selectDevice(rank));
@@ -328,7 +328,19 @@ void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases
     cudaStream_t s, s2;
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-    uint64_t seed_i = seed;
+    if (body(g, h, rank, s, s2)) return 1;
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, timeout_ms);
+  expectAllRanksOk(codes, g_seed);
+}
+
+// Every rank runs `cases` (fresh seeds) on such a pair; a2a_rounds: alltoallv rounds after the LL cases on it.
+void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases, int hosts = testHosts(),
+                           int a2a_rounds = 0, int max_hidden = 7168) {
+  runOnLlPair(R, M, E, [&](epComm_t g, epComm_t h, int rank, cudaStream_t s, cudaStream_t s2) -> int {
+    uint64_t seed_i = g_seed;
     for (const LlCase& c : cases) {
       if (rank == 0 && getenv("EPCOMM_GPU_TEST_VERBOSE"))
         fprintf(stderr, "LL case M %d H %d K %d E %d dtype %d fp8 %d layout %d split %d\n", c.M, c.H, c.K, c.E,
@@ -337,11 +349,8 @@ void runCasesOnBothEngines(int R, int M, int E, const std::vector<LlCase>& cases
     }
     for (int round = 0; round < a2a_rounds; ++round)
       if (runA2aRound(g, h, rank, R, round, seed_i, s)) return 1;
-    CKE(epCommDestroy(g), g);
-    CKE(epCommDestroy(h), h);
     return 0;
-  }, 600000);
-  expectAllRanksOk(codes, seed);
+  }, hosts, max_hidden);
 }
 
 TEST_P(GpuLl, BitExactAgainstHostEngine) {
@@ -1033,19 +1042,9 @@ __global__ void holdStream(uint64_t ns) {
 TEST_P(GpuLl, SplitHalvesWithALaggingReceive) {
   const int R = GetParam();
   if (crossHosts()) GTEST_SKIP() << "zero-copy dispatch is for ranks of one host";
-  epUniqueId gid, hid;
-  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
-  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const int ops = 24, M = 32, H = 512, K = 4, E = 4 * R;
   const uint64_t seed = g_seed;
-  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
-    g_rank = rank;
-    CKC(selectDevice(rank));
-    const int ops = 24, M = 32, H = 512, K = 4, E = 4 * R;
-    epComm_t g, h;
-    if (initPair(rank, R, gid, hid, M, E, &g, &h)) return 1;
-    cudaStream_t s, s2;
-    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    CKC(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  runOnLlPair(R, M, E, [&](epComm_t g, epComm_t h, int rank, cudaStream_t s, cudaStream_t s2) -> int {
     const int T = tokensOf(rank, R, M);
     epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
     a.num_tokens = T;
@@ -1127,11 +1126,8 @@ TEST_P(GpuLl, SplitHalvesWithALaggingReceive) {
         }
     }
     for (cudaEvent_t ev : sent) cudaEventDestroy(ev);
-    CKE(epCommDestroy(g), g);
-    CKE(epCommDestroy(h), h);
     return 0;
-  }, 300000);
-  expectAllRanksOk(codes, seed);
+  }, testHosts(), 7168, 300000);
 }
 
 // The GPU engine's host-side checks (the C API's contract): bad arguments on every rank are rejected before
