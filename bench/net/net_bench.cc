@@ -14,6 +14,11 @@
 //   (several settings of one backend in one run; the other backends' processes do not see them);
 //   EPCOMM_NET_BENCH_PLUGIN replaces the built-in path (the bench carried to another machine).
 //   EPCOMM_OFI_PROVIDER, EPCOMM_NET_NTHREADS, EPCOMM_NET_NSOCKS, ... tune the plugin as usual.
+//   Backend `nccl` is NCCL's own Socket transport, taken from libnccl.so.2 (`nccl@/path/to/libnccl.so.2` names
+//   the file): the same ncclNet_v11_t calls, so the plugin is compared with what NCCL_NET=Socket runs, on the
+//   CPU and without a GPU. NCCL does not export it: its address comes from the library's symbol table (the
+//   local object `ncclNetSocket`), so a stripped libnccl cannot serve. NCCL_SOCKET_NTHREADS and
+//   NCCL_NSOCKS_PERTHREAD tune it (nccl+NCCL_SOCKET_NTHREADS=2); NCCL_SOCKET_IFNAME defaults to lo here.
 //
 // pingpong: one message each way per iteration (A: isend, then irecv; B: irecv, then isend; test() polled in
 //           between); reports the one-way latency (round trip / 2). Baseline: blocking write/read ping-pong on
@@ -32,10 +37,14 @@
 // Ratios are "plugin speed / TCP speed" (>1 = the plugin is faster), so both modes read the same way.
 #include <arpa/inet.h>
 #include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -115,11 +124,54 @@ int streamIters(const Opts& o, size_t size) {
 
 // ---- plugin ------------------------------------------------------------------------------------------------------
 std::string gPluginPath = EPCOMM_NCCL_PLUGIN_PATH;
+bool gNcclSocket = false;  // backend `nccl`: gPluginPath is libnccl, the net is its built-in Socket transport
+
+// Address of the object `name` in the loaded library `lib`, from the library file's symbol table (.symtab: local
+// symbols too, which dlsym cannot see); null if the file has no such symbol (stripped).
+void* localObject(void* lib, const char* name) {
+  link_map* lm = nullptr;
+  if (dlinfo(lib, RTLD_DI_LINKMAP, &lm) != 0 || !lm) return nullptr;
+  int fd = open(lm->l_name, O_RDONLY);
+  if (fd < 0) return nullptr;
+  struct stat st;
+  void* map = fstat(fd, &st) == 0 ? mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+  close(fd);
+  if (map == MAP_FAILED) return nullptr;
+  const auto* b = static_cast<const uint8_t*>(map);
+  const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(b);
+  void* found = nullptr;
+  if (static_cast<size_t>(st.st_size) >= sizeof(Elf64_Ehdr) && memcmp(eh->e_ident, ELFMAG, SELFMAG) == 0 &&
+      eh->e_ident[EI_CLASS] == ELFCLASS64 && eh->e_shoff + eh->e_shnum * sizeof(Elf64_Shdr) <= static_cast<size_t>(st.st_size)) {
+    const auto* sh = reinterpret_cast<const Elf64_Shdr*>(b + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum && !found; ++i) {
+      if (sh[i].sh_type != SHT_SYMTAB || sh[i].sh_link >= eh->e_shnum) continue;
+      const auto* sym = reinterpret_cast<const Elf64_Sym*>(b + sh[i].sh_offset);
+      const char* str = reinterpret_cast<const char*>(b + sh[sh[i].sh_link].sh_offset);
+      for (size_t k = 0; k < sh[i].sh_size / sizeof(Elf64_Sym); ++k)
+        if (ELF64_ST_TYPE(sym[k].st_info) == STT_OBJECT && sym[k].st_name < sh[sh[i].sh_link].sh_size &&
+            strcmp(str + sym[k].st_name, name) == 0) {
+          found = reinterpret_cast<void*>(lm->l_addr + sym[k].st_value);
+          break;
+        }
+    }
+  }
+  munmap(map, st.st_size);
+  return found;
+}
 
 const ncclNet_v11_t* loadPlugin(void** ctx) {
   void* lib = dlopen(gPluginPath.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); _exit(1); }
-  auto* net = static_cast<const ncclNet_v11_t*>(dlsym(lib, "ncclNetPlugin_v11"));
+  if (!lib) {
+    fprintf(stderr, "dlopen: %s%s\n", dlerror(), gNcclSocket ? " (name the library: nccl@/path/to/libnccl.so.2)" : "");
+    _exit(1);
+  }
+  // NCCL 2.28's built-in net is ncclNet_v11_t (its current ABI), the struct the plugin exports as ncclNetPlugin_v11.
+  auto* net = static_cast<const ncclNet_v11_t*>(gNcclSocket ? localObject(lib, "ncclNetSocket")
+                                                            : dlsym(lib, "ncclNetPlugin_v11"));
+  if (!net) {
+    fprintf(stderr, "net_bench: %s has no %s\n", gPluginPath.c_str(), gNcclSocket ? "symbol table entry ncclNetSocket (stripped?)" : "ncclNetPlugin_v11");
+    _exit(1);
+  }
   ncclNetCommConfig_t cfg{-1};
   CK(net->init(ctx, 1, &cfg, nullptr, nullptr));
   return net;
@@ -140,8 +192,14 @@ void pluginSide(bool a, int ctl, int out, const std::vector<size_t>& sizes, cons
     char ph[NCCL_NET_HANDLE_MAXSIZE];
     readAll(ctl, ph, sizeof(ph));
     while (!scs[c] || !rcs[c]) {
-      if (!scs[c]) CK(net->connect(ctx, 0, ph, &scs[c], nullptr));
-      if (!rcs[c]) CK(net->accept(lcs[c], &rcs[c], nullptr));
+      ncclResult_t r = scs[c] ? ncclSuccess : net->connect(ctx, 0, ph, &scs[c], nullptr);
+      if (r == ncclSuccess && !rcs[c]) r = net->accept(lcs[c], &rcs[c], nullptr);
+      if (r != ncclSuccess) {
+        fprintf(stderr, "net_bench: %s: connect/accept failed (%d)%s\n", net->name, r,
+                gNcclSocket && r == ncclUnhandledCudaError
+                    ? ": NCCL's Socket transport calls cudaGetDevice there, which needs a CUDA device" : "");
+        _exit(1);
+      }
     }
   }
   auto SC = [&](int w) { return scs[w / std::max(1, o.window)]; };  // buffer w belongs to comm w / window
@@ -432,8 +490,13 @@ std::vector<double> runPair(const char* net, const std::vector<size_t>& sizes, c
           p = q + 1;
         }
         size_t at = spec.find('@');
+        gNcclSocket = spec.substr(0, at) == "nccl";
+        if (gNcclSocket) {
+          gPluginPath = "libnccl.so.2";
+          setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+        }
         if (at != std::string::npos) gPluginPath = spec.substr(at + 1);
-        setenv("EPCOMM_NET", spec.substr(0, at).c_str(), 1);
+        if (!gNcclSocket) setenv("EPCOMM_NET", spec.substr(0, at).c_str(), 1);
       }
       if (net) pluginSide(side == 0, sv[side], res[1], sizes, o);
       else tcpSide(side == 0, sv[side], res[1], sizes, o);
@@ -493,7 +556,7 @@ int main(int argc, char** argv) {
       }
     } else {
       fprintf(stderr, "usage: net_bench [--mode both|pingpong|stream|bidir|all] [--min 1K] [--max 4M] [--step 4] "
-                      "[--window 8] [--comms 1] [--poll all|oldest] [--bytes 256M] [--time 0.25] [--backends socket,ofi]\n");
+                      "[--window 8] [--comms 1] [--poll all|oldest] [--bytes 256M] [--time 0.25] [--backends socket,ofi,nccl]\n");
       return 2;
     }
   }
