@@ -13,7 +13,8 @@
 // move (a diagnostic: it grows with extra passes). --csv appends every row to FILE (scripts/plot_bench.py draws
 // it; scripts/bench_sweep.sh sweeps SMs and tokens).
 //
-// Across hosts (epcomm-run --hosts H; GPU engine: its HT rows, the bytes its proxy forwarded) the rows also show
+// Across hosts (epcomm-run --hosts H; GPU engine: the bytes its proxy forwarded, in the HT rows and the LL table's
+// graph rows) the rows also show
 // the bytes all ranks handed to the inter-host transport per operation (xhost_MB/op, epCommGetNetBytes) and per
 // second (xhost_GB/s), and, measured in the same run between the same processes before the operations, the raw
 // net throughput (epCommNetRawBandwidth: every rank streams --net-raw-mb MiB to every rank of other hosts at once
@@ -627,6 +628,7 @@ struct LlTimes {
   std::string what;
   double eager_us, graph_us;
   double bytes;  // DeepEP's accounting: bytes of (token, expert) rows this rank sends
+  double xhost_bytes = 0;  // across hosts: what every rank's proxy forwarded per operation, summed (graph replays)
 };
 std::vector<LlTimes> g_ll;
 
@@ -705,16 +707,25 @@ void benchGpuLl(const Options& o, cudaStream_t s) {
 #ifdef EPCOMM_LL_PROBE
     epcommLlProbeReset();
 #endif
+    double xb = 0;  // this rank's bytes to other hosts over the timed replays (each replay waits for its operations)
     for (int i = 0; i < o.warmup + samples; ++i) {
+      const double b0 = netBytes();
       double t = timeOnStream(s, [&] { CUCHECK(cudaGraphLaunch(exec, s)); });
-      if (i >= o.warmup) tg.push_back(t / kReps);
+      if (i >= o.warmup) {
+        tg.push_back(t / kReps);
+        xb += netBytes() - b0;
+      }
     }
+    const double mine = xb / samples / kReps;
+    const std::vector<double> all = gatherToRank0(&mine, 1);  // collective: every rank measures the same rows
 #ifdef EPCOMM_LL_PROBE
     epcommLlProbeDump(what.c_str(), rank);
 #endif
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-    g_ll.push_back({what, median(te) * 1e6, median(tg) * 1e6, bytes});
+    double xhost = 0;
+    for (double v : all) xhost += v;
+    g_ll.push_back({what, median(te) * 1e6, median(tg) * 1e6, bytes, xhost});
   };
   // The halves' own times, eager: events around the send kernel and around the receive kernel.
   auto halves = [&](const std::string& what, const std::function<void()>& send, const std::function<void()>& recv) {
@@ -877,7 +888,7 @@ int usage(const char* argv0, const std::string& why) {
 // xhost_raw the row's xhost GB/s over it; a "net raw" row carries the raw stream itself (xhost_bytes: all ranks'
 // bytes of one repetition).
 void appendCsv(const Options& o, const char* engine, const std::vector<Row>& rows, double roof,
-               const NetRaw& raw = NetRaw{}) {
+               const NetRaw& raw = NetRaw{}, bool raw_row = true) {
   static const char* kHeader =
       "op,engine,ranks,tokens,hidden,topk,experts,sms,median_us,deepep_gbs,useful_gbs,x_copy,moved_gbs,"
       "xhost_bytes,net_raw_gbs,xhost_raw";
@@ -905,7 +916,7 @@ void appendCsv(const Options& o, const char* engine, const std::vector<Row>& row
             r.useful_bytes / r.median_s / 1e9, r.useful_bytes / r.median_s / roof, r.moved_bytes / r.median_s / 1e9,
             r.xhost_bytes, raw_gbs, raw_gbs > 0 ? xhost_gbs / raw_gbs : 0.0);
   }
-  if (raw_gbs > 0)
+  if (raw_gbs > 0 && raw_row)
     fprintf(f, "net raw,%s,%d,0,%d,%d,%d,%d,%.3f,0,0,0,0,%.0f,%.3f,0\n", engine, nranks, o.hidden, o.topk,
             o.experts, o.sms, raw.seconds * 1e6, raw.bytes, raw_gbs);
   fclose(f);
@@ -1026,20 +1037,29 @@ int main(int argc, char** argv) {
              net && *net ? net : "socket", o.net_raw_msg_kb, o.net_raw_window, o.iters);
     }
 #ifdef EPCOMM_HAVE_GPU_ENGINE
+    // Across hosts the graph rows also give what all ranks' proxies forwarded per operation (xhost_MB/op), that per
+    // second of rank 0's graph time (xhost_GB/s), and that over the raw net stream measured before (xhost/raw).
+    bool ll_xhost = raw.gbs() > 0;
+    for (const LlTimes& t : g_ll) ll_xhost = ll_xhost || t.xhost_bytes > 0;
     if (!g_ll.empty())
       printf("LL on the GPU engine, rank 0's view: %d tokens, hidden %d, top-%d, %d experts; eager = one call after "
              "a host barrier, graph = back-to-back operations in one graph, per operation (median)\n%-22s %10s %10s "
-             "%14s\n", o.ll_tokens, o.hidden, o.topk, o.experts, "LL operation", "eager_us", "graph_us",
-             "GB/s(DeepEP)");
+             "%14s%s\n", o.ll_tokens, o.hidden, o.topk, o.experts, "LL operation", "eager_us", "graph_us",
+             "GB/s(DeepEP)", ll_xhost ? (raw.gbs() > 0 ? "  xhost_MB/op  xhost_GB/s xhost/raw" : "  xhost_MB/op  xhost_GB/s") : "");
     std::vector<Row> ll_rows;
     for (const LlTimes& t : g_ll) {
-      if (t.bytes > 0) printf("%-22s %10.1f %10.1f %14.2f\n", t.what.c_str(), t.eager_us, t.graph_us, t.bytes / t.graph_us / 1e3);
-      else printf("%-22s %10.1f %10s %14s\n", t.what.c_str(), t.eager_us, "-", "-");
-      ll_rows.push_back({"LL " + t.what + " eager", o.ll_tokens, t.eager_us * 1e-6, 0, 0, 0});
+      if (t.bytes > 0) printf("%-22s %10.1f %10.1f %14.2f", t.what.c_str(), t.eager_us, t.graph_us, t.bytes / t.graph_us / 1e3);
+      else printf("%-22s %10.1f %10s %14s", t.what.c_str(), t.eager_us, "-", "-");
+      const double xg = t.xhost_bytes / (t.graph_us * 1e-6) / 1e9;
+      if (ll_xhost && t.bytes > 0) printf(" %12.3f %11.3f", t.xhost_bytes / 1e6, xg);
+      if (ll_xhost && t.bytes > 0 && raw.gbs() > 0) printf(" %9.3f", xg / raw.gbs());
+      printf("\n");
+      ll_rows.push_back({"LL " + t.what + " eager", o.ll_tokens, t.eager_us * 1e-6, 0, 0, 0, 0});
       if (t.bytes > 0)
-        ll_rows.push_back({"LL " + t.what + " graph", o.ll_tokens, t.graph_us * 1e-6, t.bytes / t.graph_us / 1e3, 0, 0});
+        ll_rows.push_back({"LL " + t.what + " graph", o.ll_tokens, t.graph_us * 1e-6, t.bytes / t.graph_us / 1e3, 0, 0,
+                           t.xhost_bytes});
     }
-    if (!o.csv.empty()) appendCsv(o, "gpu", ll_rows, roof);
+    if (!o.csv.empty()) appendCsv(o, "gpu", ll_rows, roof, raw, false);  // the "net raw" row comes with the others
 #endif
     if (!o.csv.empty()) appendCsv(o, gpu ? "gpu" : "host", rows, roof, raw);
   }
