@@ -61,7 +61,9 @@
  *
  * Collective rule: all ranks of a communicator issue the same sequence of operations (as with NCCL). Ranks
  * compare an operation header before moving data, so a mismatch, or bad input on one rank, makes every rank
- * return an error instead of hanging. Every wait has a deadline (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
+ * return an error instead of hanging. (Host engine: where one side of a mismatch is HT dispatch or combine,
+ * whose data go out with the header, that data stays in the transport: the error is epInvalidUsage on every
+ * rank and the communicator needs epCommSetActiveRanks with the current mask before its next operation.) Every wait has a deadline (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
  */
 #ifndef EPCOMM_EPCOMM_H_
 #define EPCOMM_EPCOMM_H_
@@ -647,7 +649,10 @@ EPCOMM_API epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, cons
  *   before the failure keep their outputs. On a usable communicator, a call while an LL receive half is
  *   outstanding is epInvalidUsage.
  * - A mask that masks nobody new is allowed: it is a resynchronization only. After a failure in which no rank
- *   died (a timeout), every rank calling it with the current mask makes the communicator usable again.
+ *   died (a timeout, or ranks that issued different operations), every rank calling it with the current mask
+ *   makes the communicator usable again. Across hosts a rank of another host that showed no sign of life for
+ *   the deadline (stopped or stalled, not only dead) is lost for good: its connections are closed on both
+ *   sides, so the others must mask it (and it must stop calling the communicator, like any masked rank).
  * - A failure during the call itself (a kept rank died or did not call it by the deadline) leaves the mask
  *   unchanged and the communicator broken; call it again with that rank masked too.
  *

@@ -98,8 +98,9 @@ epResult_t checkUsable(epComm* comm) {
   int ae = comm->async_error.load();
   if (ae != epSuccess)
     EP_FAIL(static_cast<epResult_t>(ae),
-            "the communicator is unusable after an earlier %s (op %d, epoch %llu, peer %d); destroy it and create "
-            "a new one",
+            "the communicator is unusable after an earlier %s (op %d, epoch %llu, peer %d): resynchronize it (every "
+            "surviving rank calls epCommSetActiveRanks, with the failed ranks masked or, after a timeout or "
+            "mismatched operations, the current mask) or destroy it and create a new one",
             epGetErrorString(static_cast<epResult_t>(ae)), comm->async_info.op,
             static_cast<unsigned long long>(comm->async_info.epoch), comm->async_info.peer);
   return epSuccess;

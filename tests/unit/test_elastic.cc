@@ -803,6 +803,81 @@ TEST_P(CrossHostElastic, KilledForwarder) {
 INSTANTIATE_TEST_SUITE_P(Net, CrossHostElastic, ::testing::Values("socket", "ofi"),
                          [](const ::testing::TestParamInfo<const char*>& i) { return std::string(i.param); });
 
+// Ranks that issue different operations where one side is HT dispatch (whose data go out with its header): every
+// rank returns epInvalidUsage at once, not at the deadline, and the communicator asks for a resynchronization; a
+// no-op epCommSetActiveRanks on every rank makes it usable, and every operation runs bit-exact after it. Both
+// directions (one rank dispatching among barriers, one barrier among dispatches), on one host and on 2 virtual
+// hosts. (Found by a soak: the dispatching ranks waited the whole deadline for channel messages the other rank
+// never sent, then broke the communicator with an internal error.)
+epResult_t worstTokenDispatch(epComm_t comm, int me, const Step& st, epHtHandle_t h) {
+  const epref::RankInput& in = st.all[me];
+  const int T = in.num_tokens;
+  int worst = 0;
+  for (const auto& a : st.all) worst += a.num_tokens;
+  std::vector<uint8_t> rx(static_cast<size_t>(worst) * st.row() + 1);
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = st.H;
+  a.topk = st.K;
+  a.num_experts = st.E;
+  a.dtype = st.dtype;
+  a.x = T ? in.x.data() : nullptr;
+  a.topk_idx = T ? in.topk_idx.data() : nullptr;
+  a.num_worst_tokens = worst;
+  a.recv_x = worst ? rx.data() : nullptr;
+  a.recv_x_bytes = static_cast<size_t>(worst) * st.row();
+  return epHtDispatch(comm, &a, h, nullptr);
+}
+
+class MismatchedOperations : public ::testing::TestWithParam<int> {};  // hosts
+
+TEST_P(MismatchedOperations, WithHtDispatchNeedAResync) {
+  const int hosts = GetParam();
+  constexpr int R = 4;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    if (hosts > 1) joinVirtualHost(rank, R / hosts, "socket");
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<uint8_t> all1(R, 1);
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    std::string e = runAll(comm, rank, Step(R, 81, all1), rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    epHtHandle_t h;
+    CHECK_OR_RETURN(epHtHandleCreate(comm, 16, &h) == epSuccess, "handle: %s", epGetLastError(comm));
+    for (int round = 0; round < 2; ++round) {
+      const bool dispatches = (rank == 1) == (round == 1);  // round 0: rank 1 alone barriers; round 1: it alone dispatches
+      const auto t0 = std::chrono::steady_clock::now();
+      const epResult_t r = dispatches ? worstTokenDispatch(comm, rank, Step(R, 82, all1), h) : epCommBarrier(comm, nullptr);
+      const double ms = msSince(t0);
+      CHECK_OR_RETURN(r == epInvalidUsage && strstr(epGetLastError(comm), "different operations"),
+                      "round %d (%s): %s (%s)", round, dispatches ? "HT dispatch" : "barrier", epGetErrorString(r),
+                      epGetLastError(comm));
+      CHECK_OR_RETURN(ms < kTimeoutMs / 2, "round %d: the mismatch took %.0f ms to report", round, ms);
+      epResult_t async = epSuccess;
+      epCommGetAsyncError(comm, &async, nullptr);
+      CHECK_OR_RETURN(async == epInvalidUsage, "round %d: async error %s", round, epGetErrorString(async));
+      CHECK_OR_RETURN(epCommBarrier(comm, nullptr) == epInvalidUsage && strstr(epGetLastError(comm), "epCommSetActiveRanks"),
+                      "round %d: a call before the resynchronization: %s", round, epGetLastError(comm));
+      std::vector<int32_t> keep(R, 1);
+      const epResult_t s = epCommSetActiveRanks(comm, keep.data(), nullptr);
+      CHECK_OR_RETURN(s == epSuccess, "round %d: no-op set: %s (%s)", round, epGetErrorString(s), epGetLastError(comm));
+      double slowest = 0;
+      e = runAll(comm, rank, Step(R, 83 + round, all1), rows, a2a, &slowest);
+      CHECK_OR_RETURN(e.empty(), "round %d after: %s", round, e.c_str());
+      CHECK_OR_RETURN(slowest < kTimeoutMs / 2, "round %d: an operation took %.0f ms", round, slowest);
+    }
+    epHtHandleDestroy(h);
+    return epCommDestroy(comm) == epSuccess ? 0 : 1;
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Hosts, MismatchedOperations, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "host"; });
+
 TEST(Elastic, BadArguments) {
   constexpr int R = 3;
   epUniqueId id;

@@ -393,4 +393,49 @@ TEST(Faults, AbortUnblocksAWait) {
   EXPECT_EQ(codes[1], 0);
 }
 
+// A rank that finished its part of the last operation, destroyed its communicator and exited is no failure of the
+// ranks still moving that operation's bytes between themselves (found by a soak: their liveness check took the
+// exit for a death and failed the operation). Rank 0 sends rank 1 64 MiB through 64 KiB rings; rank 2 exchanges a
+// few elements, destroys and exits at once. Then a rank waiting for one that left is told so, not after the deadline.
+TEST(Faults, CleanExitIsNoDeath) {
+  constexpr int R = 3;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    const size_t big = size_t{16} << 20;  // floats, rank 0 -> rank 1
+    auto count = [&](int p, int q) { return p == 0 && q == 1 ? big : size_t{4}; };  // what p sends q
+    auto value = [](int p, size_t i) { return static_cast<float>((p * 1000003 + i) % 16777213); };  // p's i-th
+    std::vector<size_t> sc(R), rc(R), sd(R), rd(R);
+    size_t so = 0, ro = 0;
+    for (int q = 0; q < R; ++q) {
+      sc[q] = count(rank, q), rc[q] = count(q, rank);
+      sd[q] = so, so += sc[q], rd[q] = ro, ro += rc[q];
+    }
+    std::vector<float> sb(so), rb(ro, -1.0f);
+    for (size_t i = 0; i < so; ++i) sb[i] = value(rank, i);
+    epResult_t r = epAlltoallv(comm, sb.data(), sc.data(), sd.data(), rb.data(), rc.data(), rd.data(), epFloat32, nullptr);
+    CHECK_OR_RETURN(r == epSuccess, "alltoallv: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    for (int p = 0; p < R; ++p) {
+      size_t from = 0;  // where p's elements for this rank begin in p's send buffer
+      for (int q = 0; q < rank; ++q) from += count(p, q);
+      for (size_t i = 0; i < rc[p]; i += 4099)
+        CHECK_OR_RETURN(rb[rd[p] + i] == value(p, from + i), "element %zu from rank %d", i, p);
+    }
+    if (rank == 2) return epCommDestroy(comm) == epSuccess ? 0 : 1;  // and the process exits
+    // Ranks 0 and 1 finished too; rank 2 is gone (or about to be): a barrier among all three cannot complete, and
+    // says why well before the deadline once rank 2 has left.
+    usleep(200 * 1000);
+    const auto t0 = std::chrono::steady_clock::now();
+    r = epCommBarrier(comm, nullptr);
+    CHECK_OR_RETURN(r == epRemoteError && strstr(epGetLastError(comm), "destroyed its communicator"),
+                    "barrier with a rank that left: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(msSince(t0) < kTimeoutMs, "took %.0f ms", msSince(t0));
+    return abortPromptly(comm, rank);
+  }, 60000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
 }  // namespace

@@ -129,8 +129,8 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   }
   if (st == epSuccess && failed_peer >= 0)
     st = EP_ERROR(epRemoteError,
-                  "rank %d failed its side of epCommSetActiveRanks (a rejected argument or a different mask); the "
-                  "mask is unchanged",
+                  "rank %d failed its side of epCommSetActiveRanks (a rejected argument, a different mask, or a "
+                  "wait that ended before this rank took part); the mask is unchanged",
                   failed_peer);
   me->rs_word.store(rsWord(round, kDone, st != epSuccess), std::memory_order_release);
   EPCHECK(resyncWait(part, round, kDone, false, nullptr));

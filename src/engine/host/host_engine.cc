@@ -132,6 +132,9 @@ HostEngine::~HostEngine() {
     record_async_ = false;
     for (int c = 0; c < nchan_; ++c) (void)flushSends(epPhaseData, c);
   }
+  // Clean: the peers of this host may see this process exit (checkWait); a broken communicator leaves it a death.
+  if (!comm_->aborted.load() && comm_->async_error.load() == epSuccess && own_.header() != nullptr)
+    own_.header()->bye.store(1, std::memory_order_release);
   if (bridge_) {
     bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
     EP_INFO(kSubsysNet, "rank %d sent %llu ring bytes to ranks of other hosts (HT %s)", rank_,
@@ -381,7 +384,7 @@ epResult_t HostEngine::fail(epResult_t code, int peer, int phase, const char* wh
 }
 
 epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check,
-                                 int64_t& last_turn) {
+                                 int64_t& last_turn, int& bye_seen) {
   if (comm_->aborted.load(std::memory_order_relaxed)) return fail(epAborted, peer, phase, "communicator aborted");
   int64_t now = nowNs();
   // A wait polls every few hundred microseconds; a far longer gap means this thread did not run (its process was
@@ -401,8 +404,23 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
         std::string why;
         if (!bridge_->dead(r, &why)) continue;
         char msg[400];
-        snprintf(msg, sizeof(msg), "lost the connection from rank %d on another host: %s", r, why.c_str());
+        snprintf(msg, sizeof(msg), "lost the connection from rank %d on another host: %s (it is not re-established: "
+                 "mask that rank with epCommSetActiveRanks)", r, why.c_str());
         return fail(epRemoteError, r, phase, msg);
+      }
+      // A rank that destroyed its communicator cleanly had finished its operations, and what it sent is in the
+      // rings: its exit is no failure of this operation, unless this wait is for that very rank and still waits at
+      // the next check (a fresh step between the two: nothing more will come from it).
+      if (peers_[r]->header()->bye.load(std::memory_order_acquire) != 0) {
+        if (r != peer) continue;
+        if (bye_seen == r) {
+          char msg[200];
+          snprintf(msg, sizeof(msg), "peer rank %d destroyed its communicator (epCommDestroy) while this operation "
+                   "still waits for it", r);
+          return fail(epRemoteError, r, phase, msg);
+        }
+        bye_seen = r;
+        continue;
       }
       if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
         char msg[160];
@@ -432,6 +450,7 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
 template <typename Step>
 epResult_t HostEngine::spin(int peer, int phase, Step&& step) {
   int64_t idle = nowNs(), live = idle, turn = idle;
+  int bye_seen = -1;
   Backoff backoff;
   for (;;) {
     const Spin r = step(peer);
@@ -439,10 +458,11 @@ epResult_t HostEngine::spin(int peer, int phase, Step&& step) {
     const bool assisted = bridge_ && bridge_->assist();
     if (r == Spin::kMoved) {
       idle = turn = nowNs();
+      bye_seen = -1;
       backoff.reset();
       continue;
     }
-    EPCHECK(checkWait(peer, phase, idle, live, turn));
+    EPCHECK(checkWait(peer, phase, idle, live, turn, bye_seen));
     if (assisted) backoff.reset();
     else backoff.pause();
   }
@@ -499,8 +519,10 @@ epResult_t HostEngine::flushSends(int phase, int ch) {
 
 // The resynchronization's wait (elastic.cc): until every rank of `part` has published at least (round, phase) in
 // its region header. With `adopt` (phase 1 only), a peer already in a later round is one whose earlier round this
-// rank did not complete alike (a failed call): this rank takes that round's number, so the survivors meet again. failed_peer (when given) gets the first peer whose
-// word of this round has the failed bit.
+// rank did not complete alike (a failed call): this rank takes that round's number, so the survivors meet again.
+// failed_peer (given for phase 2 only) gets the first peer whose word of this round has the failed bit, or that is
+// already in a later round: no rank completes a round before every kept rank published its phase 3, which this one
+// has not yet, so such a peer left this round failed (it timed out, say, while this rank was stopped, and retried).
 epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt,
                                   int* failed_peer) {
   RegionHeader* me = own_.header();
@@ -522,7 +544,7 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
         seen = next;
         return moved ? Spin::kMoved : Spin::kIdle;
       }
-      if (failed_peer && *failed_peer < 0 && (w & 1) && w / 8 == round) *failed_peer = next;
+      if (failed_peer && *failed_peer < 0 && ((w & 1) || w / 8 > round)) *failed_peer = next;
     }
     return Spin::kDone;
   });
@@ -530,6 +552,7 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
 
 // Reads every peer's header (and extra array), in rank order.
 epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in) {
+  unaligned_ = false;
   in.resize(nranks_);
   for (int s = 0; s < nranks_; ++s) {
     if (!active(s)) {  // a masked rank sends nothing: an empty stand-in that agrees with this rank
@@ -555,6 +578,7 @@ epResult_t HostEngine::recvHeaders(std::vector<Incoming>& in) {
 
 // Consumes the data of every message not yet consumed; rows left in a sender's memory will not be read.
 epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
+  if (unaligned_) return epSuccess;  // left to the resynchronization
   for (int s = 0; s < nranks_; ++s) {
     if (in[s].masked) continue;
     EPCHECK(skipIn(s, in[s].h.data_bytes, epPhaseData));
@@ -580,12 +604,22 @@ epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult
     const MsgHeader& h = in[s].h;
     if (in[s].masked) continue;
     if (h.op != static_cast<uint32_t>(cur_op_) || h.epoch != cur_epoch_) {
+      // HT dispatch and combine post their data before the headers are compared: with either on one side, the
+      // rings hold messages the other side will never read. Every rank sees the mismatch (each compares every
+      // header with its own operation), so all return at once, leave the rings to a resynchronization and mark
+      // the communicator broken until then.
+      auto posts_data = [](int op) { return op == epOpHtDispatch || op == epOpHtCombine; };
+      unaligned_ = posts_data(cur_op_) || posts_data(static_cast<int>(h.op));
+      if (unaligned_ && record_async_) comm_->recordAsyncError(epInvalidUsage, cur_op_, cur_epoch_, s, epPhaseHeader);
       if (local != epSuccess) return local;
       return EP_ERROR(epInvalidUsage,
                       "ranks issued different operations: rank %d issued %s (epoch %llu) while rank %d issued %s "
-                      "(epoch %llu); all ranks must issue the same sequence",
+                      "(epoch %llu); all ranks must issue the same sequence%s",
                       s, hostOpName(static_cast<int>(h.op)), static_cast<unsigned long long>(h.epoch), rank_,
-                      hostOpName(cur_op_), static_cast<unsigned long long>(cur_epoch_));
+                      hostOpName(cur_op_), static_cast<unsigned long long>(cur_epoch_),
+                      unaligned_ ? " (HT data of one of them is left in the transport: every rank must call "
+                                   "epCommSetActiveRanks with the current mask before the next operation)"
+                                 : "");
     }
   }
   if (local != epSuccess) return local;
@@ -654,6 +688,7 @@ epResult_t HostEngine::layout(const int64_t* topk_idx, int T, int K, int E, int*
 // sends each peer one message per channel (a header stating its size, then the rows of that channel's tokens).
 // On failure, receivers consume those messages of the accepted peers and discard them.
 epResult_t HostEngine::drainChannels(const std::vector<Incoming>& in) {
+  if (unaligned_) return epSuccess;  // left to the resynchronization
   return runChannels([&](int c) -> epResult_t {
     for (int s = 0; s < nranks_; ++s) {
       if (in[s].masked || in[s].h.status != epSuccess) continue;
@@ -723,6 +758,7 @@ epResult_t HostEngine::readPeer(int src, const iovec* remote, size_t n, void* ds
 }
 
 epResult_t HostEngine::exchangeDone() {
+  if (unaligned_) return epSuccess;  // nobody read anybody's rows: the operations differed
   // This rank is done reading every peer's memory for this operation; then wait until every peer is done with
   // this rank's (the counters, not messages: nothing else need sit in the rings in between).
   for (int s = 0; s < nranks_; ++s) in_[0][s].setReadDone(cur_epoch_);

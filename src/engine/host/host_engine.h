@@ -171,7 +171,9 @@ class HostEngine final : public Engine {
   epResult_t runChannels(const std::function<epResult_t(int)>& fn);
   // Tokens [begin, end) of channel c.
   int chanBegin(int T, int c) const { return static_cast<int>(static_cast<int64_t>(T) * c / nchan_); }
-  epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check, int64_t& last_turn);
+  // bye_seen: the waited-on peer found to have destroyed its communicator at the previous liveness check (-1: none).
+  epResult_t checkWait(int peer, int phase, int64_t& idle_since, int64_t& last_live_check, int64_t& last_turn,
+                       int& bye_seen);
   epResult_t recvHeaders(std::vector<Incoming>& in);
   epResult_t drainChannels(const std::vector<Incoming>& in);
   epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);
@@ -261,6 +263,10 @@ class HostEngine final : public Engine {
   std::vector<int64_t> drop_rows_, drop_a2a_;
   uint64_t rs_round_ = 0;
   bool record_async_ = true;  // false while a rejected epCommSetActiveRanks takes part: its failures break nothing
+  // This operation's peers issued another operation where one of the two is HT dispatch or combine, whose data
+  // messages go out before the headers are compared: the rings hold what neither side will read, so nothing is
+  // drained and the communicator needs a resynchronization (statusFromPeers).
+  bool unaligned_ = false;
 };
 
 uint64_t shapeSig(std::initializer_list<int64_t> values);

@@ -314,11 +314,12 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
                     lay->num_recv, a->num_worst_tokens);
   }
   if (st != epSuccess) {
+    if (ok && !cached) h->valid = false;
+    if (unaligned_) return st;  // another operation on some rank: nothing to drain (statusFromPeers)
     EPCHECK(drainPayloads(in));
     if (hier_) EPCHECK(runChannels([&](int c) { return htDispatchRecvHier(a, nullptr, in, c); }));
     else EPCHECK(drainChannels(in));
     if (cma_) EPCHECK(exchangeDone());
-    if (ok && !cached) h->valid = false;
     return st;
   }
 
@@ -462,6 +463,7 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
     st = EP_ERROR(epInvalidUsage, "the handle's dispatch did not run hierarchically but this combine does");
   std::atomic<bool> forward_failed{false};
   if (st != epSuccess) {
+    if (unaligned_) return st;  // another operation on some rank: nothing to drain (statusFromPeers)
     EPCHECK(drainPayloads(in));
     if (cma_) EPCHECK(exchangeDone());
     else if (hier_)

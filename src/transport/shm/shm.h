@@ -27,6 +27,10 @@ struct alignas(64) RegionHeader {
   int64_t pid;
   uint64_t ring_bytes;
   std::atomic<uint32_t> ready;  // set once the owner finished initialising the region
+  // Set by the owner's engine when it destroys its communicator cleanly, after its last sends are in the peers'
+  // rings: its process may exit from then on without that counting as a death (what the bridge's BYE frame says
+  // across hosts).
+  std::atomic<uint32_t> bye;
   // Elastic ranks (host engine): what the owner published for its current resynchronization round, read by the
   // other survivors without the rings (whose contents a failure may have left out of step).
   alignas(64) std::atomic<uint64_t> rs_word;  // round * 8 + phase * 2 + failed
