@@ -1,0 +1,322 @@
+// epcomm-soak: the host engine under injected faults, one process per rank under epcomm-run (tests/soak/soak.sh
+// starts it next to the fault injector). Each iteration runs every operation of the C API, checked bit for bit
+// (tests/unit/ops_check.h), and optionally a large alltoallv through small queues, timing every call. After a
+// failure, with SOAK_RECOVER=1, the rank resynchronizes (epCommSetActiveRanks) with the ranks it believes alive
+// and goes on with a seed common to the survivors. It reports, per rank, a SUMMARY line and flags:
+//   WRONG     an operation returned success with wrong data, or failed with an error that is not a failure's
+//   LATE      a call took longer than the deadline plus slack (a wait without a deadline, or a missed failure)
+//   RECOVERY FAILED   no resynchronization succeeded within SOAK_RETRIES attempts
+// and exits 1 if any of them happened. Found so far: the four host-engine defects fixed in session s20 (a rank
+// stopped inside a resynchronization succeeding alone, ranks mismatched against HT dispatch breaking the
+// communicator after a whole deadline, a clean exit taken for a death, a stalled rank of another host).
+//
+// Environment (besides epcomm-run's and EPCOMM_*):
+//   SOAK_DIR       directory for pid.<rank>, log.<rank>; the injector writes victim.<rank> (required)
+//   SOAK_ITERS     iterations (50)            SOAK_TMO      the communicator's timeout_ms (2000)
+//   SOAK_MODE      mix | a2a | both (mix)     SOAK_A2A_N    floats per peer of the large alltoallv (65536)
+//   SOAK_QUEUE     queue_bytes (65536)        SOAK_CHANNELS num_channels (2)
+//   SOAK_RECOVER   1: resynchronize after a failure (0)     SOAK_RETRIES  resynchronization attempts (8)
+//   SOAK_MISMATCH  "X:I:opX:opO": at iteration I rank X issues opX, the others opO (barrier, a2a, htn, htd, lld)
+//   SOAK_DESTROY   "X:I": at iteration I rank X destroys its communicator, waits 3 deadlines, exits 0
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ops_check.h"
+
+namespace {
+
+using namespace epcomm::test::ops;
+
+int g_rank = -1, g_R = 0, g_tmo = 2000;
+std::string g_dir;
+FILE* g_log = nullptr;
+
+double wall() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<double>(ts.tv_sec % 100000) + ts.tv_nsec * 1e-9;
+}
+
+void logLine(const std::string& s) {
+  for (FILE* f : {stderr, g_log}) {
+    if (f == nullptr) continue;
+    fprintf(f, "[r%d %.3f] %s\n", g_rank, wall(), s.c_str());
+    fflush(f);
+  }
+}
+
+int envInt(const char* n, int d) {
+  const char* e = getenv(n);
+  return e && *e ? atoi(e) : d;
+}
+
+bool fileExists(const std::string& p) {
+  struct stat st;
+  return stat(p.c_str(), &st) == 0;
+}
+
+// Gone, a zombie, or named a victim by the injector.
+bool believedDead(int r) {
+  if (fileExists(g_dir + "/victim." + std::to_string(r))) return true;
+  std::ifstream pf(g_dir + "/pid." + std::to_string(r));
+  long p = 0;
+  pf >> p;
+  if (p <= 0) return false;
+  if (kill(static_cast<pid_t>(p), 0) != 0 && errno == ESRCH) return true;
+  std::ifstream sf("/proc/" + std::to_string(p) + "/stat");
+  std::string s;
+  std::getline(sf, s);
+  const size_t q = s.rfind(')');
+  return q != std::string::npos && q + 2 < s.size() && (s[q + 2] == 'Z' || s[q + 2] == 'X');
+}
+
+// A large alltoallv among the active ranks, checked.
+epResult_t bigA2a(epComm_t comm, const std::vector<uint8_t>& act, int tag, size_t n, std::string& err) {
+  const int R = g_R;
+  std::vector<float> sb(R * n), rb(R * n, -1.0f);
+  std::vector<size_t> c(R, n), d(R);
+  for (int q = 0; q < R; ++q) d[q] = q * n;
+  auto val = [&](int s, int dst, size_t j) {
+    return static_cast<float>(((s * 8 + dst) * 16 + tag % 16) * 65536 + (j & 65535));
+  };
+  for (int q = 0; q < R; ++q)
+    for (size_t j = 0; j < n; ++j) sb[q * n + j] = val(g_rank, q, j);
+  const epResult_t r = epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epFloat32, nullptr);
+  if (r != epSuccess) {
+    err = fmt("big alltoallv: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    return r;
+  }
+  for (int s = 0; s < R; ++s)
+    for (size_t j = 0; act[s] && j < n; ++j)
+      if (rb[s * n + j] != val(s, g_rank, j)) {
+        err = fmt("wrong data: big alltoallv from rank %d at %zu", s, j);
+        return epInternalError;
+      }
+  return epSuccess;
+}
+
+// One operation for the mismatch hook.
+epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st) {
+  const int R = st.R;
+  const epref::RankInput& in = st.all[g_rank];
+  const int T = in.num_tokens;
+  if (op == "barrier") return epCommBarrier(comm, nullptr);
+  if (op == "a2a") {
+    std::vector<size_t> c(R, 4), d(R);
+    for (int q = 0; q < R; ++q) d[q] = q * 4;
+    std::vector<float> sb(R * 4, 1.0f), rb(R * 4);
+    return epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epFloat32, nullptr);
+  }
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = st.H;
+  a.topk = st.K;
+  a.num_experts = st.E;
+  a.dtype = st.dtype;
+  a.x = T ? in.x.data() : nullptr;
+  a.topk_idx = T ? in.topk_idx.data() : nullptr;
+  if (op == "htn" || op == "htd") {
+    epHtHandle_t h;
+    if (epHtHandleCreate(comm, st.M, &h) != epSuccess) return epInternalError;
+    std::vector<uint8_t> rx(static_cast<size_t>(R) * st.M * st.row() + 1);
+    epResult_t r;
+    if (op == "htn") {
+      int n = 0;
+      r = epHtDispatchNotify(comm, &a, h, &n, nullptr, nullptr);
+    } else {
+      a.num_worst_tokens = R * st.M;
+      a.recv_x = rx.data();
+      a.recv_x_bytes = rx.size() - 1;
+      r = epHtDispatch(comm, &a, h, nullptr);
+    }
+    epHtHandleDestroy(h);
+    return r;
+  }
+  if (op == "lld") {
+    const int L = st.E / R, M = st.M;
+    std::vector<uint8_t> rx(static_cast<size_t>(L) * R * M * st.row());
+    std::vector<int> cnt(L), src(L * R * M);
+    std::vector<int64_t> range(L * R);
+    epLlDispatchArgs_t l = EP_LL_DISPATCH_ARGS_INIT;
+    l.num_tokens = T;
+    l.max_tokens_per_rank = M;
+    l.hidden = st.H;
+    l.topk = st.K;
+    l.num_experts = st.E;
+    l.dtype = st.dtype;
+    l.x = a.x;
+    l.topk_idx = a.topk_idx;
+    l.recv_x = rx.data();
+    l.recv_x_bytes = rx.size();
+    l.recv_count = cnt.data();
+    l.recv_count_bytes = sizeof(int) * cnt.size();
+    l.recv_src_info = src.data();
+    l.recv_src_info_bytes = sizeof(int) * src.size();
+    l.recv_layout_range = range.data();
+    l.recv_layout_range_bytes = sizeof(int64_t) * range.size();
+    return epLlDispatch(comm, &l, nullptr);
+  }
+  return epInvalidArgument;
+}
+
+}  // namespace
+
+int main() {
+  signal(SIGTERM, SIG_IGN);  // epcomm-run ends the other ranks when one dies: the survivors are what is tested
+  g_rank = envInt("EPCOMM_RANK", -1);
+  g_R = envInt("EPCOMM_WORLD_SIZE", 0);
+  const char* dir = getenv("SOAK_DIR");
+  if (dir == nullptr || g_rank < 0 || g_R <= 0) {
+    fprintf(stderr, "epcomm-soak: run it under epcomm-run with SOAK_DIR set (tests/soak/soak.sh does)\n");
+    return 2;
+  }
+  g_dir = dir;
+  g_log = fopen((g_dir + "/log." + std::to_string(g_rank)).c_str(), "a");
+  {
+    const std::string p = g_dir + "/pid." + std::to_string(g_rank);
+    std::ofstream(p + ".tmp") << getpid() << "\n";
+    rename((p + ".tmp").c_str(), p.c_str());  // the injector sees a whole pid or none
+  }
+  g_tmo = envInt("SOAK_TMO", 2000);
+  const int iters = envInt("SOAK_ITERS", 50), retries = envInt("SOAK_RETRIES", 8);
+  const std::string mode = getenv("SOAK_MODE") ? getenv("SOAK_MODE") : "mix";
+  const size_t a2a_n = static_cast<size_t>(envInt("SOAK_A2A_N", 1 << 16));
+  const bool recover = envInt("SOAK_RECOVER", 0) != 0;
+  const int local = envInt("EPCOMM_LOCAL_SIZE", 0);
+  if (getenv("EPCOMM_HOSTID") && local > 0 && local < g_R) epref::gRefRanksPerHost = local;  // combine order
+  int mm_rank = -1, mm_iter = -1, ds_rank = -1, ds_iter = -1;
+  char mm_x[32] = "", mm_o[32] = "";
+  if (getenv("SOAK_MISMATCH")) sscanf(getenv("SOAK_MISMATCH"), "%d:%d:%31[^:]:%31s", &mm_rank, &mm_iter, mm_x, mm_o);
+  if (getenv("SOAK_DESTROY")) sscanf(getenv("SOAK_DESTROY"), "%d:%d", &ds_rank, &ds_iter);
+
+  epConfig_t cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_HOST;
+  cfg.timeout_ms = g_tmo;
+  cfg.ll_max_tokens_per_rank = 16;
+  cfg.num_channels = envInt("SOAK_CHANNELS", 2);
+  cfg.queue_bytes = static_cast<size_t>(envInt("SOAK_QUEUE", 64 * 1024));
+  epComm_t comm;
+  auto t0 = std::chrono::steady_clock::now();
+  if (epCommInitFromEnv(&comm, &cfg) != epSuccess) {
+    logLine(fmt("INIT FAILED (%s) after %.0f ms", epGetLastError(nullptr), msSince(t0)));
+    return 3;
+  }
+  const int R = g_R;
+  std::vector<uint8_t> act(R, 1);
+  std::vector<int64_t> rows(R, 0), a2a(R, 0);
+  int ok = 0, errs = 0, wrong = 0, late = 0, recov_fail = 0;
+  double maxms = 0;
+  uint64_t gen = 0, since = 0;  // successful resynchronizations, iterations since the last: the survivors' seed
+  const double limit = g_tmo + std::max(1000, g_tmo / 2);
+  for (int it = 0; it < iters; ++it) {
+    if (it == ds_iter && g_rank == ds_rank) {
+      logLine(fmt("destroying the communicator at iteration %d", it));
+      std::ofstream(g_dir + "/victim." + std::to_string(g_rank));
+      const epResult_t r = epCommDestroy(comm);
+      logLine(fmt("destroy: %s", epGetErrorString(r)));
+      usleep(3 * g_tmo * 1000);
+      return 0;
+    }
+    const Step st(R, 1000 + 100000 * gen + since++, act);
+    std::string e;
+    double slowest = 0;
+    const auto ti = std::chrono::steady_clock::now();
+    if (it == mm_iter) {
+      const std::string op = g_rank == mm_rank ? mm_x : mm_o;
+      const epResult_t r = singleOp(comm, op, st);
+      logLine(fmt("mismatch at iteration %d: my %s -> %s (%s) in %.0f ms", it, op.c_str(), epGetErrorString(r),
+                  r ? epGetLastError(comm) : "", msSince(ti)));
+      if (msSince(ti) > limit) {
+        ++late;
+        logLine(fmt("LATE mismatched operation: %.0f ms", msSince(ti)));
+      }
+      if (r != epSuccess && recover) {  // the header's recovery: every rank resynchronizes with the current mask
+        std::vector<int32_t> m(act.begin(), act.end());
+        const epResult_t s = epCommSetActiveRanks(comm, m.data(), nullptr);
+        logLine(fmt("resynchronization after the mismatch: %s (%s)", epGetErrorString(s), s ? epGetLastError(comm) : ""));
+        if (s != epSuccess) ++recov_fail;
+      }
+      continue;
+    }
+    if (mode == "mix" || mode == "both") e = runAll(comm, g_rank, st, rows, a2a, &slowest);
+    if (e.empty() && (mode == "a2a" || mode == "both")) {
+      const auto ta = std::chrono::steady_clock::now();
+      bigA2a(comm, act, static_cast<int>(gen * 7 + since), a2a_n, e);
+      slowest = std::max(slowest, msSince(ta));
+    }
+    maxms = std::max(maxms, slowest);
+    if (slowest > limit) {
+      ++late;
+      logLine(fmt("LATE iteration %d: an operation took %.0f ms (deadline %d ms) %s", it, slowest, g_tmo, e.c_str()));
+    }
+    if (e.empty()) {
+      ++ok;
+      continue;
+    }
+    // A failure's errors are timeouts, remote errors, aborts, mismatches; anything else is data or a broken contract.
+    const bool failure = e.find("timeout") != std::string::npos || e.find("remote") != std::string::npos ||
+                         e.find("aborted") != std::string::npos || e.find("invalid usage") != std::string::npos;
+    ++errs;
+    epResult_t async = epSuccess;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    epCommGetAsyncError(comm, &async, &info);
+    logLine(fmt("%s at iteration %d: %s | slowest %.0f ms | async %s op %d epoch %llu peer %d phase %d",
+                failure ? "error" : "WRONG", it, e.c_str(), slowest, epGetErrorString(async), info.op,
+                static_cast<unsigned long long>(info.epoch), info.peer, info.phase));
+    if (!failure) ++wrong;
+    if (!recover) continue;
+    bool done = false;
+    for (int attempt = 0; attempt < retries && !done; ++attempt) {
+      std::vector<int32_t> m(R);
+      for (int r = 0; r < R; ++r) m[r] = act[r] && (r == g_rank || !believedDead(r));
+      const auto ts = std::chrono::steady_clock::now();
+      const epResult_t r = epCommSetActiveRanks(comm, m.data(), nullptr);
+      std::string ms;
+      for (int q = 0; q < R; ++q) ms += m[q] ? '1' : '0';
+      logLine(fmt("resynchronization %d, mask %s: %s (%s) in %.0f ms", attempt, ms.c_str(), epGetErrorString(r),
+                  r ? epGetLastError(comm) : "", msSince(ts)));
+      if (msSince(ts) > 2 * g_tmo + limit - g_tmo) {
+        ++late;
+        logLine(fmt("LATE resynchronization: %.0f ms", msSince(ts)));
+      }
+      if (r == epSuccess) {
+        for (int q = 0; q < R; ++q) act[q] = static_cast<uint8_t>(m[q]);
+        rows.assign(R, 0);
+        a2a.assign(R, 0);
+        epCommGetMaskedDrops(comm, rows.data(), a2a.data(), nullptr);  // counted from here on
+        done = true;
+        ++gen;
+        since = 0;
+      } else {
+        usleep(200 * 1000);
+      }
+    }
+    if (!done) {
+      ++recov_fail;
+      logLine(fmt("RECOVERY FAILED after %d attempts", retries));
+      break;
+    }
+  }
+  if (!recover) {
+    const std::string d = checkDrops(comm, rows, a2a);
+    if (!d.empty()) {
+      ++wrong;
+      logLine("WRONG drop counters: " + d);
+    }
+  }
+  const auto td = std::chrono::steady_clock::now();
+  const epResult_t dr = epCommDestroy(comm);
+  logLine(fmt("SUMMARY ok=%d err=%d wrong=%d late=%d recov_fail=%d maxms=%.0f destroy=%s (%.0f ms)", ok, errs, wrong,
+              late, recov_fail, maxms, epGetErrorString(dr), msSince(td)));
+  return wrong || late || recov_fail ? 1 : 0;
+}
