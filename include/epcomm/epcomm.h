@@ -63,7 +63,9 @@
  * compare an operation header before moving data, so a mismatch, or bad input on one rank, makes every rank
  * return an error instead of hanging. (Host engine: where one side of a mismatch is HT dispatch or combine,
  * whose data go out with the header, that data stays in the transport: the error is epInvalidUsage on every
- * rank and the communicator needs epCommSetActiveRanks with the current mask before its next operation.) Every wait has a deadline (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
+ * rank and the communicator needs epCommSetActiveRanks with the current mask before its next operation. GPU
+ * engine: kernels do not compare operations, so a mismatch is not diagnosed; every wait still ends by its
+ * deadline, but what the mismatched kernels wrote is undefined.) Every wait has a deadline (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
  */
 #ifndef EPCOMM_EPCOMM_H_
 #define EPCOMM_EPCOMM_H_
