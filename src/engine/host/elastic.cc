@@ -70,6 +70,7 @@ epResult_t HostEngine::setActiveRanksRejected(epResult_t local, epStream_t) {
 epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   const int R = nranks_;
   const bool ok = local == epSuccess;
+  unaligned_ = false;  // what a mismatch left in the rings is dropped here (phase 2)
   cur_op_ = epOpSetActiveRanks;
   cur_epoch_ = send_epoch_;
   std::vector<uint8_t> part(R);

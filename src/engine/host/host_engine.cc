@@ -505,6 +505,7 @@ epResult_t HostEngine::skipIn(int peer, size_t len, int phase, int ch) {
 }
 
 epResult_t HostEngine::flushSends(int phase, int ch) {
+  if (unaligned_) return epSuccess;  // the resynchronization drops what is queued (statusFromPeers)
   return spin(-1, phase, [&](int& waiting) {
     bool empty = true;
     for (auto& q : outq_[ch]) empty = empty && q.empty();
@@ -588,6 +589,7 @@ epResult_t HostEngine::drainPayloads(std::vector<Incoming>& in) {
 }
 
 epResult_t HostEngine::waitReadDone(uint64_t epoch) {
+  if (unaligned_) return epSuccess;  // peers of another operation read nothing of this one (statusFromPeers)
   int p = 0;
   return spin(0, epPhaseData, [&](int& peer) {
     while (p < nranks_ && (!active(p) || out_[0][p].readDone() >= epoch)) ++p;
@@ -608,8 +610,12 @@ epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult
       // rings hold messages the other side will never read. Every rank sees the mismatch (each compares every
       // header with its own operation), so all return at once, leave the rings to a resynchronization and mark
       // the communicator broken until then.
+      // Every header decides (a third rank may run HT dispatch where the first mismatch is a barrier).
       auto posts_data = [](int op) { return op == epOpHtDispatch || op == epOpHtCombine; };
-      unaligned_ = posts_data(cur_op_) || posts_data(static_cast<int>(h.op));
+      unaligned_ = posts_data(cur_op_);
+      for (int q = 0; q < nranks_; ++q)
+        if (!in[q].masked && (in[q].h.op != static_cast<uint32_t>(cur_op_) || in[q].h.epoch != cur_epoch_))
+          unaligned_ = unaligned_ || posts_data(static_cast<int>(in[q].h.op));
       if (unaligned_ && record_async_) comm_->recordAsyncError(epInvalidUsage, cur_op_, cur_epoch_, s, epPhaseHeader);
       if (local != epSuccess) return local;
       return EP_ERROR(epInvalidUsage,

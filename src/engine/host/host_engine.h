@@ -265,7 +265,7 @@ class HostEngine final : public Engine {
   bool record_async_ = true;  // false while a rejected epCommSetActiveRanks takes part: its failures break nothing
   // This operation's peers issued another operation where one of the two is HT dispatch or combine, whose data
   // messages go out before the headers are compared: the rings hold what neither side will read, so nothing is
-  // drained and the communicator needs a resynchronization (statusFromPeers).
+  // drained, flushed or waited for, and the communicator needs a resynchronization (statusFromPeers), which clears it.
   bool unaligned_ = false;
 };
 
