@@ -395,13 +395,20 @@ TEST(Faults, AbortUnblocksAWait) {
 
 // A rank that finished its part of the last operation, destroyed its communicator and exited is no failure of the
 // ranks still moving that operation's bytes between themselves (found by a soak: their liveness check took the
-// exit for a death and failed the operation). Rank 0 sends rank 1 64 MiB through 64 KiB rings; rank 2 exchanges a
+// exit for a death and failed the operation), on one host and across hosts. Rank 0 sends rank 1 64 MiB through 64 KiB rings; rank 2 exchanges a
 // few elements, destroys and exits at once. Then a rank waiting for one that left is told so, not after the deadline.
-TEST(Faults, CleanExitIsNoDeath) {
+class CleanExit : public ::testing::TestWithParam<int> {};  // hosts: 1, or 2 (rank 2 alone on the second)
+
+TEST_P(CleanExit, IsNoDeath) {
   constexpr int R = 3;
+  const int hosts = GetParam();
   epUniqueId id;
   ASSERT_EQ(epGetUniqueId(&id), epSuccess);
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    if (hosts > 1) {
+      setenv("EPCOMM_HOSTID", rank < 2 ? "vhostA" : "vhostB", 1);
+      setenv("EPCOMM_NET", "socket", 1);
+    }
     epConfig_t cfg = config();
     epComm_t comm;
     CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
@@ -437,5 +444,8 @@ TEST(Faults, CleanExitIsNoDeath) {
   }, 60000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
+INSTANTIATE_TEST_SUITE_P(Faults, CleanExit, ::testing::Values(1, 2),
+                         [](const ::testing::TestParamInfo<int>& i) { return i.param == 1 ? std::string("one_host")
+                                                                                          : std::string("two_hosts"); });
 
 }  // namespace

@@ -400,18 +400,12 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
     for (int i = -1; i < nranks_; ++i) {
       const int r = i < 0 ? peer : i;
       if (r < 0 || r == rank_ || (i >= 0 && r == peer) || !watch_[r]) continue;
-      if (remote_[r]) {  // another host: its connection tells
-        std::string why;
-        if (!bridge_->dead(r, &why)) continue;
-        char msg[400];
-        snprintf(msg, sizeof(msg), "lost the connection from rank %d on another host: %s (it is not re-established: "
-                 "mask that rank with epCommSetActiveRanks)", r, why.c_str());
-        return fail(epRemoteError, r, phase, msg);
-      }
       // A rank that destroyed its communicator cleanly had finished its operations, and what it sent is in the
       // rings: its exit is no failure of this operation, unless this wait is for that very rank and still waits at
-      // the next check (a fresh step between the two: nothing more will come from it).
-      if (peers_[r]->header()->bye.load(std::memory_order_acquire) != 0) {
+      // the next check (a fresh step between the two: nothing more will come from it). Across hosts its goodbye
+      // frame says so; on this host the word its engine sets in its region header.
+      const bool left = remote_[r] ? bridge_->saidGoodbye(r) : peers_[r]->header()->bye.load(std::memory_order_acquire) != 0;
+      if (left) {
         if (r != peer) continue;
         if (bye_seen == r) {
           char msg[200];
@@ -421,6 +415,14 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
         }
         bye_seen = r;
         continue;
+      }
+      if (remote_[r]) {  // another host: its connection tells
+        std::string why;
+        if (!bridge_->dead(r, &why)) continue;
+        char msg[400];
+        snprintf(msg, sizeof(msg), "lost the connection from rank %d on another host: %s (it is not re-established: "
+                 "mask that rank with epCommSetActiveRanks)", r, why.c_str());
+        return fail(epRemoteError, r, phase, msg);
       }
       if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
         char msg[160];

@@ -106,6 +106,7 @@ struct NetBridge::Peer {
   bool bye_in = false;              // a BYE frame came in (applied or not): nothing follows it
   bool send_failed = false, recv_failed = false, bye = false, bye_queued = false, bye_acked = false;
   std::atomic<bool> dead{false};
+  std::atomic<bool> said_bye{false};  // `bye`, for other threads (saidGoodbye)
   // stopSending(): asked by the caller; done once the send connection is closed (nothing reads the outbox then).
   std::atomic<bool> stop_send{false}, send_closed{false};
   // Held by the thread making this peer's net calls (everything above but `rank` and `handle` is its state).
@@ -184,6 +185,11 @@ bool NetBridge::dead(int p, std::string* why) const {
     *why = q->why;
   }
   return true;
+}
+
+bool NetBridge::saidGoodbye(int p) const {
+  const Peer* q = peers_[p].get();
+  return q != nullptr && q->said_bye.load(std::memory_order_acquire);
 }
 
 void NetBridge::markDead(Peer& p, const char* what) {
@@ -690,6 +696,7 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
     }
     case kBye:  // everything it sent is in; the acknowledgement tells it that it may close
       p.bye = true;
+      p.said_bye.store(true, std::memory_order_release);
       // (Not needed when this rank said goodbye too: that ends the peer's wait as well.)
       if (!p.send_failed && !p.bye_queued) queueFrame(p, kByeAck, 0, nullptr, 0);
       return;

@@ -110,6 +110,8 @@ class NetBridge {
   RegionHeader* mirror(int p) const { return mirrors_[p].get(); }
   // Whether remote rank p is gone (its connection failed without a goodbye); why says how.
   bool dead(int p, std::string* why = nullptr) const;
+  // Whether remote rank p said goodbye (it destroyed its communicator): everything it sent is in its inboxes here.
+  bool saidGoodbye(int p) const;
   // Stops the progress thread (kCaller: call it once the owner no longer calls assist()). With flush, it first sends
   // what the outboxes toward the ranks `live` names still hold, and a goodbye, for at most timeout_ms; then every
   // connection is closed.
