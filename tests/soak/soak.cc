@@ -16,7 +16,8 @@
 //   SOAK_MODE      mix | a2a | both (mix)     SOAK_A2A_N    floats per peer of the large alltoallv (65536)
 //   SOAK_QUEUE     queue_bytes (65536)        SOAK_CHANNELS num_channels (2)
 //   SOAK_RECOVER   1: resynchronize after a failure (0)     SOAK_RETRIES  resynchronization attempts (8)
-//   SOAK_MISMATCH  "X:I:opX:opO": at iteration I rank X issues opX, the others opO (barrier, a2a, htn, htd, lld)
+//   SOAK_MISMATCH  "X:I:opX:opO": at iteration I, after a matched HT and LL dispatch, rank X issues opX and the
+//                  others opO (barrier, a2a, a2ad, htn, htd, htc, lld, llds, llc, llcs: singleOp)
 //   SOAK_DESTROY   "X:I": at iteration I rank X destroys its communicator, waits 3 deadlines, exits 0
 #include <signal.h>
 #include <sys/stat.h>
@@ -105,18 +106,24 @@ epResult_t bigA2a(epComm_t comm, const std::vector<uint8_t>& act, int tag, size_
   return epSuccess;
 }
 
-// One operation for the mismatch hook.
-epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st) {
-  const int R = st.R;
+// The mismatch hook's setup, run matched on every rank first: an HT notify + dispatch into a kept handle and an LL
+// expert-major dispatch, whose outputs the combines of a mismatched step take.
+struct Prelude {
+  epHtHandle_t h = nullptr;
+  int n = 0;
+  std::vector<uint8_t> hrx, lrx;  // HT received rows; LL recv_x
+  std::vector<int> cnt, src;
+  std::vector<int64_t> range;
+  ~Prelude() {
+    if (h) epHtHandleDestroy(h);
+  }
+};
+
+epResult_t prelude(epComm_t comm, const Step& st, Prelude& p, std::string& err) {
+  const int R = st.R, L = st.E / R, M = st.M;
   const epref::RankInput& in = st.all[g_rank];
   const int T = in.num_tokens;
-  if (op == "barrier") return epCommBarrier(comm, nullptr);
-  if (op == "a2a") {
-    std::vector<size_t> c(R, 4), d(R);
-    for (int q = 0; q < R; ++q) d[q] = q * 4;
-    std::vector<float> sb(R * 4, 1.0f), rb(R * 4);
-    return epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epFloat32, nullptr);
-  }
+  if (epHtHandleCreate(comm, M, &p.h) != epSuccess) return epInternalError;
   epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
   a.num_tokens = T;
   a.hidden = st.H;
@@ -125,16 +132,82 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st) {
   a.dtype = st.dtype;
   a.x = T ? in.x.data() : nullptr;
   a.topk_idx = T ? in.topk_idx.data() : nullptr;
+  a.topk_weights = T ? in.topk_weights.data() : nullptr;
+  epResult_t r = epHtDispatchNotify(comm, &a, p.h, &p.n, nullptr, nullptr);
+  if (r == epSuccess) {
+    p.hrx.assign(static_cast<size_t>(p.n) * st.row() + 1, 0);
+    a.recv_x = p.n ? p.hrx.data() : nullptr;
+    a.recv_x_bytes = p.n * st.row();
+    r = epHtDispatch(comm, &a, p.h, nullptr);
+  }
+  if (r == epSuccess) {
+    p.lrx.assign(static_cast<size_t>(L) * R * M * st.row(), 0);
+    p.cnt.assign(L, 0);
+    p.src.assign(static_cast<size_t>(L) * R * M, 0);
+    p.range.assign(static_cast<size_t>(L) * R, 0);
+    epLlDispatchArgs_t b = EP_LL_DISPATCH_ARGS_INIT;
+    b.num_tokens = T;
+    b.max_tokens_per_rank = M;
+    b.hidden = st.H;
+    b.topk = st.K;
+    b.num_experts = st.E;
+    b.dtype = st.dtype;
+    b.x = a.x;
+    b.topk_idx = a.topk_idx;
+    b.recv_x = p.lrx.data();
+    b.recv_x_bytes = p.lrx.size();
+    b.recv_count = p.cnt.data();
+    b.recv_count_bytes = sizeof(int) * p.cnt.size();
+    b.recv_src_info = p.src.data();
+    b.recv_src_info_bytes = sizeof(int) * p.src.size();
+    b.recv_layout_range = p.range.data();
+    b.recv_layout_range_bytes = sizeof(int64_t) * p.range.size();
+    r = epLlDispatch(comm, &b, nullptr);
+  }
+  if (r != epSuccess) err = fmt("mismatch prelude: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+  return r;
+}
+
+// One operation for the mismatch hook: barrier, a2a / a2ad (alltoallv, host / device counts), htn (HT notify),
+// htd (worst-token HT dispatch), htc (HT combine on the prelude's handle), lld / llds (LL dispatch joined / as
+// split halves), llc / llcs (LL combine of the prelude's dispatch, joined / split).
+epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st, Prelude& p) {
+  const int R = st.R, L = st.E / R, M = st.M;
+  const epref::RankInput& in = st.all[g_rank];
+  const int T = in.num_tokens;
+  const void* xp = T ? in.x.data() : nullptr;
+  const int64_t* ip = T ? in.topk_idx.data() : nullptr;
+  if (op == "barrier") return epCommBarrier(comm, nullptr);
+  if (op == "a2a") {
+    std::vector<size_t> c(R, 4), d(R);
+    for (int q = 0; q < R; ++q) d[q] = q * 4;
+    std::vector<float> sb(R * 4, 1.0f), rb(R * 4);
+    return epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epFloat32, nullptr);
+  }
+  if (op == "a2ad") {
+    std::vector<int64_t> c(R, 4), rc(R, -1), dropped(1, -1);
+    std::vector<float> sb(R * 4, 1.0f), rb(R * 4 + 8);
+    return epAlltoallvDevice(comm, sb.data(), c.data(), rb.data(), rb.size(), rc.data(), dropped.data(), epFloat32,
+                             nullptr);
+  }
   if (op == "htn" || op == "htd") {
     epHtHandle_t h;
-    if (epHtHandleCreate(comm, st.M, &h) != epSuccess) return epInternalError;
-    std::vector<uint8_t> rx(static_cast<size_t>(R) * st.M * st.row() + 1);
+    if (epHtHandleCreate(comm, M, &h) != epSuccess) return epInternalError;
+    epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+    a.num_tokens = T;
+    a.hidden = st.H;
+    a.topk = st.K;
+    a.num_experts = st.E;
+    a.dtype = st.dtype;
+    a.x = xp;
+    a.topk_idx = ip;
+    std::vector<uint8_t> rx(static_cast<size_t>(R) * M * st.row() + 1);
     epResult_t r;
     if (op == "htn") {
       int n = 0;
       r = epHtDispatchNotify(comm, &a, h, &n, nullptr, nullptr);
     } else {
-      a.num_worst_tokens = R * st.M;
+      a.num_worst_tokens = R * M;
       a.recv_x = rx.data();
       a.recv_x_bytes = rx.size() - 1;
       r = epHtDispatch(comm, &a, h, nullptr);
@@ -142,11 +215,22 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st) {
     epHtHandleDestroy(h);
     return r;
   }
-  if (op == "lld") {
-    const int L = st.E / R, M = st.M;
+  if (op == "htc") {
+    std::vector<uint8_t> out(T * st.row() + 1);
+    epHtCombineArgs_t c = EP_HT_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.hidden = st.H;
+    c.dtype = st.dtype;
+    c.x = p.n ? p.hrx.data() : nullptr;
+    c.x_bytes = p.n * st.row();
+    c.combined_x = T ? out.data() : nullptr;
+    c.combined_x_bytes = T * st.row();
+    return epHtCombine(comm, &c, p.h, nullptr);
+  }
+  if (op == "lld" || op == "llds") {
     std::vector<uint8_t> rx(static_cast<size_t>(L) * R * M * st.row());
-    std::vector<int> cnt(L), src(L * R * M);
-    std::vector<int64_t> range(L * R);
+    std::vector<int> cnt(L), src(static_cast<size_t>(L) * R * M);
+    std::vector<int64_t> range(static_cast<size_t>(L) * R);
     epLlDispatchArgs_t l = EP_LL_DISPATCH_ARGS_INIT;
     l.num_tokens = T;
     l.max_tokens_per_rank = M;
@@ -154,8 +238,8 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st) {
     l.topk = st.K;
     l.num_experts = st.E;
     l.dtype = st.dtype;
-    l.x = a.x;
-    l.topk_idx = a.topk_idx;
+    l.x = xp;
+    l.topk_idx = ip;
     l.recv_x = rx.data();
     l.recv_x_bytes = rx.size();
     l.recv_count = cnt.data();
@@ -164,7 +248,37 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st) {
     l.recv_src_info_bytes = sizeof(int) * src.size();
     l.recv_layout_range = range.data();
     l.recv_layout_range_bytes = sizeof(int64_t) * range.size();
-    return epLlDispatch(comm, &l, nullptr);
+    if (op == "lld") return epLlDispatch(comm, &l, nullptr);
+    l.phases = EP_LL_SEND;
+    const epResult_t r = epLlDispatch(comm, &l, nullptr);
+    l.phases = EP_LL_RECV;
+    const epResult_t r2 = epLlDispatch(comm, &l, nullptr);
+    return r != epSuccess ? r : r2;
+  }
+  if (op == "llc" || op == "llcs") {
+    std::vector<uint8_t> out(T * st.row() + 1);
+    epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+    c.num_tokens = T;
+    c.max_tokens_per_rank = M;
+    c.hidden = st.H;
+    c.topk = st.K;
+    c.num_experts = st.E;
+    c.dtype = st.dtype;
+    c.y = p.lrx.data();
+    c.y_bytes = p.lrx.size();
+    c.recv_count = p.cnt.data();
+    c.recv_src_info = p.src.data();
+    c.recv_layout_range = p.range.data();
+    c.topk_idx = ip;
+    c.topk_weights = T ? in.topk_weights.data() : nullptr;
+    c.out = T ? out.data() : nullptr;
+    c.out_bytes = T * st.row();
+    if (op == "llc") return epLlCombine(comm, &c, nullptr);
+    c.phases = EP_LL_SEND;
+    const epResult_t r = epLlCombine(comm, &c, nullptr);
+    c.phases = EP_LL_RECV;
+    const epResult_t r2 = epLlCombine(comm, &c, nullptr);
+    return r != epSuccess ? r : r2;
   }
   return epInvalidArgument;
 }
@@ -232,8 +346,15 @@ int main() {
     double slowest = 0;
     const auto ti = std::chrono::steady_clock::now();
     if (it == mm_iter) {
+      Prelude pre;
+      std::string err;
+      if (prelude(comm, st, pre, err) != epSuccess) {
+        ++wrong;
+        logLine("WRONG " + err);
+        continue;
+      }
       const std::string op = g_rank == mm_rank ? mm_x : mm_o;
-      const epResult_t r = singleOp(comm, op, st);
+      const epResult_t r = singleOp(comm, op, st, pre);
       logLine(fmt("mismatch at iteration %d: my %s -> %s (%s) in %.0f ms", it, op.c_str(), epGetErrorString(r),
                   r ? epGetLastError(comm) : "", msSince(ti)));
       if (msSince(ti) > limit) {
