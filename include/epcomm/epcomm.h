@@ -65,7 +65,8 @@
  * whose data go out with the header, that data stays in the transport: the error is epInvalidUsage on every
  * rank and the communicator needs epCommSetActiveRanks with the current mask before its next operation. GPU
  * engine: kernels do not compare operations, so a mismatch is not diagnosed; every wait still ends by its
- * deadline, but what the mismatched kernels wrote is undefined.) Every wait has a deadline (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
+ * deadline, but what the mismatched kernels wrote is undefined.) Every wait has a deadline
+ * (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
  */
 #ifndef EPCOMM_EPCOMM_H_
 #define EPCOMM_EPCOMM_H_

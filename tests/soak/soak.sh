@@ -75,7 +75,9 @@ bad=0
 for f in "$OUT"/pid.[0-9]*; do  # a rank still running after the launcher ended: a hang
   [ -e "$f" ] || continue
   p=$(cat "$f"); r=${f##*.}
-  if kill -0 "$p" 2>/dev/null && [ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ]; then
+  # (still this run's rank: the pid may have been reused)
+  if kill -0 "$p" 2>/dev/null && [ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ] &&
+     tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | grep -q epcomm-soak; then
     echo "LEFTOVER rank $r (pid $p): stack in $OUT/stack.$r"; bad=1
     kill -CONT "$p"; timeout 60 gdb -p "$p" -batch -ex 'thread apply all bt' > "$OUT/stack.$r" 2>&1; kill -KILL "$p"
   fi

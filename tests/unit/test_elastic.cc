@@ -477,6 +477,61 @@ epResult_t worstTokenDispatch(epComm_t comm, int me, const Step& st, epHtHandle_
   return epHtDispatch(comm, &a, h, nullptr);
 }
 
+// An expert-major LL dispatch with both halves into `rx` / `cnt` / `src` / `range`, then (combine) an LL combine of
+// those rows with both halves: the joined combine whose rows peers read in place (cross-memory attach).
+struct LlBufs {
+  std::vector<uint8_t> rx, out;
+  std::vector<int> cnt, src;
+  std::vector<int64_t> range;
+};
+epResult_t llJoined(epComm_t comm, int me, const Step& st, LlBufs& b, bool combine) {
+  const int R = st.R, L = st.E / R, M = st.M;
+  const epref::RankInput& in = st.all[me];
+  const int T = in.num_tokens;
+  if (!combine) {
+    b.rx.assign(static_cast<size_t>(L) * R * M * st.row(), 0);
+    b.cnt.assign(L, 0);
+    b.src.assign(static_cast<size_t>(L) * R * M, 0);
+    b.range.assign(static_cast<size_t>(L) * R, 0);
+    epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+    a.num_tokens = T;
+    a.max_tokens_per_rank = M;
+    a.hidden = st.H;
+    a.topk = st.K;
+    a.num_experts = st.E;
+    a.dtype = st.dtype;
+    a.x = T ? in.x.data() : nullptr;
+    a.topk_idx = T ? in.topk_idx.data() : nullptr;
+    a.recv_x = b.rx.data();
+    a.recv_x_bytes = b.rx.size();
+    a.recv_count = b.cnt.data();
+    a.recv_count_bytes = sizeof(int) * b.cnt.size();
+    a.recv_src_info = b.src.data();
+    a.recv_src_info_bytes = sizeof(int) * b.src.size();
+    a.recv_layout_range = b.range.data();
+    a.recv_layout_range_bytes = sizeof(int64_t) * b.range.size();
+    return epLlDispatch(comm, &a, nullptr);
+  }
+  b.out.assign(static_cast<size_t>(T) * st.row() + 1, 0);
+  epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+  c.num_tokens = T;
+  c.max_tokens_per_rank = M;
+  c.hidden = st.H;
+  c.topk = st.K;
+  c.num_experts = st.E;
+  c.dtype = st.dtype;
+  c.y = b.rx.data();
+  c.y_bytes = b.rx.size();
+  c.recv_count = b.cnt.data();
+  c.recv_src_info = b.src.data();
+  c.recv_layout_range = b.range.data();
+  c.topk_idx = T ? in.topk_idx.data() : nullptr;
+  c.topk_weights = T ? in.topk_weights.data() : nullptr;
+  c.out = T ? b.out.data() : nullptr;
+  c.out_bytes = static_cast<size_t>(T) * st.row();
+  return epLlCombine(comm, &c, nullptr);
+}
+
 class MismatchedOperations : public ::testing::TestWithParam<int> {};  // hosts
 
 TEST_P(MismatchedOperations, WithHtDispatchNeedAResync) {
@@ -495,14 +550,33 @@ TEST_P(MismatchedOperations, WithHtDispatchNeedAResync) {
     CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
     epHtHandle_t h;
     CHECK_OR_RETURN(epHtHandleCreate(comm, 16, &h) == epSuccess, "handle: %s", epGetLastError(comm));
-    for (int round = 0; round < 2; ++round) {
-      const bool dispatches = (rank == 1) == (round == 1);  // round 0: rank 1 alone barriers; round 1: it alone dispatches
+    // Round 0: rank 1 alone barriers, the others dispatch; round 1: rank 1 alone dispatches, the others barrier;
+    // round 2: rank 1 barriers, rank 2 dispatches, the others run an alltoallv (the first mismatch a rank sees may be
+    // the barrier: every header decides); round 3: rank 1 dispatches, the others combine an LL dispatch they all ran
+    // (a joined combine, whose rows the peers read in place with cross-memory attach: it used to wait for the reads).
+    for (int round = 0; round < 4; ++round) {
+      const Step st(R, 82 + round, all1);
+      LlBufs ll;
+      if (round == 3) {
+        const epResult_t d = llJoined(comm, rank, st, ll, false);
+        CHECK_OR_RETURN(d == epSuccess, "round 3: LL dispatch: %s (%s)", epGetErrorString(d), epGetLastError(comm));
+      }
+      const bool dispatches = round == 0 ? rank != 1 : round == 1 || round == 3 ? rank == 1 : rank == 2;
+      const bool barriers = !dispatches && round < 3 && (round == 1 || rank == 1);
+      const char* what = dispatches ? "HT dispatch" : barriers ? "barrier" : round == 2 ? "alltoallv" : "LL combine";
+      std::vector<float> sb(R * 4, 1.0f), rb(R * 4);
+      std::vector<size_t> c4(R, 4), d4(R);
+      for (int q = 0; q < R; ++q) d4[q] = q * 4;
       const auto t0 = std::chrono::steady_clock::now();
-      const epResult_t r = dispatches ? worstTokenDispatch(comm, rank, Step(R, 82, all1), h) : epCommBarrier(comm, nullptr);
+      const epResult_t r = dispatches ? worstTokenDispatch(comm, rank, st, h)
+                           : barriers ? epCommBarrier(comm, nullptr)
+                           : round == 2
+                               ? epAlltoallv(comm, sb.data(), c4.data(), d4.data(), rb.data(), c4.data(), d4.data(),
+                                             epFloat32, nullptr)
+                               : llJoined(comm, rank, st, ll, true);
       const double ms = msSince(t0);
       CHECK_OR_RETURN(r == epInvalidUsage && strstr(epGetLastError(comm), "different operations"),
-                      "round %d (%s): %s (%s)", round, dispatches ? "HT dispatch" : "barrier", epGetErrorString(r),
-                      epGetLastError(comm));
+                      "round %d (%s): %s (%s)", round, what, epGetErrorString(r), epGetLastError(comm));
       CHECK_OR_RETURN(ms < kTimeoutMs / 2, "round %d: the mismatch took %.0f ms to report", round, ms);
       epResult_t async = epSuccess;
       epCommGetAsyncError(comm, &async, nullptr);
@@ -513,7 +587,7 @@ TEST_P(MismatchedOperations, WithHtDispatchNeedAResync) {
       const epResult_t s = epCommSetActiveRanks(comm, keep.data(), nullptr);
       CHECK_OR_RETURN(s == epSuccess, "round %d: no-op set: %s (%s)", round, epGetErrorString(s), epGetLastError(comm));
       double slowest = 0;
-      e = runAll(comm, rank, Step(R, 83 + round, all1), rows, a2a, &slowest);
+      e = runAll(comm, rank, Step(R, 90 + round, all1), rows, a2a, &slowest);
       CHECK_OR_RETURN(e.empty(), "round %d after: %s", round, e.c_str());
       CHECK_OR_RETURN(slowest < kTimeoutMs / 2, "round %d: an operation took %.0f ms", round, slowest);
     }

@@ -13,7 +13,10 @@
 //     producer has stopped); otherwise it sets the failed bit. It waits until every kept rank is at phase 2; a
 //     failed bit there fails this rank's call too, so that all survivors decide alike.
 //   3 DONE: nobody reads another rank's round words after this phase, so a rank may overwrite them in its next
-//     round once every kept rank is at phase 3.
+//     round once every kept rank is at phase 3. A kept rank that failed the round (its failed bit, or, already in a
+//     later round, a last successful round (rs_ok) other than this one) fails this rank's call too.
+//   A peer found in a later round during the phase-2 wait left this round failed: it could not have completed it
+//   before this rank published phase 3.
 // Ranks produce again only after phase 3, so nothing of the next operation is discarded; epochs continue from
 // the largest among the survivors. Every wait keeps the communicator's deadline and checks that the kept ranks
 // are alive.
@@ -70,7 +73,6 @@ epResult_t HostEngine::setActiveRanksRejected(epResult_t local, epStream_t) {
 epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   const int R = nranks_;
   const bool ok = local == epSuccess;
-  unaligned_ = false;  // what a mismatch left in the rings is dropped here (phase 2)
   cur_op_ = epOpSetActiveRanks;
   cur_epoch_ = send_epoch_;
   std::vector<uint8_t> part(R);
@@ -118,9 +120,11 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
                     r, rank_);
     max_epoch = std::max(max_epoch, p->rs_epoch.load(std::memory_order_relaxed));
   }
-  if (st == epSuccess)  // every producer toward this rank has stopped: drop what is in flight
+  if (st == epSuccess) {  // every producer toward this rank has stopped: drop what is in flight
     for (auto& ch : in_)
       for (RingEnd& e : ch) e.discardAll();
+    unaligned_ = false;  // what a mismatch left in the rings is gone
+  }
   me->rs_word.store(rsWord(round, kDiscarded, st != epSuccess), std::memory_order_release);
   int failed_peer = -1;
   w = resyncWait(part, round, kDiscarded, false, &failed_peer);
@@ -134,8 +138,24 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
                   "wait that ended before this rank took part); the mask is unchanged",
                   failed_peer);
   me->rs_word.store(rsWord(round, kDone, st != epSuccess), std::memory_order_release);
-  EPCHECK(resyncWait(part, round, kDone, false, nullptr));
+  // Phase 3: every kept rank's outcome of this round is final once its word is at phase 3 (or later), and every
+  // rank sees the same outcomes, so a failure any of them had fails this rank's call too: all decide alike, also
+  // where a rank's phase-2 look at a peer came before that peer failed.
+  failed_peer = -1;
+  w = resyncWait(part, round, kDone, false, &failed_peer);
+  if (w != epSuccess) {
+    me->rs_word.store(rsWord(round, kDone, true), std::memory_order_release);
+    return w;
+  }
+  if (st == epSuccess && failed_peer >= 0) {
+    st = EP_ERROR(epRemoteError,
+                  "rank %d failed its side of epCommSetActiveRanks (its wait for another rank ended first); the mask "
+                  "is unchanged",
+                  failed_peer);
+    me->rs_word.store(rsWord(round, kDone, true), std::memory_order_release);
+  }
   if (st != epSuccess) return st;
+  me->rs_ok.store(round, std::memory_order_relaxed);  // ordered before this rank's next word (release)
 
   send_epoch_ = recv_epoch_ = max_epoch;
   bool changed = false;

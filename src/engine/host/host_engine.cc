@@ -127,13 +127,14 @@ HostEngine::~HostEngine() {
   // An LL receive half returns with its rank's later sends possibly still queued (it must not wait for them):
   // they go out now, before the queues disappear, or a peer still in that operation would wait for them in vain.
   // (A dead or masked peer ends this at once, a stalled one at the deadline; a broken communicator skips it.)
+  bool flushed = true;
   if (!comm_->aborted.load() && comm_->async_error.load() == epSuccess && !outq_.empty()) {
     cur_op_ = epOpDestroy;
     record_async_ = false;
-    for (int c = 0; c < nchan_; ++c) (void)flushSends(epPhaseData, c);
+    for (int c = 0; c < nchan_; ++c) flushed = flushSends(epPhaseData, c) == epSuccess && flushed;
   }
-  // Clean: the peers of this host may see this process exit (checkWait); a broken communicator leaves it a death.
-  if (!comm_->aborted.load() && comm_->async_error.load() == epSuccess && own_.header() != nullptr)
+  // Clean, everything sent: the peers of this host may see this process exit (checkWait); otherwise it is a death.
+  if (flushed && !comm_->aborted.load() && comm_->async_error.load() == epSuccess && own_.header() != nullptr)
     own_.header()->bye.store(1, std::memory_order_release);
   if (bridge_) {
     bridge_->shutdown(!comm_->aborted.load(), active_.data(), comm_->config.timeout_ms);
@@ -404,7 +405,8 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
       // rings: its exit is no failure of this operation, unless this wait is for that very rank and still waits at
       // the next check (a fresh step between the two: nothing more will come from it). Across hosts its goodbye
       // frame says so; on this host the word its engine sets in its region header.
-      const bool left = remote_[r] ? bridge_->saidGoodbye(r) : peers_[r]->header()->bye.load(std::memory_order_acquire) != 0;
+      const bool left =
+          remote_[r] ? bridge_->saidGoodbye(r) : peers_[r]->header()->bye.load(std::memory_order_acquire) != 0;
       if (left) {
         if (r != peer) continue;
         if (bye_seen == r) {
@@ -523,9 +525,10 @@ epResult_t HostEngine::flushSends(int phase, int ch) {
 // The resynchronization's wait (elastic.cc): until every rank of `part` has published at least (round, phase) in
 // its region header. With `adopt` (phase 1 only), a peer already in a later round is one whose earlier round this
 // rank did not complete alike (a failed call): this rank takes that round's number, so the survivors meet again.
-// failed_peer (given for phase 2 only) gets the first peer whose word of this round has the failed bit, or that is
-// already in a later round: no rank completes a round before every kept rank published its phase 3, which this one
-// has not yet, so such a peer left this round failed (it timed out, say, while this rank was stopped, and retried).
+// failed_peer (given for phases 2 and 3) gets the first peer that failed this round: in phase 2 a peer whose word of
+// this round has the failed bit, or that is already in a later round (no rank completes a round before every kept
+// rank published its phase 3, which this one has not yet, so such a peer left this round failed: it timed out, say,
+// while this rank was stopped, and retried); in phase 3, resyncPeerFailed.
 epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt,
                                   int* failed_peer) {
   RegionHeader* me = own_.header();
@@ -547,10 +550,18 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
         seen = next;
         return moved ? Spin::kMoved : Spin::kIdle;
       }
-      if (failed_peer && *failed_peer < 0 && ((w & 1) || w / 8 > round)) *failed_peer = next;
+      const bool failed = phase == 3 /* kDone */ ? resyncPeerFailed(next, w, round) : (w & 1) || w / 8 > round;
+      if (failed_peer && *failed_peer < 0 && failed) *failed_peer = next;
     }
     return Spin::kDone;
   });
+}
+
+bool HostEngine::resyncPeerFailed(int r, uint64_t w, uint64_t round) const {
+  if (w / 8 == round) return (w & 1) != 0;
+  // A later round: it cannot have completed one since (that needs this rank's words of it), so its last success
+  // says whether it completed this one. Read after the word (acquire), which it stored after rs_ok.
+  return (peerHeader(r)->rs_ok.load(std::memory_order_relaxed) & 0xffffffffu) != (round & 0xffffffffu);
 }
 
 // Reads every peer's header (and extra array), in rank order.
@@ -618,7 +629,11 @@ epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult
       for (int q = 0; q < nranks_; ++q)
         if (!in[q].masked && (in[q].h.op != static_cast<uint32_t>(cur_op_) || in[q].h.epoch != cur_epoch_))
           unaligned_ = unaligned_ || posts_data(static_cast<int>(in[q].h.op));
-      if (unaligned_ && record_async_) comm_->recordAsyncError(epInvalidUsage, cur_op_, cur_epoch_, s, epPhaseHeader);
+      if (unaligned_) {
+        if (record_async_) comm_->recordAsyncError(epInvalidUsage, cur_op_, cur_epoch_, s, epPhaseHeader);
+        for (auto& ch : outq_)  // nobody will read them, and they may point into the caller's buffers
+          for (auto& q : ch) q.clear();
+      }
       if (local != epSuccess) return local;
       return EP_ERROR(epInvalidUsage,
                       "ranks issued different operations: rank %d issued %s (epoch %llu) while rank %d issued %s "

@@ -195,6 +195,9 @@ class HostEngine final : public Engine {
   // The resynchronization among the ranks `proposed` keeps (the current mask for a rejected call, local != 0).
   epResult_t resync(const uint8_t* proposed, epResult_t local);
   epResult_t resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt, int* failed_peer);
+  // Whether kept rank r, whose word w is at least (round, kDone) during this rank's phase-3 wait, failed that round:
+  // its failed bit, or, moved on to a later round, a last successful round other than this one (elastic.cc).
+  bool resyncPeerFailed(int r, uint64_t w, uint64_t round) const;
   // A handle's layout predates a mask change: cached dispatch and combine refuse it.
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
 

@@ -154,6 +154,7 @@ NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, siz
     m->rs_hash.store(0);
     m->rs_epoch.store(0);
     m->rs_status.store(0);
+    m->rs_ok.store(0);
     mirrors_[r] = std::move(m);
   }
 }
@@ -690,7 +691,8 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
       RegionHeader* m = mirrors_[p.rank].get();
       m->rs_hash.store(h.v[1], std::memory_order_relaxed);
       m->rs_epoch.store(h.v[2], std::memory_order_relaxed);
-      m->rs_status.store(static_cast<int32_t>(h.v[3]), std::memory_order_relaxed);
+      m->rs_status.store(static_cast<int32_t>(static_cast<uint32_t>(h.v[3])), std::memory_order_relaxed);
+      m->rs_ok.store(h.v[3] >> 32, std::memory_order_relaxed);
       m->rs_word.store(h.v[0], std::memory_order_release);
       return;
     }
@@ -771,7 +773,9 @@ void NetBridge::readWords(uint64_t* word, uint64_t* words) const {
   *word = me->rs_word.load(std::memory_order_acquire);
   words[0] = me->rs_hash.load(std::memory_order_relaxed);
   words[1] = me->rs_epoch.load(std::memory_order_relaxed);
-  words[2] = static_cast<uint64_t>(static_cast<uint32_t>(me->rs_status.load(std::memory_order_relaxed)));
+  // Status in the low half, the last round completed successfully (low 32 bits) in the high half.
+  words[2] = static_cast<uint64_t>(static_cast<uint32_t>(me->rs_status.load(std::memory_order_relaxed))) |
+             (me->rs_ok.load(std::memory_order_relaxed) << 32);
 }
 
 bool NetBridge::assist() {

@@ -37,6 +37,7 @@ struct alignas(64) RegionHeader {
   std::atomic<uint64_t> rs_hash;              // hash of the mask the owner proposes
   std::atomic<uint64_t> rs_epoch;             // operations the owner has sent
   std::atomic<int32_t> rs_status;             // the owner's epResult_t for the call
+  std::atomic<uint64_t> rs_ok;                // the last round the owner completed successfully (low 32 bits)
 };
 static_assert(sizeof(RegionHeader) <= 4096, "region header fits its page");
 
