@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <string>
@@ -396,12 +397,32 @@ int main() {
                 static_cast<unsigned long long>(info.epoch), info.peer, info.phase));
     if (!failure) ++wrong;
     if (!recover) continue;
+    // The header's policy: the dead are masked, and so is a rank of another host whose connection was lost (a
+    // stall past the deadline: "mask that rank"), which the error names. Only the ranks of other hosts see that
+    // loss, so the survivors agree on it the way an application would, out of band: here through files (lost.<rank>).
+    std::vector<uint8_t> lost(R, 0);
+    auto noteLost = [&](const char* msg) {
+      const char* at = msg ? strstr(msg, "lost the connection from rank ") : nullptr;
+      int q = -1;
+      if (at && sscanf(at, "lost the connection from rank %d", &q) == 1 && q >= 0 && q < R && q != g_rank) {
+        lost[q] = 1;
+        std::ofstream(g_dir + "/lost." + std::to_string(q));
+      }
+    };
+    noteLost(e.c_str());
     bool done = false;
     for (int attempt = 0; attempt < retries && !done; ++attempt) {
+      for (int r = 0; r < R; ++r) lost[r] = lost[r] || fileExists(g_dir + "/lost." + std::to_string(r));
+      if (lost[g_rank]) {  // the others lose this rank: it is out, as a masked rank (it must stop calling)
+        logLine("the other hosts lost this rank's connections: leaving");
+        epCommDestroy(comm);
+        return 0;
+      }
       std::vector<int32_t> m(R);
-      for (int r = 0; r < R; ++r) m[r] = act[r] && (r == g_rank || !believedDead(r));
+      for (int r = 0; r < R; ++r) m[r] = act[r] && (r == g_rank || (!believedDead(r) && !lost[r]));
       const auto ts = std::chrono::steady_clock::now();
       const epResult_t r = epCommSetActiveRanks(comm, m.data(), nullptr);
+      if (r != epSuccess) noteLost(epGetLastError(comm));
       std::string ms;
       for (int q = 0; q < R; ++q) ms += m[q] ? '1' : '0';
       logLine(fmt("resynchronization %d, mask %s: %s (%s) in %.0f ms", attempt, ms.c_str(), epGetErrorString(r),
