@@ -326,6 +326,7 @@ int main() {
     logLine(fmt("INIT FAILED (%s) after %.0f ms", epGetLastError(nullptr), msSince(t0)));
     return 3;
   }
+  signal(SIGTERM, SIG_IGN);  // again: with EPCOMM_NET=ofi, loading libfabric's providers replaced it (plugin README)
   const int R = g_R;
   std::vector<uint8_t> act(R, 1);
   std::vector<int64_t> rows(R, 0), a2a(R, 0);

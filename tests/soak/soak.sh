@@ -95,4 +95,10 @@ for f in "$OUT"/log.*; do
   if grep -h -E "$pat" "$f" | head -4 | sed 's/^/   !! /' | grep .; then bad=1; fi
 done
 for r in $stopped; do grep -h 'LATE' "$OUT/log.$r" 2>/dev/null | head -2 | sed 's/^/   (stopped rank, not counted) /'; done
+for r in $(seq 0 $((N - 1))); do  # every rank not killed ends with its summary (or leaves, lost to the others)
+  [ -e "$OUT/victim.$r" ] && continue
+  if ! grep -q -E 'SUMMARY|leaving|destroying the communicator' "$OUT/log.$r" 2>/dev/null; then
+    echo "   !! rank $r ended without a summary: $(tail -1 "$OUT/log.$r" 2>/dev/null | cut -c1-150)"; bad=1
+  fi
+done
 exit $bad
