@@ -112,28 +112,18 @@ epResult_t bigA2a(epComm_t comm, const std::vector<uint8_t>& act, int tag, size_
 struct Prelude {
   epHtHandle_t h = nullptr;
   int n = 0;
-  std::vector<uint8_t> hrx, lrx;  // HT received rows; LL recv_x
-  std::vector<int> cnt, src;
-  std::vector<int64_t> range;
+  std::vector<uint8_t> hrx;  // HT received rows
+  LlBufs ll;                 // the LL dispatch's outputs
   ~Prelude() {
     if (h) epHtHandleDestroy(h);
   }
 };
 
 epResult_t prelude(epComm_t comm, const Step& st, Prelude& p, std::string& err) {
-  const int R = st.R, L = st.E / R, M = st.M;
-  const epref::RankInput& in = st.all[g_rank];
-  const int T = in.num_tokens;
-  if (epHtHandleCreate(comm, M, &p.h) != epSuccess) return epInternalError;
-  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
-  a.num_tokens = T;
-  a.hidden = st.H;
-  a.topk = st.K;
-  a.num_experts = st.E;
-  a.dtype = st.dtype;
-  a.x = T ? in.x.data() : nullptr;
-  a.topk_idx = T ? in.topk_idx.data() : nullptr;
-  a.topk_weights = T ? in.topk_weights.data() : nullptr;
+  if (epHtHandleCreate(comm, st.M, &p.h) != epSuccess) return epInternalError;
+  epHtDispatchArgs_t a = htArgs(st, g_rank);
+  const int T = a.num_tokens;
+  a.topk_weights = T ? st.all[g_rank].topk_weights.data() : nullptr;
   epResult_t r = epHtDispatchNotify(comm, &a, p.h, &p.n, nullptr, nullptr);
   if (r == epSuccess) {
     p.hrx.assign(static_cast<size_t>(p.n) * st.row() + 1, 0);
@@ -142,27 +132,7 @@ epResult_t prelude(epComm_t comm, const Step& st, Prelude& p, std::string& err) 
     r = epHtDispatch(comm, &a, p.h, nullptr);
   }
   if (r == epSuccess) {
-    p.lrx.assign(static_cast<size_t>(L) * R * M * st.row(), 0);
-    p.cnt.assign(L, 0);
-    p.src.assign(static_cast<size_t>(L) * R * M, 0);
-    p.range.assign(static_cast<size_t>(L) * R, 0);
-    epLlDispatchArgs_t b = EP_LL_DISPATCH_ARGS_INIT;
-    b.num_tokens = T;
-    b.max_tokens_per_rank = M;
-    b.hidden = st.H;
-    b.topk = st.K;
-    b.num_experts = st.E;
-    b.dtype = st.dtype;
-    b.x = a.x;
-    b.topk_idx = a.topk_idx;
-    b.recv_x = p.lrx.data();
-    b.recv_x_bytes = p.lrx.size();
-    b.recv_count = p.cnt.data();
-    b.recv_count_bytes = sizeof(int) * p.cnt.size();
-    b.recv_src_info = p.src.data();
-    b.recv_src_info_bytes = sizeof(int) * p.src.size();
-    b.recv_layout_range = p.range.data();
-    b.recv_layout_range_bytes = sizeof(int64_t) * p.range.size();
+    const epLlDispatchArgs_t b = llDispatchArgs(st, g_rank, p.ll);
     r = epLlDispatch(comm, &b, nullptr);
   }
   if (r != epSuccess) err = fmt("mismatch prelude: %s (%s)", epGetErrorString(r), epGetLastError(comm));
@@ -173,11 +143,7 @@ epResult_t prelude(epComm_t comm, const Step& st, Prelude& p, std::string& err) 
 // htd (worst-token HT dispatch), htc (HT combine on the prelude's handle), lld / llds (LL dispatch joined / as
 // split halves), llc / llcs (LL combine of the prelude's dispatch, joined / split).
 epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st, Prelude& p) {
-  const int R = st.R, L = st.E / R, M = st.M;
-  const epref::RankInput& in = st.all[g_rank];
-  const int T = in.num_tokens;
-  const void* xp = T ? in.x.data() : nullptr;
-  const int64_t* ip = T ? in.topk_idx.data() : nullptr;
+  const int R = st.R, M = st.M, T = st.all[g_rank].num_tokens;
   if (op == "barrier") return epCommBarrier(comm, nullptr);
   if (op == "a2a") {
     std::vector<size_t> c(R, 4), d(R);
@@ -194,14 +160,7 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st, Prelud
   if (op == "htn" || op == "htd") {
     epHtHandle_t h;
     if (epHtHandleCreate(comm, M, &h) != epSuccess) return epInternalError;
-    epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
-    a.num_tokens = T;
-    a.hidden = st.H;
-    a.topk = st.K;
-    a.num_experts = st.E;
-    a.dtype = st.dtype;
-    a.x = xp;
-    a.topk_idx = ip;
+    epHtDispatchArgs_t a = htArgs(st, g_rank);
     std::vector<uint8_t> rx(static_cast<size_t>(R) * M * st.row() + 1);
     epResult_t r;
     if (op == "htn") {
@@ -229,26 +188,8 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st, Prelud
     return epHtCombine(comm, &c, p.h, nullptr);
   }
   if (op == "lld" || op == "llds") {
-    std::vector<uint8_t> rx(static_cast<size_t>(L) * R * M * st.row());
-    std::vector<int> cnt(L), src(static_cast<size_t>(L) * R * M);
-    std::vector<int64_t> range(static_cast<size_t>(L) * R);
-    epLlDispatchArgs_t l = EP_LL_DISPATCH_ARGS_INIT;
-    l.num_tokens = T;
-    l.max_tokens_per_rank = M;
-    l.hidden = st.H;
-    l.topk = st.K;
-    l.num_experts = st.E;
-    l.dtype = st.dtype;
-    l.x = xp;
-    l.topk_idx = ip;
-    l.recv_x = rx.data();
-    l.recv_x_bytes = rx.size();
-    l.recv_count = cnt.data();
-    l.recv_count_bytes = sizeof(int) * cnt.size();
-    l.recv_src_info = src.data();
-    l.recv_src_info_bytes = sizeof(int) * src.size();
-    l.recv_layout_range = range.data();
-    l.recv_layout_range_bytes = sizeof(int64_t) * range.size();
+    LlBufs b;
+    epLlDispatchArgs_t l = llDispatchArgs(st, g_rank, b);
     if (op == "lld") return epLlDispatch(comm, &l, nullptr);
     l.phases = EP_LL_SEND;
     const epResult_t r = epLlDispatch(comm, &l, nullptr);
@@ -257,23 +198,7 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st, Prelud
     return r != epSuccess ? r : r2;
   }
   if (op == "llc" || op == "llcs") {
-    std::vector<uint8_t> out(T * st.row() + 1);
-    epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
-    c.num_tokens = T;
-    c.max_tokens_per_rank = M;
-    c.hidden = st.H;
-    c.topk = st.K;
-    c.num_experts = st.E;
-    c.dtype = st.dtype;
-    c.y = p.lrx.data();
-    c.y_bytes = p.lrx.size();
-    c.recv_count = p.cnt.data();
-    c.recv_src_info = p.src.data();
-    c.recv_layout_range = p.range.data();
-    c.topk_idx = ip;
-    c.topk_weights = T ? in.topk_weights.data() : nullptr;
-    c.out = T ? out.data() : nullptr;
-    c.out_bytes = T * st.row();
+    epLlCombineArgs_t c = llCombineArgs(st, g_rank, p.ll);
     if (op == "llc") return epLlCombine(comm, &c, nullptr);
     c.phases = EP_LL_SEND;
     const epResult_t r = epLlCombine(comm, &c, nullptr);

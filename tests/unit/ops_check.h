@@ -371,4 +371,75 @@ inline std::string checkDrops(epComm_t comm, const std::vector<int64_t>& rows, c
   return "";
 }
 
+// Arguments of single operations on rank me's inputs of a step (outside runAll's checked mix): HT dispatch without
+// outputs or weights (the caller adds what its mode needs), and an expert-major LL dispatch into / combine of `b`.
+struct LlBufs {
+  std::vector<uint8_t> rx, out;
+  std::vector<int> cnt, src;
+  std::vector<int64_t> range;
+};
+inline epHtDispatchArgs_t htArgs(const Step& st, int me) {
+  const epref::RankInput& in = st.all[me];
+  const int T = in.num_tokens;
+  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.hidden = st.H;
+  a.topk = st.K;
+  a.num_experts = st.E;
+  a.dtype = st.dtype;
+  a.x = T ? in.x.data() : nullptr;
+  a.topk_idx = T ? in.topk_idx.data() : nullptr;
+  return a;
+}
+inline epLlDispatchArgs_t llDispatchArgs(const Step& st, int me, LlBufs& b) {
+  const int R = st.R, L = st.E / R, M = st.M;
+  const epref::RankInput& in = st.all[me];
+  const int T = in.num_tokens;
+  b.rx.assign(static_cast<size_t>(L) * R * M * st.row(), 0);
+  b.cnt.assign(L, 0);
+  b.src.assign(static_cast<size_t>(L) * R * M, 0);
+  b.range.assign(static_cast<size_t>(L) * R, 0);
+  epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
+  a.num_tokens = T;
+  a.max_tokens_per_rank = M;
+  a.hidden = st.H;
+  a.topk = st.K;
+  a.num_experts = st.E;
+  a.dtype = st.dtype;
+  a.x = T ? in.x.data() : nullptr;
+  a.topk_idx = T ? in.topk_idx.data() : nullptr;
+  a.recv_x = b.rx.data();
+  a.recv_x_bytes = b.rx.size();
+  a.recv_count = b.cnt.data();
+  a.recv_count_bytes = sizeof(int) * b.cnt.size();
+  a.recv_src_info = b.src.data();
+  a.recv_src_info_bytes = sizeof(int) * b.src.size();
+  a.recv_layout_range = b.range.data();
+  a.recv_layout_range_bytes = sizeof(int64_t) * b.range.size();
+  return a;
+}
+// Combines what llDispatchArgs' dispatch left in b (its rows as the expert outputs) into b.out.
+inline epLlCombineArgs_t llCombineArgs(const Step& st, int me, LlBufs& b) {
+  const epref::RankInput& in = st.all[me];
+  const int T = in.num_tokens;
+  b.out.assign(static_cast<size_t>(T) * st.row() + 1, 0);
+  epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
+  c.num_tokens = T;
+  c.max_tokens_per_rank = st.M;
+  c.hidden = st.H;
+  c.topk = st.K;
+  c.num_experts = st.E;
+  c.dtype = st.dtype;
+  c.y = b.rx.data();
+  c.y_bytes = b.rx.size();
+  c.recv_count = b.cnt.data();
+  c.recv_src_info = b.src.data();
+  c.recv_layout_range = b.range.data();
+  c.topk_idx = T ? in.topk_idx.data() : nullptr;
+  c.topk_weights = T ? in.topk_weights.data() : nullptr;
+  c.out = T ? b.out.data() : nullptr;
+  c.out_bytes = static_cast<size_t>(T) * st.row();
+  return c;
+}
+
 }  // namespace epcomm::test::ops

@@ -458,77 +458,24 @@ INSTANTIATE_TEST_SUITE_P(Net, CrossHostElastic, ::testing::Values("socket", "ofi
 // hosts. (Found by a soak: the dispatching ranks waited the whole deadline for channel messages the other rank
 // never sent, then broke the communicator with an internal error.)
 epResult_t worstTokenDispatch(epComm_t comm, int me, const Step& st, epHtHandle_t h) {
-  const epref::RankInput& in = st.all[me];
-  const int T = in.num_tokens;
   int worst = 0;
   for (const auto& a : st.all) worst += a.num_tokens;
   std::vector<uint8_t> rx(static_cast<size_t>(worst) * st.row() + 1);
-  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
-  a.num_tokens = T;
-  a.hidden = st.H;
-  a.topk = st.K;
-  a.num_experts = st.E;
-  a.dtype = st.dtype;
-  a.x = T ? in.x.data() : nullptr;
-  a.topk_idx = T ? in.topk_idx.data() : nullptr;
+  epHtDispatchArgs_t a = htArgs(st, me);
   a.num_worst_tokens = worst;
   a.recv_x = worst ? rx.data() : nullptr;
   a.recv_x_bytes = static_cast<size_t>(worst) * st.row();
   return epHtDispatch(comm, &a, h, nullptr);
 }
 
-// An expert-major LL dispatch with both halves into `rx` / `cnt` / `src` / `range`, then (combine) an LL combine of
-// those rows with both halves: the joined combine whose rows peers read in place (cross-memory attach).
-struct LlBufs {
-  std::vector<uint8_t> rx, out;
-  std::vector<int> cnt, src;
-  std::vector<int64_t> range;
-};
+// An expert-major LL dispatch with both halves into `b`, then (combine) an LL combine of those rows with both
+// halves: the joined combine whose rows peers read in place (cross-memory attach).
 epResult_t llJoined(epComm_t comm, int me, const Step& st, LlBufs& b, bool combine) {
-  const int R = st.R, L = st.E / R, M = st.M;
-  const epref::RankInput& in = st.all[me];
-  const int T = in.num_tokens;
   if (!combine) {
-    b.rx.assign(static_cast<size_t>(L) * R * M * st.row(), 0);
-    b.cnt.assign(L, 0);
-    b.src.assign(static_cast<size_t>(L) * R * M, 0);
-    b.range.assign(static_cast<size_t>(L) * R, 0);
-    epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
-    a.num_tokens = T;
-    a.max_tokens_per_rank = M;
-    a.hidden = st.H;
-    a.topk = st.K;
-    a.num_experts = st.E;
-    a.dtype = st.dtype;
-    a.x = T ? in.x.data() : nullptr;
-    a.topk_idx = T ? in.topk_idx.data() : nullptr;
-    a.recv_x = b.rx.data();
-    a.recv_x_bytes = b.rx.size();
-    a.recv_count = b.cnt.data();
-    a.recv_count_bytes = sizeof(int) * b.cnt.size();
-    a.recv_src_info = b.src.data();
-    a.recv_src_info_bytes = sizeof(int) * b.src.size();
-    a.recv_layout_range = b.range.data();
-    a.recv_layout_range_bytes = sizeof(int64_t) * b.range.size();
+    const epLlDispatchArgs_t a = llDispatchArgs(st, me, b);
     return epLlDispatch(comm, &a, nullptr);
   }
-  b.out.assign(static_cast<size_t>(T) * st.row() + 1, 0);
-  epLlCombineArgs_t c = EP_LL_COMBINE_ARGS_INIT;
-  c.num_tokens = T;
-  c.max_tokens_per_rank = M;
-  c.hidden = st.H;
-  c.topk = st.K;
-  c.num_experts = st.E;
-  c.dtype = st.dtype;
-  c.y = b.rx.data();
-  c.y_bytes = b.rx.size();
-  c.recv_count = b.cnt.data();
-  c.recv_src_info = b.src.data();
-  c.recv_layout_range = b.range.data();
-  c.topk_idx = T ? in.topk_idx.data() : nullptr;
-  c.topk_weights = T ? in.topk_weights.data() : nullptr;
-  c.out = T ? b.out.data() : nullptr;
-  c.out_bytes = static_cast<size_t>(T) * st.row();
+  const epLlCombineArgs_t c = llCombineArgs(st, me, b);
   return epLlCombine(comm, &c, nullptr);
 }
 
