@@ -63,14 +63,20 @@ __global__ void __launch_bounds__(1024, 1) a2aNotifyKernel(A2aParams p) {
     if (rs.hdr != nullptr) stampRecord(rs.hdr, rs.pos);
     fenceForPeers(p.ht.gpu_scope);
     MailboxHead* mh = reinterpret_cast<MailboxHead*>(p.ht.base[r] + mailboxOffset(p.ht, e, me));
-    publish<kX>(p.ht, r, kRemoteHtBuffer, &mh->tag, e, e, p.ht.gpu_scope);
+    publish<kX>(p.ht, r, kRemoteHtBuffer, &mh->tag, mailboxTag(e, kMailboxA2a), e, p.ht.gpu_scope);
   }
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
     const MailboxHead* head = reinterpret_cast<const MailboxHead*>(inBase(p.ht, s) + mailboxOffset(p.ht, e, s));
-    if (rankActive(p.ht.el, s) && !waitAtLeast(p.ht, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
+    if (!rankActive(p.ht.el, s)) continue;
+    if (!waitAtLeast(p.ht, &head->tag, mailboxTag(e, 0), s, epPhaseHeader, e)) {
+      s_ok = 0;
+    } else if (ldAcquire(&head->tag, p.ht.gpu_scope) != mailboxTag(e, kMailboxA2a)) {
+      recordError(p.ht, epInvalidUsage, s, epPhaseHeader, e);  // rank s issued another operation (HT notify)
+      s_ok = 0;
+    }
   }
   __syncthreads();
   if (!s_ok || threadIdx.x != 0) return;

@@ -180,14 +180,20 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   for (int r = tid; r < R; r += blockDim.x) {
     if (!((act >> r) & 1)) continue;
     MailboxHead* head = reinterpret_cast<MailboxHead*>(p.base[r] + mailboxOffset(p, e, p.rank));
-    publish<kX>(p, r, kRemoteHtBuffer, &head->tag, e, e, p.gpu_scope);
+    publish<kX>(p, r, kRemoteHtBuffer, &head->tag, mailboxTag(e, kMailboxHtNotify), e, p.gpu_scope);
   }
   __shared__ int s_ok;
   if (tid == 0) s_ok = 1;
   __syncthreads();
   for (int s = tid; s < R; s += blockDim.x) {
     MailboxHead* head = reinterpret_cast<MailboxHead*>(inBase(p, s) + mailboxOffset(p, e, s));
-    if (((act >> s) & 1) && !waitAtLeast(p, &head->tag, e, s, epPhaseHeader, e)) s_ok = 0;
+    if (!((act >> s) & 1)) continue;
+    if (!waitAtLeast(p, &head->tag, mailboxTag(e, 0), s, epPhaseHeader, e)) {
+      s_ok = 0;
+    } else if (ldAcquire(&head->tag, p.gpu_scope) != mailboxTag(e, kMailboxHtNotify)) {
+      recordError(p, epInvalidUsage, s, epPhaseHeader, e);  // rank s issued another operation (alltoallv)
+      s_ok = 0;
+    }
   }
   __syncthreads();
   if (!s_ok) return;

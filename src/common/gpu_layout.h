@@ -166,8 +166,15 @@ struct GpuElastic {
 };
 EP_HD bool rankActive(const GpuElastic* el, int r) { return (el->active >> r) & 1; }
 
+// A mailbox tag names the operation as well as its epoch (mailboxTag), so that ranks that issued different operations
+// at one epoch (HT notify on some, alltoallv on others: both count through the mailboxes) find out, instead of
+// reading each other's counts in the wrong format.
+enum GpuMailboxKind : uint64_t { kMailboxHtNotify = 1, kMailboxA2a = 2 };
+constexpr uint64_t kMailboxKinds = 4;
+EP_HD uint64_t mailboxTag(uint64_t epoch, uint64_t kind) { return epoch * kMailboxKinds + kind; }
+
 struct MailboxHead {
-  uint64_t tag;  // epoch, written last
+  uint64_t tag;  // mailboxTag(epoch, kind), written last
   int32_t status;
   int32_t pad;
   // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C] follow

@@ -705,6 +705,60 @@ TEST_P(GpuHt, RecoveryWithoutADeath) {
   expectAllRanksOk(codes, seed);
 }
 
+// Ranks that issue different operations at one epoch, both counting through the mailboxes (rank 0 an alltoallv with
+// device counts, the others the HT pipeline, whose notify comes first): the mailbox tags name the operation, so
+// every rank records epInvalidUsage instead of reading the other operation's counts as its own; a no-op
+// epCommSetActiveRanks then makes the communicator usable and HT runs bit-exact against the host engine.
+TEST_P(GpuHt, MismatchedOperationsAreReportedNotMisread) {
+  const int R = GetParam();
+  epUniqueId gid, hid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    epComm_t g, h;
+    if (initPair(rank, R, gid, hid, &g, &h, shortDeadlineMs(1500))) return 1;
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    {
+      Pipeline P(g, R, rank, 32, 256, 2, 2 * R);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 7 + rank, true);
+      CKE(P.run(s, P.out.p), g);
+      CKC(cudaStreamSynchronize(s));
+      if (rank == 0) {
+        DevBuf<int64_t> sc(R), rc(R), dropped(1);
+        DevBuf<float> sb(static_cast<size_t>(R) * 64), rb(static_cast<size_t>(R) * 64);
+        sc.upload(std::vector<int64_t>(R, 64));
+        const epResult_t r = epAlltoallvDevice(g, sb.p, sc.p, rb.p, static_cast<size_t>(R) * 64, rc.p, dropped.p,
+                                               epFloat32, s);
+        CK(r == epSuccess || r == epInvalidUsage || r == epTimeout || r == epRemoteError, "alltoallv -> %s",
+           epGetErrorString(r));
+      } else {
+        const epResult_t r = P.run(s, P.out.p);
+        CK(r == epSuccess || r == epInvalidUsage || r == epTimeout || r == epRemoteError, "HT pipeline -> %s",
+           epGetErrorString(r));
+      }
+      CKC(cudaStreamSynchronize(s));
+      epResult_t ae;
+      epErrorInfo_t info = EP_ERROR_INFO_INIT;
+      CKE(epCommGetAsyncError(g, &ae, &info), g);
+      CK(ae == epInvalidUsage, "a mismatch against %s should be epInvalidUsage, got %s (peer %d)",
+         rank == 0 ? "HT notify" : "an alltoallv", epGetErrorString(ae), info.peer);
+    }
+    CKE(maskRanks(g, R, {}, s), g);
+    CK_CLEAN(g, "after the no-op mask");
+    const Case c = {64, 128, 4, 16 * R, epBfloat16, epBfloat16, -1, true};
+    if (runCase(g, h, rank, R, c, seed + 1, s)) return 1;
+    CK_CLEAN(g, "after the run");
+    CKE(epCommDestroy(g), g);
+    CKE(epCommDestroy(h), h);
+    return 0;
+  }, 300000);
+  expectAllRanksOk(codes, seed);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuHt, ::testing::ValuesIn(rankCounts()),
                          [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
 
