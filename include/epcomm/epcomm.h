@@ -64,8 +64,9 @@
  * return an error instead of hanging. (Host engine: where one side of a mismatch is HT dispatch or combine,
  * whose data go out with the header, that data stays in the transport: the error is epInvalidUsage on every
  * rank and the communicator needs epCommSetActiveRanks with the current mask before its next operation. GPU
- * engine: kernels do not compare operations, so a mismatch is not diagnosed; every wait still ends by its
- * deadline, but what the mismatched kernels wrote is undefined.) Every wait has a deadline
+ * engine: HT dispatch (its notify) and alltoallv, which both count through one mailbox, find each other
+ * (epInvalidUsage, then the same resynchronization); other mismatches are not diagnosed: every wait still ends
+ * by its deadline, but what the mismatched kernels wrote is undefined.) Every wait has a deadline
  * (epConfig_t.timeout_ms / EPCOMM_TIMEOUT_MS).
  */
 #ifndef EPCOMM_EPCOMM_H_
