@@ -9,6 +9,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <mutex>
+#include <utility>
+#include <vector>
 #ifdef EPCOMM_LL_PROBE
 #include <cstdio>  // epcommLlProbeDump
 #endif
@@ -1376,18 +1379,34 @@ __global__ void __launch_bounds__(kLlThreads) llCombineKernel(LlParams p) {
 
 }  // namespace
 
-// Every LL launch: the fixed grid, `smem` bytes of dynamic shared memory (opted in above 48 KiB), and how the
-// kernel relates to the one before it on the stream: plainly after it; as a programmatic dependent (a receive
-// half that may start while its send half runs, LlParams::pdl), which the send kernels allow at their start;
+// Every LL launch: the fixed grid, `smem` bytes of dynamic shared memory (every kernel opted in, optInSmem below),
+// and how the kernel relates to the one before it on the stream: plainly after it; as a programmatic dependent (a
+// receive half that may start while its send half runs, LlParams::pdl), which the send kernels allow at their start;
 // or as a cooperative launch (both halves in one kernel: every block resident at once), itself a programmatic
 // dependent of the kernel before it where LlParams::pdl_chain (it waits for that kernel before its first load).
 enum class Launch { kPlain, kDependent, kCooperative };
+
+// Opts a kernel in to kLlMaxSmem bytes of dynamic shared memory, once per kernel and device. Every kernel is opted
+// in, not only launches above 48 KiB of dynamic memory: the 48 KiB limit counts the kernel's static shared memory
+// too (up to 800 bytes here), so a fused dispatch with 48,416 dynamic bytes was refused on the H200 ("too many
+// blocks in cooperative launch": an occupancy of zero).
+cudaError_t optInSmem(const void* kernel) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static std::vector<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::pair<const void*, int> key(kernel, dev);
+  if (std::find(done.begin(), done.end(), key) != done.end()) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLlMaxSmem));
+  if (e == cudaSuccess) done.push_back(key);
+  return e;
+}
+
 template <typename... Args>
 cudaError_t launchLl(const LlParams& p, void (*kernel)(Args...), size_t smem, Launch how, cudaStream_t s) {
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLlMaxSmem));
-    if (e != cudaSuccess) return e;
-  }
+  if (cudaError_t e = optInSmem(reinterpret_cast<const void*>(kernel)); e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(p.blocks);
   cfg.blockDim = dim3(kLlThreads);
