@@ -95,7 +95,8 @@ void readAll(int fd, void* p, size_t n) {
   auto* c = static_cast<char*>(p);
   while (n) {
     ssize_t k = read(fd, c, n);
-    if (k <= 0) { perror("read"); _exit(1); }
+    if (k < 0) { perror("net_bench: read from the peer process"); _exit(1); }
+    if (k == 0) { fprintf(stderr, "net_bench: the peer process ended early (see its message above)\n"); _exit(1); }
     c += k, n -= k;
   }
 }
