@@ -382,6 +382,23 @@ TEST_P(GpuLl, ZeroCopyDispatchPositionsWithoutTheMasks) {
   }, testHosts(), 0, 256);
 }
 
+// Ranks held to a fifth of the GPU's threads under MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by each rank's
+// CUDA initialization after the fork): fewer blocks may be resident than the engine's default grid, so a fused
+// cooperative launch can be refused; the engine then runs the halves as two launches, and the results stay exact.
+// Without MPS the variable has no effect and the test is an ordinary one.
+TEST_P(GpuLl, HeldToPartOfTheGpuUnderMps) {
+  const int R = GetParam();
+  const int E = 32 * R;
+  struct Env {  // unset again however the test ends (later tests fork from this process)
+    Env() { setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20", 1); }
+    ~Env() { unsetenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"); }
+  } env;
+  runCasesOnBothEngines(R, 128, E, {
+      {128, 7168, 8, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 0},
+      {64, 2048, 8, E, epBfloat16, 1, EP_LL_RANK_MAJOR, 0},
+  });
+}
+
 TEST_P(GpuLl, CombinePositionsWithoutTheTable) {
   const int R = GetParam();
   const int E = 528;  // a multiple of 2, 4 and 8

@@ -192,10 +192,22 @@ epResult_t GpuEngine::llLaunch(int family, unsigned phases, const LlParams& p, e
   if (phases == EP_LL_SEND_RECV && ll_fused_) {
     LlParams q = p;
     q.pdl_chain = chain;
-    EPCHECK(checkLaunch(kBoth[family](q, s), kName[family]));
-    ++ll_sent_[family];
-    ++ll_recvd_[family];
-    return epSuccess;
+    const cudaError_t e = kBoth[family](q, s);
+    if (e != cudaErrorCooperativeLaunchTooLarge) {
+      EPCHECK(checkLaunch(e, kName[family]));
+      ++ll_sent_[family];
+      ++ll_recvd_[family];
+      return epSuccess;
+    }
+    // Fewer blocks can be resident than initLl counted SMs for (an MPS client held to part of the GPU by an
+    // active-thread percentage, say): the halves run as two launches from now on, this call's included. Nothing
+    // was launched, and the refusal is not sticky; it is cleared so that later checks do not see it.
+    (void)cudaGetLastError();
+    ll_fused_ = false;
+    ll_pdl_chain_ = false;
+    EP_WARN("GPU engine LL: a cooperative launch of %d blocks does not fit on this device as this process sees it "
+            "(%s); both halves of an LL call now run as two launches (set EPCOMM_GPU_LL_BLOCKS lower to keep one)",
+            p.blocks, cudaGetErrorString(e));
   }
   if (phases & EP_LL_SEND) {
     EPCHECK(checkLaunch(kSend[family](p, s), kName[family]));
