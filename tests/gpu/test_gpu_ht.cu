@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -658,11 +659,11 @@ TEST_P(GpuHt, KilledRankMaskedAndTheCommunicatorGoesOn) {
   for (int r = 0; r < R - 1; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << ", seed " << seed;
 }
 
-// Recovery without a death: rank 0 rejects an HT step the others launch (their notify times out; rank 0's HT epoch
-// falls behind theirs), every rank calls epCommSetActiveRanks with nobody masked, and HT is bit-exact against the
-// host engine again on the same communicator.
-TEST_P(GpuHt, RecoveryWithoutADeath) {
-  const int R = GetParam();
+// A failed HT step and the recovery from it without a death: every rank runs one good pipeline step (inputs from
+// input_seed + rank), then `fail` (the step that goes wrong on some ranks, checked by the callee), then a no-op
+// epCommSetActiveRanks, and `cases` bit-exact against the host engine on the same communicator.
+using FailStep = std::function<int(epComm_t g, int rank, Pipeline& P, cudaStream_t s)>;
+void recoveryWithoutADeath(int R, int input_seed, const FailStep& fail, const std::vector<Case>& cases) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
@@ -676,24 +677,13 @@ TEST_P(GpuHt, RecoveryWithoutADeath) {
     CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     {
       Pipeline P(g, R, rank, 32, 256, 2, 2 * R);
-      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 5 + rank, true);
+      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, input_seed + rank, true);
       CKE(P.run(s, P.out.p), g);
       CKC(cudaStreamSynchronize(s));
-      if (rank != 0) {  // rank 0 sits this step out (as if its call had been refused)
-        CK_FAILING_STEP(P.run(s, P.out.p));
-        CKC(cudaStreamSynchronize(s));
-        epResult_t ae;
-        CKE(epCommGetAsyncError(g, &ae, nullptr), g);
-        CK(ae == epTimeout, "without rank 0 the step should time out, got %s", epGetErrorString(ae));
-      }
+      if (fail(g, rank, P, s)) return 1;
     }
     CKE(maskRanks(g, R, {}, s), g);
     CK_CLEAN(g, "after the no-op mask");
-    const int E = 16 * R;
-    const Case cases[] = {
-        {64, 128, 4, E, epBfloat16, epBfloat16, -1, true},
-        {96, 256, 8, E, epBfloat16, epBfloat16, 5, false},
-    };
     uint64_t seed_i = seed;
     for (const Case& c : cases)
       if (runCase(g, h, rank, R, c, ++seed_i, s)) return 1;
@@ -705,58 +695,49 @@ TEST_P(GpuHt, RecoveryWithoutADeath) {
   expectAllRanksOk(codes, seed);
 }
 
+// Rank 0 rejects an HT step the others launch (their notify times out; rank 0's HT epoch falls behind theirs).
+TEST_P(GpuHt, RecoveryWithoutADeath) {
+  const int R = GetParam();
+  const int E = 16 * R;
+  recoveryWithoutADeath(R, 5, [&](epComm_t g, int rank, Pipeline& P, cudaStream_t s) -> int {
+    if (rank == 0) return 0;  // rank 0 sits this step out (as if its call had been refused)
+    CK_FAILING_STEP(P.run(s, P.out.p));
+    CKC(cudaStreamSynchronize(s));
+    epResult_t ae;
+    CKE(epCommGetAsyncError(g, &ae, nullptr), g);
+    CK(ae == epTimeout, "without rank 0 the step should time out, got %s", epGetErrorString(ae));
+    return 0;
+  }, {{64, 128, 4, E, epBfloat16, epBfloat16, -1, true}, {96, 256, 8, E, epBfloat16, epBfloat16, 5, false}});
+}
+
 // Ranks that issue different operations at one epoch, both counting through the mailboxes (rank 0 an alltoallv with
 // device counts, the others the HT pipeline, whose notify comes first): the mailbox tags name the operation, so
-// every rank records epInvalidUsage instead of reading the other operation's counts as its own; a no-op
-// epCommSetActiveRanks then makes the communicator usable and HT runs bit-exact against the host engine.
+// every rank records epInvalidUsage instead of reading the other operation's counts as its own; the recovery then
+// makes the communicator usable.
 TEST_P(GpuHt, MismatchedOperationsAreReportedNotMisread) {
   const int R = GetParam();
-  epUniqueId gid, hid;
-  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
-  ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
-  const uint64_t seed = g_seed;
-  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
-    g_rank = rank;
-    CKC(selectDevice(rank));
-    epComm_t g, h;
-    if (initPair(rank, R, gid, hid, &g, &h, shortDeadlineMs(1500))) return 1;
-    cudaStream_t s;
-    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    {
-      Pipeline P(g, R, rank, 32, 256, 2, 2 * R);
-      genInputs<<<16, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, 7 + rank, true);
-      CKE(P.run(s, P.out.p), g);
-      CKC(cudaStreamSynchronize(s));
-      if (rank == 0) {
-        DevBuf<int64_t> sc(R), rc(R), dropped(1);
-        DevBuf<float> sb(static_cast<size_t>(R) * 64), rb(static_cast<size_t>(R) * 64);
-        sc.upload(std::vector<int64_t>(R, 64));
-        const epResult_t r = epAlltoallvDevice(g, sb.p, sc.p, rb.p, static_cast<size_t>(R) * 64, rc.p, dropped.p,
-                                               epFloat32, s);
-        CK(r == epSuccess || r == epInvalidUsage || r == epTimeout || r == epRemoteError, "alltoallv -> %s",
-           epGetErrorString(r));
-      } else {
-        const epResult_t r = P.run(s, P.out.p);
-        CK(r == epSuccess || r == epInvalidUsage || r == epTimeout || r == epRemoteError, "HT pipeline -> %s",
-           epGetErrorString(r));
-      }
-      CKC(cudaStreamSynchronize(s));
-      epResult_t ae;
-      epErrorInfo_t info = EP_ERROR_INFO_INIT;
-      CKE(epCommGetAsyncError(g, &ae, &info), g);
-      CK(ae == epInvalidUsage, "a mismatch against %s should be epInvalidUsage, got %s (peer %d)",
-         rank == 0 ? "HT notify" : "an alltoallv", epGetErrorString(ae), info.peer);
+  recoveryWithoutADeath(R, 7, [&](epComm_t g, int rank, Pipeline& P, cudaStream_t s) -> int {
+    if (rank == 0) {
+      DevBuf<int64_t> sc(R), rc(R), dropped(1);
+      DevBuf<float> sb(static_cast<size_t>(R) * 64), rb(static_cast<size_t>(R) * 64);
+      sc.upload(std::vector<int64_t>(R, 64));
+      const epResult_t r = epAlltoallvDevice(g, sb.p, sc.p, rb.p, static_cast<size_t>(R) * 64, rc.p, dropped.p,
+                                             epFloat32, s);
+      CK(r == epSuccess || r == epInvalidUsage || r == epTimeout || r == epRemoteError, "alltoallv -> %s",
+         epGetErrorString(r));
+    } else {
+      const epResult_t r = P.run(s, P.out.p);
+      CK(r == epSuccess || r == epInvalidUsage || r == epTimeout || r == epRemoteError, "HT pipeline -> %s",
+         epGetErrorString(r));
     }
-    CKE(maskRanks(g, R, {}, s), g);
-    CK_CLEAN(g, "after the no-op mask");
-    const Case c = {64, 128, 4, 16 * R, epBfloat16, epBfloat16, -1, true};
-    if (runCase(g, h, rank, R, c, seed + 1, s)) return 1;
-    CK_CLEAN(g, "after the run");
-    CKE(epCommDestroy(g), g);
-    CKE(epCommDestroy(h), h);
+    CKC(cudaStreamSynchronize(s));
+    epResult_t ae;
+    epErrorInfo_t info = EP_ERROR_INFO_INIT;
+    CKE(epCommGetAsyncError(g, &ae, &info), g);
+    CK(ae == epInvalidUsage, "a mismatch against %s should be epInvalidUsage, got %s (peer %d)",
+       rank == 0 ? "HT notify" : "an alltoallv", epGetErrorString(ae), info.peer);
     return 0;
-  }, 300000);
-  expectAllRanksOk(codes, seed);
+  }, {{64, 128, 4, 16 * R, epBfloat16, epBfloat16, -1, true}});
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GpuHt, ::testing::ValuesIn(rankCounts()),
