@@ -187,25 +187,20 @@ epResult_t singleOp(epComm_t comm, const std::string& op, const Step& st, Prelud
     c.combined_x_bytes = T * st.row();
     return epHtCombine(comm, &c, p.h, nullptr);
   }
+  // An LL call whole (lld, llc) or as its two halves in two calls (llds, llcs): the first error of the two.
+  auto ll = [&](auto a, auto call, bool halves) {
+    if (!halves) return call(comm, &a, nullptr);
+    a.phases = EP_LL_SEND;
+    const epResult_t r = call(comm, &a, nullptr);
+    a.phases = EP_LL_RECV;
+    const epResult_t r2 = call(comm, &a, nullptr);
+    return r != epSuccess ? r : r2;
+  };
   if (op == "lld" || op == "llds") {
     LlBufs b;
-    epLlDispatchArgs_t l = llDispatchArgs(st, g_rank, b);
-    if (op == "lld") return epLlDispatch(comm, &l, nullptr);
-    l.phases = EP_LL_SEND;
-    const epResult_t r = epLlDispatch(comm, &l, nullptr);
-    l.phases = EP_LL_RECV;
-    const epResult_t r2 = epLlDispatch(comm, &l, nullptr);
-    return r != epSuccess ? r : r2;
+    return ll(llDispatchArgs(st, g_rank, b), epLlDispatch, op == "llds");
   }
-  if (op == "llc" || op == "llcs") {
-    epLlCombineArgs_t c = llCombineArgs(st, g_rank, p.ll);
-    if (op == "llc") return epLlCombine(comm, &c, nullptr);
-    c.phases = EP_LL_SEND;
-    const epResult_t r = epLlCombine(comm, &c, nullptr);
-    c.phases = EP_LL_RECV;
-    const epResult_t r2 = epLlCombine(comm, &c, nullptr);
-    return r != epSuccess ? r : r2;
-  }
+  if (op == "llc" || op == "llcs") return ll(llCombineArgs(st, g_rank, p.ll), epLlCombine, op == "llcs");
   return epInvalidArgument;
 }
 

@@ -378,10 +378,11 @@ struct LlBufs {
   std::vector<int> cnt, src;
   std::vector<int64_t> range;
 };
-inline epHtDispatchArgs_t htArgs(const Step& st, int me) {
+// The input fields HT and LL dispatch args share (they name them alike): rank me's tokens of the step.
+template <typename Args>
+Args dispatchInput(Args a, const Step& st, int me) {
   const epref::RankInput& in = st.all[me];
   const int T = in.num_tokens;
-  epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
   a.num_tokens = T;
   a.hidden = st.H;
   a.topk = st.K;
@@ -391,23 +392,17 @@ inline epHtDispatchArgs_t htArgs(const Step& st, int me) {
   a.topk_idx = T ? in.topk_idx.data() : nullptr;
   return a;
 }
+inline epHtDispatchArgs_t htArgs(const Step& st, int me) {
+  return dispatchInput<epHtDispatchArgs_t>(EP_HT_DISPATCH_ARGS_INIT, st, me);
+}
 inline epLlDispatchArgs_t llDispatchArgs(const Step& st, int me, LlBufs& b) {
   const int R = st.R, L = st.E / R, M = st.M;
-  const epref::RankInput& in = st.all[me];
-  const int T = in.num_tokens;
   b.rx.assign(static_cast<size_t>(L) * R * M * st.row(), 0);
   b.cnt.assign(L, 0);
   b.src.assign(static_cast<size_t>(L) * R * M, 0);
   b.range.assign(static_cast<size_t>(L) * R, 0);
-  epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
-  a.num_tokens = T;
+  epLlDispatchArgs_t a = dispatchInput<epLlDispatchArgs_t>(EP_LL_DISPATCH_ARGS_INIT, st, me);
   a.max_tokens_per_rank = M;
-  a.hidden = st.H;
-  a.topk = st.K;
-  a.num_experts = st.E;
-  a.dtype = st.dtype;
-  a.x = T ? in.x.data() : nullptr;
-  a.topk_idx = T ? in.topk_idx.data() : nullptr;
   a.recv_x = b.rx.data();
   a.recv_x_bytes = b.rx.size();
   a.recv_count = b.cnt.data();
