@@ -275,6 +275,42 @@ inline bool haveGpu() {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
+// The GPUs this process would see and the SMs of the first, asked in a child (as haveGpu) so that a test can size
+// the environment of the ranks it forks next; {0, 0} if the child could not tell.
+struct GpuShape {
+  int devices = 0, sms = 0;
+};
+inline GpuShape gpuShape() {
+  int fds[2];
+  if (pipe(fds) != 0) return {};
+  pid_t pid = fork();
+  if (pid == 0) {
+    GpuShape g;
+    if (cudaGetDeviceCount(&g.devices) != cudaSuccess ||
+        cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess)
+      g = GpuShape{};
+    _exit(write(fds[1], &g, sizeof(g)) == static_cast<ssize_t>(sizeof(g)) ? 0 : 1);
+  }
+  close(fds[1]);
+  GpuShape g;
+  if (read(fds[0], &g, sizeof(g)) != static_cast<ssize_t>(sizeof(g))) g = GpuShape{};
+  close(fds[0]);
+  waitpid(pid, nullptr, 0);
+  return g;
+}
+
+// An environment variable set for the ranks a test forks, unset again however the test ends (later tests fork
+// from the same process).
+struct ScopedEnv {
+  ScopedEnv(const char* name, const std::string& value) : name_(name) { setenv(name, value.c_str(), 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
 // main() of a GPU test program: exit 77 (skipped) without a GPU, the run's seed printed, crash stacks on.
 inline int runGpuTests(int argc, char** argv) {
   if (!haveGpu()) {

@@ -383,19 +383,35 @@ TEST_P(GpuLl, ZeroCopyDispatchPositionsWithoutTheMasks) {
 }
 
 // Ranks held to a fifth of the GPU's threads under MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, read by each rank's
-// CUDA initialization after the fork): fewer blocks may be resident than the engine's default grid, so a fused
-// cooperative launch can be refused; the engine then runs the halves as two launches, and the results stay exact.
-// Without MPS the variable has no effect and the test is an ordinary one.
+// CUDA initialization after the fork): the results stay exact. Should a fused cooperative launch be refused there
+// (fewer blocks resident than the engine counted SMs for), the engine runs the halves as two launches, with a
+// warning. On the H200 (s22) no such warning came at R = 2, 4, 8 at EPCOMM_DEBUG=WARN: the launches fitted as the
+// ranks saw the GPU. Without MPS the variable has no effect and the test is an ordinary one.
 TEST_P(GpuLl, HeldToPartOfTheGpuUnderMps) {
   const int R = GetParam();
   const int E = 32 * R;
-  struct Env {  // unset again however the test ends (later tests fork from this process)
-    Env() { setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20", 1); }
-    ~Env() { unsetenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"); }
-  } env;
+  ScopedEnv env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20");
   runCasesOnBothEngines(R, 128, E, {
       {128, 7168, 8, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 0},
       {64, 2048, 8, E, epBfloat16, 1, EP_LL_RANK_MAJOR, 0},
+  });
+}
+
+// A grid (EPCOMM_GPU_LL_BLOCKS) that fits the GPU alone but not once per rank on it: the ranks' fused cooperative
+// kernels could not all be resident, and one left waiting for SMs would hold its peers until the deadline; the
+// engine runs such calls as two launches. One block more than the GPU's share per rank.
+TEST_P(GpuLl, GridAboveEachRanksShareOfTheGpu) {
+  const int R = GetParam();
+  const int E = 32 * R;
+  const GpuShape gpu = gpuShape();
+  ASSERT_GT(gpu.devices, 0);
+  const int sharing = (R + gpu.devices - 1) / gpu.devices;  // selectDevice: rank % devices
+  if (sharing < 2) GTEST_SKIP() << "one rank per GPU";
+  ScopedEnv blocks("EPCOMM_GPU_LL_BLOCKS", std::to_string(gpu.sms / sharing + 1));
+  runCasesOnBothEngines(R, 128, E, {
+      {64, 2048, 8, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 0},
+      {64, 2048, 8, E, epBfloat16, 1, EP_LL_EXPERT_MAJOR, 1},
+      {32, 2048, 8, E, epBfloat16, 0, EP_LL_RANK_MAJOR, 0},
   });
 }
 
