@@ -391,6 +391,8 @@ TEST_P(GpuLl, HeldToPartOfTheGpuUnderMps) {
   const int R = GetParam();
   const int E = 32 * R;
   ScopedEnv env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20");
+  // Whether such a client is told fewer SMs (then the engine sizes its grid to them and never needs the fallback).
+  printf("a client under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20 sees %d SMs\n", gpuShape().sms);
   runCasesOnBothEngines(R, 128, E, {
       {128, 7168, 8, E, epBfloat16, 0, EP_LL_EXPERT_MAJOR, 0},
       {64, 2048, 8, E, epBfloat16, 1, EP_LL_RANK_MAJOR, 0},
