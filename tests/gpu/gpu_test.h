@@ -263,20 +263,9 @@ inline void expectAllRanksOk(const std::vector<int>& codes, uint64_t seed) {
     EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << codes.size() << ", seed " << seed;
 }
 
-// Whether a CUDA device is visible, asked in a child so this process never initialises CUDA before forking.
-inline bool haveGpu() {
-  pid_t pid = fork();
-  if (pid == 0) {
-    int n = 0;
-    _exit(cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? 0 : 1);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-// The GPUs this process would see and the SMs of the first, asked in a child (as haveGpu) so that a test can size
-// the environment of the ranks it forks next; {0, 0} if the child could not tell.
+// The GPUs this process would see and the SMs of the first, asked in a child so that this process never
+// initialises CUDA before forking (a test sizes the environment of the ranks it forks next by it); devices 0 if
+// none or the child could not tell, sms 0 if it could not tell.
 struct GpuShape {
   int devices = 0, sms = 0;
 };
@@ -286,9 +275,8 @@ inline GpuShape gpuShape() {
   pid_t pid = fork();
   if (pid == 0) {
     GpuShape g;
-    if (cudaGetDeviceCount(&g.devices) != cudaSuccess ||
-        cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess)
-      g = GpuShape{};
+    if (cudaGetDeviceCount(&g.devices) != cudaSuccess) g.devices = 0;
+    if (g.devices > 0 && cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess) g.sms = 0;
     _exit(write(fds[1], &g, sizeof(g)) == static_cast<ssize_t>(sizeof(g)) ? 0 : 1);
   }
   close(fds[1]);
@@ -310,6 +298,9 @@ struct ScopedEnv {
  private:
   const char* name_;
 };
+
+// Whether a CUDA device is visible (asked in a child, gpuShape).
+inline bool haveGpu() { return gpuShape().devices > 0; }
 
 // main() of a GPU test program: exit 77 (skipped) without a GPU, the run's seed printed, crash stacks on.
 inline int runGpuTests(int argc, char** argv) {

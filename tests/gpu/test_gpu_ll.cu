@@ -407,6 +407,7 @@ TEST_P(GpuLl, GridAboveEachRanksShareOfTheGpu) {
   const int E = 32 * R;
   const GpuShape gpu = gpuShape();
   ASSERT_GT(gpu.devices, 0);
+  ASSERT_GT(gpu.sms, 0);
   const int sharing = (R + gpu.devices - 1) / gpu.devices;  // selectDevice: rank % devices
   if (sharing < 2) GTEST_SKIP() << "one rank per GPU";
   ScopedEnv blocks("EPCOMM_GPU_LL_BLOCKS", std::to_string(gpu.sms / sharing + 1));

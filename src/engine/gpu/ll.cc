@@ -61,8 +61,9 @@ epResult_t GpuEngine::initLl() {
   // (one block per SM): a cooperative launch only checks that its own grid fits the GPU, and a rank whose grid had
   // to wait for SMs behind a peer's would hold that peer until the deadline. The default grid always fits (SMs over
   // ranks on the GPU + 1); only a larger EPCOMM_GPU_LL_BLOCKS runs the halves as two launches instead.
-  ll_fused_ = coop != 0 && static_cast<int64_t>(gpu_sharing_) * ll_blocks_ <= gpu_sms_ && epParamGpuLlFused() != 0;
-  if (coop != 0 && !ll_fused_ && ll_blocks_ <= gpu_sms_ && epParamGpuLlFused() != 0)
+  const bool fusable = coop != 0 && epParamGpuLlFused() != 0;
+  ll_fused_ = fusable && static_cast<int64_t>(gpu_sharing_) * ll_blocks_ <= gpu_sms_;
+  if (fusable && !ll_fused_ && ll_blocks_ <= gpu_sms_)
     EP_INFO(kSubsysInit, "GPU engine LL: %d ranks x %d blocks exceed GPU %d's %d SMs: the halves of an LL call run as "
             "two launches", gpu_sharing_, ll_blocks_, device_, gpu_sms_);
   const int64_t chain = epParamGpuLlPdlChain(), held = chain >= 2 ? 2 * gpu_sharing_ - 1 : 2 * gpu_sharing_;
