@@ -153,7 +153,7 @@ typedef enum { EP_ENGINE_AUTO = 0, EP_ENGINE_HOST = 1, EP_ENGINE_GPU = 2 } epEng
 typedef enum {
   epOpNone = 0, epOpInit, epOpLayout, epOpHtNotify, epOpHtDispatch, epOpHtCombine, epOpLlDispatch,
   epOpLlCombine, epOpAlltoallv, epOpAlltoallvDevice, epOpBarrier, epOpDestroy,
-  epOpSetActiveRanks, epOpRegister, epNumOps
+  epOpSetActiveRanks, epOpRegister, epOpRecover, epNumOps
 } epOp_t;
 typedef enum { epPhaseNone = 0, epPhaseHeader, epPhaseData, epPhaseBootstrap } epPhase_t;
 
@@ -697,6 +697,35 @@ EPCOMM_API epResult_t epAlltoallvDevice(epComm_t comm, const void* sendbuf, cons
  *   still write into the survivors' buffers.
  * ------------------------------------------------------------------------------------------------------- */
 EPCOMM_API epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t stream);
+/* epCommRecover(comm, active, stream): epCommSetActiveRanks without knowing whom to mask. After a failure every
+ * survivor calls it; together they find the ranks to mask, agree on one mask, and resynchronize with it exactly as
+ * epCommSetActiveRanks does (same effects on operations, handles, drop counters; the async error is cleared).
+ * active (nranks int32, host memory, may be NULL) gets the mask this rank ended with: on success the new mask, on
+ * failure as far as it got (its own entry 0 where the others hold it out).
+ * - Masked: every rank masked before; every rank some survivor found dead (its process gone from that survivor's
+ *   host), disconnected (its connection across hosts lost: closed, reset, or silent past the net deadline) or gone
+ *   (it destroyed its communicator); and every rank that did not take part in a round for twice EPCOMM_TIMEOUT_MS
+ *   (stopped, stalled, or not calling epCommRecover).
+ * - How they agree: each survivor publishes the ranks it holds out and the mask it last committed (in shared
+ *   memory, across hosts over its connections); each derives the same mask from all of that: a mask some rank
+ *   committed is final, then, while a kept rank is held out by another kept rank, the one held out by the most
+ *   (ties: the highest rank) is masked and what it held out no longer counts. They propose it in a round of
+ *   epCommSetActiveRanks' resynchronization (one mask or nobody moves); a failed round teaches something (a
+ *   silent rank, another survivor's view) and the next one proposes again. Ends within (2 + the ranks it masks) x
+ *   twice EPCOMM_TIMEOUT_MS.
+ * - A rank the others hold out (they gave up on it while it was stopped or stalled, and it came back) gets
+ *   epRemoteError with its own entry 0; it must stop calling the communicator and destroy it, like any masked rank.
+ * - A rank that reaches no other rank and lost them through timeouts or closed connections (not one whose process
+ *   it saw end, or that said goodbye) gets epRemoteError: it cannot tell whether they failed or it was cut off.
+ * - No quorum: ranks cut apart into groups that each still reach among themselves (a network partition between
+ *   hosts) recover as separate groups, each masking the other. Keep the job's own liveness checks (its launcher's
+ *   rendezvous) for that case.
+ * - Collective among the survivors; synchronous on the host; not capturable; may be called on a broken
+ *   communicator (not on an aborted one: epAborted). On a usable communicator with every rank alive it is a no-op
+ *   resynchronization; a call while an LL receive half is outstanding there is epInvalidUsage (the other
+ *   survivors return epRemoteError at once).
+ * - Host engine. The GPU engine returns epNotSupported: call epCommSetActiveRanks there. */
+EPCOMM_API epResult_t epCommRecover(epComm_t comm, int32_t* active, epStream_t stream);
 /* The current mask: nranks int32 entries, 1 = active, 0 = masked (host memory). Works on a broken
  * communicator. */
 EPCOMM_API epResult_t epCommGetActiveRanks(epComm_t comm, int32_t* active);

@@ -99,8 +99,8 @@ epResult_t checkUsable(epComm* comm) {
   if (ae != epSuccess)
     EP_FAIL(static_cast<epResult_t>(ae),
             "the communicator is unusable after an earlier %s (op %d, epoch %llu, peer %d): resynchronize it (every "
-            "surviving rank calls epCommSetActiveRanks, with the failed ranks masked or, after a timeout or "
-            "mismatched operations, the current mask) or destroy it and create a new one",
+            "surviving rank calls epCommRecover, or epCommSetActiveRanks with the failed ranks masked or, after a "
+            "timeout or mismatched operations, the current mask) or destroy it and create a new one",
             epGetErrorString(static_cast<epResult_t>(ae)), comm->async_info.op,
             static_cast<unsigned long long>(comm->async_info.epoch), comm->async_info.peer);
   return epSuccess;
@@ -427,6 +427,30 @@ epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t
     std::lock_guard<std::mutex> lock(comm->error_mutex);
     comm->active = mask;
     // The survivors are back in step: the communicator is usable again.
+    comm->async_error.store(epSuccess);
+    comm->async_info = EP_ERROR_INFO_INIT;
+    return epSuccess;
+  });
+}
+
+epResult_t epCommRecover(epComm_t comm, int32_t* active, epStream_t stream) {
+  return onComm(comm, Need::kLive, [&]() -> epResult_t {
+    EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
+    comm->engine->pollAsyncError();
+    const bool broken = comm->async_error.load() != epSuccess;
+    // As in epCommSetActiveRanks: decided alike on every rank, and the others told at once.
+    if (!broken && comm->engine->llReceivePending())
+      return comm->engine->setActiveRanksRejected(
+          EP_ERROR(epInvalidUsage, "epCommRecover called while an LL operation's receive half (EP_LL_RECV) is "
+                   "outstanding; complete it first"),
+          stream);
+    std::vector<uint8_t> kept(comm->active.begin(), comm->active.end());
+    const epResult_t r = comm->engine->recover(kept.data(), stream);
+    if (active)
+      for (int q = 0; q < comm->nranks; ++q) active[q] = kept[q];
+    EPCHECK(r);
+    std::lock_guard<std::mutex> lock(comm->error_mutex);
+    comm->active = kept;
     comm->async_error.store(epSuccess);
     comm->async_info = EP_ERROR_INFO_INIT;
     return epSuccess;

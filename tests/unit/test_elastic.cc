@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +51,12 @@ std::string checkMask(epComm_t comm, const std::vector<uint8_t>& want) {
 }
 
 std::vector<int32_t> asInt(const std::vector<uint8_t>& m) { return std::vector<int32_t>(m.begin(), m.end()); }
+
+std::string maskText(const std::vector<int32_t>& m) {
+  std::string t;
+  for (int32_t v : m) t += v ? '1' : (v == 0 ? '0' : '?');
+  return t;
+}
 
 TEST(Elastic, PlannedMaskEveryOperation) {
   constexpr int R = 4, kMasked = 2;
@@ -117,9 +124,15 @@ TEST(Elastic, PlannedMaskEveryOperation) {
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
+// How the survivors mask the failed ranks: told (epCommSetActiveRanks with the victims masked), or found
+// (epCommRecover, which must come to exactly that mask by itself).
+enum class Mask { kTold, kFound };
+
 // Survivors of a killed rank: the first failing call returns epRemoteError or epTimeout within the deadline, then
 // every survivor masks the victim, and all operations succeed, bit-exact, without waiting for it.
-int survive(epComm_t comm, int rank, int R, const std::vector<int>& victims, epResult_t first, double first_ms) {
+int survive(epComm_t comm, int rank, int R, const std::vector<int>& victims, epResult_t first, double first_ms,
+            Mask how = Mask::kTold, double recover_limit_ms = 2 * kTimeoutMs,
+            const std::function<void()>& masked = {}) {
   CHECK_OR_RETURN(first == epRemoteError || first == epTimeout, "first failure: %s (%s)", epGetErrorString(first),
                   epGetLastError(comm));
   CHECK_OR_RETURN(first_ms < 2 * kTimeoutMs, "failed after %.0f ms", first_ms);
@@ -128,9 +141,22 @@ int survive(epComm_t comm, int rank, int R, const std::vector<int>& victims, epR
   for (int v : victims) mask[v] = 0;
   std::vector<int32_t> m32 = asInt(mask);
   auto t0 = std::chrono::steady_clock::now();
-  epResult_t r = epCommSetActiveRanks(comm, m32.data(), nullptr);
-  CHECK_OR_RETURN(r == epSuccess, "set: %s (%s)", epGetErrorString(r), epGetLastError(comm));
-  CHECK_OR_RETURN(msSince(t0) < 2 * kTimeoutMs, "set took %.0f ms", msSince(t0));
+  if (how == Mask::kTold) {
+    epResult_t r = epCommSetActiveRanks(comm, m32.data(), nullptr);
+    CHECK_OR_RETURN(r == epSuccess, "set: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(msSince(t0) < 2 * kTimeoutMs, "set took %.0f ms", msSince(t0));
+  } else {
+    std::vector<int32_t> got(R, -1);
+    epResult_t r = epCommRecover(comm, got.data(), nullptr);
+    CHECK_OR_RETURN(r == epSuccess, "recover: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    CHECK_OR_RETURN(got == m32, "recover found mask %s, want %s", maskText(got).c_str(), maskText(m32).c_str());
+    // A dead rank is found by its process (one host) or its closed connections: no round waits a deadline (the
+    // callers that hold out a silent rank give more).
+    CHECK_OR_RETURN(msSince(t0) < recover_limit_ms, "recover took %.0f ms", msSince(t0));
+    const std::string e = checkMask(comm, mask);
+    CHECK_OR_RETURN(e.empty(), "after recover: %s", e.c_str());
+  }
+  if (masked) masked();
   epResult_t async;
   CHECK_OR_RETURN(epCommGetAsyncError(comm, &async, nullptr) == epSuccess && async == epSuccess,
                   "async error not cleared");
@@ -166,7 +192,7 @@ TEST(Elastic, RankKilledBetweenOperations) {
       t0 = std::chrono::steady_clock::now();
       r = epCommBarrier(comm, nullptr);
     }
-    return survive(comm, rank, R, {kVictim}, r, msSince(t0));
+    return survive(comm, rank, R, {kVictim}, r, msSince(t0), Mask::kFound);
   }, 120000);
   EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
   for (int r = 0; r < R; ++r) {
@@ -216,7 +242,7 @@ TEST(Elastic, RankKilledDuringOperation) {
       epResult_t async = epSuccess;
       epCommGetAsyncError(comm, &async, nullptr);
       CHECK_OR_RETURN(async == epRemoteError || async == epTimeout, "async error %s", epGetErrorString(async));
-      return survive(comm, rank, R, {kVictim}, async, msSince(t0));
+      return survive(comm, rank, R, {kVictim}, async, msSince(t0), kind == 0 ? Mask::kTold : Mask::kFound);
     }, 120000);
     EXPECT_EQ(codes[kVictim], 128 + SIGKILL) << "kind " << kind;
     for (int r = 0; r < R; ++r) {
@@ -259,6 +285,55 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
     e = checkDrops(comm, rows, a2a);
     CHECK_OR_RETURN(e.empty(), "%s", e.c_str());
     return epCommDestroy(comm) == epSuccess ? 0 : 1;
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
+// Shared between the forked ranks of a test: one word the survivors set once they have recovered.
+struct SharedFlag {
+  std::atomic<int>* p = static_cast<std::atomic<int>*>(
+      mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  SharedFlag() { p->store(0); }
+  ~SharedFlag() { munmap(p, sizeof(std::atomic<int>)); }
+};
+
+// The rank the survivors held out comes back: its epCommRecover says so (epRemoteError, its own entry 0) at once,
+// without disturbing them.
+int comeBackHeldOut(epComm_t comm, int rank, int R, std::atomic<int>* recovered) {
+  for (int i = 0; i < 60000 && recovered->load() == 0; ++i) usleep(1000);
+  CHECK_OR_RETURN(recovered->load() != 0, "the survivors never recovered");
+  std::vector<int32_t> got(R, -1);
+  auto t0 = std::chrono::steady_clock::now();
+  const epResult_t r = epCommRecover(comm, got.data(), nullptr);
+  CHECK_OR_RETURN(r == epRemoteError && got[rank] == 0, "came back: recover %s (%s), mask %s", epGetErrorString(r),
+                  epGetLastError(comm), maskText(got).c_str());
+  CHECK_OR_RETURN(strstr(epGetLastError(comm), "hold this rank out") != nullptr, "message: %s", epGetLastError(comm));
+  CHECK_OR_RETURN(msSince(t0) < kTimeoutMs, "it took %.0f ms to learn it", msSince(t0));
+  return epCommDestroy(comm) == epSuccess ? 0 : 1;
+}
+
+// A rank that stays silent (alive, calling nothing) past the deadline: the others time out, epCommRecover holds
+// it out after twice the deadline without being told, and they go on bit-exact; the silent rank, back, learns that
+// it was masked.
+TEST(Elastic, RecoverHoldsOutASilentRank) {
+  constexpr int R = 3, kSilent = 2;
+  SharedFlag recovered;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    std::string e = runAll(comm, rank, Step(R, 57, std::vector<uint8_t>(R, 1)), rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    if (rank == kSilent) return comeBackHeldOut(comm, rank, R, recovered.p);
+    auto t0 = std::chrono::steady_clock::now();
+    const epResult_t r = epCommBarrier(comm, nullptr);
+    CHECK_OR_RETURN(r == epTimeout, "barrier: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    // One round waits twice the deadline for the silent rank, the next one masks it.
+    return survive(comm, rank, R, {kSilent}, r, msSince(t0), Mask::kFound, 3 * 2 * kTimeoutMs,
+                   [&] { recovered.p->store(1); });
   }, 120000);
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
@@ -335,7 +410,7 @@ TEST_P(CrossHostElastic, HostKilledDuringOperation) {
       epResult_t async = epSuccess;
       epCommGetAsyncError(comm, &async, nullptr);
       CHECK_OR_RETURN(async == epRemoteError || async == epTimeout, "async error %s", epGetErrorString(async));
-      return survive(comm, rank, R, victims, async, msSince(t0));
+      return survive(comm, rank, R, victims, async, msSince(t0), kind == 0 ? Mask::kTold : Mask::kFound);
     }, 120000);
     for (int r = 0; r < R; ++r) {
       if (r / kPerHost == kVictimHost) {
@@ -403,6 +478,57 @@ TEST_P(CrossHostElastic, StalledPeer) {
   }
 }
 
+// 2 hosts x 2 ranks; rank 3 stops (SIGSTOP) in the middle of the operation mix. The others find it with
+// epCommRecover alone (ranks 0 and 1 lose its connections at the net deadline; rank 2, on its host, learns it from
+// them or holds it out itself after twice the deadline) and go on bit-exact. Then rank 0 resumes it (SIGCONT): its
+// operation fails, and its epCommRecover says that the others hold it out, although it reaches rank 2 and sees
+// ranks 0 and 1 as lost from its side.
+TEST_P(CrossHostElastic, StalledPeerComesBack) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  constexpr int R = 4, kPerHost = 2, kVictim = 3;
+  SharedFlag victim_pid, recovered;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    joinVirtualHost(rank, kPerHost, net);
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    Step st(R, 73, std::vector<uint8_t>(R, 1));
+    std::string e = runAll(comm, rank, st, rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    if (rank == kVictim) {
+      victim_pid.p->store(getpid());
+      std::thread([] {
+        usleep(kVictimDelayUs);
+        kill(getpid(), SIGSTOP);
+      }).detach();
+      for (int i = 0; i < 100000 && e.empty(); ++i) e = runAll(comm, rank, st, rows, a2a);
+      CHECK_OR_RETURN(!e.empty(), "resumed, its operations still succeed");
+      return comeBackHeldOut(comm, rank, R, recovered.p);
+    }
+    epResult_t r = epSuccess;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      e = runAll(comm, rank, st, rows, a2a);
+      r = e.empty() ? epSuccess : epTimeout;
+    }
+    epResult_t async = epSuccess;
+    epCommGetAsyncError(comm, &async, nullptr);
+    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
+    return survive(comm, rank, R, {kVictim}, async, msSince(t0), Mask::kFound, 3 * 2 * kTimeoutMs, [&] {
+      if (rank != 0) return;
+      recovered.p->store(1);
+      for (int i = 0; i < 1000 && victim_pid.p->load() == 0; ++i) usleep(1000);
+      if (victim_pid.p->load() > 0) kill(victim_pid.p->load(), SIGCONT);
+    });
+  }, 120000);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+}
+
 // 2 hosts x 2 ranks; rank 3 is killed in the middle of the operation mix. It is a forwarder of hierarchical HT
 // (host 1's forwarder for rank 1's rows in dispatch and for the partial sums back to rank 1 in combine): the
 // survivors fail within the deadline, mask it, and go on bit-exact with rank 2 forwarding for everyone of host 0.
@@ -438,7 +564,7 @@ TEST_P(CrossHostElastic, KilledForwarder) {
     epResult_t async = epSuccess;
     epCommGetAsyncError(comm, &async, nullptr);
     CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
-    return survive(comm, rank, R, {kVictim}, async, msSince(t0));
+    return survive(comm, rank, R, {kVictim}, async, msSince(t0), Mask::kFound);
   }, 120000);
   EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
   for (int r = 0; r < R; ++r) {
@@ -563,6 +689,7 @@ TEST(Elastic, BadArguments) {
     CHECK_OR_RETURN(epCommGetActiveRanks(nullptr, keep.data()) == epNullPointer, "GetActiveRanks(comm NULL)");
     CHECK_OR_RETURN(epCommGetMaskedDrops(comm, nullptr, nullptr, nullptr) == epSuccess, "GetMaskedDrops(NULL, NULL)");
     CHECK_OR_RETURN(epCommSetActiveRanks(nullptr, keep.data(), nullptr) == epNullPointer, "Set(comm NULL)");
+    CHECK_OR_RETURN(epCommRecover(nullptr, keep.data(), nullptr) == epNullPointer, "Recover(comm NULL)");
     // NULL mask on every rank.
     r = epCommSetActiveRanks(comm, nullptr, nullptr);
     CHECK_OR_RETURN(r == epNullPointer && strstr(epGetLastError(comm), "active"), "NULL: %s (%s)",
@@ -617,12 +744,25 @@ TEST(Elastic, BadArguments) {
       r = epCommSetActiveRanks(comm, keep.data(), nullptr);
       CHECK_OR_RETURN(r == epInvalidUsage && strstr(epGetLastError(comm), "EP_LL_RECV"), "pending: %s (%s)",
                       epGetErrorString(r), epGetLastError(comm));
+      t0 = std::chrono::steady_clock::now();
+      r = epCommRecover(comm, nullptr, nullptr);
+      CHECK_OR_RETURN(r == epInvalidUsage && strstr(epGetLastError(comm), "EP_LL_RECV"), "recover pending: %s (%s)",
+                      epGetErrorString(r), epGetLastError(comm));
+      CHECK_OR_RETURN(msSince(t0) < kTimeoutMs / 2, "recover pending took %.0f ms", msSince(t0));
       a.phases = EP_LL_RECV;
       CHECK_OR_RETURN(epLlDispatch(comm, &a, nullptr) == epSuccess, "LL recv: %s", epGetLastError(comm));
     }
-    // Nothing changed, and the communicator is usable.
+    // Nothing changed, and the communicator is usable; epCommRecover with every rank alive keeps them all.
     std::string e = checkMask(comm, std::vector<uint8_t>(R, 1));
     CHECK_OR_RETURN(e.empty(), "%s", e.c_str());
+    {
+      std::vector<int32_t> got(R, -1);
+      t0 = std::chrono::steady_clock::now();
+      r = epCommRecover(comm, got.data(), nullptr);
+      CHECK_OR_RETURN(r == epSuccess && got == keep, "recover, all alive: %s (%s) mask %s", epGetErrorString(r),
+                      epGetLastError(comm), maskText(got).c_str());
+      CHECK_OR_RETURN(msSince(t0) < kTimeoutMs / 2, "recover, all alive, took %.0f ms", msSince(t0));
+    }
     std::vector<int64_t> rows(R, 0), a2a(R, 0);
     e = runAll(comm, rank, Step(R, 41, std::vector<uint8_t>(R, 1)), rows, a2a);
     CHECK_OR_RETURN(e.empty(), "after bad calls: %s", e.c_str());
@@ -640,6 +780,13 @@ TEST(Elastic, BadArguments) {
     CHECK_OR_RETURN(epCommSetActiveRanks(comm, two.data(), nullptr) == epSuccess, "nonzero: %s", epGetLastError(comm));
     e = checkMask(comm, {1, 1, 0});
     CHECK_OR_RETURN(e.empty(), "%s", e.c_str());
+    // Rank 2 is gone (destroyed) and masked: epCommRecover keeps the mask, without waiting for it.
+    {
+      std::vector<int32_t> got(R, -1);
+      r = epCommRecover(comm, got.data(), nullptr);
+      CHECK_OR_RETURN(r == epSuccess && got == std::vector<int32_t>({1, 1, 0}), "recover after masking: %s (%s) %s",
+                      epGetErrorString(r), epGetLastError(comm), maskText(got).c_str());
+    }
     e = runAll(comm, rank, Step(R, 42, {1, 1, 0}), rows, a2a);
     CHECK_OR_RETURN(e.empty(), "after re-add refused: %s", e.c_str());
     e = checkDrops(comm, rows, a2a);

@@ -20,6 +20,9 @@
 // Ranks produce again only after phase 3, so nothing of the next operation is discarded; epochs continue from
 // the largest among the survivors. Every wait keeps the communicator's deadline and checks that the kept ranks
 // are alive.
+#include <errno.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -109,11 +112,12 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
     if (!part[r] || r == rank_) continue;
     const RegionHeader* p = peerHeader(r);
     const int ps = p->rs_status.load(std::memory_order_relaxed);
-    if (ps != epSuccess)
+    if (ps != epSuccess) {
+      rs_rejected_ = true;
       st = EP_ERROR(epRemoteError,
                     "rank %d rejected its epCommSetActiveRanks arguments (%s); the mask is unchanged on every rank", r,
                     epGetErrorString(static_cast<epResult_t>(ps)));
-    else if (p->rs_hash.load(std::memory_order_relaxed) != hash)
+    } else if (p->rs_hash.load(std::memory_order_relaxed) != hash)
       st = EP_ERROR(epInvalidUsage,
                     "active: rank %d called epCommSetActiveRanks with a different mask than rank %d; every survivor "
                     "must pass the same mask (the mask is unchanged)",
@@ -164,7 +168,147 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
     active_[r] = part[r];
   }
   if (changed) ++mask_gen_;  // HT handles filled before now are stale
+  publishSets();            // a rank that comes back learns from it that it is masked (agreedKeep)
   return epSuccess;
+}
+
+
+// ---------------------------------------------------------------------------------------------------------
+// Recovery (epCommRecover): the survivors find whom to mask without being told. Each rank keeps a set of ranks it
+// holds out for good (accused_): found dead (its process gone from this host), disconnected (a lost connection
+// across hosts), gone (it destroyed its communicator), or silent (it did not take part in a recovery round for
+// twice the deadline). Each publishes that set and the complement of the mask it last committed (rc_accused,
+// rc_masked: region header here, OUT frames across hosts; both only grow). From what all of them published, every
+// survivor derives the same mask (agreedKeep) and proposes it in a resynchronization round (resync: one mask, or
+// nobody moves). A round that fails adds what it taught (a silent rank, a lost connection) and the next one
+// proposes again, until one succeeds or nothing new is learnt.
+// ---------------------------------------------------------------------------------------------------------
+namespace {
+
+bool testBit(const std::atomic<uint64_t>* words, int r) {
+  return (words[r / 64].load(std::memory_order_relaxed) >> (r % 64)) & 1;
+}
+
+}  // namespace
+
+void HostEngine::noteLosses() {
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_ || !active_[r] || accused_[r]) continue;
+    bool gone = false, lost = false;
+    if (remote_[r]) {
+      gone = bridge_->saidGoodbye(r);
+      lost = !gone && bridge_->dead(r, nullptr);
+    } else {
+      gone = peers_[r]->header()->bye.load(std::memory_order_acquire) != 0 ||
+             (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH);
+    }
+    accused_[r] = gone || lost;
+    certain_[r] = gone;
+  }
+}
+
+void HostEngine::publishSets() {
+  RegionHeader* me = own_.header();
+  for (int r = 0; r < nranks_; ++r) {
+    const uint64_t bit = 1ull << (r % 64);
+    if (accused_[r]) me->rc_accused[r / 64].fetch_or(bit, std::memory_order_relaxed);
+    if (!active_[r]) me->rc_masked[r / 64].fetch_or(bit, std::memory_order_relaxed);
+  }
+  me->rc_gen.fetch_add(1, std::memory_order_release);
+}
+
+uint64_t HostEngine::setsGen(const std::vector<uint8_t>& part) const {
+  uint64_t g = 0;
+  for (int r = 0; r < nranks_; ++r)
+    if (part[r] && r != rank_) g += peerHeader(r)->rc_gen.load(std::memory_order_acquire);
+  return g;
+}
+
+// The mask every survivor derives alike once they have published the same sets:
+// 1. A mask some rank committed is final (that group agreed; a masked rank never rejoins): the ranks any of the
+//    ranks this rank's mask keeps has masked are out.
+// 2. Then accusations among the rest: while some kept rank is accused by another kept rank, the one with the most
+//    accusers (ties: the highest rank) is out, and its own accusations no longer count. A dead or stalled rank is
+//    accused by everyone who noticed; a rank that came back after the others gave up on it accuses them in turn
+//    (its connections were closed), but fewer of them than accuse it.
+std::vector<uint8_t> HostEngine::agreedKeep() const {
+  const int R = nranks_;
+  std::vector<uint8_t> keep(active_);
+  for (int r = 0; r < R; ++r) {
+    if (!active_[r] || r == rank_) continue;
+    const RegionHeader* h = peerHeader(r);
+    for (int q = 0; q < R; ++q)
+      if (keep[q] && testBit(h->rc_masked, q)) keep[q] = 0;
+  }
+  auto accuses = [&](int r, int q) { return r == rank_ ? accused_[q] != 0 : testBit(peerHeader(r)->rc_accused, q); };
+  std::vector<int> count(R, 0);
+  for (int r = 0; r < R; ++r)
+    if (keep[r])
+      for (int q = 0; q < R; ++q)
+        if (q != r && keep[q] && accuses(r, q)) ++count[q];
+  for (;;) {
+    int worst = -1;
+    for (int q = 0; q < R; ++q)
+      if (keep[q] && count[q] > 0 && (worst < 0 || count[q] >= count[worst])) worst = q;
+    if (worst < 0) return keep;
+    keep[worst] = 0;
+    for (int q = 0; q < R; ++q)
+      if (keep[q] && q != worst && accuses(worst, q)) --count[q];
+  }
+}
+
+epResult_t HostEngine::recover(uint8_t* kept, epStream_t) {
+  const int R = nranks_;
+  struct Mode {
+    HostEngine* e;
+    ~Mode() {
+      e->recovering_ = false;
+      e->wait_scale_ = 1;
+    }
+  } mode{this};
+  recovering_ = true;
+  wait_scale_ = 2;  // a survivor may come up to one deadline late: its failed operation ends at its own deadline
+  rs_rejected_ = false;
+  std::vector<uint8_t> last;
+  epResult_t res = epSuccess;
+  // Every failed round either teaches something (a silent or lost rank, another survivor's sets) or is retried a
+  // few times while the others catch up; at most every rank can be learnt about once.
+  for (int attempt = 0, idle = 0; attempt < 2 * R + 4; ++attempt) {
+    if (comm_->aborted.load(std::memory_order_relaxed)) return EP_ERROR(epAborted, "communicator aborted");
+    noteLosses();
+    publishSets();
+    std::vector<uint8_t> keep = agreedKeep();
+    std::copy(keep.begin(), keep.end(), kept);
+    if (!keep[rank_])
+      return EP_ERROR(epRemoteError, "epCommRecover: the other survivors hold this rank out (they lost it: it was "
+                      "stopped, stalled or cut off past the deadline); it is masked: destroy the communicator");
+    int others = 0, uncertain = 0;
+    for (int r = 0; r < R; ++r) {
+      if (r == rank_ || !active_[r]) continue;
+      others += keep[r];
+      uncertain += !keep[r] && !certain_[r];
+    }
+    // Alone, having lost the others only through timeouts or closed connections: this rank cannot tell whether
+    // they failed or it was cut off (and they went on without it), so it does not go on by itself.
+    if (others == 0 && uncertain > 0)
+      return EP_ERROR(epRemoteError, "epCommRecover: this rank reaches no other rank (%d lost through timeouts or "
+                      "closed connections): it cannot tell whether they failed or it was cut off; destroy the "
+                      "communicator", uncertain);
+    if (keep == last) {
+      if (++idle > 3) return res;  // nothing new in several rounds: the last round's error
+    } else {
+      idle = 0;
+    }
+    last = keep;
+    last_fail_peer_ = -1;
+    last_fail_code_ = epSuccess;
+    res = resync(keep.data(), epSuccess);
+    if (res == epSuccess || rs_rejected_ || res == epAborted) return res;
+    // A kept rank that did not come within the deadline is held out from now on.
+    if (last_fail_code_ == epTimeout && last_fail_peer_ >= 0 && last_fail_peer_ != rank_ && keep[last_fail_peer_])
+      accused_[last_fail_peer_] = 1;
+  }
+  return res;
 }
 
 }  // namespace epcomm

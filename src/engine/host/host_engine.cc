@@ -40,7 +40,8 @@ constexpr int64_t kLiveCheckNs = 50 * 1000000LL;
 const char* hostOpName(int op) {
   static const char* kNames[] = {"none", "init", "layout", "HT notify", "HT dispatch", "HT combine",
                                  "LL dispatch", "LL combine", "alltoallv", "alltoallv (device counts)",
-                                 "barrier", "destroy", "set active ranks"};
+                                 "barrier", "destroy", "set active ranks", "register", "recover"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == epNumOps, "a name for every operation");
   return (op >= 0 && op < epNumOps) ? kNames[op] : "unknown";
 }
 
@@ -176,6 +177,8 @@ epResult_t HostEngine::init() {
              "queue_bytes (EPCOMM_QUEUE_BYTES) = %zu is outside [64 KiB, 4 GiB]", ring_bytes_);
   Bootstrap* bs = comm_->bootstrap.get();
   active_.assign(nranks_, 1);
+  accused_.assign(nranks_, 0);
+  certain_.assign(nranks_, 0);
   watch_ = active_.data();
   drop_rows_.assign(nranks_, 0);
   drop_a2a_.assign(nranks_, 0);
@@ -380,6 +383,8 @@ bool HostEngine::pushSends(int ch) {
 
 epResult_t HostEngine::fail(epResult_t code, int peer, int phase, const char* what) {
   if (record_async_) comm_->recordAsyncError(code, cur_op_, cur_epoch_, peer, phase);
+  last_fail_peer_ = peer;
+  last_fail_code_ = code;
   return EP_ERROR(code, "rank %d, %s (epoch %llu): %s", rank_, hostOpName(cur_op_),
                   static_cast<unsigned long long>(cur_epoch_), what);
 }
@@ -423,7 +428,7 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
         if (!bridge_->dead(r, &why)) continue;
         char msg[400];
         snprintf(msg, sizeof(msg), "lost the connection from rank %d on another host: %s (it is not re-established: "
-                 "mask that rank with epCommSetActiveRanks)", r, why.c_str());
+                 "mask that rank: epCommRecover or epCommSetActiveRanks)", r, why.c_str());
         return fail(epRemoteError, r, phase, msg);
       }
       if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
@@ -433,11 +438,11 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
       }
     }
   }
-  if (now - idle_since > static_cast<int64_t>(comm_->config.timeout_ms) * 1000000LL) {
+  if (now - idle_since > static_cast<int64_t>(comm_->config.timeout_ms) * wait_scale_ * 1000000LL) {
     char msg[200];
     if (peer >= 0)
-      snprintf(msg, sizeof(msg), "no progress from rank %d for %d ms (EPCOMM_TIMEOUT_MS)", peer,
-               comm_->config.timeout_ms);
+      snprintf(msg, sizeof(msg), "no progress from rank %d for %d ms (%sEPCOMM_TIMEOUT_MS)", peer,
+               comm_->config.timeout_ms * wait_scale_, wait_scale_ > 1 ? "twice " : "");
     else
       snprintf(msg, sizeof(msg), "peers did not drain this rank's sends for %d ms (EPCOMM_TIMEOUT_MS)",
                comm_->config.timeout_ms);
@@ -533,7 +538,12 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
                                   int* failed_peer) {
   RegionHeader* me = own_.header();
   int next = 0, seen = 0;
-  return spin(-1, epPhaseHeader, [&](int& peer) {
+  // Recovery, first phase: a kept rank that has not come may be one the others already hold out; the proposal is
+  // given up as soon as the mask derived from what the survivors published no longer equals it.
+  const bool watch_sets = recovering_ && adopt;
+  uint64_t gen = watch_sets ? setsGen(part) : 0;
+  resync_stale_ = false;
+  const epResult_t r = spin(-1, epPhaseHeader, [&](int& peer) {
     for (; next < nranks_; ++next) {
       if (!part[next] || next == rank_) continue;
       const uint64_t w = peerHeader(next)->rs_word.load(std::memory_order_acquire);
@@ -548,6 +558,16 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
         peer = next;
         const bool moved = next > seen;
         seen = next;
+        if (!moved && watch_sets) {
+          const uint64_t g = setsGen(part);
+          if (g != gen) {
+            gen = g;
+            if (agreedKeep() != part) {
+              resync_stale_ = true;
+              return Spin::kDone;
+            }
+          }
+        }
         return moved ? Spin::kMoved : Spin::kIdle;
       }
       const bool failed = phase == 3 /* kDone */ ? resyncPeerFailed(next, w, round) : (w & 1) || w / 8 > round;
@@ -555,6 +575,10 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
     }
     return Spin::kDone;
   });
+  if (r == epSuccess && resync_stale_)
+    return EP_ERROR(epRemoteError, "epCommRecover: what the survivors published no longer keeps every rank this "
+                    "round proposed; proposing again");
+  return r;
 }
 
 bool HostEngine::resyncPeerFailed(int r, uint64_t w, uint64_t round) const {

@@ -122,6 +122,7 @@ class HostEngine final : public Engine {
   void abort() override;
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
+  epResult_t recover(uint8_t* kept, epStream_t stream) override;
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
   epResult_t netBytesSent(uint64_t* bytes) override;
   epResult_t netRawBandwidth(size_t bytes_per_peer, size_t msg_bytes, int window, uint64_t* bytes_sent,
@@ -198,6 +199,13 @@ class HostEngine final : public Engine {
   // Whether kept rank r, whose word w is at least (round, kDone) during this rank's phase-3 wait, failed that round:
   // its failed bit, or, moved on to a later round, a last successful round other than this one (elastic.cc).
   bool resyncPeerFailed(int r, uint64_t w, uint64_t round) const;
+  // Recovery (epCommRecover): adds to accused_ the kept ranks this rank finds dead, disconnected or gone; publishes
+  // accused_ and the committed mask in its region header (rc_*); the mask every survivor derives alike from what
+  // all of them published; a sum of the published sets' generations of `part`, to notice news cheaply.
+  void noteLosses();
+  void publishSets();
+  std::vector<uint8_t> agreedKeep() const;
+  uint64_t setsGen(const std::vector<uint8_t>& part) const;
   // A handle's layout predates a mask change: cached dispatch and combine refuse it.
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
 
@@ -266,6 +274,15 @@ class HostEngine final : public Engine {
   std::vector<int64_t> drop_rows_, drop_a2a_;
   uint64_t rs_round_ = 0;
   bool record_async_ = true;  // false while a rejected epCommSetActiveRanks takes part: its failures break nothing
+  // Recovery: ranks this rank holds out for good (accused_) and those of them it knows gone for certain (a process
+  // gone from this host, or a goodbye); while recovering_, resync's waits give twice the deadline and its first
+  // phase gives up as soon as the agreed mask moves away from the proposal (resync_stale_); the last failure's
+  // peer and code, and whether a survivor's call was rejected (which ends the recovery, decided alike).
+  std::vector<uint8_t> accused_, certain_;
+  bool recovering_ = false, resync_stale_ = false, rs_rejected_ = false;
+  int wait_scale_ = 1;
+  int last_fail_peer_ = -1;
+  epResult_t last_fail_code_ = epSuccess;
   // This operation's peers issued another operation where one of the two is HT dispatch or combine, whose data
   // messages go out before the headers are compared: the rings hold what neither side will read, so nothing is
   // drained, flushed or waited for, and the communicator needs a resynchronization (statusFromPeers), which clears it.

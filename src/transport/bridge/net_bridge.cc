@@ -18,7 +18,8 @@ namespace epcomm {
 namespace {
 
 constexpr uint32_t kFrameMagic = 0x65704e42u;  // "epNB"
-constexpr uint16_t kHello = 1, kData = 2, kCredit = 3, kReadDone = 4, kCtrl = 5, kBye = 6, kByeAck = 7, kDataNext = 8;
+constexpr uint16_t kHello = 1, kData = 2, kCredit = 3, kReadDone = 4, kCtrl = 5, kBye = 6, kByeAck = 7, kDataNext = 8,
+                   kOut = 9;
 constexpr int kSendSlots = 16;  // frames in flight per peer
 constexpr int kRecvSlots = 8;   // frames received and not yet applied, per peer
 constexpr size_t kMaxSendsInFlight = 32;  // frames and payloads, per peer
@@ -32,7 +33,8 @@ struct FrameHdr {
   uint32_t len;
   int32_t src;
   uint64_t v[4];  // DATA, DATA_NEXT: stream offset (DATA_NEXT: payload bytes in v[1]); CREDIT: consumer head;
-                  // READDONE: epoch; CTRL: rs word, hash, epoch, status; HELLO: secret, gen, ring bytes
+                  // READDONE: epoch; CTRL: rs word, hash, epoch, status; HELLO: secret, gen, ring bytes;
+                  // OUT: set (0 rc_accused, 1 rc_masked) << 32 | word index, the word's bits
 };
 static_assert(sizeof(FrameHdr) == 48, "frame header size is part of the wire format");
 // Outbox bytes up to this go inside a DATA frame (copied into the frame, then out of it into the inbox); frames of
@@ -61,6 +63,8 @@ struct NetBridge::Peer {
   std::vector<uint64_t> credited;  // [ch] inbox head last reported to the peer
   std::vector<uint64_t> rd_sent;   // [ch] inbox read_done last reported
   uint64_t ctrl_sent[4] = {~0ull, 0, 0, 0};
+  uint64_t rc_gen_sent = 0;                                 // the region header's rc_gen last framed
+  uint64_t rc_sent[2][RegionHeader::kRankWords] = {};       // its rc_accused / rc_masked words last framed
   std::vector<void*> out_mh, in_mh;  // [ch] the outboxes registered with `send`, the inboxes with `recv`
   // Frames to send, in order.
   struct Desc {
@@ -155,6 +159,11 @@ NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, siz
     m->rs_epoch.store(0);
     m->rs_status.store(0);
     m->rs_ok.store(0);
+    m->rc_gen.store(0);
+    for (int i = 0; i < RegionHeader::kRankWords; ++i) {
+      m->rc_accused[i].store(0);
+      m->rc_masked[i].store(0);
+    }
     mirrors_[r] = std::move(m);
   }
 }
@@ -696,6 +705,14 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
       m->rs_word.store(h.v[0], std::memory_order_release);
       return;
     }
+    case kOut: {  // a word of the peer's recovery sets: bits only get set, so OR them in
+      const uint64_t set = h.v[0] >> 32, idx = h.v[0] & 0xffffffffu;
+      if (set > 1 || idx >= static_cast<uint64_t>((nranks_ + 63) / 64)) return markDead(p, "a malformed OUT frame");
+      RegionHeader* m = mirrors_[p.rank].get();
+      (set == 0 ? m->rc_accused : m->rc_masked)[idx].fetch_or(h.v[1], std::memory_order_relaxed);
+      m->rc_gen.fetch_add(1, std::memory_order_release);
+      return;
+    }
     case kBye:  // everything it sent is in; the acknowledgement tells it that it may close
       p.bye = true;
       p.said_bye.store(true, std::memory_order_release);
@@ -755,6 +772,21 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         moved = true;
       }
     }
+    // The recovery sets before the word (read after it, so they hold at least what was set before it was
+    // published): a peer that sees this rank's word has its sets too.
+    if (words[3] != p.rc_gen_sent) {
+      const RegionHeader* me = own_->header();
+      for (uint64_t set = 0; set < 2; ++set)
+        for (int i = 0; i < (nranks_ + 63) / 64; ++i) {
+          const uint64_t b = (set == 0 ? me->rc_accused : me->rc_masked)[i].load(std::memory_order_relaxed);
+          if (b == p.rc_sent[set][i]) continue;
+          const uint64_t v[4] = {set << 32 | static_cast<uint64_t>(i), b, 0, 0};
+          queueFrame(p, kOut, 0, v, 0);
+          p.rc_sent[set][i] = b;
+        }
+      p.rc_gen_sent = words[3];
+      moved = true;
+    }
     if (word != p.ctrl_sent[0] || words[0] != p.ctrl_sent[1] || words[1] != p.ctrl_sent[2] ||
         words[2] != p.ctrl_sent[3]) {
       const uint64_t v[4] = {word, words[0], words[1], words[2]};
@@ -776,13 +808,14 @@ void NetBridge::readWords(uint64_t* word, uint64_t* words) const {
   // Status in the low half, the last round completed successfully (low 32 bits) in the high half.
   words[2] = static_cast<uint64_t>(static_cast<uint32_t>(me->rs_status.load(std::memory_order_relaxed))) |
              (me->rs_ok.load(std::memory_order_relaxed) << 32);
+  words[3] = me->rc_gen.load(std::memory_order_acquire);
 }
 
 bool NetBridge::assist() {
   if (closed_.load(std::memory_order_acquire)) return false;
   bool moved = false;
   // The words before any outbox (see "Order"): read once, then each free peer served.
-  uint64_t word, words[3];
+  uint64_t word, words[4];
   readWords(&word, words);
   for (auto& pp : peers_) {
     if (!pp || !pp->tryLock()) continue;
@@ -796,7 +829,7 @@ void NetBridge::progressLoop() {
   Backoff backoff;
   for (;;) {
     bool moved = false;
-    uint64_t word, words[3];
+    uint64_t word, words[4];
     readWords(&word, words);
     // A peer an engine thread is serving right now is skipped, not waited for (it is being moved).
     for (auto& pp : peers_) {

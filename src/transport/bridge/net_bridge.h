@@ -15,6 +15,7 @@
 //   outbox head  <--CREDIT frames (p's consumed bytes)----------------------- engine pulls / releases
 //   outbox read_done <--READDONE frames (p's RingEnd::setReadDone)----------- engine
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
+//   own region header rc_* --OUT frames (changed words, sent before the CTRL frame)--> the same mirror
 //
 // Outbox bytes go inside DATA frames of up to 64 KiB (the socket backend's inline size: its caller moves them on the
 // control socket). Where the user allows it (max_payload; the GPU proxy, 1 MiB by default), a contiguous run of
@@ -149,7 +150,7 @@ class NetBridge {
                        std::vector<void*>& recv, int timeout_ms);
   void progressLoop();
   // The resynchronization words of this rank's region header, in the order net_bridge.h "Order" needs.
-  void readWords(uint64_t* word, uint64_t* words) const;
+  void readWords(uint64_t* word, uint64_t* words) const;  // words: rs hash, epoch, status|ok, rc_gen
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
   bool pumpRecvs(Peer& p);

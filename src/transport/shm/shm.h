@@ -38,6 +38,13 @@ struct alignas(64) RegionHeader {
   std::atomic<uint64_t> rs_epoch;             // operations the owner has sent
   std::atomic<int32_t> rs_status;             // the owner's epResult_t for the call
   std::atomic<uint64_t> rs_ok;                // the last round the owner completed successfully (low 32 bits)
+  // Recovery (epCommRecover, elastic.cc): what the owner knows of its peers, for the other survivors to agree on
+  // whom to mask. Bits are only ever set (both sets grow over the communicator's life), so a reader may see any
+  // mix of older and newer words and still reads a subset of the truth.
+  static constexpr int kRankWords = EP_MAX_RANKS / 64;
+  alignas(64) std::atomic<uint64_t> rc_gen;    // bumped (release) after bits below were set
+  std::atomic<uint64_t> rc_accused[kRankWords];  // ranks the owner found dead, disconnected, gone or silent
+  std::atomic<uint64_t> rc_masked[kRankWords];   // ranks a mask the owner committed masks
 };
 static_assert(sizeof(RegionHeader) <= 4096, "region header fits its page");
 
