@@ -701,7 +701,7 @@ EPCOMM_API epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active,
  * survivor calls it; together they find the ranks to mask, agree on one mask, and resynchronize with it exactly as
  * epCommSetActiveRanks does (same effects on operations, handles, drop counters; the async error is cleared).
  * active (nranks int32, host memory, may be NULL) gets the mask this rank ended with: on success the new mask, on
- * failure as far as it got (its own entry 0 where the others hold it out).
+ * failure as far as it got, with its own entry 0 where this rank must leave (the two epRemoteError cases below).
  * - Masked: every rank masked before; every rank some survivor found dead (its process gone from that survivor's
  *   host), disconnected (its connection across hosts lost: closed, reset, or silent past the net deadline) or gone
  *   (it destroyed its communicator); and every rank that did not take part in a round for twice EPCOMM_TIMEOUT_MS
@@ -716,7 +716,8 @@ EPCOMM_API epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active,
  * - A rank the others hold out (they gave up on it while it was stopped or stalled, and it came back) gets
  *   epRemoteError with its own entry 0; it must stop calling the communicator and destroy it, like any masked rank.
  * - A rank that reaches no other rank and lost them through timeouts or closed connections (not one whose process
- *   it saw end, or that said goodbye) gets epRemoteError: it cannot tell whether they failed or it was cut off.
+ *   it saw end, or that said goodbye) gets epRemoteError, also with its own entry 0: it cannot tell whether they
+ *   failed or it was cut off (the others may have gone on without it), so it must leave too.
  * - No quorum: ranks cut apart into groups that each still reach among themselves (a network partition between
  *   hosts) recover as separate groups, each masking the other. Keep the job's own liveness checks (its launcher's
  *   rendezvous) for that case.

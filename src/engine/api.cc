@@ -436,6 +436,9 @@ epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t
 epResult_t epCommRecover(epComm_t comm, int32_t* active, epStream_t stream) {
   return onComm(comm, Need::kLive, [&]() -> epResult_t {
     EP_REQUIRE(!comm->aborted.load(), epAborted, "the communicator was aborted");
+    EP_REQUIRE(comm->engine->canRecover(), epNotSupported,
+               "epCommRecover is not supported by this engine yet (the host engine has it); call "
+               "epCommSetActiveRanks with the failed ranks masked (epCommGetAsyncError's peer names one)");
     comm->engine->pollAsyncError();
     const bool broken = comm->async_error.load() != epSuccess;
     // As in epCommSetActiveRanks: decided alike on every rank, and the others told at once.

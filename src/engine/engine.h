@@ -81,12 +81,13 @@ class Engine {
     return local;
   }
   // epCommRecover: the survivors agree on whom to mask and resynchronize with that mask; kept (nranks) gets the
-  // mask this rank ended with (on failure, as far as it got: its own entry 0 where the others hold it out).
+  // mask this rank ended with (on failure, as far as it got: its own entry 0 where the others hold it out). Only
+  // where canRecover() (the API layer answers epNotSupported before anything collective otherwise).
+  virtual bool canRecover() const { return false; }
   virtual epResult_t recover(uint8_t* kept, epStream_t stream) {
     (void)kept;
     (void)stream;
-    return EP_ERROR(epNotSupported, "epCommRecover is not supported by this engine yet; call epCommSetActiveRanks "
-                    "with the failed ranks masked (epCommGetAsyncError's peer names one)");
+    return EP_ERROR(epInternalError, "recover() called on an engine without it");
   }
   // Cumulative drop counters (nranks each; either may be NULL).
   virtual epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) {

@@ -289,6 +289,16 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
   for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
 }
 
+int loneSurvivor(int rank, const epUniqueId& id, bool across);
+
+TEST(Elastic, LoneSurvivorOfADeadProcessGoesOn) {
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(2, [&](int rank) -> int { return loneSurvivor(rank, id, false); }, 60000);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 128 + SIGKILL);
+}
+
 // Shared between the forked ranks of a test: one word the survivors set once they have recovered.
 struct SharedFlag {
   std::atomic<int>* p = static_cast<std::atomic<int>*>(
@@ -297,9 +307,10 @@ struct SharedFlag {
   ~SharedFlag() { munmap(p, sizeof(std::atomic<int>)); }
 };
 
-// The rank the survivors held out comes back: its epCommRecover says so (epRemoteError, its own entry 0) at once,
-// without disturbing them.
-int comeBackHeldOut(epComm_t comm, int rank, int R, std::atomic<int>* recovered) {
+// The rank the survivors held out comes back: its epCommRecover says that it must leave (epRemoteError, its own
+// entry 0) at once, without disturbing them. Why: the others hold it out, or (alone_ok) it may instead find that
+// it reaches nobody (which of the two depends on whether their last frames reached it before they closed).
+int comeBackHeldOut(epComm_t comm, int rank, int R, std::atomic<int>* recovered, bool alone_ok = false) {
   for (int i = 0; i < 60000 && recovered->load() == 0; ++i) usleep(1000);
   CHECK_OR_RETURN(recovered->load() != 0, "the survivors never recovered");
   std::vector<int32_t> got(R, -1);
@@ -307,7 +318,9 @@ int comeBackHeldOut(epComm_t comm, int rank, int R, std::atomic<int>* recovered)
   const epResult_t r = epCommRecover(comm, got.data(), nullptr);
   CHECK_OR_RETURN(r == epRemoteError && got[rank] == 0, "came back: recover %s (%s), mask %s", epGetErrorString(r),
                   epGetLastError(comm), maskText(got).c_str());
-  CHECK_OR_RETURN(strstr(epGetLastError(comm), "hold this rank out") != nullptr, "message: %s", epGetLastError(comm));
+  CHECK_OR_RETURN(strstr(epGetLastError(comm), "hold this rank out") != nullptr ||
+                      (alone_ok && strstr(epGetLastError(comm), "reaches no other rank") != nullptr),
+                  "message: %s", epGetLastError(comm));
   CHECK_OR_RETURN(msSince(t0) < kTimeoutMs, "it took %.0f ms to learn it", msSince(t0));
   return epCommDestroy(comm) == epSuccess ? 0 : 1;
 }
@@ -482,11 +495,15 @@ TEST_P(CrossHostElastic, StalledPeer) {
 // epCommRecover alone (ranks 0 and 1 lose its connections at the net deadline; rank 2, on its host, learns it from
 // them or holds it out itself after twice the deadline) and go on bit-exact. Then rank 0 resumes it (SIGCONT): its
 // operation fails, and its epCommRecover says that the others hold it out, although it reaches rank 2 and sees
-// ranks 0 and 1 as lost from its side.
+// ranks 0 and 1 as lost from its side. Then the same with 3 ranks, the stopped one alone on its host: it learns
+// that it is held out from the frames that reached it before the others closed, or else finds that it reaches
+// nobody any more, and must leave either way (it cannot tell that from their failure).
 TEST_P(CrossHostElastic, StalledPeerComesBack) {
   const char* net = GetParam();
   if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
-  constexpr int R = 4, kPerHost = 2, kVictim = 3;
+  for (const int R : {4, 3}) {
+  constexpr int kPerHost = 2;
+  const int kVictim = R - 1;
   SharedFlag victim_pid, recovered;
   epUniqueId id;
   ASSERT_EQ(epGetUniqueId(&id), epSuccess);
@@ -507,7 +524,7 @@ TEST_P(CrossHostElastic, StalledPeerComesBack) {
       }).detach();
       for (int i = 0; i < 100000 && e.empty(); ++i) e = runAll(comm, rank, st, rows, a2a);
       CHECK_OR_RETURN(!e.empty(), "resumed, its operations still succeed");
-      return comeBackHeldOut(comm, rank, R, recovered.p);
+      return comeBackHeldOut(comm, rank, R, recovered.p, R == 3);
     }
     epResult_t r = epSuccess;
     auto t0 = std::chrono::steady_clock::now();
@@ -526,7 +543,50 @@ TEST_P(CrossHostElastic, StalledPeerComesBack) {
       if (victim_pid.p->load() > 0) kill(victim_pid.p->load(), SIGCONT);
     });
   }, 120000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r;
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << R << " ranks";
+  }
+}
+
+// 2 ranks, each alone on its host (CrossHost: a closed connection, which a cut-off rank sees too) or both on one
+// host (its process gone): rank 1 dies. Across hosts rank 0 cannot tell its death from being cut off, so its
+// epCommRecover refuses to go on alone (epRemoteError, its own entry 0); on one host it goes on alone.
+int loneSurvivor(int rank, const epUniqueId& id, bool across) {
+  constexpr int R = 2;
+  epConfig_t cfg = config();
+  epComm_t comm;
+  CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+  std::vector<int64_t> rows(R, 0), a2a(R, 0);
+  std::string e = runAll(comm, rank, Step(R, 77, std::vector<uint8_t>(R, 1)), rows, a2a);
+  CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+  if (rank == 1) kill(getpid(), SIGKILL);
+  epResult_t r = epSuccess;
+  for (int i = 0; i < 100 && r == epSuccess; ++i) r = epCommBarrier(comm, nullptr);
+  CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "barrier: %s", epGetErrorString(r));
+  std::vector<int32_t> got(R, -1);
+  r = epCommRecover(comm, got.data(), nullptr);
+  if (across) {
+    CHECK_OR_RETURN(r == epRemoteError && got[0] == 0 && strstr(epGetLastError(comm), "reaches no other rank"),
+                    "alone across hosts: %s (%s) %s", epGetErrorString(r), epGetLastError(comm), maskText(got).c_str());
+  } else {
+    CHECK_OR_RETURN(r == epSuccess && got == std::vector<int32_t>({1, 0}), "alone on one host: %s (%s) %s",
+                    epGetErrorString(r), epGetLastError(comm), maskText(got).c_str());
+    e = runAll(comm, rank, Step(R, 78, {1, 0}), rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "alone, after: %s", e.c_str());
+  }
+  return epCommDestroy(comm) == epSuccess ? 0 : 1;
+}
+
+TEST_P(CrossHostElastic, LoneSurvivorDoesNotGoOnAlone) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+    joinVirtualHost(rank, 1, net);
+    return loneSurvivor(rank, id, true);
+  }, 60000);
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 128 + SIGKILL);
 }
 
 // 2 hosts x 2 ranks; rank 3 is killed in the middle of the operation mix. It is a forwarder of hierarchical HT

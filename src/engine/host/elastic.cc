@@ -290,10 +290,12 @@ epResult_t HostEngine::recover(uint8_t* kept, epStream_t) {
     }
     // Alone, having lost the others only through timeouts or closed connections: this rank cannot tell whether
     // they failed or it was cut off (and they went on without it), so it does not go on by itself.
-    if (others == 0 && uncertain > 0)
+    if (others == 0 && uncertain > 0) {
+      kept[rank_] = 0;  // as for a rank held out: it must leave
       return EP_ERROR(epRemoteError, "epCommRecover: this rank reaches no other rank (%d lost through timeouts or "
                       "closed connections): it cannot tell whether they failed or it was cut off; destroy the "
                       "communicator", uncertain);
+    }
     if (keep == last) {
       if (++idle > 3) return res;  // nothing new in several rounds: the last round's error
     } else {

@@ -122,6 +122,7 @@ class HostEngine final : public Engine {
   void abort() override;
   epResult_t setActiveRanks(const uint8_t* active, epStream_t stream) override;
   epResult_t setActiveRanksRejected(epResult_t local, epStream_t stream) override;
+  bool canRecover() const override { return true; }
   epResult_t recover(uint8_t* kept, epStream_t stream) override;
   epResult_t maskedDrops(int64_t* token_rows, int64_t* a2a_elements, epStream_t stream) override;
   epResult_t netBytesSent(uint64_t* bytes) override;
