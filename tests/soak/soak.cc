@@ -1,8 +1,8 @@
 // epcomm-soak: the host engine under injected faults, one process per rank under epcomm-run (tests/soak/soak.sh
 // starts it next to the fault injector). Each iteration runs every operation of the C API, checked bit for bit
 // (tests/unit/ops_check.h), and optionally a large alltoallv through small queues, timing every call. After a
-// failure, with SOAK_RECOVER=1, the rank resynchronizes (epCommSetActiveRanks) with the ranks it believes alive
-// and goes on with a seed common to the survivors. It reports, per rank, a SUMMARY line and flags:
+// failure, with SOAK_RECOVER=1, the rank recovers (epCommRecover: the survivors find and agree on whom to mask,
+// the driver tells it nothing) and goes on with a seed common to the survivors. It reports, per rank, a SUMMARY line and flags:
 //   WRONG     an operation returned success with wrong data, or failed with an error that is not a failure's
 //   LATE      a call took longer than the deadline plus slack (a wait without a deadline, or a missed failure)
 //   RECOVERY FAILED   no resynchronization succeeded within SOAK_RETRIES attempts
@@ -11,7 +11,7 @@
 // communicator after a whole deadline, a clean exit taken for a death, a stalled rank of another host).
 //
 // Environment (besides epcomm-run's and EPCOMM_*):
-//   SOAK_DIR       directory for pid.<rank>, log.<rank>; the injector writes victim.<rank> (required)
+//   SOAK_DIR       directory for pid.<rank>, log.<rank> (required)
 //   SOAK_ITERS     iterations (50)            SOAK_TMO      the communicator's timeout_ms (2000)
 //   SOAK_MODE      mix | a2a | both (mix)     SOAK_A2A_N    floats per peer of the large alltoallv (65536)
 //   SOAK_QUEUE     queue_bytes (65536)        SOAK_CHANNELS num_channels (2)
@@ -20,11 +20,9 @@
 //                  others opO (barrier, a2a, a2ad, htn, htd, htc, lld, llds, llc, llcs: singleOp)
 //   SOAK_DESTROY   "X:I": at iteration I rank X destroys its communicator, waits 3 deadlines, exits 0
 #include <signal.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -60,26 +58,6 @@ void logLine(const std::string& s) {
 int envInt(const char* n, int d) {
   const char* e = getenv(n);
   return e && *e ? atoi(e) : d;
-}
-
-bool fileExists(const std::string& p) {
-  struct stat st;
-  return stat(p.c_str(), &st) == 0;
-}
-
-// Gone, a zombie, or named a victim by the injector.
-bool believedDead(int r) {
-  if (fileExists(g_dir + "/victim." + std::to_string(r))) return true;
-  std::ifstream pf(g_dir + "/pid." + std::to_string(r));
-  long p = 0;
-  pf >> p;
-  if (p <= 0) return false;
-  if (kill(static_cast<pid_t>(p), 0) != 0 && errno == ESRCH) return true;
-  std::ifstream sf("/proc/" + std::to_string(p) + "/stat");
-  std::string s;
-  std::getline(sf, s);
-  const size_t q = s.rfind(')');
-  return q != std::string::npos && q + 2 < s.size() && (s[q + 2] == 'Z' || s[q + 2] == 'X');
 }
 
 // A large alltoallv among the active ranks, checked.
@@ -318,37 +296,25 @@ int main() {
                 static_cast<unsigned long long>(info.epoch), info.peer, info.phase));
     if (!failure) ++wrong;
     if (!recover) continue;
-    // The header's policy: the dead are masked, and so is a rank of another host whose connection was lost (a
-    // stall past the deadline: "mask that rank"), which the error names. Only the ranks of other hosts see that
-    // loss, so the survivors agree on it the way an application would, out of band: here through files (lost.<rank>).
-    std::vector<uint8_t> lost(R, 0);
-    auto noteLost = [&](const char* msg) {
-      const char* at = msg ? strstr(msg, "lost the connection from rank ") : nullptr;
-      int q = -1;
-      if (at && sscanf(at, "lost the connection from rank %d", &q) == 1 && q >= 0 && q < R && q != g_rank) {
-        lost[q] = 1;
-        std::ofstream(g_dir + "/lost." + std::to_string(q));
-      }
-    };
-    noteLost(e.c_str());
+    // The header's recovery: every survivor calls epCommRecover, which finds whom to mask (the dead, the ranks
+    // some survivor lost, the silent) and agrees on it with the others; no knowledge of the faults is needed here.
+    // A rank the others hold out (it was stopped past the deadline) is told so, and leaves like a masked rank.
     bool done = false;
     for (int attempt = 0; attempt < retries && !done; ++attempt) {
-      for (int r = 0; r < R; ++r) lost[r] = lost[r] || fileExists(g_dir + "/lost." + std::to_string(r));
-      if (lost[g_rank]) {  // the others lose this rank: it is out, as a masked rank (it must stop calling)
-        logLine("the other hosts lost this rank's connections: leaving");
-        epCommDestroy(comm);
-        return 0;
-      }
-      std::vector<int32_t> m(R);
-      for (int r = 0; r < R; ++r) m[r] = act[r] && (r == g_rank || (!believedDead(r) && !lost[r]));
+      std::vector<int32_t> m(R, -1);
       const auto ts = std::chrono::steady_clock::now();
-      const epResult_t r = epCommSetActiveRanks(comm, m.data(), nullptr);
-      if (r != epSuccess) noteLost(epGetLastError(comm));
+      const epResult_t r = epCommRecover(comm, m.data(), nullptr);
       std::string ms;
       for (int q = 0; q < R; ++q) ms += m[q] ? '1' : '0';
       logLine(fmt("resynchronization %d, mask %s: %s (%s) in %.0f ms", attempt, ms.c_str(), epGetErrorString(r),
                   r ? epGetLastError(comm) : "", msSince(ts)));
-      if (msSince(ts) > 2 * g_tmo + limit - g_tmo) {
+      if (r != epSuccess && m[g_rank] == 0) {
+        logLine("this rank must leave (held out, or cut off from every other rank): leaving");
+        epCommDestroy(comm);
+        return 0;
+      }
+      // Each masked rank may cost a round of twice the deadline.
+      if (msSince(ts) > (2 + R) * 2 * g_tmo + limit - g_tmo) {
         ++late;
         logLine(fmt("LATE resynchronization: %.0f ms", msSince(ts)));
       }
