@@ -128,6 +128,39 @@ void EpcommBackend::setActiveRanks(const std::vector<int32_t>& active) {
   }
 }
 
+std::vector<int32_t> EpcommBackend::recover() {
+  std::vector<std::pair<std::string, epComm_t>> comms;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!closed_, "epcomm: the process group was shut down or aborted");
+    for (const std::string& key : created_) comms.emplace_back(key, comms_.at(key));
+  }
+  std::vector<int32_t> mask;
+  size_t found = comms.size();
+  for (size_t i = 0; i < comms.size() && found == comms.size(); ++i) {
+    at::Device device = deviceOfKey(comms[i].first);
+    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
+    std::vector<int32_t> m(static_cast<size_t>(size_), 0);
+    epResult_t rc = epCommRecover(comms[i].second, m.data(), stream);
+    if (rc == epNotSupported) continue;  // decided by the engine alone, before any exchange: alike on every rank
+    if (rc != epSuccess) fail(c10::str("recover (", comms[i].first, ")").c_str(), rc, comms[i].second);
+    mask = m;
+    found = i;
+  }
+  if (comms.empty()) return mask;
+  TORCH_CHECK(found < comms.size(), "epcomm recover: none of the group's communicators (", comms.size(),
+              ") runs on an engine that has epCommRecover (the host engine); call set_active_ranks with the failed "
+              "ranks masked");
+  for (size_t i = 0; i < comms.size(); ++i) {
+    if (i == found) continue;
+    at::Device device = deviceOfKey(comms[i].first);
+    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
+    epResult_t rc = epCommSetActiveRanks(comms[i].second, mask.data(), stream);
+    if (rc != epSuccess) fail(c10::str("recover (", comms[i].first, ")").c_str(), rc, comms[i].second);
+  }
+  return mask;
+}
+
 std::vector<int32_t> EpcommBackend::activeRanks() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> all(static_cast<size_t>(size_), 1), one(static_cast<size_t>(size_));

@@ -95,6 +95,9 @@ class EpcommBackend : public c10d::Backend {
   // ranks when none exists yet). maskedDrops: epCommGetMaskedDrops of device's communicator, zeros when it
   // was never created.
   void setActiveRanks(const std::vector<int32_t>& active);
+  // epCommRecover on the first communicator (creation order) whose engine has it (the host engine), then that
+  // mask on the others (epCommSetActiveRanks). Returns the mask; empty when no communicator exists yet.
+  std::vector<int32_t> recover();
   std::vector<int32_t> activeRanks();
   std::pair<std::vector<int64_t>, std::vector<int64_t>> maskedDrops(const at::Device& device);
 

@@ -27,6 +27,7 @@ PYBIND11_MODULE(_backend, m) {
       .def("comm_handle", &EpcommBackend::commHandle, py::arg("device"), py::call_guard<py::gil_scoped_release>())
       .def("set_active_ranks", &EpcommBackend::setActiveRanks, py::arg("active"),
            py::call_guard<py::gil_scoped_release>())
+      .def("recover", &EpcommBackend::recover, py::call_guard<py::gil_scoped_release>())
       .def("active_ranks", &EpcommBackend::activeRanks, py::call_guard<py::gil_scoped_release>())
       .def("masked_drops", &EpcommBackend::maskedDrops, py::arg("device"), py::call_guard<py::gil_scoped_release>());
 }

@@ -509,6 +509,17 @@ PYBIND11_MODULE(_capi, m) {
            py::arg("active"), py::arg("stream") = 0,
            "epCommSetActiveRanks: active[r] nonzero keeps rank r, 0 masks it. Collective among the ranks kept; "
            "synchronous; a masked rank can never be kept again. Also resynchronizes a broken communicator.")
+      .def("recover",
+           [](const Comm& c, uintptr_t s) {
+             std::vector<int32_t> active(static_cast<size_t>(c.size()), 0);
+             run(c, [&](epComm_t h) { return epCommRecover(h, active.data(), stream(s)); });
+             return active;
+           },
+           py::arg("stream") = 0,
+           "epCommRecover: after a failure, every survivor calls it; together they find the ranks to mask (dead, "
+           "lost across hosts, gone, or silent for twice the deadline), agree on one mask and resynchronize with "
+           "it. Returns the new mask (1 = active). Raises on failure; a rank the others hold out gets REMOTE_ERROR "
+           "and must destroy the communicator. Host engine (the GPU engine raises NOT_SUPPORTED).")
       .def("active_ranks",
            [](const Comm& c) {
              std::vector<int32_t> active(static_cast<size_t>(c.size()), 0);

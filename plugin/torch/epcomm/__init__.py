@@ -5,7 +5,8 @@
   ``new_group(ranks, backend="epcomm")``.
 - Extensions of such a group: :func:`all_to_all_v` (device counts, fixed-capacity output), :func:`dispatch`
   and :func:`combine` (torch custom ops, traceable by ``torch.compile``); :func:`set_active_ranks`,
-  :func:`get_active_ranks` and :func:`get_masked_drops` (elastic ranks: the survivors of a dead rank go on).
+  :func:`recover`, :func:`get_active_ranks` and :func:`get_masked_drops` (elastic ranks: the survivors of a
+  dead rank go on).
 - :class:`Buffer`, DeepEP's (legacy) ``Buffer`` API on epcomm, with :class:`Config`, :data:`topk_idx_t` and
   :class:`EventOverlap`.
 - :mod:`epcomm._capi`, the torch-free binding of the C API that everything above is built on.
@@ -40,7 +41,7 @@ if _torch is not None:
     from .config import Config
     from .event import EventHandle, EventOverlap
     from .buffer import Buffer, topk_idx_t
-    from .ops import all_to_all_v, combine, dispatch, get_active_ranks, get_masked_drops, set_active_ranks
+    from .ops import all_to_all_v, combine, dispatch, get_active_ranks, get_masked_drops, recover, set_active_ranks
 
 __all__ = ["__version__", "Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "all_to_all_v",
-           "dispatch", "combine", "set_active_ranks", "get_active_ranks", "get_masked_drops"]
+           "dispatch", "combine", "set_active_ranks", "recover", "get_active_ranks", "get_masked_drops"]

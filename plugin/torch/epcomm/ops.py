@@ -6,8 +6,8 @@ torch.compile traces through them):
   the GPU engine it can be captured in a CUDA graph.
 - dispatch / combine: worst-token (fixed-capacity) HT dispatch and its combine on the group's communicator,
   for callers that do not want a Buffer object.
-- set_active_ranks / get_active_ranks / get_masked_drops: elastic ranks on the group's communicators (the
-  C API's active-ranks mask), so that the survivors of a dead rank can go on with the same group.
+- set_active_ranks / recover / get_active_ranks / get_masked_drops: elastic ranks on the group's communicators
+  (the C API's active-ranks mask), so that the survivors of a dead rank can go on with the same group.
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -174,6 +174,33 @@ def set_active_ranks(active: Sequence[int], group: Optional[dist.ProcessGroup] =
 
             stream = stream_handle(torch.cuda.current_stream())
         buf.runtime.set_active_ranks(mask, stream)
+
+
+def recover(group: Optional[dist.ProcessGroup] = None) -> List[int]:
+    """set_active_ranks without knowing whom to mask (epCommRecover): after a failed epcomm operation every
+    survivor calls it; together they find the ranks to mask (dead, lost across hosts, gone, or silent for twice
+    the deadline), agree on one mask, and apply it to every epcomm communicator of the group. Returns the mask
+    (1 = active). A rank the others hold out (it was stopped past the deadline and came back) gets a
+    RuntimeError naming that, and must leave the group. Needs a communicator on the host engine (the backend's
+    CPU one): the GPU engine has no epCommRecover; there, call set_active_ranks with the failed ranks masked."""
+    group = _group(group)
+    mask: Optional[List[int]] = None
+    for be in _epcomm_backends(group):
+        m = be.recover()
+        if m:
+            mask = list(m)
+    buf = _buffers.get(group.group_name)
+    if buf is not None and buf.runtime is not None:
+        stream = 0
+        if buf._device.type == "cuda":
+            from ._pointers import stream_handle
+
+            stream = stream_handle(torch.cuda.current_stream())
+        if mask is None:
+            mask = list(buf.runtime.recover(stream))
+        else:
+            buf.runtime.set_active_ranks(mask, stream)
+    return mask if mask is not None else get_active_ranks(group)
 
 
 def get_active_ranks(group: Optional[dist.ProcessGroup] = None) -> List[int]:
