@@ -711,8 +711,9 @@ EPCOMM_API epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active,
  *   committed is final, then, while a kept rank is held out by another kept rank, the one held out by the most
  *   (ties: the highest rank) is masked and what it held out no longer counts. They propose it in a round of
  *   epCommSetActiveRanks' resynchronization (one mask or nobody moves); a failed round teaches something (a
- *   silent rank, another survivor's view) and the next one proposes again. Ends within (2 + the ranks it masks) x
- *   twice EPCOMM_TIMEOUT_MS.
+ *   silent rank, another survivor's view) and the next one proposes again. Each wait in a round gives a silent
+ *   rank twice EPCOMM_TIMEOUT_MS; no round starts once (2 + the ranks active at the call) x twice
+ *   EPCOMM_TIMEOUT_MS have passed (the call then returns the last round's error).
  * - A rank the others hold out (they gave up on it while it was stopped or stalled, and it came back) gets
  *   epRemoteError with its own entry 0; it must stop calling the communicator and destroy it, like any masked rank.
  * - A rank that reaches no other rank and lost them through timeouts or closed connections (not one whose process

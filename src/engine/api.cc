@@ -441,6 +441,8 @@ epResult_t epCommRecover(epComm_t comm, int32_t* active, epStream_t stream) {
                "epCommSetActiveRanks with the failed ranks masked (epCommGetAsyncError's peer names one)");
     comm->engine->pollAsyncError();
     const bool broken = comm->async_error.load() != epSuccess;
+    if (active)
+      for (int q = 0; q < comm->nranks; ++q) active[q] = comm->active[q];
     // As in epCommSetActiveRanks: decided alike on every rank, and the others told at once.
     if (!broken && comm->engine->llReceivePending())
       return comm->engine->setActiveRanksRejected(

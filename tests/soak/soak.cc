@@ -313,8 +313,9 @@ int main() {
         epCommDestroy(comm);
         return 0;
       }
-      // Each masked rank may cost a round of twice the deadline.
-      if (msSince(ts) > (2 + R) * 2 * g_tmo + limit - g_tmo) {
+      // The header's bound: no round starts after (2 + active ranks) x twice the deadline, and a round's three
+      // waits give twice the deadline each.
+      if (msSince(ts) > (2 + R) * 2 * g_tmo + 3 * 2 * g_tmo + limit - g_tmo) {
         ++late;
         logLine(fmt("LATE resynchronization: %.0f ms", msSince(ts)));
       }

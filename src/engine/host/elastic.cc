@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/time.h"
 #include "engine/host/host_engine.h"
 
 namespace epcomm {
@@ -76,7 +77,7 @@ epResult_t HostEngine::setActiveRanksRejected(epResult_t local, epStream_t) {
 epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   const int R = nranks_;
   const bool ok = local == epSuccess;
-  cur_op_ = epOpSetActiveRanks;
+  cur_op_ = recovering_ ? epOpRecover : epOpSetActiveRanks;
   cur_epoch_ = send_epoch_;
   std::vector<uint8_t> part(R);
   for (int r = 0; r < R; ++r) part[r] = (ok ? proposed[r] : active_[r]) ? 1 : 0;
@@ -100,6 +101,7 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   me->rs_epoch.store(send_epoch_, std::memory_order_relaxed);
   me->rs_status.store(local, std::memory_order_relaxed);
   me->rs_word.store(rsWord(round, kStopped, false), std::memory_order_release);
+  rs_stage_ = kStopped;
   epResult_t w = resyncWait(part, round, kStopped, true, nullptr);
   if (w != epSuccess) {
     me->rs_word.store(rsWord(round, kDone, true), std::memory_order_release);
@@ -115,7 +117,8 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
     if (ps != epSuccess) {
       rs_rejected_ = true;
       st = EP_ERROR(epRemoteError,
-                    "rank %d rejected its epCommSetActiveRanks arguments (%s); the mask is unchanged on every rank", r,
+                    "rank %d rejected its call of epCommSetActiveRanks or epCommRecover (%s); the mask is unchanged "
+                    "on every rank", r,
                     epGetErrorString(static_cast<epResult_t>(ps)));
     } else if (p->rs_hash.load(std::memory_order_relaxed) != hash)
       st = EP_ERROR(epInvalidUsage,
@@ -131,6 +134,7 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   }
   me->rs_word.store(rsWord(round, kDiscarded, st != epSuccess), std::memory_order_release);
   int failed_peer = -1;
+  rs_stage_ = kDiscarded;
   w = resyncWait(part, round, kDiscarded, false, &failed_peer);
   if (w != epSuccess) {
     me->rs_word.store(rsWord(round, kDone, true), std::memory_order_release);
@@ -146,6 +150,7 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   // rank sees the same outcomes, so a failure any of them had fails this rank's call too: all decide alike, also
   // where a rank's phase-2 look at a peer came before that peer failed.
   failed_peer = -1;
+  rs_stage_ = kDone;
   w = resyncWait(part, round, kDone, false, &failed_peer);
   if (w != epSuccess) {
     me->rs_word.store(rsWord(round, kDone, true), std::memory_order_release);
@@ -193,17 +198,16 @@ bool testBit(const std::atomic<uint64_t>* words, int r) {
 
 void HostEngine::noteLosses() {
   for (int r = 0; r < nranks_; ++r) {
-    if (r == rank_ || !active_[r] || accused_[r]) continue;
+    if (r == rank_ || !active_[r] || certain_[r]) continue;
     bool gone = false, lost = false;
     if (remote_[r]) {
       gone = bridge_->saidGoodbye(r);
       lost = !gone && bridge_->dead(r, nullptr);
     } else {
-      gone = peers_[r]->header()->bye.load(std::memory_order_acquire) != 0 ||
-             (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH);
+      gone = peers_[r]->header()->bye.load(std::memory_order_acquire) != 0 || processGone(pids_[r]);
     }
-    accused_[r] = gone || lost;
-    certain_[r] = gone;
+    if (!accused_[r]) accused_[r] = gone || lost;
+    certain_[r] = certain_[r] || gone;  // also for a rank held out earlier, by a timeout, that has since ended
   }
 }
 
@@ -272,9 +276,19 @@ epResult_t HostEngine::recover(uint8_t* kept, epStream_t) {
   std::vector<uint8_t> last;
   epResult_t res = epSuccess;
   // Every failed round either teaches something (a silent or lost rank, another survivor's sets) or is retried a
-  // few times while the others catch up; at most every rank can be learnt about once.
+  // few times while the others catch up; at most every rank can be learnt about once. No round starts once
+  // (2 + the ranks active at the call) x twice the deadline have passed.
+  const int64_t t0 = nowNs();
+  int64_t budget_ns = 2;
+  for (int r = 0; r < R; ++r) budget_ns += active_[r];
+  budget_ns *= 2 * static_cast<int64_t>(comm_->config.timeout_ms) * 1000000LL;
   for (int attempt = 0, idle = 0; attempt < 2 * R + 4; ++attempt) {
     if (comm_->aborted.load(std::memory_order_relaxed)) return EP_ERROR(epAborted, "communicator aborted");
+    if (attempt > 0 && nowNs() - t0 > budget_ns)
+      return EP_ERROR(res, "epCommRecover: no agreement within %lld ms; the last round failed with %s",
+                      static_cast<long long>(budget_ns / 1000000), epGetErrorString(res));
+    // What the others publish from here on may change the mask; the first phase's wait watches for it.
+    rc_seen_ = setsGen(active_);
     noteLosses();
     publishSets();
     std::vector<uint8_t> keep = agreedKeep();
@@ -297,7 +311,9 @@ epResult_t HostEngine::recover(uint8_t* kept, epStream_t) {
                       "communicator", uncertain);
     }
     if (keep == last) {
-      if (++idle > 3) return res;  // nothing new in several rounds: the last round's error
+      if (++idle > 3)  // nothing new in several rounds
+        return EP_ERROR(res, "epCommRecover: no agreement after %d rounds, the last %d of them proposing the same "
+                        "mask; the last round failed with %s", attempt, idle, epGetErrorString(res));
     } else {
       idle = 0;
     }
@@ -306,11 +322,14 @@ epResult_t HostEngine::recover(uint8_t* kept, epStream_t) {
     last_fail_code_ = epSuccess;
     res = resync(keep.data(), epSuccess);
     if (res == epSuccess || rs_rejected_ || res == epAborted) return res;
-    // A kept rank that did not come within the deadline is held out from now on.
-    if (last_fail_code_ == epTimeout && last_fail_peer_ >= 0 && last_fail_peer_ != rank_ && keep[last_fail_peer_])
+    // A kept rank that did not come to the round within the deadline is held out from now on. Not one that did
+    // and then kept another rank waiting (phases 2 and 3): it is alive and may itself wait for a silent rank.
+    if (last_fail_code_ == epTimeout && rs_stage_ == kStopped && last_fail_peer_ >= 0 && last_fail_peer_ != rank_ &&
+        keep[last_fail_peer_])
       accused_[last_fail_peer_] = 1;
   }
-  return res;
+  return EP_ERROR(res, "epCommRecover: no agreement after %d rounds; the last one failed with %s", 2 * R + 4,
+                  epGetErrorString(res));
 }
 
 }  // namespace epcomm

@@ -45,6 +45,22 @@ const char* hostOpName(int op) {
   return (op >= 0 && op < epNumOps) ? kNames[op] : "unknown";
 }
 
+// A process of this host that has ended: gone, or a zombie its parent has not reaped yet (a parent that joins its
+// children in order may leave one for long; kill(pid, 0) still succeeds on it).
+bool processGone(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = fopen(path, "r");
+  if (!f) return false;
+  char buf[512];
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char* q = strrchr(buf, ')');  // the state follows the command name, which may hold anything
+  return q && q[1] == ' ' && (q[2] == 'Z' || q[2] == 'X');
+}
+
 uint64_t shapeSig(std::initializer_list<int64_t> values) {
   uint64_t h = 1469598103934665603ull;
   for (int64_t v : values) {
@@ -431,7 +447,7 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
                  "mask that rank: epCommRecover or epCommSetActiveRanks)", r, why.c_str());
         return fail(epRemoteError, r, phase, msg);
       }
-      if (kill(static_cast<pid_t>(pids_[r]), 0) != 0 && errno == ESRCH) {
+      if (processGone(pids_[r])) {
         char msg[160];
         snprintf(msg, sizeof(msg), "peer rank %d (pid %lld) has died", r, static_cast<long long>(pids_[r]));
         return fail(epRemoteError, r, phase, msg);
@@ -444,8 +460,8 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
       snprintf(msg, sizeof(msg), "no progress from rank %d for %d ms (%sEPCOMM_TIMEOUT_MS)", peer,
                comm_->config.timeout_ms * wait_scale_, wait_scale_ > 1 ? "twice " : "");
     else
-      snprintf(msg, sizeof(msg), "peers did not drain this rank's sends for %d ms (EPCOMM_TIMEOUT_MS)",
-               comm_->config.timeout_ms);
+      snprintf(msg, sizeof(msg), "peers did not drain this rank's sends for %d ms (%sEPCOMM_TIMEOUT_MS)",
+               comm_->config.timeout_ms * wait_scale_, wait_scale_ > 1 ? "twice " : "");
     return fail(epTimeout, peer, phase, msg);
   }
   return epSuccess;
@@ -541,7 +557,7 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
   // Recovery, first phase: a kept rank that has not come may be one the others already hold out; the proposal is
   // given up as soon as the mask derived from what the survivors published no longer equals it.
   const bool watch_sets = recovering_ && adopt;
-  uint64_t gen = watch_sets ? setsGen(part) : 0;
+  uint64_t gen = watch_sets ? rc_seen_ : 0;
   resync_stale_ = false;
   const epResult_t r = spin(-1, epPhaseHeader, [&](int& peer) {
     for (; next < nranks_; ++next) {
@@ -559,7 +575,7 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
         const bool moved = next > seen;
         seen = next;
         if (!moved && watch_sets) {
-          const uint64_t g = setsGen(part);
+          const uint64_t g = setsGen(active_);  // agreedKeep reads every active rank's sets
           if (g != gen) {
             gen = g;
             if (agreedKeep() != part) {

@@ -281,6 +281,8 @@ class HostEngine final : public Engine {
   // peer and code, and whether a survivor's call was rejected (which ends the recovery, decided alike).
   std::vector<uint8_t> accused_, certain_;
   bool recovering_ = false, resync_stale_ = false, rs_rejected_ = false;
+  int rs_stage_ = 0;      // the phase whose wait the last resync ended in (a timeout there names whom it blames)
+  uint64_t rc_seen_ = 0;  // setsGen of the round's proposal, taken before it was derived
   int wait_scale_ = 1;
   int last_fail_peer_ = -1;
   epResult_t last_fail_code_ = epSuccess;
@@ -291,6 +293,7 @@ class HostEngine final : public Engine {
 };
 
 uint64_t shapeSig(std::initializer_list<int64_t> values);
+bool processGone(int64_t pid);  // a process of this host that has ended (gone, or a zombie not yet reaped)
 // A rank's published resynchronization progress (RegionHeader::rs_word): later rounds and phases compare
 // greater; bit 0 says its call failed.
 inline uint64_t rsWord(uint64_t round, int phase, bool failed) {

@@ -814,11 +814,12 @@ void NetBridge::readWords(uint64_t* word, uint64_t* words) const {
 bool NetBridge::assist() {
   if (closed_.load(std::memory_order_acquire)) return false;
   bool moved = false;
-  // The words before any outbox (see "Order"): read once, then each free peer served.
-  uint64_t word, words[4];
-  readWords(&word, words);
   for (auto& pp : peers_) {
     if (!pp || !pp->tryLock()) continue;
+    // The words before the peer's outboxes (see "Order"), and under its lock: words read before another thread
+    // framed newer ones would otherwise go out after them, and the peer's mirror would step back.
+    uint64_t word, words[4];
+    readWords(&word, words);
     if (!closed_.load(std::memory_order_acquire)) moved = progressPeer(*pp, word, words) || moved;
     pp->unlock();
   }
@@ -829,11 +830,11 @@ void NetBridge::progressLoop() {
   Backoff backoff;
   for (;;) {
     bool moved = false;
-    uint64_t word, words[4];
-    readWords(&word, words);
     // A peer an engine thread is serving right now is skipped, not waited for (it is being moved).
     for (auto& pp : peers_) {
       if (!pp || !pp->tryLock()) continue;
+      uint64_t word, words[4];  // under the lock, before the outboxes (see assist)
+      readWords(&word, words);
       moved = progressPeer(*pp, word, words) || moved;
       pp->unlock();
     }
