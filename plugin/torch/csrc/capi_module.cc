@@ -18,10 +18,12 @@ namespace {
 
 py::object g_error_type;  // epcomm._capi.Error
 
-[[noreturn]] void raise(epResult_t rc, epComm_t comm) {
+// `active`, when given, becomes the exception's .active (epCommRecover's mask: its own entry 0 means "leave").
+[[noreturn]] void raise(epResult_t rc, epComm_t comm, py::object active = py::none()) {
   std::string msg = std::string(epGetErrorString(rc)) + ": " + epGetLastError(comm);
   py::object err = g_error_type(msg);
   err.attr("code") = static_cast<int>(rc);
+  if (!active.is_none()) err.attr("active") = active;
   PyErr_SetObject(g_error_type.ptr(), err.ptr());
   throw py::error_already_set();
 }
@@ -512,14 +514,21 @@ PYBIND11_MODULE(_capi, m) {
       .def("recover",
            [](const Comm& c, uintptr_t s) {
              std::vector<int32_t> active(static_cast<size_t>(c.size()), 0);
-             run(c, [&](epComm_t h) { return epCommRecover(h, active.data(), stream(s)); });
+             epResult_t rc;
+             {
+               py::gil_scoped_release nogil;
+               rc = epCommRecover(c.get(), active.data(), stream(s));
+             }
+             if (rc != epSuccess) raise(rc, c.get(), py::cast(active));
              return active;
            },
            py::arg("stream") = 0,
            "epCommRecover: after a failure, every survivor calls it; together they find the ranks to mask (dead, "
            "lost across hosts, gone, or silent for twice the deadline), agree on one mask and resynchronize with "
-           "it. Returns the new mask (1 = active). Raises on failure; a rank the others hold out gets REMOTE_ERROR "
-           "and must destroy the communicator. Host engine (the GPU engine raises NOT_SUPPORTED).")
+           "it. Returns the new mask (1 = active). Raises Error on failure, with .active the mask as far as it got: "
+           ".active[rank] == 0 (REMOTE_ERROR) means this rank must leave (the others hold it out, or it reaches "
+           "none of them) and destroy the communicator; otherwise the call may be retried. Host engine (the GPU "
+           "engine raises NOT_SUPPORTED).")
       .def("active_ranks",
            [](const Comm& c) {
              std::vector<int32_t> active(static_cast<size_t>(c.size()), 0);

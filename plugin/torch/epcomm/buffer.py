@@ -929,6 +929,22 @@ class Buffer:
         self.runtime.set_active_ranks(wanted, stream)  # raises epcomm's message; the wish is kept for a retry
         self._mask_wanted.clear()
 
+    def recover(self) -> List[int]:
+        """An epcomm extension (epCommRecover): low_latency_update_mask_buffer without knowing whom to mask.
+        After an operation raised (epcomm._capi.Error, TIMEOUT or REMOTE_ERROR) every surviving rank calls it;
+        together they find the ranks to mask (dead, lost across hosts, gone, or silent for twice the deadline),
+        agree on one mask and apply it, as a mask=True update would. Returns the mask (1 = active). On failure
+        it raises epcomm._capi.Error with .active, the mask as far as it got: .active[rank] == 0 (REMOTE_ERROR)
+        means this rank must leave (the others hold it out: it was stopped past the deadline, then resumed; or
+        it reaches none of them) and stop using the Buffer; otherwise the call may be retried. Host engine (CPU
+        tensors); the GPU engine raises NOT_SUPPORTED: use low_latency_update_mask_buffer with the failed
+        ranks."""
+        self._require_shrink("recover")
+        stream = stream_handle(torch.cuda.current_stream()) if self._device.type == "cuda" else 0
+        mask = list(self.runtime.recover(stream))
+        self._mask_wanted.clear()
+        return mask
+
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Writes the mask into mask_status ([num_ranks] torch.int32, any device): 1 = masked, 0 = active. It
         is the communicator's mask in force (what every survivor agreed on), read on the host."""

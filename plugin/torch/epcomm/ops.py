@@ -180,9 +180,11 @@ def recover(group: Optional[dist.ProcessGroup] = None) -> List[int]:
     """set_active_ranks without knowing whom to mask (epCommRecover): after a failed epcomm operation every
     survivor calls it; together they find the ranks to mask (dead, lost across hosts, gone, or silent for twice
     the deadline), agree on one mask, and apply it to every epcomm communicator of the group. Returns the mask
-    (1 = active). A rank the others hold out (it was stopped past the deadline and came back) gets a
-    RuntimeError naming that, and must leave the group. Needs a communicator on the host engine (the backend's
-    CPU one): the GPU engine has no epCommRecover; there, call set_active_ranks with the failed ranks masked."""
+    (1 = active). A rank that must leave (the others hold it out: it was stopped past the deadline and came
+    back; or it reaches none of them) gets a RuntimeError whose message ends "destroy the communicator", and
+    must leave the group; other failures may be retried. Needs a communicator on the host engine, the backend's
+    CPU one, created before the failure (its creation needs every rank: run one CPU collective on the group at
+    start-up); the GPU engine has no epCommRecover: there, call set_active_ranks with the failed ranks masked."""
     group = _group(group)
     mask: Optional[List[int]] = None
     for be in _epcomm_backends(group):
