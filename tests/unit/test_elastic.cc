@@ -547,6 +547,63 @@ TEST_P(CrossHostElastic, StalledPeerComesBack) {
   }
 }
 
+// 3 hosts x 2 ranks; at once, rank 1 (host 0) is killed and rank 4 (host 2) stopped. Each survivor sees a
+// different part of it: rank 0 sees its host-mate's process gone, ranks 2, 3 and 5 see its connections close;
+// ranks 0-3 lose rank 4's connections at the net deadline while rank 5, its host-mate, sees nothing but silence.
+// epCommRecover must bring all four to the one mask 101101 without being told, and rank 4, resumed, must leave.
+TEST_P(CrossHostElastic, KilledAndStalledAtOnce) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  constexpr int R = 6, kPerHost = 2, kKilled = 1, kStopped = 4;
+  SharedFlag stopped_pid, recovered;
+  epUniqueId id;
+  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    joinVirtualHost(rank, kPerHost, net);
+    epConfig_t cfg = config();
+    epComm_t comm;
+    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
+    std::vector<int64_t> rows(R, 0), a2a(R, 0);
+    Step st(R, 79, std::vector<uint8_t>(R, 1));
+    std::string e = runAll(comm, rank, st, rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
+    if (rank == kKilled || rank == kStopped) {
+      if (rank == kStopped) stopped_pid.p->store(getpid());
+      const int sig = rank == kKilled ? SIGKILL : SIGSTOP;
+      std::thread([sig] {
+        usleep(kVictimDelayUs);
+        kill(getpid(), sig);
+      }).detach();
+      for (int i = 0; i < 100000 && e.empty(); ++i) e = runAll(comm, rank, st, rows, a2a);
+      CHECK_OR_RETURN(!e.empty(), "resumed, its operations still succeed");
+      return comeBackHeldOut(comm, rank, R, recovered.p);
+    }
+    epResult_t r = epSuccess;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
+      t0 = std::chrono::steady_clock::now();
+      e = runAll(comm, rank, st, rows, a2a);
+      r = e.empty() ? epSuccess : epTimeout;
+    }
+    epResult_t async = epSuccess;
+    epCommGetAsyncError(comm, &async, nullptr);
+    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
+    return survive(comm, rank, R, {kKilled, kStopped}, async, msSince(t0), Mask::kFound, 3 * 2 * kTimeoutMs, [&] {
+      if (rank != 0) return;
+      recovered.p->store(1);
+      for (int i = 0; i < 1000 && stopped_pid.p->load() == 0; ++i) usleep(1000);
+      if (stopped_pid.p->load() > 0) kill(stopped_pid.p->load(), SIGCONT);
+    });
+  }, 120000);
+  for (int r = 0; r < R; ++r) {
+    if (r == kKilled) {
+      EXPECT_EQ(codes[r], 128 + SIGKILL) << "rank " << r;
+    } else {
+      EXPECT_EQ(codes[r], 0) << "rank " << r;
+    }
+  }
+}
+
 // 2 ranks, each alone on its host (CrossHost: a closed connection, which a cut-off rank sees too) or both on one
 // host (its process gone): rank 1 dies. Across hosts rank 0 cannot tell its death from being cut off, so its
 // epCommRecover refuses to go on alone (epRemoteError, its own entry 0); on one host it goes on alone.
