@@ -341,3 +341,40 @@ def killed_rank_group(rank, world, init_method, device="cpu"):
 
 def test_killed_rank_group():
     ranks.run(4, killed_rank_group, env={"EPCOMM_TIMEOUT_MS": "3000"}, expect_exit={3}, timeout=120)
+
+
+def silent_rank_group(rank, world, init_method):
+    """A rank that stays silent past the deadline (alive, calling nothing): the others' all_to_all_single raises
+    once, epcomm.recover() masks it without being told whom (after twice the deadline), and they go on among
+    themselves; the silent rank, back, is told that it must leave (host engine, CPU tensors)."""
+    import epcomm
+
+    _init(rank, world, init_method, "cpu", backend="epcomm")
+    silent = world - 1
+    flag = init_method[len("file://"):] + ".recovered"
+    out = torch.empty((world, 4))
+    dist.all_to_all_single(out, torch.full((world, 4), float(rank)))  # the CPU communicator exists on every rank
+    if rank == silent:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(flag), "the others never recovered"
+        with pytest.raises(RuntimeError, match="hold this rank out"):
+            epcomm.recover()
+        return
+    with pytest.raises(dist.DistBackendError, match="epcomm all_to_all_single failed: timeout"):
+        dist.all_to_all_single(out, torch.full((world, 4), float(rank)))
+    active = [0 if r == silent else 1 for r in range(world)]
+    assert epcomm.recover() == active
+    assert epcomm.get_active_ranks() == active
+    if rank == 0:
+        open(flag, "w").close()
+    out = torch.full((world, 4), -1.0)
+    dist.all_to_all_single(out, torch.full((world, 4), float(rank)))
+    expect = torch.arange(world, dtype=torch.float32).repeat_interleave(4).view(world, 4)
+    expect[silent] = -1  # nothing arrives from a masked rank: its range is left as it was
+    assert torch.equal(out, expect)
+
+
+def test_silent_rank_group():
+    ranks.run(3, silent_rank_group, env={"EPCOMM_TIMEOUT_MS": "1500"}, timeout=120)
