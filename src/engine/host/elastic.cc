@@ -152,6 +152,13 @@ epResult_t HostEngine::resync(const uint8_t* proposed, epResult_t local) {
   failed_peer = -1;
   rs_stage_ = kDone;
   w = resyncWait(part, round, kDone, false, &failed_peer);
+  // A kept rank that completed this round saw every kept rank at (round, done, ok), this one included: the round
+  // succeeded, whatever ended this rank's wait (a word that did not reach it before its owner stopped, a rank that
+  // died after publishing). Failing it here would leave this rank alone out of step with the committed ones.
+  if (w != epSuccess && st == epSuccess && peerCompleted(part, round)) {
+    w = epSuccess;
+    failed_peer = -1;
+  }
   if (w != epSuccess) {
     me->rs_word.store(rsWord(round, kDone, true), std::memory_order_release);
     return w;

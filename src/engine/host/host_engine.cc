@@ -597,6 +597,14 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
   return r;
 }
 
+bool HostEngine::peerCompleted(const std::vector<uint8_t>& part, uint64_t round) const {
+  for (int r = 0; r < nranks_; ++r)
+    if (part[r] && r != rank_ &&
+        (peerHeader(r)->rs_ok.load(std::memory_order_relaxed) & 0xffffffffu) == (round & 0xffffffffu))
+      return true;
+  return false;
+}
+
 bool HostEngine::resyncPeerFailed(int r, uint64_t w, uint64_t round) const {
   if (w / 8 == round) return (w & 1) != 0;
   // A later round: it cannot have completed one since (that needs this rank's words of it), so its last success

@@ -200,6 +200,8 @@ class HostEngine final : public Engine {
   // Whether kept rank r, whose word w is at least (round, kDone) during this rank's phase-3 wait, failed that round:
   // its failed bit, or, moved on to a later round, a last successful round other than this one (elastic.cc).
   bool resyncPeerFailed(int r, uint64_t w, uint64_t round) const;
+  // Whether a rank of `part` completed round `round` successfully (its rs_ok; low 32 bits, as CTRL frames carry).
+  bool peerCompleted(const std::vector<uint8_t>& part, uint64_t round) const;
   // Recovery (epCommRecover): adds to accused_ the kept ranks this rank finds dead, disconnected or gone; publishes
   // accused_ and the committed mask in its region header (rc_*); the mask every survivor derives alike from what
   // all of them published; a sum of the published sets' generations of `part`, to notice news cheaply.
