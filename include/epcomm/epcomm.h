@@ -63,7 +63,8 @@
  * compare an operation header before moving data, so a mismatch, or bad input on one rank, makes every rank
  * return an error instead of hanging. (Host engine: where one side of a mismatch is HT dispatch or combine,
  * whose data go out with the header, that data stays in the transport: the error is epInvalidUsage on every
- * rank and the communicator needs epCommSetActiveRanks with the current mask before its next operation. GPU
+ * rank and the communicator needs epCommSetActiveRanks with the current mask (or, host engine, epCommRecover)
+ * before its next operation. GPU
  * engine: HT dispatch (its notify) and alltoallv, which both count through one mailbox, find each other
  * (epInvalidUsage, then the same resynchronization); other mismatches are not diagnosed: every wait still ends
  * by its deadline, but what the mismatched kernels wrote is undefined.) Every wait has a deadline

@@ -253,7 +253,8 @@ TEST(Elastic, RankKilledDuringOperation) {
 }
 
 // A timeout in which nobody died: every rank calling epCommSetActiveRanks with the current mask (a no-op mask
-// change) resynchronizes them and the communicator is usable again, without a new one.
+// change) resynchronizes them and the communicator is usable again, without a new one. Then the same timeout again,
+// recovered with epCommRecover: the late rank comes within twice the deadline, so it masks nobody.
 TEST(Elastic, NoOpMaskRecoversFromTimeout) {
   constexpr int R = 3, kLate = 2;
   epUniqueId id;
@@ -273,9 +274,22 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
       epResult_t r = epCommBarrier(comm, nullptr);
       CHECK_OR_RETURN(r == epTimeout, "barrier: %s (%s)", epGetErrorString(r), epGetLastError(comm));
     }
-    std::vector<int32_t> keep(R, 1);
+    std::vector<int32_t> keep(R, 1), got(R, -1);
     epResult_t r = epCommSetActiveRanks(comm, keep.data(), nullptr);
     CHECK_OR_RETURN(r == epSuccess, "no-op set: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    // Again, with epCommRecover: the late rank comes within twice the deadline, so nobody is masked.
+    e = runAll(comm, rank, Step(R, 55, all1), rows, a2a);
+    CHECK_OR_RETURN(e.empty(), "between: %s", e.c_str());
+    if (rank == kLate) {
+      usleep((kTimeoutMs + 300) * 1000);
+      epCommBarrier(comm, nullptr);
+    } else {
+      r = epCommBarrier(comm, nullptr);
+      CHECK_OR_RETURN(r == epTimeout, "second barrier: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    }
+    r = epCommRecover(comm, got.data(), nullptr);
+    CHECK_OR_RETURN(r == epSuccess && got == keep, "no-op recover: %s (%s) %s", epGetErrorString(r),
+                    epGetLastError(comm), maskText(got).c_str());
     for (uint64_t seed = 52; seed < 54; ++seed) {
       double slowest = 0;
       e = runAll(comm, rank, Step(R, seed, all1), rows, a2a, &slowest);
@@ -773,9 +787,12 @@ TEST_P(MismatchedOperations, WithHtDispatchNeedAResync) {
       CHECK_OR_RETURN(async == epInvalidUsage, "round %d: async error %s", round, epGetErrorString(async));
       CHECK_OR_RETURN(epCommBarrier(comm, nullptr) == epInvalidUsage && strstr(epGetLastError(comm), "epCommSetActiveRanks"),
                       "round %d: a call before the resynchronization: %s", round, epGetLastError(comm));
-      std::vector<int32_t> keep(R, 1);
-      const epResult_t s = epCommSetActiveRanks(comm, keep.data(), nullptr);
-      CHECK_OR_RETURN(s == epSuccess, "round %d: no-op set: %s (%s)", round, epGetErrorString(s), epGetLastError(comm));
+      // Odd rounds resynchronize with epCommRecover: nobody died, so it keeps every rank.
+      std::vector<int32_t> keep(R, 1), got(R, -1);
+      const epResult_t s = round % 2 ? epCommRecover(comm, got.data(), nullptr)
+                                     : epCommSetActiveRanks(comm, keep.data(), nullptr);
+      CHECK_OR_RETURN(s == epSuccess && (round % 2 == 0 || got == keep), "round %d: no-op %s: %s (%s) %s", round,
+                      round % 2 ? "recover" : "set", epGetErrorString(s), epGetLastError(comm), maskText(got).c_str());
       double slowest = 0;
       e = runAll(comm, rank, Step(R, 90 + round, all1), rows, a2a, &slowest);
       CHECK_OR_RETURN(e.empty(), "round %d after: %s", round, e.c_str());

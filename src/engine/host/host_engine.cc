@@ -689,7 +689,8 @@ epResult_t HostEngine::statusFromPeers(const std::vector<Incoming>& in, epResult
                       s, hostOpName(static_cast<int>(h.op)), static_cast<unsigned long long>(h.epoch), rank_,
                       hostOpName(cur_op_), static_cast<unsigned long long>(cur_epoch_),
                       unaligned_ ? " (HT data of one of them is left in the transport: every rank must call "
-                                   "epCommSetActiveRanks with the current mask before the next operation)"
+                                   "epCommRecover, or epCommSetActiveRanks with the current mask, before the next "
+                                   "operation)"
                                  : "");
     }
   }
