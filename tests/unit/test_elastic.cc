@@ -314,11 +314,14 @@ TEST(Elastic, LoneSurvivorOfADeadProcessGoesOn) {
 }
 
 // Shared between the forked ranks of a test: one word the survivors set once they have recovered.
+// (Anonymous shared memory starts zeroed.)
 struct SharedFlag {
   std::atomic<int>* p = static_cast<std::atomic<int>*>(
       mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  SharedFlag() { p->store(0); }
-  ~SharedFlag() { munmap(p, sizeof(std::atomic<int>)); }
+  bool ok() const { return p != MAP_FAILED; }
+  ~SharedFlag() {
+    if (ok()) munmap(p, sizeof(std::atomic<int>));
+  }
 };
 
 // The rank the survivors held out comes back: its epCommRecover says that it must leave (epRemoteError, its own
@@ -345,6 +348,7 @@ int comeBackHeldOut(epComm_t comm, int rank, int R, std::atomic<int>* recovered,
 TEST(Elastic, RecoverHoldsOutASilentRank) {
   constexpr int R = 3, kSilent = 2;
   SharedFlag recovered;
+  ASSERT_TRUE(recovered.ok());
   epUniqueId id;
   ASSERT_EQ(epGetUniqueId(&id), epSuccess);
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
@@ -393,6 +397,31 @@ class CrossHostElastic : public ::testing::TestWithParam<const char*> {};
 // failed its warm-up), short against the operations in flight, so the victim still stops mid-operation.
 constexpr useconds_t kVictimDelayUs = 100 * 1000;
 
+// The victim's side: this process gets `sig` kVictimDelayUs from now, while the caller goes on issuing operations.
+void signalSelfSoon(int sig) {
+  std::thread([sig] {
+    usleep(kVictimDelayUs);
+    kill(getpid(), sig);
+  }).detach();
+}
+
+// The survivors' side: the operation mix until it fails (within the deadline of the victims' fault), the
+// communicator broken with a failure's error, then survive().
+int failThenSurvive(epComm_t comm, int rank, int R, const Step& st, std::vector<int64_t>& rows,
+                    std::vector<int64_t>& a2a, const std::vector<int>& victims, Mask how,
+                    double recover_limit_ms = 2 * kTimeoutMs, const std::function<void()>& masked = {}) {
+  std::string e;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100000 && e.empty(); ++i) {
+    t0 = std::chrono::steady_clock::now();
+    e = runAll(comm, rank, st, rows, a2a);
+  }
+  epResult_t async = epSuccess;
+  epCommGetAsyncError(comm, &async, nullptr);
+  CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
+  return survive(comm, rank, R, victims, async, msSince(t0), how, recover_limit_ms, masked);
+}
+
 // 3 hosts x 2 ranks; host 1 (ranks 2 and 3) is killed while a large alltoallv (kind 0) or the whole operation mix
 // (kind 1) is in flight; ranks on hosts 0 and 2 survive and keep talking to each other across hosts.
 TEST_P(CrossHostElastic, HostKilledDuringOperation) {
@@ -422,10 +451,7 @@ TEST_P(CrossHostElastic, HostKilledDuringOperation) {
       };
       CHECK_OR_RETURN(step() == epSuccess, "warm-up: %s", epGetLastError(comm));
       if (rank / kPerHost == kVictimHost) {
-        std::thread([] {
-          usleep(kVictimDelayUs);
-          kill(getpid(), SIGKILL);
-        }).detach();
+        signalSelfSoon(SIGKILL);
         for (;;) step();
       }
       epResult_t r = epSuccess;
@@ -455,11 +481,8 @@ TEST_P(CrossHostElastic, StalledPeer) {
   const char* net = GetParam();
   if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
   constexpr int R = 4, kPerHost = 2, kVictim = 3;
-  // The victim's pid, for rank 0 to end it: memory shared by the forked ranks.
-  auto* victim_pid = static_cast<std::atomic<pid_t>*>(
-      mmap(nullptr, sizeof(std::atomic<pid_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  ASSERT_NE(victim_pid, MAP_FAILED);
-  victim_pid->store(0);
+  SharedFlag victim_pid;  // for rank 0 to end it
+  ASSERT_TRUE(victim_pid.ok());
   epUniqueId id;
   ASSERT_EQ(epGetUniqueId(&id), epSuccess);
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
@@ -472,31 +495,17 @@ TEST_P(CrossHostElastic, StalledPeer) {
     std::string e = runAll(comm, rank, st, rows, a2a);
     CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
     if (rank == kVictim) {
-      victim_pid->store(getpid());
-      std::thread([] {
-        usleep(kVictimDelayUs);
-        kill(getpid(), SIGSTOP);
-      }).detach();
+      victim_pid.p->store(getpid());
+      signalSelfSoon(SIGSTOP);
       for (;;) runAll(comm, rank, st, rows, a2a);
     }
-    epResult_t r = epSuccess;
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
-      t0 = std::chrono::steady_clock::now();
-      e = runAll(comm, rank, st, rows, a2a);
-      r = e.empty() ? epSuccess : epTimeout;
-    }
-    epResult_t async = epSuccess;
-    epCommGetAsyncError(comm, &async, nullptr);
-    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
-    const int rc = survive(comm, rank, R, {kVictim}, async, msSince(t0));
+    const int rc = failThenSurvive(comm, rank, R, st, rows, a2a, {kVictim}, Mask::kTold);
     if (rank == 0) {
-      for (int i = 0; i < 1000 && victim_pid->load() == 0; ++i) usleep(1000);
-      if (victim_pid->load() > 0) kill(victim_pid->load(), SIGKILL);
+      for (int i = 0; i < 1000 && victim_pid.p->load() == 0; ++i) usleep(1000);
+      if (victim_pid.p->load() > 0) kill(victim_pid.p->load(), SIGKILL);
     }
     return rc;
   }, 120000);
-  munmap(victim_pid, sizeof(std::atomic<pid_t>));
   EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
   for (int r = 0; r < R; ++r) {
     if (r != kVictim) {
@@ -505,59 +514,57 @@ TEST_P(CrossHostElastic, StalledPeer) {
   }
 }
 
-// 2 hosts x 2 ranks; rank 3 stops (SIGSTOP) in the middle of the operation mix. The others find it with
-// epCommRecover alone (ranks 0 and 1 lose its connections at the net deadline; rank 2, on its host, learns it from
-// them or holds it out itself after twice the deadline) and go on bit-exact. Then rank 0 resumes it (SIGCONT): its
-// operation fails, and its epCommRecover says that the others hold it out, although it reaches rank 2 and sees
-// ranks 0 and 1 as lost from its side. Then the same with 3 ranks, the stopped one alone on its host: it learns
-// that it is held out from the frames that reached it before the others closed, or else finds that it reaches
-// nobody any more, and must leave either way (it cannot tell that from their failure).
-TEST_P(CrossHostElastic, StalledPeerComesBack) {
-  const char* net = GetParam();
-  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
-  for (const int R : {4, 3}) {
+// Ranks on hosts of 2 (the last host may have 1); rank `stopped` stops (SIGSTOP) in the middle of the operation mix
+// and, at the same moment, rank `killed` (unless -1) is killed. The others find both with epCommRecover alone and
+// go on bit-exact; then rank 0 resumes the stopped rank (SIGCONT): its operation fails, and its epCommRecover says
+// that it must leave (alone_ok: it may instead find that it reaches nobody). Returns the ranks' exit codes.
+std::vector<int> stopAndComeBack(const char* net, int R, int killed, int stopped, uint64_t seed, bool alone_ok) {
   constexpr int kPerHost = 2;
-  const int kVictim = R - 1;
-  SharedFlag victim_pid, recovered;
+  SharedFlag stopped_pid, recovered;
+  EXPECT_TRUE(stopped_pid.ok() && recovered.ok());
+  if (!stopped_pid.ok() || !recovered.ok()) return {};
   epUniqueId id;
-  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
-  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+  EXPECT_EQ(epGetUniqueId(&id), epSuccess);
+  std::vector<int> victims = {stopped};
+  if (killed >= 0) victims.insert(victims.begin(), killed);
+  return epcomm::test::runRanks(R, [&](int rank) -> int {
     joinVirtualHost(rank, kPerHost, net);
     epConfig_t cfg = config();
     epComm_t comm;
     CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
     std::vector<int64_t> rows(R, 0), a2a(R, 0);
-    Step st(R, 73, std::vector<uint8_t>(R, 1));
+    Step st(R, seed, std::vector<uint8_t>(R, 1));
     std::string e = runAll(comm, rank, st, rows, a2a);
     CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
-    if (rank == kVictim) {
-      victim_pid.p->store(getpid());
-      std::thread([] {
-        usleep(kVictimDelayUs);
-        kill(getpid(), SIGSTOP);
-      }).detach();
+    if (rank == killed || rank == stopped) {
+      if (rank == stopped) stopped_pid.p->store(getpid());
+      signalSelfSoon(rank == killed ? SIGKILL : SIGSTOP);
       for (int i = 0; i < 100000 && e.empty(); ++i) e = runAll(comm, rank, st, rows, a2a);
       CHECK_OR_RETURN(!e.empty(), "resumed, its operations still succeed");
-      return comeBackHeldOut(comm, rank, R, recovered.p, R == 3);
+      return comeBackHeldOut(comm, rank, R, recovered.p, alone_ok);
     }
-    epResult_t r = epSuccess;
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
-      t0 = std::chrono::steady_clock::now();
-      e = runAll(comm, rank, st, rows, a2a);
-      r = e.empty() ? epSuccess : epTimeout;
-    }
-    epResult_t async = epSuccess;
-    epCommGetAsyncError(comm, &async, nullptr);
-    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
-    return survive(comm, rank, R, {kVictim}, async, msSince(t0), Mask::kFound, 3 * 2 * kTimeoutMs, [&] {
+    return failThenSurvive(comm, rank, R, st, rows, a2a, victims, Mask::kFound, 3 * 2 * kTimeoutMs, [&] {
       if (rank != 0) return;
       recovered.p->store(1);
-      for (int i = 0; i < 1000 && victim_pid.p->load() == 0; ++i) usleep(1000);
-      if (victim_pid.p->load() > 0) kill(victim_pid.p->load(), SIGCONT);
+      for (int i = 0; i < 1000 && stopped_pid.p->load() == 0; ++i) usleep(1000);
+      if (stopped_pid.p->load() > 0) kill(stopped_pid.p->load(), SIGCONT);
     });
   }, 120000);
-  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << R << " ranks";
+}
+
+// 2 hosts x 2 ranks; rank 3 stops. The others find it (ranks 0 and 1 lose its connections at the net deadline;
+// rank 2, on its host, learns it from them or holds it out itself after twice the deadline); resumed, it is told
+// that the others hold it out, although it reaches rank 2 and sees ranks 0 and 1 as lost from its side. Then the
+// same with 3 ranks, the stopped one alone on its host: it learns that it is held out from the frames that reached
+// it before the others closed, or else finds that it reaches nobody any more, and must leave either way (it cannot
+// tell that from their failure).
+TEST_P(CrossHostElastic, StalledPeerComesBack) {
+  const char* net = GetParam();
+  if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
+  for (const int R : {4, 3}) {
+    const std::vector<int> codes = stopAndComeBack(net, R, -1, R - 1, 73, R == 3);
+    ASSERT_EQ(static_cast<int>(codes.size()), R);
+    for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", " << R << " ranks";
   }
 }
 
@@ -568,54 +575,10 @@ TEST_P(CrossHostElastic, StalledPeerComesBack) {
 TEST_P(CrossHostElastic, KilledAndStalledAtOnce) {
   const char* net = GetParam();
   if (!netOffered(net)) GTEST_SKIP() << "EPCOMM_NET=" << net << " is not offered here";
-  constexpr int R = 6, kPerHost = 2, kKilled = 1, kStopped = 4;
-  SharedFlag stopped_pid, recovered;
-  epUniqueId id;
-  ASSERT_EQ(epGetUniqueId(&id), epSuccess);
-  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
-    joinVirtualHost(rank, kPerHost, net);
-    epConfig_t cfg = config();
-    epComm_t comm;
-    CHECK_OR_RETURN(epCommInitRank(&comm, R, &id, rank, &cfg) == epSuccess, "init: %s", epGetLastError(nullptr));
-    std::vector<int64_t> rows(R, 0), a2a(R, 0);
-    Step st(R, 79, std::vector<uint8_t>(R, 1));
-    std::string e = runAll(comm, rank, st, rows, a2a);
-    CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
-    if (rank == kKilled || rank == kStopped) {
-      if (rank == kStopped) stopped_pid.p->store(getpid());
-      const int sig = rank == kKilled ? SIGKILL : SIGSTOP;
-      std::thread([sig] {
-        usleep(kVictimDelayUs);
-        kill(getpid(), sig);
-      }).detach();
-      for (int i = 0; i < 100000 && e.empty(); ++i) e = runAll(comm, rank, st, rows, a2a);
-      CHECK_OR_RETURN(!e.empty(), "resumed, its operations still succeed");
-      return comeBackHeldOut(comm, rank, R, recovered.p);
-    }
-    epResult_t r = epSuccess;
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
-      t0 = std::chrono::steady_clock::now();
-      e = runAll(comm, rank, st, rows, a2a);
-      r = e.empty() ? epSuccess : epTimeout;
-    }
-    epResult_t async = epSuccess;
-    epCommGetAsyncError(comm, &async, nullptr);
-    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
-    return survive(comm, rank, R, {kKilled, kStopped}, async, msSince(t0), Mask::kFound, 3 * 2 * kTimeoutMs, [&] {
-      if (rank != 0) return;
-      recovered.p->store(1);
-      for (int i = 0; i < 1000 && stopped_pid.p->load() == 0; ++i) usleep(1000);
-      if (stopped_pid.p->load() > 0) kill(stopped_pid.p->load(), SIGCONT);
-    });
-  }, 120000);
-  for (int r = 0; r < R; ++r) {
-    if (r == kKilled) {
-      EXPECT_EQ(codes[r], 128 + SIGKILL) << "rank " << r;
-    } else {
-      EXPECT_EQ(codes[r], 0) << "rank " << r;
-    }
-  }
+  constexpr int R = 6, kKilled = 1;
+  const std::vector<int> codes = stopAndComeBack(net, R, kKilled, 4, 79, false);
+  ASSERT_EQ(static_cast<int>(codes.size()), R);
+  for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], r == kKilled ? 128 + SIGKILL : 0) << "rank " << r;
 }
 
 // 2 ranks, each alone on its host (CrossHost: a closed connection, which a cut-off rank sees too) or both on one
@@ -679,23 +642,10 @@ TEST_P(CrossHostElastic, KilledForwarder) {
     std::string e = runAll(comm, rank, st, rows, a2a);
     CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
     if (rank == kVictim) {
-      std::thread([] {
-        usleep(kVictimDelayUs);
-        kill(getpid(), SIGKILL);
-      }).detach();
+      signalSelfSoon(SIGKILL);
       for (;;) runAll(comm, rank, st, rows, a2a);
     }
-    epResult_t r = epSuccess;
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 100000 && r == epSuccess; ++i) {
-      t0 = std::chrono::steady_clock::now();
-      e = runAll(comm, rank, st, rows, a2a);
-      r = e.empty() ? epSuccess : epRemoteError;
-    }
-    epResult_t async = epSuccess;
-    epCommGetAsyncError(comm, &async, nullptr);
-    CHECK_OR_RETURN(async == epTimeout || async == epRemoteError, "async error %s", epGetErrorString(async));
-    return survive(comm, rank, R, {kVictim}, async, msSince(t0), Mask::kFound);
+    return failThenSurvive(comm, rank, R, st, rows, a2a, {kVictim}, Mask::kFound);
   }, 120000);
   EXPECT_EQ(codes[kVictim], 128 + SIGKILL);
   for (int r = 0; r < R; ++r) {
