@@ -243,6 +243,15 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   return epSuccess;
 }
 
+// After a successful resynchronization (epCommSetActiveRanks, epCommRecover): the new mask, and the survivors are
+// back in step, so the communicator is usable again.
+void adoptMask(epComm* comm, const std::vector<uint8_t>& mask) {
+  std::lock_guard<std::mutex> lock(comm->error_mutex);
+  comm->active = mask;
+  comm->async_error.store(epSuccess);
+  comm->async_info = EP_ERROR_INFO_INIT;
+}
+
 }  // namespace
 
 bool epcomm::isLiveHandle(const epHtHandle* h) { return live().has(h, Live::kHandle); }
@@ -424,11 +433,7 @@ epResult_t epCommSetActiveRanks(epComm_t comm, const int32_t* active, epStream_t
                        "outstanding; complete it first");
     if (local != epSuccess) return comm->engine->setActiveRanksRejected(local, stream);
     EPCHECK(comm->engine->setActiveRanks(mask.data(), stream));
-    std::lock_guard<std::mutex> lock(comm->error_mutex);
-    comm->active = mask;
-    // The survivors are back in step: the communicator is usable again.
-    comm->async_error.store(epSuccess);
-    comm->async_info = EP_ERROR_INFO_INIT;
+    adoptMask(comm, mask);
     return epSuccess;
   });
 }
@@ -454,10 +459,7 @@ epResult_t epCommRecover(epComm_t comm, int32_t* active, epStream_t stream) {
     if (active)
       for (int q = 0; q < comm->nranks; ++q) active[q] = kept[q];
     EPCHECK(r);
-    std::lock_guard<std::mutex> lock(comm->error_mutex);
-    comm->active = kept;
-    comm->async_error.store(epSuccess);
-    comm->async_info = EP_ERROR_INFO_INIT;
+    adoptMask(comm, kept);
     return epSuccess;
   });
 }

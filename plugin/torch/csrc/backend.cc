@@ -108,40 +108,39 @@ at::Device deviceOfKey(const std::string& key) {
   if (key == "cpu") return at::Device(c10::DeviceType::CPU);
   return at::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(std::stoi(key.substr(5))));
 }
+
+// The stream a call on the communicator of `key` runs on: the device's current one (none on the CPU).
+epStream_t streamOfKey(const std::string& key) {
+  const at::Device device = deviceOfKey(key);
+  return isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
+}
 }  // namespace
+
+std::vector<std::pair<std::string, epComm_t>> EpcommBackend::createdComms() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TORCH_CHECK(!closed_, "epcomm: the process group was shut down or aborted");
+  std::vector<std::pair<std::string, epComm_t>> comms;
+  // Creation order, which every rank shares (device indices may differ between ranks, so key order may not).
+  for (const std::string& key : created_) comms.emplace_back(key, comms_.at(key));
+  return comms;
+}
 
 void EpcommBackend::setActiveRanks(const std::vector<int32_t>& active) {
   TORCH_CHECK(static_cast<int>(active.size()) == size_, "epcomm set_active_ranks: the mask has ", active.size(),
               " entries, the group has ", size_, " ranks");
-  std::vector<std::pair<std::string, epComm_t>> comms;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(!closed_, "epcomm: the process group was shut down or aborted");
-    // Creation order, which every rank shares (device indices may differ between ranks, so key order may not).
-    for (const std::string& key : created_) comms.emplace_back(key, comms_.at(key));
-  }
-  for (auto& [key, c] : comms) {
-    at::Device device = deviceOfKey(key);
-    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
-    epResult_t rc = epCommSetActiveRanks(c, active.data(), stream);
+  for (auto& [key, c] : createdComms()) {
+    epResult_t rc = epCommSetActiveRanks(c, active.data(), streamOfKey(key));
     if (rc != epSuccess) fail(c10::str("set_active_ranks (", key, ")").c_str(), rc, c);
   }
 }
 
 std::vector<int32_t> EpcommBackend::recover() {
-  std::vector<std::pair<std::string, epComm_t>> comms;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(!closed_, "epcomm: the process group was shut down or aborted");
-    for (const std::string& key : created_) comms.emplace_back(key, comms_.at(key));
-  }
+  const auto comms = createdComms();
   std::vector<int32_t> mask;
   size_t found = comms.size();
   for (size_t i = 0; i < comms.size() && found == comms.size(); ++i) {
-    at::Device device = deviceOfKey(comms[i].first);
-    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
     std::vector<int32_t> m(static_cast<size_t>(size_), 0);
-    epResult_t rc = epCommRecover(comms[i].second, m.data(), stream);
+    epResult_t rc = epCommRecover(comms[i].second, m.data(), streamOfKey(comms[i].first));
     if (rc == epNotSupported) continue;  // decided by the engine alone, before any exchange: alike on every rank
     if (rc != epSuccess) fail(c10::str("recover (", comms[i].first, ")").c_str(), rc, comms[i].second);
     mask = m;
@@ -153,9 +152,7 @@ std::vector<int32_t> EpcommBackend::recover() {
               "ranks masked");
   for (size_t i = 0; i < comms.size(); ++i) {
     if (i == found) continue;
-    at::Device device = deviceOfKey(comms[i].first);
-    epStream_t stream = isCuda(device) ? nativeStream(currentStream(device)) : nullptr;
-    epResult_t rc = epCommSetActiveRanks(comms[i].second, mask.data(), stream);
+    epResult_t rc = epCommSetActiveRanks(comms[i].second, mask.data(), streamOfKey(comms[i].first));
     if (rc != epSuccess) fail(c10::str("recover (", comms[i].first, ")").c_str(), rc, comms[i].second);
   }
   return mask;

@@ -103,6 +103,7 @@ class EpcommBackend : public c10d::Backend {
 
  private:
   epComm_t comm(const at::Device& device);
+  std::vector<std::pair<std::string, epComm_t>> createdComms();  // (key, communicator) in creation order
   c10d::Backend& inner(const at::Device& device);
   c10::Stream opStream(const at::Device& device, bool async_op);
   [[noreturn]] void fail(const char* op, epResult_t rc, epComm_t comm);

@@ -148,6 +148,15 @@ def _epcomm_backends(group: dist.ProcessGroup) -> list:
     return found
 
 
+def _buffer_stream(buf) -> int:
+    """The stream handle a call on buf's communicator runs on: the current CUDA stream, 0 on the CPU."""
+    if buf._device.type != "cuda":
+        return 0
+    from ._pointers import stream_handle
+
+    return stream_handle(torch.cuda.current_stream())
+
+
 def set_active_ranks(active: Sequence[int], group: Optional[dist.ProcessGroup] = None) -> None:
     """Applies the active-ranks mask (active[r] nonzero keeps group rank r, 0 masks it) to every epcomm
     communicator of the group: the backend's (CPU, CUDA) and that of epcomm.dispatch/combine on it. Collective
@@ -168,12 +177,7 @@ def set_active_ranks(active: Sequence[int], group: Optional[dist.ProcessGroup] =
         be.set_active_ranks(mask)
     buf = _buffers.get(group.group_name)
     if buf is not None and buf.runtime is not None:
-        stream = 0
-        if buf._device.type == "cuda":
-            from ._pointers import stream_handle
-
-            stream = stream_handle(torch.cuda.current_stream())
-        buf.runtime.set_active_ranks(mask, stream)
+        buf.runtime.set_active_ranks(mask, _buffer_stream(buf))
 
 
 def recover(group: Optional[dist.ProcessGroup] = None) -> List[int]:
@@ -193,15 +197,10 @@ def recover(group: Optional[dist.ProcessGroup] = None) -> List[int]:
             mask = list(m)
     buf = _buffers.get(group.group_name)
     if buf is not None and buf.runtime is not None:
-        stream = 0
-        if buf._device.type == "cuda":
-            from ._pointers import stream_handle
-
-            stream = stream_handle(torch.cuda.current_stream())
         if mask is None:
-            mask = list(buf.runtime.recover(stream))
+            mask = list(buf.runtime.recover(_buffer_stream(buf)))
         else:
-            buf.runtime.set_active_ranks(mask, stream)
+            buf.runtime.set_active_ranks(mask, _buffer_stream(buf))
     return mask if mask is not None else get_active_ranks(group)
 
 

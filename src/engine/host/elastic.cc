@@ -207,12 +207,8 @@ void HostEngine::noteLosses() {
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_ || !active_[r] || certain_[r]) continue;
     bool gone = false, lost = false;
-    if (remote_[r]) {
-      gone = bridge_->saidGoodbye(r);
-      lost = !gone && bridge_->dead(r, nullptr);
-    } else {
-      gone = peers_[r]->header()->bye.load(std::memory_order_acquire) != 0 || processGone(pids_[r]);
-    }
+    gone = peerLeft(r) || (!remote_[r] && processGone(pids_[r]));
+    lost = !gone && remote_[r] && bridge_->dead(r, nullptr);
     if (!accused_[r]) accused_[r] = gone || lost;
     certain_[r] = certain_[r] || gone;  // also for a rank held out earlier, by a timeout, that has since ended
   }
@@ -228,10 +224,10 @@ void HostEngine::publishSets() {
   me->rc_gen.fetch_add(1, std::memory_order_release);
 }
 
-uint64_t HostEngine::setsGen(const std::vector<uint8_t>& part) const {
+uint64_t HostEngine::setsGen() const {
   uint64_t g = 0;
   for (int r = 0; r < nranks_; ++r)
-    if (part[r] && r != rank_) g += peerHeader(r)->rc_gen.load(std::memory_order_acquire);
+    if (active_[r] && r != rank_) g += peerHeader(r)->rc_gen.load(std::memory_order_acquire);
   return g;
 }
 
@@ -295,7 +291,7 @@ epResult_t HostEngine::recover(uint8_t* kept, epStream_t) {
       return EP_ERROR(res, "epCommRecover: no agreement within %lld ms; the last round failed with %s",
                       static_cast<long long>(budget_ns / 1000000), epGetErrorString(res));
     // What the others publish from here on may change the mask; the first phase's wait watches for it.
-    rc_seen_ = setsGen(active_);
+    rc_seen_ = setsGen();
     noteLosses();
     publishSets();
     std::vector<uint8_t> keep = agreedKeep();

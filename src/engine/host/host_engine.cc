@@ -426,9 +426,7 @@ epResult_t HostEngine::checkWait(int peer, int phase, int64_t& idle_since, int64
       // rings: its exit is no failure of this operation, unless this wait is for that very rank and still waits at
       // the next check (a fresh step between the two: nothing more will come from it). Across hosts its goodbye
       // frame says so; on this host the word its engine sets in its region header.
-      const bool left =
-          remote_[r] ? bridge_->saidGoodbye(r) : peers_[r]->header()->bye.load(std::memory_order_acquire) != 0;
-      if (left) {
+      if (peerLeft(r)) {
         if (r != peer) continue;
         if (bye_seen == r) {
           char msg[200];
@@ -575,7 +573,7 @@ epResult_t HostEngine::resyncWait(const std::vector<uint8_t>& part, uint64_t& ro
         const bool moved = next > seen;
         seen = next;
         if (!moved && watch_sets) {
-          const uint64_t g = setsGen(active_);  // agreedKeep reads every active rank's sets
+          const uint64_t g = setsGen();
           if (g != gen) {
             gen = g;
             if (agreedKeep() != part) {

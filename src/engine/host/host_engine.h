@@ -194,6 +194,10 @@ class HostEngine final : public Engine {
   // Rank r's published resynchronization words: its region header, or for a rank of another host the bridge's
   // mirror of what it last sent.
   const RegionHeader* peerHeader(int r) const { return remote_[r] ? bridge_->mirror(r) : peers_[r]->header(); }
+  // Whether rank r destroyed its communicator cleanly (its goodbye frame across hosts; its header's word here).
+  bool peerLeft(int r) const {
+    return remote_[r] ? bridge_->saidGoodbye(r) : peers_[r]->header()->bye.load(std::memory_order_acquire) != 0;
+  }
   // The resynchronization among the ranks `proposed` keeps (the current mask for a rejected call, local != 0).
   epResult_t resync(const uint8_t* proposed, epResult_t local);
   epResult_t resyncWait(const std::vector<uint8_t>& part, uint64_t& round, int phase, bool adopt, int* failed_peer);
@@ -204,11 +208,12 @@ class HostEngine final : public Engine {
   bool peerCompleted(const std::vector<uint8_t>& part, uint64_t round) const;
   // Recovery (epCommRecover): adds to accused_ the kept ranks this rank finds dead, disconnected or gone; publishes
   // accused_ and the committed mask in its region header (rc_*); the mask every survivor derives alike from what
-  // all of them published; a sum of the published sets' generations of `part`, to notice news cheaply.
+  // all of them published; a sum of the generations of the sets agreedKeep reads (every active rank's), to notice
+  // news cheaply.
   void noteLosses();
   void publishSets();
   std::vector<uint8_t> agreedKeep() const;
-  uint64_t setsGen(const std::vector<uint8_t>& part) const;
+  uint64_t setsGen() const;
   // A handle's layout predates a mask change: cached dispatch and combine refuse it.
   epResult_t checkHandleMask(const epHtHandle* h, const char* what) const;
 
