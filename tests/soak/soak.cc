@@ -85,6 +85,24 @@ epResult_t bigA2a(epComm_t comm, const std::vector<uint8_t>& act, int tag, size_
   return epSuccess;
 }
 
+// After a recovery the survivors may stand one iteration apart (one completed the failed step, another did not):
+// they take the furthest one's iteration, so that all of them run the same steps to the end and none waits at the
+// last step for a peer that has already destroyed its communicator. False (with err) if the exchange failed.
+bool agreeOnIteration(epComm_t comm, const std::vector<uint8_t>& act, int& it, std::string& err) {
+  const int R = g_R;
+  std::vector<int64_t> sb(R, it), rb(R, -1);
+  std::vector<size_t> c(R, 1), d(R);
+  for (int q = 0; q < R; ++q) d[q] = q;
+  const epResult_t r = epAlltoallv(comm, sb.data(), c.data(), d.data(), rb.data(), c.data(), d.data(), epInt64, nullptr);
+  if (r != epSuccess) {
+    err = fmt("iteration exchange: %s (%s)", epGetErrorString(r), epGetLastError(comm));
+    return false;
+  }
+  for (int q = 0; q < R; ++q)
+    if (act[q] && rb[q] > it) it = static_cast<int>(rb[q]);
+  return true;
+}
+
 // The mismatch hook's setup, run matched on every rank first: an HT notify + dispatch into a kept handle and an LL
 // expert-major dispatch, whose outputs the combines of a mismatched step take.
 struct Prelude {
@@ -324,9 +342,17 @@ int main() {
         rows.assign(R, 0);
         a2a.assign(R, 0);
         epCommGetMaskedDrops(comm, rows.data(), a2a.data(), nullptr);  // counted from here on
-        done = true;
         ++gen;
         since = 0;
+        const int was = it;
+        std::string ae;
+        if (!agreeOnIteration(comm, act, it, ae)) {  // another failure: recover again
+          logLine(fmt("error after resynchronization %d: %s", attempt, ae.c_str()));
+          usleep(200 * 1000);
+          continue;
+        }
+        if (it != was) logLine(fmt("iteration %d taken from a survivor that stands further (was %d)", it, was));
+        done = true;
       } else {
         usleep(200 * 1000);
       }
