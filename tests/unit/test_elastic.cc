@@ -592,9 +592,13 @@ int loneSurvivor(int rank, const epUniqueId& id, bool across) {
   std::vector<int64_t> rows(R, 0), a2a(R, 0);
   std::string e = runAll(comm, rank, Step(R, 77, std::vector<uint8_t>(R, 1)), rows, a2a);
   CHECK_OR_RETURN(e.empty(), "before: %s", e.c_str());
-  if (rank == 1) kill(getpid(), SIGKILL);
+  // Rank 1 dies in the barriers below, once rank 0 has surely finished the checked operations: killed right after
+  // its own last one, its sockets can be reset (SIGKILL with unread input) before rank 0 has read its last frames,
+  // and rank 0's check above would then fail (seen once under load).
+  if (rank == 1) signalSelfSoon(SIGKILL);
   epResult_t r = epSuccess;
-  for (int i = 0; i < 100 && r == epSuccess; ++i) r = epCommBarrier(comm, nullptr);
+  for (int i = 0; i < 1000000 && r == epSuccess; ++i) r = epCommBarrier(comm, nullptr);
+  if (rank == 1) for (;;) pause();  // its end is the signal
   CHECK_OR_RETURN(r == epRemoteError || r == epTimeout, "barrier: %s", epGetErrorString(r));
   std::vector<int32_t> got(R, -1);
   r = epCommRecover(comm, got.data(), nullptr);
