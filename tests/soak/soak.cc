@@ -339,9 +339,6 @@ int main() {
       }
       if (r == epSuccess) {
         for (int q = 0; q < R; ++q) act[q] = static_cast<uint8_t>(m[q]);
-        rows.assign(R, 0);
-        a2a.assign(R, 0);
-        epCommGetMaskedDrops(comm, rows.data(), a2a.data(), nullptr);  // counted from here on
         ++gen;
         since = 0;
         const int was = it;
@@ -352,6 +349,10 @@ int main() {
           continue;
         }
         if (it != was) logLine(fmt("iteration %d taken from a survivor that stands further (was %d)", it, was));
+        rows.assign(R, 0);
+        a2a.assign(R, 0);
+        // Counted from here on: after the exchange, whose elements for the masked ranks are dropped and counted too.
+        epCommGetMaskedDrops(comm, rows.data(), a2a.data(), nullptr);
         done = true;
       } else {
         usleep(200 * 1000);
