@@ -155,13 +155,13 @@ __device__ uint64_t* zdRoutedFlag(const LlParams& p, int peer, int slot) {
 
 // Rows are split into parts only when there are fewer rows than warps: part p of P covers units
 // [n*p/P, n*(p+1)/P) of a row of n units (16-byte chunks, or 128-column blocks with fp8). P = warps / rows
-// (1 to 8), so no warp copies two parts of a phase one after the other: each copy is a chain of memory latencies
-// (metadata, then the row), and those chains, not bandwidth, are what an LL phase takes. (Up to 11, 16 or 32 parts,
-// every warp busy, measured the same at R = 2, 64 tokens: the zero-copy send's row writes run at the memory's
-// write rate there, bench/results/h200-s17.log.)
-__device__ __forceinline__ int partsOf(int rows, int warps) {
-  const int p = rows > 0 ? warps / rows : 8;
-  return p < 1 ? 1 : p > 8 ? 8 : p;
+// (1 to cap), so no warp copies two parts of a phase one after the other: each copy is a chain of memory latencies
+// (metadata, then the row), and those chains, not bandwidth, are what an LL phase takes. The cap is 8, or for the
+// zero-copy dispatch's rows LlParams::zd_parts: there more parts (every warp of the row blocks busy) pay once the
+// receive side has blocks of its own (LlParams::zd_rside; bench/results/h200-s24.log), not before (s17's log).
+__device__ __forceinline__ int partsOf(int rows, int warps, int cap = 8) {
+  const int p = rows > 0 ? warps / rows : cap;
+  return p < 1 ? 1 : p > cap ? cap : p;
 }
 __device__ __forceinline__ int partBegin(int n, int P, int p) { return static_cast<int>(static_cast<int64_t>(n) * p / P); }
 
@@ -186,14 +186,60 @@ __device__ __forceinline__ void warpCopyChunks(uint8_t* const* dst, int ndst, co
   }
 }
 
+// The destinations of a warp's row part, each a row and (fp8) its scales: an array the warp shares, or one per lane
+// of `lanes`, held in that lane's registers and handed round by shuffles. `each` calls f(row, scales) for every one,
+// in every lane of the warp (LaneDsts shuffles: every lane must call it). A zero-copy dispatch's array of up to
+// kMaxDst pointers sat in local memory (the fused kernel's 832-byte stack frame), one load per destination a round.
+struct ArrayDsts {
+  uint8_t* const* dst;
+  float* const* sc;
+  int nd;
+  template <class F>
+  __device__ __forceinline__ void each(F&& f) const {
+    for (int d = 0; d < nd; ++d) f(dst[d], sc[d]);
+  }
+};
+struct LaneDsts {
+  unsigned lanes;
+  uint8_t* row;
+  float* sc;
+  template <class F>
+  __device__ __forceinline__ void each(F&& f) const {
+    for (unsigned m = lanes; m; m &= m - 1) {
+      const int from = __ffs(m) - 1;
+      f(reinterpret_cast<uint8_t*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(row), from)),
+        reinterpret_cast<float*>(__shfl_sync(kFull, reinterpret_cast<unsigned long long>(sc), from)));
+    }
+  }
+};
+// warpCopyChunks to a destination list, its rounds the same in every lane (the shuffles of LaneDsts need the whole
+// warp).
+template <class D>
+__device__ __forceinline__ void warpCopyTo(const D& ds, const uint8_t* src, int b, int e, int lane) {
+  constexpr int kU = 8;
+  const int4* s = reinterpret_cast<const int4*>(src);
+  for (int base = b; base < e; base += 32 * kU) {
+    const int i = base + lane;
+    int4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i + u * 32 < e) v[u] = s[i + u * 32];
+    ds.each([&](uint8_t* row, float*) {
+      int4* o = reinterpret_cast<int4*>(row);
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i + u * 32 < e) o[i + u * 32] = v[u];
+    });
+  }
+}
+
 // fp8 quantization of 128-column blocks [b, e) of one row, written to every destination with its scale: a lane
 // takes 32 bytes of a block (two 16-byte loads: 16 bf16/fp16 values or 8 fp32), so a block is 8 or 16 lanes and
 // its fp8 values go out as one 16- or 8-byte store per lane (8 values per lane measured about 0.5 us slower per
 // row part at R = 2: twice the rounds, each a load's latency, and half-width stores to every destination). amax
 // over the block, scale = fp8BlockScale(amax), values multiplied by fp8BlockScaleInv(amax), as the host engine does.
-template <int kDtype>
-__device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, const uint8_t* xr, int b, int e,
-                               int lane) {
+template <int kDtype, class D>
+__device__ void quantizeBlocks(const D& ds, const uint8_t* xr, int b, int e, int lane) {
   constexpr int kEl = kDtype == epFloat32 ? 4 : 2, kV = 2, kPer = kV * 16 / kEl;  // bytes in, loads, values
   constexpr int kG = 128 / kPer, kNb = 32 / kG;  // lanes per block, blocks per round
   const int4* x4 = reinterpret_cast<const int4*>(xr);
@@ -221,23 +267,35 @@ __device__ void quantizeBlocks(uint8_t* const* dst, float* const* sc, int nd, co
 #pragma unroll
     for (int j = 0; j < kPer; j += 2)
       q[j / 4] |= fp8x2(__fmul_rn(f[j], inv), __fmul_rn(f[j + 1], inv)) << (8 * (j % 4));
-    if (!live) continue;
     const size_t off = static_cast<size_t>(blk) * EP_FP8_BLOCK + g * kPer;
-    for (int d = 0; d < nd; ++d) {
-      if constexpr (kPer == 16) *reinterpret_cast<uint4*>(dst[d] + off) = make_uint4(q[0], q[1], q[2], q[3]);
-      else *reinterpret_cast<uint2*>(dst[d] + off) = make_uint2(q[0], q[1]);
-      if (g == 0) sc[d][blk] = scale;
-    }
+    ds.each([&](uint8_t* row, float* sc) {
+      if (!live) return;
+      if constexpr (kPer == 16) *reinterpret_cast<uint4*>(row + off) = make_uint4(q[0], q[1], q[2], q[3]);
+      else *reinterpret_cast<uint2*>(row + off) = make_uint2(q[0], q[1]);
+      if (g == 0) sc[blk] = scale;
+    });
   }
 }
 
 // 128-column blocks [ub, ue) of row xr (of type p.dtype) quantized to fp8 into nd destinations, each block's scale
 // into sc[d].
+template <class D>
+__device__ __forceinline__ void quantizeRowPartTo(const LlParams& p, const D& ds, const uint8_t* xr, int ub, int ue,
+                                                  int lane) {
+  if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(ds, xr, ub, ue, lane);
+  else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(ds, xr, ub, ue, lane);
+  else quantizeBlocks<epBfloat16>(ds, xr, ub, ue, lane);
+}
 __device__ __forceinline__ void quantizeRowPart(const LlParams& p, uint8_t* const* dst, float* const* sc, int nd,
                                                 const uint8_t* xr, int ub, int ue, int lane) {
-  if (p.dtype == epFloat32) quantizeBlocks<epFloat32>(dst, sc, nd, xr, ub, ue, lane);
-  else if (p.dtype == epFloat16) quantizeBlocks<epFloat16>(dst, sc, nd, xr, ub, ue, lane);
-  else quantizeBlocks<epBfloat16>(dst, sc, nd, xr, ub, ue, lane);
+  quantizeRowPartTo(p, ArrayDsts{dst, sc, nd}, xr, ub, ue, lane);
+}
+// Units [ub, ue) of row xr to the destinations of the live lanes (LaneDsts): 16-byte chunks copied, or with fp8
+// 128-column blocks quantized.
+__device__ __forceinline__ void writeRowPartToLanes(const LlParams& p, const LaneDsts& ds, const uint8_t* xr, int ub,
+                                                    int ue, int lane) {
+  if (!p.use_fp8) warpCopyTo(ds, xr, ub, ue, lane);
+  else quantizeRowPartTo(p, ds, xr, ub, ue, lane);
 }
 // Units [ub, ue) of row xr to nd destinations: 16-byte chunks copied, or with fp8 128-column blocks quantized.
 __device__ __forceinline__ void writeRowPart(const LlParams& p, uint8_t* const* dst, float* const* sc, int nd,
@@ -734,7 +792,11 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   bool ok = true;
   const int par = static_cast<int>(e & 1), zs = zdSlot(e);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int gw = blockIdx.x * nwarps + warp, NW = gridDim.x * nwarps;
+  // The row writers: blocks [0, row_blocks). In a fused kernel where this rank has fewer rows than warps, the last
+  // zd_rside blocks only derive the receive side (with more rows every warp is needed for them).
+  const bool rside = pre != nullptr && p.zd_rside > 0 && p.T < static_cast<int>(gridDim.x) * (kLlThreads / 32);
+  const int row_blocks = max(1, static_cast<int>(gridDim.x) - (rside ? p.zd_rside : 0));
+  const int gw = blockIdx.x * nwarps + warp, NW = row_blocks * nwarps;
   if (blockIdx.x == 0)
     for (int r = warp; r < R; r += nwarps) {
       if (!((act >> r) & 1)) continue;
@@ -806,8 +868,10 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
     __syncthreads();
     LL_PROBE(e, kPrBegins);
     const int units = p.use_fp8 ? p.H / EP_FP8_BLOCK : static_cast<int>(p.xrow / 16);
-    const int P = partsOf(p.T, NW);
-    for (int item = gw; item < p.T * P; item += NW) {
+    // More parts than 8 only beside blocks of the receive side's own (without them they measured slower), and never
+    // more parts than the row has units.
+    const int P = min(partsOf(p.T, NW, rside ? p.zd_parts : 8), units);
+    for (int item = gw; item < p.T * P && gw < NW; item += NW) {
       const int t = item / P, part = item % P;
       const int32_t xk = lane < K ? m.idx[t * K + lane] : -1;
       const int rk = xk >= 0 ? xk / L : -1;
@@ -819,27 +883,24 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       const int32_t pos = masks != nullptr   ? (live ? maskPosition(masks, W, xk, t) : -1)
                           : table != nullptr ? (live ? m.pos[t * K + lane] : -1)
                                              : tokenPositions(m.idx, t, K, xk, lane);
-      const int64_t row = live ? static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos : -1;
-      uint8_t* dst[kMaxDst];
-      float* sc[kMaxDst];
-      int nd = 0;
-      for (unsigned b = lanes; b; b &= b - 1) {
-        const int from = __ffs(b) - 1;
-        const int64_t rw = __shfl_sync(kFull, row, from);
-        const int d = __shfl_sync(kFull, rk, from);
-        dst[nd] = p.base[d] + s_xoff[d] + rw * p.drow;
-        sc[nd] = reinterpret_cast<float*>(p.base[d] + s_xoff[d] + p.lay.zd_x_bytes + rw * p.srow);
-        ++nd;
+      // Each live lane's (token, expert) row and scales, in that lane's registers.
+      LaneDsts ds{lanes, nullptr, nullptr};
+      if (live) {
+        const int64_t row = static_cast<int64_t>(xk % L) * static_cast<int64_t>(RM) + s_beg[xk] + pos;
+        uint8_t* region = p.base[rk] + s_xoff[rk];
+        ds.row = region + row * p.drow;
+        ds.sc = reinterpret_cast<float*>(region + p.lay.zd_x_bytes + row * p.srow);
       }
       const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
-      writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
+      writeRowPartToLanes(p, ds, xr, ub, ue, lane);
     }
     // A fused kernel's receive side, by the blocks that had no rows to write (every block when each has some): the
     // layout from every source's counts (the first of them writes recv_count and recv_layout_range), then
     // recv_src_info.
     if (pre != nullptr) {
-      const int busy = (p.T * P + nwarps - 1) / nwarps, b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
+      const int busy = min((p.T * P + nwarps - 1) / nwarps, row_blocks);
+      const int b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
       if (static_cast<int>(blockIdx.x) >= b0 && waitPeers(p, act & ~me, zdEntryFlag, zs, e, e)) {
         const bool out = static_cast<int>(blockIdx.x) == b0;
         dispatchLayoutLoad(p, zs, act, pre, pre + L * (R + 1), m.cnt, out);

@@ -477,6 +477,8 @@ struct LlParams {
   uint64_t y_off;
   int zd;            // dispatch: a zero-copy dispatch (recv_x, recv_x_scales: this rank's region at zd_x_off,
   uint64_t zd_x_off;  // of its LL buffer, scales zd_x_bytes further; senders write the final rows there)
+  int zd_parts;       // zero-copy dispatch: at most this many parts (warps) a row where rows are fewer than warps
+  int zd_rside;       // fused zero-copy dispatch: the last zd_rside blocks write no rows, only the receive side
 };
 
 // alltoallv through the HT dispatch queues (slots used as byte chunks): per peer the bytes and offsets of

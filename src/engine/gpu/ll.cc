@@ -33,6 +33,15 @@ EP_PARAM(GpuLlFused, "GPU_LL_FUSED", 1);
 //      on a second stream while chained kernels run (the first such launch would find no SMs left for a peer);
 //   0: never. Either way only on one host and while every LL launch of the communicator has used one stream.
 EP_PARAM(GpuLlPdlChain, "GPU_LL_PDL_CHAIN", 1);
+// Zero-copy LL dispatch, where a rank has fewer rows than warps: a row is split into at most this many parts, a
+// warp each (1 to 32), and in a fused kernel the last blocks (0 to blocks - 1; -1: a tenth of the grid) write no
+// rows: they derive the receive side (layout, recv_src_info) while the others write. At the goal shape (R = 2, 64
+// tokens, 64 experts, one H200) 16 parts with 4 such blocks of 44 took the dispatch from 15.5 to 14.9 us, where 16
+// parts with none took it to 17.3: the row writers then also derive the receive side, after their rows
+// (bench/results/h200-s24.log). With the destinations in registers as well (LaneDsts), one H100 measured 17.2 ->
+// 14.7 us there against the code before both (bench/results/h100-s25.log).
+EP_PARAM(GpuLlZdParts, "GPU_LL_ZD_PARTS", 16);
+EP_PARAM(GpuLlZdRside, "GPU_LL_ZD_RSIDE", -1);
 
 epResult_t GpuEngine::initLl() {
   const CommConfig& c = comm_->config;
@@ -292,6 +301,9 @@ epResult_t GpuEngine::zeroCopyDispatch(const epLlDispatchArgs_t& a, LlParams& p)
              "ll_max_tokens_per_rank rows of ll_max_hidden bf16)",
              rows, p.drow, ll_lay_.zd_x_bytes);
   p.zd = 1;
+  p.zd_parts = static_cast<int>(std::clamp<int64_t>(epParamGpuLlZdParts(), 1, 32));
+  const int64_t rside = epParamGpuLlZdRside();
+  p.zd_rside = static_cast<int>(std::clamp<int64_t>(rside < 0 ? p.blocks / 10 : rside, 0, p.blocks - 1));
   p.zd_x_off = static_cast<uint64_t>(x - static_cast<const uint8_t*>(ll_bufs_.local()));
   return epSuccess;
 }
