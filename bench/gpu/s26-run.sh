@@ -5,7 +5,8 @@
 #   NOT RUN ON A GPU when staged).
 #   bash .gpupack/s26-run.sh bench  (~120 s) goal shape: landed / before / lanes, 3 rounds (an H200 answers #9's
 #                                   <= 13 us for the landed zero-copy dispatch); standard shape R = 2, 4, 8 landed /
-#                                   lanes; knob sweep of the landed build; probe at hidden 7168 and 128
+#                                   lanes; knob sweep of the landed build; probe at hidden 7168 and 128; the
+#                                   host engine across 2 virtual hosts at R = 4, 8 (issue 12's xhost/raw on 16 cores)
 #   bash .gpupack/s26-run.sh suite  (~350 s) .gpulanes' test_gpu_ll at R = 2, 4, 8 (R = 8 needs ~250 s on an H100)
 #   bash .gpupack/s26-run.sh san    (~420 s) compute-sanitizer on .gpulanes' test_gpu_ll at R = 2
 # Land s25-ll-lanes if its suite and sanitizer pass and its plain dispatch rows are no slower.
@@ -44,6 +45,12 @@ if [ "$part" = bench ]; then
     echo "### probe hidden $H"
     LD_LIBRARY_PATH=.gpuprobe25 EPCOMM_GPU_LL_PDL_CHAIN=2 timeout 40 .gpubin/epcomm-run -n 2 -- .gpuprobe25/epcomm-bench --ops ll \
       --ll-tokens 64 --experts 64 --hidden $H --iters 50 2>&1 | grep -E "^PROBE dispatch zero-copy r|^dispatch zero-copy  " | head -12
+  done; el
+  echo "## (e) host engine across 2 virtual hosts on the 16-core host (issue 12's xhost/raw; 2-core VM: 0.19-0.21 at R = 4)"
+  for R in 4 8; do
+    echo "### host engine --hosts 2 -n $R"
+    EPCOMM_ENGINE=host EPCOMM_NET=socket LD_LIBRARY_PATH=.gpuwr2 timeout 120 .gpubin/epcomm-run --hosts 2 -n $R -- .gpuwr2/epcomm-bench \
+      --ops ht,ll --hidden 2048 --ht-tokens 1024 --topk 8 --experts 256 --iters 5 --warmup 1 2>&1 | grep -vE "WARN|^$" | tail -12
   done; el
 fi
 if [ "$part" = suite ]; then
