@@ -31,7 +31,7 @@ namespace {
 using namespace dev;
 
 constexpr int kLlThreads = 512;
-constexpr int kLlMaxRanks = 16;  // the GPU engine's rank limit (GpuEngine::init): sizes per-warp arrays
+constexpr int kLlMaxRanks = 16;  // the GPU engine's rank limit (GpuEngine::init); plain dispatch: lane r holds rank r
 // The routing words' index field (llZdRoutingWord) holds any T the dispatch stages (12 bytes of routing a pair).
 static_assert(kLlMaxSmem / 12 < 65536, "a token index fits 16 bits");
 
@@ -165,38 +165,19 @@ __device__ __forceinline__ int partsOf(int rows, int warps, int cap = 8) {
 }
 __device__ __forceinline__ int partBegin(int n, int P, int p) { return static_cast<int>(static_cast<int64_t>(n) * p / P); }
 
-// A warp copies 16-byte chunks [b, e) of `src` to up to kMaxDst destinations, eight loads in flight per lane
-// (sixteen measured no faster on an H200).
-constexpr int kMaxDst = kGpuMaxTopk;
-__device__ __forceinline__ void warpCopyChunks(uint8_t* const* dst, int ndst, const uint8_t* src, int b, int e,
-                                               int lane) {
-  constexpr int kU = 8;
-  const int4* s = reinterpret_cast<const int4*>(src);
-  for (int i = b + lane; i < e; i += 32 * kU) {
-    int4 v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-      if (i + u * 32 < e) v[u] = s[i + u * 32];
-    for (int d = 0; d < ndst; ++d) {
-      int4* o = reinterpret_cast<int4*>(dst[d]);
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (i + u * 32 < e) o[i + u * 32] = v[u];
-    }
-  }
-}
-
 // The destinations of a warp's row part, each a row and (fp8) its scales: an array the warp shares, or one per lane
 // of `lanes`, held in that lane's registers and handed round by shuffles. `each` calls f(row, scales) for every one,
-// in every lane of the warp (LaneDsts shuffles: every lane must call it). A zero-copy dispatch's array of up to
-// kMaxDst pointers sat in local memory (the fused kernel's 832-byte stack frame), one load per destination a round.
+// in every lane of the warp (LaneDsts shuffles: every lane must call it). Arrays of up to 32 pointers sat in local
+// memory (the fused dispatch kernel's 832-byte stack frame), one load per destination a round: the zero-copy
+// dispatch's moved to LaneDsts in s24 (17.2 -> 14.7 us on an H100 with its parts change), the plain dispatch's
+// (send: a lane per destination rank; receive: a lane per expert row) in s25.
 struct ArrayDsts {
   uint8_t* const* dst;
-  float* const* sc;
+  float* const* sc;  // nullptr: rows only (a plain copy)
   int nd;
   template <class F>
   __device__ __forceinline__ void each(F&& f) const {
-    for (int d = 0; d < nd; ++d) f(dst[d], sc[d]);
+    for (int d = 0; d < nd; ++d) f(dst[d], sc != nullptr ? sc[d] : nullptr);
   }
 };
 struct LaneDsts {
@@ -212,8 +193,9 @@ struct LaneDsts {
     }
   }
 };
-// warpCopyChunks to a destination list, its rounds the same in every lane (the shuffles of LaneDsts need the whole
-// warp).
+// A warp copies 16-byte chunks [b, e) of `src` to every destination of `ds`, eight loads in flight per lane
+// (sixteen measured no faster on an H200), its rounds the same in every lane (the shuffles of LaneDsts need the
+// whole warp).
 template <class D>
 __device__ __forceinline__ void warpCopyTo(const D& ds, const uint8_t* src, int b, int e, int lane) {
   constexpr int kU = 8;
@@ -231,6 +213,10 @@ __device__ __forceinline__ void warpCopyTo(const D& ds, const uint8_t* src, int 
         if (i + u * 32 < e) o[i + u * 32] = v[u];
     });
   }
+}
+// One destination.
+__device__ __forceinline__ void warpCopyChunks(uint8_t* dst, const uint8_t* src, int b, int e, int lane) {
+  warpCopyTo(ArrayDsts{&dst, nullptr, 1}, src, b, e, lane);
 }
 
 // fp8 quantization of 128-column blocks [b, e) of one row, written to every destination with its scale: a lane
@@ -296,12 +282,6 @@ __device__ __forceinline__ void writeRowPartToLanes(const LlParams& p, const Lan
                                                     int ue, int lane) {
   if (!p.use_fp8) warpCopyTo(ds, xr, ub, ue, lane);
   else quantizeRowPartTo(p, ds, xr, ub, ue, lane);
-}
-// Units [ub, ue) of row xr to nd destinations: 16-byte chunks copied, or with fp8 128-column blocks quantized.
-__device__ __forceinline__ void writeRowPart(const LlParams& p, uint8_t* const* dst, float* const* sc, int nd,
-                                             const uint8_t* xr, int ub, int ue, int lane) {
-  if (!p.use_fp8) warpCopyChunks(dst, nd, xr, ub, ue, lane);
-  else quantizeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
 }
 
 // Token pairs whose rank is masked (bits of `dropped`) are counted per rank, once per token.
@@ -569,7 +549,7 @@ __device__ __forceinline__ void sendSlotPartRemote(const LlParams& p, int r, int
                                          static_cast<uint32_t>(ue - ub) * 16, e);
     if (rs.hdr == nullptr) return;
     uint8_t* d = rs.payload() - static_cast<size_t>(ub) * 16;  // the copy writes chunks [ub, ue) of the row
-    warpCopyChunks(&d, 1, xr, ub, ue, lane);
+    warpCopyChunks(d, xr, ub, ue, lane);
     remoteCommitWarp(rs);
     return;
   }
@@ -610,7 +590,7 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
                                                    int ue, uint64_t e) {
   const int lane = threadIdx.x & 31;
   if (!isRemote(farMask<kX>(p), s)) {
-    warpCopyChunks(&d, 1, src, ub, ue, lane);
+    warpCopyChunks(d, src, ub, ue, lane);
     return;
   }
   if (ue <= ub) return;
@@ -618,7 +598,7 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
                                        static_cast<uint32_t>(ue - ub) * 16, e);
   if (rs.hdr == nullptr) return;
   uint8_t* o = rs.payload() - static_cast<size_t>(ub) * 16;
-  warpCopyChunks(&o, 1, src, ub, ue, lane);
+  warpCopyChunks(o, src, ub, ue, lane);
   remoteCommitWarp(rs);
 }
 
@@ -982,24 +962,18 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = n
       if (part == 0 && lane == 0) countMaskedDrops(p, routed & ~reached);
       const unsigned mask = reached & ~static_cast<unsigned>(far_mask);  // ranks of other hosts: the loop below
       if (mask == 0) continue;
-      uint8_t* dst[kLlMaxRanks];
-      int dr[kLlMaxRanks], nd = 0;
-      for (unsigned mm = mask; mm; mm &= mm - 1) {
-        dr[nd] = __ffs(mm) - 1;
-        dst[nd] = slotPtr(p, dr[nd], par, p.rank, t);
-        ++nd;
-      }
       if (part == 0) {
         // Expert-major rows need the token's index among this rank's tokens of each expert; rank-major rows sit at
         // the token's slot. (Staging every token's index with stageRouting's table instead measured about even at
         // 64 tokens on one H200: each block stages 1-3 us longer; bench/results/h200-ll-dispatch-s6.log, run47.)
         const int32_t pos = em ? tokenPositions(m.idx, t, K, xk, lane) : -1;
-        for (int d = 0; d < nd; ++d) {
-          LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(dst[d]);
+        for (unsigned mm = mask; mm; mm &= mm - 1) {
+          const int r = __ffs(mm) - 1;
+          LlSlotMeta* meta = reinterpret_cast<LlSlotMeta*>(slotPtr(p, r, par, p.rank, t));
           if (lane < K) {
             const int32_t raw = m.raw[t * K + lane];
-            meta->expert[2 * lane] = raw >= 0 && raw / L == dr[d] ? raw % L : -1;
-            meta->expert[2 * lane + 1] = rk == dr[d] ? pos : -1;
+            meta->expert[2 * lane] = raw >= 0 && raw / L == r ? raw % L : -1;
+            meta->expert[2 * lane + 1] = rk == r ? pos : -1;
           }
           if (lane == 0) {
             meta->token = t;
@@ -1007,12 +981,13 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = n
           }
         }
       }
-      for (int d = 0; d < nd; ++d) dst[d] += p.lay.slot_row;
-      const int ub = partBegin(units, P, part), ue = partBegin(units, P, part + 1);
+      // Lane r holds rank r's slot (ranks <= kLlMaxRanks < 32): LaneDsts, no pointer array in local memory.
+      const bool mine = (mask >> lane) & 1;
+      uint8_t* slot = mine ? slotPtr(p, lane, par, p.rank, t) : nullptr;
+      const LaneDsts ds{mask, mine ? slot + p.lay.slot_row : nullptr,
+                        mine ? reinterpret_cast<float*>(slot + p.lay.slot_scales) : nullptr};
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
-      float* sc[kLlMaxRanks];
-      for (int d = 0; d < nd; ++d) sc[d] = reinterpret_cast<float*>(dst[d] - p.lay.slot_row + p.lay.slot_scales);
-      writeRowPart(p, dst, sc, nd, xr, ub, ue, lane);
+      writeRowPartToLanes(p, ds, xr, partBegin(units, P, part), partBegin(units, P, part + 1), lane);
     }
     // Ranks of other hosts (a loop of its own, so that the one above keeps its registers): the slot's pieces as
     // records (remote.cuh).
@@ -1090,7 +1065,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
         if (part == 0 && lane < K) p.recv_topk_idx[row * K + lane] = present ? l_in : -1;
         if (!present) continue;
         uint8_t* d = static_cast<uint8_t*>(p.recv_x) + row * p.drow;
-        warpCopyChunks(&d, 1, slot + p.lay.slot_row, ub, ue, lane);
+        warpCopyChunks(d, slot + p.lay.slot_row, ub, ue, lane);
         if (p.srow && part == 0)
           warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.slot_scales, p.srow, lane);
         continue;
@@ -1106,17 +1081,17 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
             dst = static_cast<int64_t>(l) * RM + s_begin[l * (R + 1) + s] + idx;
         }
       }
-      uint8_t* dsts[kMaxDst];
-      int nd = 0;
-      for (unsigned m = __ballot_sync(kFull, dst >= 0); m; m &= m - 1) {
-        const int64_t row = __shfl_sync(kFull, dst, __ffs(m) - 1);
-        dsts[nd++] = static_cast<uint8_t*>(p.recv_x) + row * p.drow;
-        if (part != 0) continue;
-        if (lane == 0) p.recv_src_info[row] = t;
-        if (p.srow) warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.slot_scales,
-                              p.srow, lane);
-      }
-      warpCopyChunks(dsts, nd, slot + p.lay.slot_row, ub, ue, lane);
+      const unsigned live = __ballot_sync(kFull, dst >= 0);
+      if (part == 0)
+        for (unsigned m = live; m; m &= m - 1) {
+          const int64_t row = __shfl_sync(kFull, dst, __ffs(m) - 1);
+          if (lane == 0) p.recv_src_info[row] = t;
+          if (p.srow) warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.slot_scales,
+                                p.srow, lane);
+        }
+      // Each live lane holds its own final row (LaneDsts), no pointer array in local memory.
+      const LaneDsts ds{live, dst >= 0 ? static_cast<uint8_t*>(p.recv_x) + dst * p.drow : nullptr, nullptr};
+      warpCopyTo(ds, slot + p.lay.slot_row, ub, ue, lane);
     }
   }
   LL_PROBE(e, kPrCopied);
