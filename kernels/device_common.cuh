@@ -41,8 +41,11 @@ __device__ __forceinline__ uint64_t ldRelaxed(const uint64_t* p, bool gpu_scope 
   else asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+// A strong store without ordering of its own. After a fenceAcqRel in the same thread it releases what the fence
+// ordered: one fence, then any number of flags (stRelease is a fence per flag).
+__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v, bool gpu_scope = true) {
+  if (gpu_scope) asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // First failure wins (claimed in device memory); the code is stored last, so a host that sees it sees the rest.
@@ -127,7 +130,8 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
 // scope, or GPU scope when every rank runs on this GPU: `gpu_scope` below), then
 // counted in a cumulative counter (never reset, so graph replays need no reset); the block that brings it to
 // `target` (= operation number x blocks per launch) returns true. Only that block, after every other block of
-// the launch has finished, may advance the epoch the launch was derived from (rule G2).
+// the launch has finished, may advance the epoch the launch was derived from (rule G2). In that block thread 0 has
+// just run an acquire-release fence: its strong stores that follow release every block's writes (lastFlags).
 // The fences are acquire-release, not sequentially consistent (__threadfence_system): they order this block's
 // writes (peer memory included) before the count, and the other blocks' before what the last block writes next,
 // at a fraction of the cost, which LL latency feels.

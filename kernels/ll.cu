@@ -602,6 +602,23 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
   remoteCommitWarp(rs);
 }
 
+// The flags the last block of a launch raises toward the peers in `mask` (tags, acknowledgements), each the
+// address flagOf(rank), value e. Thread 0 stores those of this host's ranks relaxed, behind the fence lastBlockDone
+// ended with in that thread: one fence for all of them, where a release store per flag was one fence each, on the
+// critical path of every LL phase (s26 probe lines: 3 us from the last block's fence to its tags,
+// bench/results/h100-s26.log). Ranks of other hosts get FLAG records (publish). Call it only from the block for
+// which lastBlockDone returned true, with every thread.
+template <bool kX, class FlagOf>
+__device__ __forceinline__ void lastFlags(const LlParams& p, uint64_t mask, FlagOf flagOf, uint64_t e) {
+  if (threadIdx.x == 0)
+    for (int r = 0; r < p.nranks; ++r)
+      if (((mask >> r) & 1) && !isRemote(farMask<kX>(p), r)) stRelaxed(flagOf(r), e, p.gpu_scope);
+  if constexpr (kX)
+    for (int r = threadIdx.x; r < p.nranks; r += blockDim.x)
+      if (((mask >> r) & 1) && isRemote(farMask<kX>(p), r))
+        publish<kX>(p, r, kRemoteLlBuffer, flagOf(r), e, e, p.gpu_scope);
+}
+
 // The receive half's row layout, from every source's T and per-expert pair counts (count entries, or a zero-copy
 // dispatch's entries) into s_begin ([L][R + 1]: the first row of each source, then the total; expert-major) and s_T
 // ([R]); the block with `out` writes recv_count and recv_layout_range. own_cnt: this rank's own counts, staged by the caller
@@ -711,16 +728,16 @@ __device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool s
 
 // recv_src_info of zero-copy dispatch e from every active source's routing words (in its entry here): source s's
 // pair (t, k) naming local expert l sits at row begin(l, s) + its index, and that row's source token is t. Blocks
-// [b0, gridDim.x) share the pairs; s_begin / s_T: the layout (dispatchLayoutScan). Waits for the words first;
+// [b0, b1) share the pairs; s_begin / s_T: the layout (dispatchLayoutScan). Waits for the words first;
 // false if that failed. What a peer wrote is bounds-checked before it indexes anything.
 __device__ bool zdSourceInfo(const LlParams& p, int zs, uint64_t act, const int* s_begin, const int* s_T, uint64_t e,
-                             int b0) {
+                             int b0, int b1) {
   if (!waitPeers(p, act, zdRoutedFlag, zs, e, e)) return false;
   const int R = p.nranks, L = p.L, K = p.K;
   const size_t RM = static_cast<size_t>(R) * p.M;
   int total = 0;
   for (int s = 0; s < R; ++s) total += s_T[s] * K;  // 0 for masked sources
-  const int stride = (gridDim.x - b0) * blockDim.x;
+  const int stride = (b1 - b0) * blockDim.x;
   for (int j = (blockIdx.x - b0) * blockDim.x + threadIdx.x; j < total; j += stride) {
     int s = 0, i = j;
     while (i >= s_T[s] * K) i -= s_T[s++] * K;
@@ -791,7 +808,10 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   // Every warp needs its token's positions (to find its rows): from the token masks stageRouting built, else
   // staged once per block while the peers' entries come in (instead of by each warp, tokenPositions).
   if (masks == nullptr && table != nullptr) stageTablePositions(p, m, table, false);
-  if (blockIdx.x == gridDim.x - 1) publishRoutingWords(p, m, table != nullptr, masks, W, act, zs, e);
+  if (blockIdx.x == gridDim.x - 1) {
+    publishRoutingWords(p, m, table != nullptr, masks, W, act, zs, e);
+    LL_PROBE(e, kPrPublished);
+  }
   LL_PROBE(e, kPrEntries);
   // The rows need every active receiver's started word (its region) and the counts of the active sources below
   // this rank (its rows follow theirs): rank 0 waits for no count. Thread r < R waits for receiver r, thread 32 + s
@@ -875,18 +895,31 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
       writeRowPartToLanes(p, ds, xr, ub, ue, lane);
     }
+#ifdef EPCOMM_LL_PROBE
+    __syncthreads();
+    if (static_cast<int>(blockIdx.x) < min((p.T * P + nwarps - 1) / nwarps, row_blocks)) LL_PROBE(e, kPrRowsDone);
+#endif
     // A fused kernel's receive side, by the blocks that had no rows to write (every block when each has some): the
     // layout from every source's counts (the first of them writes recv_count and recv_layout_range), then
     // recv_src_info.
     if (pre != nullptr) {
       const int busy = min((p.T * P + nwarps - 1) / nwarps, row_blocks);
       const int b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
-      if (static_cast<int>(blockIdx.x) >= b0 && waitPeers(p, act & ~me, zdEntryFlag, zs, e, e)) {
+      // The last block, which published the routing words before its rows, gets here last: where other blocks
+      // share the receive side, it leaves that to them.
+      const int G = static_cast<int>(gridDim.x), b1 = G - 1 > b0 ? G - 1 : G;
+      if (static_cast<int>(blockIdx.x) >= b0 && static_cast<int>(blockIdx.x) < b1 &&
+          waitPeers(p, act & ~me, zdEntryFlag, zs, e, e)) {
         const bool out = static_cast<int>(blockIdx.x) == b0;
         dispatchLayoutLoad(p, zs, act, pre, pre + L * (R + 1), m.cnt, out);
         __syncthreads();
         dispatchLayoutScan(p, pre, pre + L * (R + 1), out);
-        zdSourceInfo(p, zs, act, pre, pre + L * (R + 1), e, b0);
+        LL_PROBE(e, kPrRsideLayout);
+        zdSourceInfo(p, zs, act, pre, pre + L * (R + 1), e, b0, b1);
+#ifdef EPCOMM_LL_PROBE
+        __syncthreads();
+        LL_PROBE(e, kPrRsideInfo);
+#endif
       }
     }
   }
@@ -900,15 +933,21 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
     if (seen >= e - 2) fenceAcqRel(p.gpu_scope);
     else waitAtLeast(p, ackPtr(p, p.rank, kLlDispatch, threadIdx.x), e - 2, threadIdx.x, epPhaseData, e);
   }
+#ifdef EPCOMM_LL_PROBE
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fenceAcqRel(p.gpu_scope);
+    LL_PROBE(e, kPrFenced);
+  }
+#endif
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-      if (((act >> r) & 1) && noFailure(p)) stRelease(tagPtr(p, r, kLlDispatch, par, p.rank), e, p.gpu_scope);
+    const uint64_t failed = noFailure(p) ? 0 : ~0ull;  // every tag or none
+    lastFlags<false>(p, act & ~failed, [&](int r) { return tagPtr(p, r, kLlDispatch, par, p.rank); }, e);
     if (pre != nullptr) {
       // Every block has read the peers' entries (counts and routing words) of operation e: acknowledged now, and
       // the receive half's epoch and completion count advance as a receive launch's would (every block of this
       // launch took e from the send epoch, which a fused launch shares with the receive: none is outstanding).
-      for (int s = threadIdx.x; s < R; s += blockDim.x)
-        if ((act >> s) & 1) stRelease(ackPtr(p, s, kLlDispatch, p.rank), e, p.gpu_scope);
+      lastFlags<false>(p, act, [&](int s) { return ackPtr(p, s, kLlDispatch, p.rank); }, e);
       if (threadIdx.x == 0) {
         stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
         atomicAdd(reinterpret_cast<unsigned long long*>(&ctrl->recv_done[kLlDispatch]), gridDim.x);
@@ -1006,9 +1045,8 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = n
   }
   LL_PROBE(e, kPrSent);
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-      if (((act >> r) & 1) && noFailure(p))
-        publish<kX>(p, r, kRemoteLlBuffer, tagPtr(p, r, kLlDispatch, par, p.rank), e, e, p.gpu_scope);
+    const uint64_t failed = noFailure(p) ? 0 : ~0ull;
+    lastFlags<kX>(p, act & ~failed, [&](int r) { return tagPtr(p, r, kLlDispatch, par, p.rank); }, e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
   }
@@ -1047,7 +1085,8 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
     LL_PROBE(e, kPrLayout);
     // The rows are in place once the tags are (the senders wrote them); their source tokens come from the routing
     // words, before.
-    if (p.zd && zdSourceInfo(p, zs, act, s_begin, s_T, e, 0)) waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
+    if (p.zd && zdSourceInfo(p, zs, act, s_begin, s_T, e, 0, gridDim.x))
+      waitPeers(p, act, tagFlag, kLlDispatch * 2 + par, e, e);
     const int units = static_cast<int>(p.drow / 16), P = partsOf(R * M, NW);
     for (int item = gw; !p.zd && item < R * M * P; item += NW) {
       const int i = item / P, part = item % P, s = i / M, t = i % M;
@@ -1096,8 +1135,7 @@ __device__ __forceinline__ void dispatchRecvBody(const LlParams& p) {
   }
   LL_PROBE(e, kPrCopied);
   if (lastBlockDone(&ctrl->recv_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
-    for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlDispatch, p.rank), e, e, p.gpu_scope);
+    lastFlags<kX>(p, act, [&](int s) { return ackPtr(p, s, kLlDispatch, p.rank); }, e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrAcked);
   }
@@ -1205,9 +1243,8 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
     }
   }
   if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
-    for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if (((act >> s) & 1) && noFailure(p))
-        publish<kX>(p, s, kRemoteLlBuffer, tagPtr(p, s, kLlCombine, par, p.rank), e, e, p.gpu_scope);
+    const uint64_t failed = noFailure(p) ? 0 : ~0ull;
+    lastFlags<kX>(p, act & ~failed, [&](int s) { return tagPtr(p, s, kLlCombine, par, p.rank); }, e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
   }
 }
@@ -1364,8 +1401,7 @@ __device__ __forceinline__ void combineRecvBody(const LlParams& p, const CombSta
     }
   }
   if (lastBlockDone(&ctrl->recv_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
-    for (int s = threadIdx.x; s < R; s += blockDim.x)
-      if ((act >> s) & 1) publish<kX>(p, s, kRemoteLlBuffer, ackPtr(p, s, kLlCombine, p.rank), e, e, p.gpu_scope);
+    lastFlags<kX>(p, act, [&](int s) { return ackPtr(p, s, kLlCombine, p.rank); }, e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->recv_epoch[kLlCombine], e);
   }
 }
@@ -1543,7 +1579,8 @@ extern "C" __attribute__((visibility("default"))) void epcommLlProbeReset() {
 extern "C" __attribute__((visibility("default"))) void epcommLlProbeDump(const char* what, int rank) {
   static unsigned long long v[kLlProbeOps][kPrPhases][2];
   static const char* const names[kPrPhases] = {"s0", "ack", "ent", "peers", "begin", "sent", "tag",
-                                               "r0", "tags", "layout", "copied", "end"};
+                                               "r0", "tags", "layout", "copied", "end", "pub", "rowsdone",
+                                               "rslayout", "rsinfo", "fenced"};
   cudaDeviceSynchronize();
   cudaMemcpyFromSymbol(v, g_ll_probe, sizeof(v));
   for (int i = 0; i < kLlProbeOps; i += 2) {

@@ -11,7 +11,10 @@
 namespace epcomm {
 enum LlProbePhase {
   kPrSendStart, kPrAck, kPrEntries, kPrPeers, kPrBegins, kPrSent, kPrTagged,
-  kPrRecvStart, kPrTags, kPrLayout, kPrCopied, kPrAcked, kPrPhases
+  kPrRecvStart, kPrTags, kPrLayout, kPrCopied, kPrAcked,
+  // zero-copy fused dispatch only: the publisher block past its routing words, row blocks' last warp done, the
+  // receive-side blocks past the layout and past recv_src_info, every block past a fence before its completion
+  kPrPublished, kPrRowsDone, kPrRsideLayout, kPrRsideInfo, kPrFenced, kPrPhases
 };
 }  // namespace epcomm
 
