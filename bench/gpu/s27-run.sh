@@ -6,8 +6,8 @@
 #   count an acquire-release atomic instead of a fence and a relaxed add). The branch was NOT RUN ON A GPU.
 #   bash .gpupack/s27-run.sh bench (~60 s)  goal shape (R = 2, 64 tokens, 64 experts, chain 2) main / fa / fab,
 #                                           4 rounds; standard shape R = 2, 4, 8; probe lines of main
-#   bash .gpupack/s27-run.sh suite (~330 s) test_gpu_ll: fa and fab at R = 2, main at R = 8 (lastFlags ran only
-#                                           at R = 2, 4 in s26)
+#   bash .gpupack/s27-run.sh suite (~480 s) test_gpu_ll: fa and fab at R = 2, main at R = 8 (lastFlags ran only
+#                                           at R = 2, 4 in s26) and at R = 4 across 2 virtual hosts
 #   bash .gpupack/s27-run.sh san   (~540 s) compute-sanitizer on main's test_gpu_ll at R = 2 (lastFlags has not
 #                                           been under the tools)
 # Land the faster of fa / fab only if it is faster than main in the same run and its tests (R = 2 here; R = 4, 8
@@ -44,8 +44,11 @@ if [ "$part" = bench ]; then
   done; el
 fi
 if [ "$part" = suite ]; then
-  for run in "fa 2" "fab 2" "main27 8"; do set -- $run
-    LD_LIBRARY_PATH=.gpu$1 EPCOMM_GPU_TEST_RANKS=$2 timeout $([ $2 = 8 ] && echo 260 || echo 120) .gpu$1/test_gpu_ll > $OUT/$1_ll_r$2.log 2>&1
-    echo "### $1 test_gpu_ll R=$2 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/$1_ll_r$2.log | tail -6; el
+  # build ranks hosts timeout: main across 2 virtual hosts too (lastFlags changed the kX instances' flags)
+  for run in "fa 2 1 100" "fab 2 1 100" "main27 8 1 250" "main27 4 2 150"; do set -- $run
+    left=$(( 585 - ($(date +%s) - T0) )); [ $left -lt 40 ] && { echo "### $run skipped ($left s left)"; continue; }
+    LD_LIBRARY_PATH=.gpu$1 EPCOMM_GPU_TEST_RANKS=$2 EPCOMM_GPU_TEST_HOSTS=$3 timeout $(( $4 < left ? $4 : left )) .gpu$1/test_gpu_ll \
+      > $OUT/$1_ll_r$2_h$3.log 2>&1
+    echo "### $1 test_gpu_ll R=$2 hosts=$3 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/$1_ll_r$2_h$3.log | tail -6; el
   done
 fi
