@@ -41,9 +41,14 @@ __device__ __forceinline__ uint64_t ldRelaxed(const uint64_t* p, bool gpu_scope 
   else asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// A strong store without ordering of its own. After a fenceAcqRel in the same thread it releases what the fence
-// ordered: one fence, then any number of flags (stRelease is a fence per flag).
-__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v, bool gpu_scope = true) {
+// A strong store without ordering of its own, at GPU scope: for words only this GPU reads.
+__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// The same at the flags' scope (system, or GPU where every rank runs on this GPU), for words peers read. After a
+// fenceAcqRel in the same thread it is a release of what the fence ordered (PTX: a fence followed by a strong
+// write in program order is a release pattern), so any number of flags can follow one fence.
+__device__ __forceinline__ void stRelaxed(uint64_t* p, uint64_t v, bool gpu_scope) {
   if (gpu_scope) asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
   else asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

@@ -604,9 +604,10 @@ __device__ __forceinline__ void sendCombineRowPart(const LlParams& p, int s, uin
 
 // The flags the last block of a launch raises toward the peers in `mask` (tags, acknowledgements), each the
 // address flagOf(rank), value e. Thread 0 stores those of this host's ranks relaxed, behind the fence lastBlockDone
-// ended with in that thread: one fence for all of them, where a release store per flag was one fence each, on the
-// critical path of every LL phase (s26 probe lines: 3 us from the last block's fence to its tags,
-// bench/results/h100-s26.log). Ranks of other hosts get FLAG records (publish). Call it only from the block for
+// ended with in that thread, which is their release. Release stores by threads 0..R-1 compiled to a second
+// warp-wide fence right after that one (and the fused zero-copy dispatch's acknowledgements to a third), on the
+// critical path of every LL phase: the s26 probe lines had 3 us from the last block's fence to its tags
+// (bench/results/h100-s26.log). Ranks of other hosts get FLAG records (publish). Call it only from the block for
 // which lastBlockDone returned true, with every thread.
 template <bool kX, class FlagOf>
 __device__ __forceinline__ void lastFlags(const LlParams& p, uint64_t mask, FlagOf flagOf, uint64_t e) {
