@@ -1,7 +1,7 @@
 #!/bin/bash
 # Staged in s26 for the next session's device calls (carry [".gpupack"]; .gpupack/STAGED says what each build is):
 #   .gpumain27 = main's GPU code after s26 (lastFlags landed: 55e6648), .gpuv3p = the same with -DEPCOMM_LL_PROBE,
-#   .gpufa = branch s26-ll-fences 066ede2 (the zero-copy entries' epoch and `routed` released by a fence and a
+#   .gpufa = branch s26-ll-fences bf70abf (the zero-copy entries' epoch and `routed` released by a fence and a
 #   relaxed store, not a fence then a release store), .gpufab = its head (+ lastBlockDoneAcqRel: the completion
 #   count an acquire-release atomic instead of a fence and a relaxed add). The branch was NOT RUN ON A GPU.
 #   bash .gpupack/s27-run.sh bench (~60 s)  goal shape (R = 2, 64 tokens, 64 experts, chain 2) main / fa / fab,
