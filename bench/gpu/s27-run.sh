@@ -1,11 +1,12 @@
 #!/bin/bash
 # Staged in s26 for the next session's device calls (carry [".gpupack"]; .gpupack/STAGED says what each build is):
-#   .gpumain27 = main's GPU code after s26 (lastFlags landed: 55e6648), .gpuv3p = the same with -DEPCOMM_LL_PROBE,
+#   .gpumain27 = main's GPU code after s26 (lastFlags landed: 55e6648), .gpuprobe27 = branch s26-ll-probe2 (main
+#   + two probe-only stamps in the zero-copy row loop: a part's destinations ready, its stores issued), probe build,
 #   .gpufa = branch s26-ll-fences bf70abf (the zero-copy entries' epoch and `routed` released by a fence and a
 #   relaxed store, not a fence then a release store), .gpufab = its head (+ lastBlockDoneAcqRel: the completion
 #   count an acquire-release atomic instead of a fence and a relaxed add). The branch was NOT RUN ON A GPU.
 #   bash .gpupack/s27-run.sh bench (~60 s)  goal shape (R = 2, 64 tokens, 64 experts, chain 2) main / fa / fab,
-#                                           4 rounds; standard shape R = 2, 4, 8; probe lines of main
+#                                           4 rounds; standard shape R = 2, 4, 8; probe lines (probe27)
 #   bash .gpupack/s27-run.sh suite (~480 s) test_gpu_ll: fa and fab at R = 2, main at R = 8 (lastFlags ran only
 #                                           at R = 2, 4 in s26) and at R = 4 across 2 virtual hosts
 #   bash .gpupack/s27-run.sh san   (~540 s) compute-sanitizer on main's test_gpu_ll at R = 2 (lastFlags has not
@@ -38,8 +39,8 @@ if [ "$part" = bench ]; then
   BARGS=(--iters 20)
   for R in 2 4 8; do for d in .gpumain27 .gpufa .gpufab; do b $d 1 $R; done; done; el
   echo "## (c) probe lines of main, goal shape, hidden 7168 then 128"
-  for H in 7168 128; do echo "### probe .gpuv3p hidden $H"
-    LD_LIBRARY_PATH=.gpuv3p EPCOMM_GPU_LL_PDL_CHAIN=2 timeout 40 .gpumain27/epcomm-run -n 2 -- .gpuv3p/epcomm-bench --ops ll \
+  for H in 7168 128; do echo "### probe .gpuprobe27 hidden $H"
+    LD_LIBRARY_PATH=.gpuprobe27 EPCOMM_GPU_LL_PDL_CHAIN=2 timeout 40 .gpumain27/epcomm-run -n 2 -- .gpuprobe27/epcomm-bench --ops ll \
       --ll-tokens 64 --experts 64 --hidden $H --iters 50 2>&1 | grep -E "^PROBE dispatch zero-copy r|^dispatch zero-copy  " | head -14
   done; el
 fi
