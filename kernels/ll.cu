@@ -896,16 +896,16 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       const uint8_t* xr = static_cast<const uint8_t*>(p.x) + static_cast<size_t>(t) * p.xrow;
       writeRowPartToLanes(p, ds, xr, ub, ue, lane);
     }
+    const auto busyBlocks = [&] { return min((p.T * P + nwarps - 1) / nwarps, row_blocks); };  // had rows to write
 #ifdef EPCOMM_LL_PROBE
     __syncthreads();
-    if (static_cast<int>(blockIdx.x) < min((p.T * P + nwarps - 1) / nwarps, row_blocks)) LL_PROBE(e, kPrRowsDone);
+    if (static_cast<int>(blockIdx.x) < busyBlocks()) LL_PROBE(e, kPrRowsDone);
 #endif
     // A fused kernel's receive side, by the blocks that had no rows to write (every block when each has some): the
     // layout from every source's counts (the first of them writes recv_count and recv_layout_range), then
     // recv_src_info.
     if (pre != nullptr) {
-      const int busy = min((p.T * P + nwarps - 1) / nwarps, row_blocks);
-      const int b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
+      const int busy = busyBlocks(), b0 = busy < static_cast<int>(gridDim.x) ? busy : 0;
       // The last block, which published the routing words before its rows, gets here last: where other blocks
       // share the receive side, it leaves that to them.
       const int G = static_cast<int>(gridDim.x), b1 = G - 1 > b0 ? G - 1 : G;
