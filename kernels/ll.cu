@@ -619,6 +619,12 @@ __device__ __forceinline__ void lastFlags(const LlParams& p, uint64_t mask, Flag
       if (((mask >> r) & 1) && isRemote(farMask<kX>(p), r))
         publish<kX>(p, r, kRemoteLlBuffer, flagOf(r), e, e, p.gpu_scope);
 }
+// The tags, to every rank of `act` or (after a failure on this rank) to none: rows it did not write must not look
+// written (noFailure).
+template <bool kX, class FlagOf>
+__device__ __forceinline__ void lastTags(const LlParams& p, uint64_t act, FlagOf flagOf, uint64_t e) {
+  lastFlags<kX>(p, noFailure(p) ? act : 0, flagOf, e);
+}
 
 // The receive half's row layout, from every source's T and per-expert pair counts (count entries, or a zero-copy
 // dispatch's entries) into s_begin ([L][R + 1]: the first row of each source, then the total; expert-major) and s_T
@@ -942,8 +948,7 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
   }
 #endif
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
-    const uint64_t failed = noFailure(p) ? 0 : ~0ull;  // every tag or none
-    lastFlags<false>(p, act & ~failed, [&](int r) { return tagPtr(p, r, kLlDispatch, par, p.rank); }, e);
+    lastTags<false>(p, act, [&](int r) { return tagPtr(p, r, kLlDispatch, par, p.rank); }, e);
     if (pre != nullptr) {
       // Every block has read the peers' entries (counts and routing words) of operation e: acknowledged now, and
       // the receive half's epoch and completion count advance as a receive launch's would (every block of this
@@ -1046,8 +1051,7 @@ __device__ __forceinline__ void dispatchSendBody(const LlParams& p, int* pre = n
   }
   LL_PROBE(e, kPrSent);
   if (lastBlockDone(&ctrl->send_done[kLlDispatch], e * gridDim.x, p.gpu_scope)) {
-    const uint64_t failed = noFailure(p) ? 0 : ~0ull;
-    lastFlags<kX>(p, act & ~failed, [&](int r) { return tagPtr(p, r, kLlDispatch, par, p.rank); }, e);
+    lastTags<kX>(p, act, [&](int r) { return tagPtr(p, r, kLlDispatch, par, p.rank); }, e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlDispatch], e);
     LL_PROBE(e, kPrTagged);
   }
@@ -1244,8 +1248,7 @@ __device__ __forceinline__ void combineSendBody(const LlParams& p, int* s_pre) {
     }
   }
   if (lastBlockDone(&ctrl->send_done[kLlCombine], e * gridDim.x, p.gpu_scope)) {
-    const uint64_t failed = noFailure(p) ? 0 : ~0ull;
-    lastFlags<kX>(p, act & ~failed, [&](int s) { return tagPtr(p, s, kLlCombine, par, p.rank); }, e);
+    lastTags<kX>(p, act, [&](int s) { return tagPtr(p, s, kLlCombine, par, p.rank); }, e);
     if (threadIdx.x == 0) stRelaxed(&ctrl->send_epoch[kLlCombine], e);
   }
 }
