@@ -2,7 +2,7 @@
 # Staged in s26 for the next session's device calls (carry [".gpupack"]; .gpupack/STAGED says what each build is):
 #   .gpumain27 = main's GPU code after s26 (lastFlags landed: 55e6648), .gpuprobe27 = branch s26-ll-probe2 (main
 #   + two probe-only stamps in the zero-copy row loop: a part's destinations ready, its stores issued), probe build,
-#   .gpufa = branch s26-ll-fences bf70abf (the zero-copy entries' epoch and `routed` released by a fence and a
+#   .gpufa = branch s26-ll-fences f5fa438 (the zero-copy entries' epoch and `routed` released by a fence and a
 #   relaxed store, not a fence then a release store), .gpufab = its head (+ lastBlockDoneAcqRel: the completion
 #   count an acquire-release atomic instead of a fence and a relaxed add). The branch was NOT RUN ON A GPU.
 #   bash .gpupack/s27-run.sh bench (~60 s)  goal shape (R = 2, 64 tokens, 64 experts, chain 2) main / fa / fab,
