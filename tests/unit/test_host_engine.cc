@@ -691,7 +691,7 @@ struct LlRun {
   std::vector<RankInput> all;
   epref::LlRecv want;
   size_t need_x = 0, need_s = 0, need_c = 0, need_si = 0, need_lr = 0, need_ti = 0;
-  Buf rx, rs, rc_, si, lr, ti, yb, out;
+  Buf xb, rx, rs, rc_, si, lr, ti, yb, out;
   epLlDispatchArgs_t a = EP_LL_DISPATCH_ARGS_INIT;
   epLlCombineArgs_t b = EP_LL_COMBINE_ARGS_INIT;
   std::vector<std::vector<uint8_t>> ys;
@@ -711,7 +711,8 @@ struct LlRun {
     a.dtype = lc.dtype;
     a.use_fp8 = lc.fp8 ? 1 : 0;
     a.layout = lc.layout;
-    a.x = nz(me.x);
+    xb.reset(me.x.size());
+    a.x = me.x.empty() ? nz(me.x) : xb.p();
     a.topk_idx = nz(me.topk_idx);
     want = epref::llDispatch(all, s, M, lc.dtype, lc.fp8, lc.layout, c.rank, kPoison);
     need_x = want.x.size();
@@ -758,7 +759,12 @@ struct LlRun {
     c.cas = describe(lc, R);
     a.phases = phases;
     const char* op = phases == EP_LL_SEND ? "ll_dispatch_send" : phases == EP_LL_RECV ? "ll_dispatch_recv" : "ll_dispatch";
+    const std::vector<uint8_t>& x = all[c.rank].x;
+    if ((phases & EP_LL_SEND) && !x.empty()) std::memcpy(xb.p(), x.data(), x.size());
     dispatch_ok = c.ok(epLlDispatch(comm, &a, nullptr), op, comm) && dispatch_ok;
+    // A call with a send half is done with x when it returns (x may be reused at once): a row read from it later
+    // would reach a peer poisoned and fail that peer's check.
+    if ((phases & EP_LL_SEND) && !x.empty()) std::memset(xb.p(), 0x5a, x.size());
   }
 
   void checkDispatch() {
@@ -920,6 +926,9 @@ std::vector<LlCase> llCases(int R) {
       {e2, 256, 4, epFloat32, 16, EM, false, 0, false},
   };
   if (R <= 4) {
+    // Messages of up to 224 KiB per destination: more than the smallest queues hold (host_engine_queues), so that a
+    // call's sends are still queued when its receives are done.
+    v.push_back({e4, 7168, 4, epBfloat16, 16, RM, false, 0, false});
     v.push_back({e4, 7168, 8, epBfloat16, 2, EM, true, 0, false});
     v.push_back({e2, 7168, 4, epBfloat16, 2, RM, false, 1, true});
   } else {

@@ -48,9 +48,15 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
     std::vector<int> n_to(R, 0), per_expert_to(static_cast<size_t>(R) * L, 0), masked_to;
     std::vector<uint8_t> in_rank;
     computeLayout(a->topk_idx, T, K, E, in_rank, n_to, per_expert_to, &masked_to);
+    // In a call with both halves and no fp8 conversion the rows go out of x directly (the receive half flushes the
+    // sends before returning), runs of consecutive rows as one piece, and only the metadata is staged; a send half
+    // on its own, or fp8, stages the rows too, so that it returns at once and x may be reused.
+    const bool rows_from_x = !a->use_fp8 && (a->phases & EP_LL_RECV);
+    const size_t staged = meta + (rows_from_x ? 0 : out_row + srow);
     size_t total = 0;
-    for (int p = 0; p < R; ++p) total += n_to[p] * (meta + out_row + srow);
+    for (int p = 0; p < R; ++p) total += n_to[p] * staged;
     ll_dispatch_stage_.resize(total);
+    std::vector<std::vector<Seg>> row_segs(rows_from_x ? R : 0);
     // Quantize (fp8) once per token, then copy into each destination's block.
     std::vector<uint8_t> qrow(out_row);
     std::vector<float> qscale(H / EP_FP8_BLOCK + 1);
@@ -58,7 +64,7 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
     std::vector<size_t> base(R);
     for (int p = 0; p < R; ++p) {
       base[p] = off;
-      off += n_to[p] * (meta + out_row + srow);
+      off += n_to[p] * staged;
     }
     std::vector<int> cursor(R, 0);
     for (int t = 0; t < T; ++t) {
@@ -85,6 +91,12 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
         int32_t* md = reinterpret_cast<int32_t*>(blk + i * meta);
         md[0] = t;
         for (int k = 0; k < K; ++k) md[1 + k] = (row[k] >= 0 && m.rankOf(row[k]) == p) ? m.localOf(row[k]) : -1;
+        if (rows_from_x) {
+          std::vector<Seg>& segs = row_segs[p];
+          if (!segs.empty() && segs.back().p + segs.back().n == xr) segs.back().n += out_row;
+          else segs.push_back({xr, out_row});
+          continue;
+        }
         uint8_t* xo = blk + n * meta + i * out_row;
         memcpy(xo, a->use_fp8 ? qrow.data() : xr, out_row);
         if (srow) memcpy(blk + n * (meta + out_row) + i * srow, qscale.data(), srow);
@@ -98,8 +110,9 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
       MsgHeader hdr = makeHeader(cur_op_, local, sig);
       hdr.v[0] = n_to[p];
       hdr.v[1] = T;
-      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L,
-           {{ll_dispatch_stage_.data() + base[p], n_to[p] * (meta + out_row + srow)}});
+      std::vector<Seg> segs{{ll_dispatch_stage_.data() + base[p], n_to[p] * staged}};
+      if (rows_from_x) segs.insert(segs.end(), row_segs[p].begin(), row_segs[p].end());
+      post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L, std::move(segs));
     }
     return epSuccess;
   };
@@ -191,7 +204,10 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
       }
     }
   }
-  return epSuccess;
+  // In a call with both halves this rank's rows went out of x (llDispatch): they must be out before it returns.
+  // (A receive half on its own must not wait here: a later send half's staged messages may be queued too.)
+  if (!(a->phases & EP_LL_SEND)) return epSuccess;
+  return flushSends(epPhaseData);
 }
 
 epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, epStream_t) {
