@@ -180,6 +180,13 @@ class HostEngine final : public Engine {
   epResult_t drainChannels(const std::vector<Incoming>& in);
   epResult_t recvChannelHeader(int src, int ch, uint64_t expect_bytes);
   epResult_t pullRows(int src, const std::vector<int32_t>& tokens, uint64_t remote_base, size_t row, uint8_t* dst);
+  // Whether HT dispatch rows toward rank p stay in the sender's x, the message naming them (cross-memory attach,
+  // and always this rank's own rows).
+  bool rowsByRef(int p) const { return cma_ || p == rank_; }
+  // Such a channel message from s (header `h` from channel 0): its token indices, then the x (and scale) rows
+  // pulled into recv rows [b, b + n); its topk_idx and weights follow in the ring as in any other.
+  epResult_t pullDispatchRows(const epHtDispatchArgs_t* a, const MsgHeader& h, int s, int c, int b, int n,
+                              bool has_idx, bool has_w);
   epResult_t readPeer(int src, const iovec* remote, size_t n, void* dst, size_t bytes);
   epResult_t htCombinePulled(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in, int c);
   epResult_t exchangeDone();  // every rank tells every peer it has finished reading its memory, and waits for theirs
@@ -228,6 +235,9 @@ class HostEngine final : public Engine {
   // discards them (the operation failed).
   epResult_t htDispatchRecvHier(const epHtDispatchArgs_t* a, const epHtHandle* lay, const std::vector<Incoming>& in,
                                 int c);
+  // Channel c's rows of source s that this rank forwarded to itself (fwd_self_), placed as its queue would.
+  epResult_t placeSelfForward(const epHtDispatchArgs_t* a, const epHtHandle* lay, int s, int c, bool has_idx,
+                              bool has_w);
   epResult_t htCombineHier(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in, bool ok,
                            bool st_ok, int c, std::atomic<bool>* forward_failed);
 
@@ -271,6 +281,19 @@ class HostEngine final : public Engine {
   // Reused scratch: staging of LL sends (kept until pushed) and receive-side row buffers.
   std::vector<uint8_t> ll_dispatch_stage_, ll_combine_stage_, scratch_;
   std::vector<int32_t> ll_combine_rows_;
+  // What a hierarchical HT dispatch forwards to this rank itself, per (source, channel): kept here instead of
+  // going through its own queue (htForwardDispatch fills it, htDispatchRecvHier reads it, on channel c's thread).
+  struct SelfForward {
+    bool set = false;
+    std::vector<int64_t> rows;  // rows of the source's message, ascending
+    const uint8_t* xs = nullptr;
+    const uint8_t* ss = nullptr;
+    uint64_t xrow = 0, srow = 0, K = 0;
+    bool has_idx = false, has_w = false;  // whether the source sent topk_idx and weights
+    const int64_t* idx = nullptr;         // [rows * K] local ids
+    const float* w = nullptr;             // [rows * K]
+  };
+  std::vector<SelfForward> fwd_self_;  // [R * C]
   std::vector<std::vector<uint64_t>> fwd_scratch_;  // [R * C] the forward masks of the HT dispatch in progress  // y rows of a joined LL combine whose rows the peers read
   std::vector<float> acc_;
   std::vector<ScratchArena> chan_scratch_;  // [channel]

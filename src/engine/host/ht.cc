@@ -174,11 +174,12 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   }
 
   // Channel 0: the counts. Channel c: the rows of tokens [chanBegin(c), chanBegin(c+1)), field-major (x rows,
-  // scale rows, topk_idx rows as local ids, topk_weights rows). With cross-memory attach the x and scale rows
-  // stay here and the message carries their token indices instead: the receiver pulls them.
+  // scale rows, topk_idx rows as local ids, topk_weights rows). With cross-memory attach, and always toward this
+  // rank itself (rowsByRef), the x and scale rows stay here and the message carries their token indices instead:
+  // the receiver pulls them (its own with a plain copy, one instead of two through its queue).
   std::vector<std::vector<int64_t>> idx_out(ok ? R * C : 0);
   std::vector<std::vector<float>> w_out(ok ? R * C : 0);
-  std::vector<std::vector<int32_t>> tok_out(ok && cma_ ? R * C : 0);
+  std::vector<std::vector<int32_t>> tok_out(ok ? R * C : 0);
   for (int p = 0; p < R; ++p) {
     if (!active(p)) continue;
     MsgHeader hdr = makeHeader(cur_op_, local, sig);
@@ -198,7 +199,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       std::vector<Seg> segs;
       const uint8_t* x = static_cast<const uint8_t*>(a->x);
       auto in = [&](int t) { return (*in_rank)[static_cast<size_t>(t) * R + p] != 0; };
-      if (cma_) {
+      const bool by_ref = rowsByRef(p);
+      if (by_ref) {
         auto& to = tok_out[static_cast<size_t>(p) * C + c];
         for (int t = tb; t < te; ++t)
           if (in(t)) to.push_back(t);
@@ -207,7 +209,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
         for (int t = tb; t < te; ++t)
           if (in(t)) segs.push_back({x + t * xrow, xrow});
       }
-      if (fp8 && !cma_) {
+      if (fp8 && !by_ref) {
         const uint8_t* sc = reinterpret_cast<const uint8_t*>(a->x_scales);
         for (int t = tb; t < te; ++t)
           if (in(t)) segs.push_back({sc + t * srow, srow});
@@ -272,7 +274,10 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       }
     }
   }
-  if (hier_) fwd_scratch_.assign(static_cast<size_t>(R) * C, {});
+  if (hier_) {
+    fwd_scratch_.assign(static_cast<size_t>(R) * C, {});
+    fwd_self_.resize(static_cast<size_t>(R) * C);
+  }
   pushSends();
 
   std::vector<Incoming> in;
@@ -333,14 +338,8 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
       for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
       const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
       const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
-      if (cma_) {
-        EPCHECK(recvChannelHeader(s, c, n * (sizeof(int32_t) + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
-        std::vector<int32_t> tokens(n);
-        EPCHECK(recvInto(s, tokens.data(), n * sizeof(int32_t), epPhaseData, c));
-        EPCHECK(pullRows(s, tokens, static_cast<uint64_t>(in[s].h.v[2]), xrow, rx + b * xrow));
-        if (fp8)
-          EPCHECK(pullRows(s, tokens, static_cast<uint64_t>(in[s].h.v[3]), srow,
-                           reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow));
+      if (rowsByRef(s)) {
+        EPCHECK(pullDispatchRows(a, in[s].h, s, c, b, n, has_idx, has_w));
       } else {
         EPCHECK(recvChannelHeader(s, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
         EPCHECK(recvInto(s, rx + b * xrow, n * xrow, epPhaseData, c));
@@ -517,6 +516,24 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   });
 }
 
+epResult_t HostEngine::pullDispatchRows(const epHtDispatchArgs_t* a, const MsgHeader& h, int s, int c, int b, int n,
+                                        bool has_idx, bool has_w) {
+  const int K = a->topk;
+  const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  const size_t srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
+  EPCHECK(recvChannelHeader(s, c, n * (sizeof(int32_t) + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
+  std::vector<int32_t> tokens(n);
+  EPCHECK(recvInto(s, tokens.data(), n * sizeof(int32_t), epPhaseData, c));
+  if (s == rank_)  // read with a plain copy: the indices must name rows of this rank's x
+    for (int32_t t : tokens)
+      if (t < 0 || t >= a->num_tokens) return fail(epInternalError, s, epPhaseData, "HT dispatch row index out of range");
+  EPCHECK(pullRows(s, tokens, static_cast<uint64_t>(h.v[2]), xrow, static_cast<uint8_t*>(a->recv_x) + b * xrow));
+  if (srow)
+    EPCHECK(pullRows(s, tokens, static_cast<uint64_t>(h.v[3]), srow,
+                     reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow));
+  return epSuccess;
+}
+
 // HT combine with cross-memory attach, channel c: the rows this rank's channel-c tokens got back from rank r
 // are contiguous in r's x (r received them in token order), so they come over in blocks, one
 // process_vm_readv per peer and block, into a staging buffer small enough to stay in cache for the reduction.
@@ -618,6 +635,7 @@ epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
   for (size_t i = 0; i < mine.size(); ++i)
     if (active(mine[i])) valid |= uint64_t{1} << i;
   for (int s = 0; s < R; ++s) {
+    fwd_self_[static_cast<size_t>(s) * C + c].set = false;
     if (!remote_[s] || in[s].masked || in[s].h.status != epSuccess || forwarder(s, my_host_) != rank_) continue;
     MsgHeader u;
     EPCHECK(recvInto(s, &u, sizeof(u), epPhaseData, c));
@@ -650,6 +668,7 @@ epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
       std::vector<int64_t> rows;
       for (int64_t i = 0; i < n; ++i)
         if ((mk[i] >> qi) & 1) rows.push_back(i);
+      SelfForward* self = q == rank_ ? &fwd_self_[static_cast<size_t>(s) * C + c] : nullptr;
       std::vector<Seg> segs;
       for (int64_t i : rows) segs.push_back({xs + i * xrow, xrow});
       if (srow)
@@ -674,6 +693,14 @@ epResult_t HostEngine::htForwardDispatch(const std::vector<Incoming>& in, int c,
           }
         segs.push_back({reinterpret_cast<const uint8_t*>(io), rows.size() * K * 8});
         if (wo) segs.push_back({reinterpret_cast<const uint8_t*>(wo), rows.size() * K * 4});
+        if (self) self->idx = io, self->w = wo;
+      }
+      if (self) {  // its own rows: copied once, from here, by htDispatchRecvHier (not twice through its queue)
+        self->has_idx = has_idx, self->has_w = has_w;
+        self->xs = xs, self->ss = ss, self->xrow = xrow, self->srow = srow, self->K = K;
+        self->rows = std::move(rows);
+        self->set = true;
+        continue;
       }
       post(q, makeHeader(cur_op_, epSuccess, 0), nullptr, 0, std::move(segs), c);
     }
@@ -692,6 +719,10 @@ epResult_t HostEngine::htDispatchRecvHier(const epHtDispatchArgs_t* a, const epH
     for (int s = 0; s < R; ++s) {
       if (in[s].masked || in[s].h.status != epSuccess || remote_[s] != pass) continue;
       const int r = pass ? forwarder(s, my_host_) : s;
+      if (pass && r == rank_) {  // forwarded by this rank to itself: no message (htForwardDispatch kept it)
+        if (lay != nullptr) EPCHECK(placeSelfForward(a, lay, s, c, in[s].h.v[1] & 1, in[s].h.v[1] & 2));
+        continue;
+      }
       if (lay == nullptr) {  // the operation failed: consume and discard
         MsgHeader h;
         EPCHECK(recvInto(r, &h, sizeof(h), epPhaseData, c));
@@ -707,10 +738,14 @@ epResult_t HostEngine::htDispatchRecvHier(const epHtDispatchArgs_t* a, const epH
       for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
       const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
       const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
-      EPCHECK(recvChannelHeader(r, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
-      EPCHECK(recvInto(r, static_cast<uint8_t*>(a->recv_x) + b * xrow, n * xrow, epPhaseData, c));
-      if (srow)
-        EPCHECK(recvInto(r, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData, c));
+      if (!pass && rowsByRef(s)) {  // this rank's own rows: their token indices, then the rest as below
+        EPCHECK(pullDispatchRows(a, in[s].h, s, c, b, n, has_idx, has_w));
+      } else {
+        EPCHECK(recvChannelHeader(r, c, n * (xrow + srow + (has_idx ? K * 8 : 0) + (has_w ? K * 4 : 0))));
+        EPCHECK(recvInto(r, static_cast<uint8_t*>(a->recv_x) + b * xrow, n * xrow, epPhaseData, c));
+        if (srow)
+          EPCHECK(recvInto(r, reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow, n * srow, epPhaseData, c));
+      }
       if (has_idx) {
         if (a->recv_topk_idx)
           EPCHECK(recvInto(r, a->recv_topk_idx + static_cast<size_t>(b) * K, sizeof(int64_t) * n * K, epPhaseData, c));
@@ -725,6 +760,30 @@ epResult_t HostEngine::htDispatchRecvHier(const epHtDispatchArgs_t* a, const epH
       }
     }
   return flushSends(epPhaseData, c);
+}
+
+epResult_t HostEngine::placeSelfForward(const epHtDispatchArgs_t* a, const epHtHandle* lay, int s, int c,
+                                        bool has_idx, bool has_w) {
+  const int C = nchan_, K = a->topk;
+  const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
+  const size_t srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
+  const SelfForward& f = fwd_self_[static_cast<size_t>(s) * C + c];
+  int b = lay->recv_prefix[s];
+  for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
+  const size_t n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
+  // The same checks as a message through the queue gets (recvChannelHeader: its size against the layout).
+  if (!f.set || f.rows.size() != n || f.xrow != xrow || f.srow != srow || f.has_idx != has_idx ||
+      f.has_w != has_w || (has_idx && f.K != static_cast<uint64_t>(K)))
+    return fail(epInternalError, rank_, epPhaseData, "forwarded HT dispatch rows do not match the layout");
+  uint8_t* rx = static_cast<uint8_t*>(a->recv_x) + b * xrow;
+  for (size_t j = 0; j < n; ++j) memcpy(rx + j * xrow, f.xs + f.rows[j] * xrow, xrow);
+  if (srow) {
+    uint8_t* rs = reinterpret_cast<uint8_t*>(a->recv_x_scales) + b * srow;
+    for (size_t j = 0; j < n; ++j) memcpy(rs + j * srow, f.ss + f.rows[j] * srow, srow);
+  }
+  if (n && has_idx && a->recv_topk_idx) memcpy(a->recv_topk_idx + static_cast<size_t>(b) * K, f.idx, n * K * 8);
+  if (n && has_w && a->recv_topk_weights) memcpy(a->recv_topk_weights + static_cast<size_t>(b) * K, f.w, n * K * 4);
+  return epSuccess;
 }
 
 epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandle* h, const std::vector<Incoming>& in,
