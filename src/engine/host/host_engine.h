@@ -62,6 +62,9 @@ struct MsgHeader {
 // The message carries row indices, not rows: the receiver reads the rows from the sender's memory
 // (process_vm_readv, base address in v[2]) and then signals RingEnd::setReadDone(epoch) on that sender's ring.
 constexpr uint32_t kMsgRowsByReference = 1;
+// The message carries no rows and no indices: they stay in the sender's memory, where the receiver knows them
+// (only between a rank and itself: its own HT combine rows, read in place out of its x).
+constexpr uint32_t kMsgRowsInPlace = 2;
 static_assert(sizeof(MsgHeader) == 96, "message header size is part of the wire format");
 
 // Per-channel scratch memory for what an operation posts from buffers of its own (the forwarded rows of a

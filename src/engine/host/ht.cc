@@ -443,7 +443,14 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
           const uint8_t* x;
           size_t n;
           slab(p, c, &x, &n);
-          post(pass ? forwarder(p, my_host_) : p, makeHeader(cur_op_, local, sig), nullptr, 0, {{x, n}}, c);
+          const int to = pass ? forwarder(p, my_host_) : p;
+          if (to == rank_) {  // its own rows: htCombineHier reads them in place, not through its own queue
+            MsgHeader hdr = makeHeader(cur_op_, local, sig);
+            hdr.flags = kMsgRowsInPlace;
+            post(to, hdr, nullptr, 0, {}, c);
+            continue;
+          }
+          post(to, makeHeader(cur_op_, local, sig), nullptr, 0, {{x, n}}, c);
         }
   }
   pushSends();
@@ -796,7 +803,19 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   ScratchArena& keep = chan_scratch_[c];  // partial rows, until pushed (flushSends below)
   keep.reset();
   std::vector<uint8_t> tmp(row);
+  // This rank's own rows (kMsgRowsInPlace): read in place in x, where `self` points, instead of from its queue.
+  const uint8_t* self = nullptr;
+  auto slab = [&](int p) {  // where this rank's channel-c rows for owner p start in x
+    size_t b = h->recv_prefix[p];
+    for (int cc = 0; cc < c; ++cc) b += h->recv_chan_count[static_cast<size_t>(p) * C + cc];
+    return static_cast<const uint8_t*>(a->x) + b * row;
+  };
   auto accumulateFrom = [&](int q, float* acc) -> epResult_t {  // one row of q's channel-c message
+    if (q == rank_) {
+      accumulateRow(acc, self, H, dt);
+      self += row;
+      return epSuccess;
+    }
     EPCHECK(waitIn(q, row, epPhaseData, c));
     const uint8_t* src = in_[c][q].peek(row);
     if (src == nullptr) {
@@ -826,13 +845,16 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
       }
       MsgHeader m;
       EPCHECK(recvInto(q, &m, sizeof(m), epPhaseData, c));
-      if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != q || m.extra_bytes != 0)
+      if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != q || m.extra_bytes != 0 ||
+          (q == rank_) != ((m.flags & kMsgRowsInPlace) != 0) || (q == rank_ && m.data_bytes != 0))
         return fail(epInternalError, q, epPhaseData, "HT combine message to reduce is out of sync");
       got[qi] = m.data_bytes;
       size_t want = 0;
       if (mk)
         for (uint64_t w : *mk) want += ((w >> qi) & 1) * row;
-      if (m.data_bytes != want) good = false;
+      // Its own rows are the ones its handle sent s (in place): as many as s's mask names on this rank.
+      const size_t has = q == rank_ ? (ok ? h->recv_chan_count[static_cast<size_t>(s) * C + c] * row : 0) : m.data_bytes;
+      if (has != want) good = false;
     }
     MsgHeader out = makeHeader(cur_op_, epSuccess, 0);
     if (good) {
@@ -843,10 +865,17 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
       uint8_t* const part_msg = keep.get(bytes);
       uint8_t* dst = part_msg;
       std::vector<float> acc(H);
+      self = slab(s);
       for (size_t i = 0; i < n; ++i) {
         const uint64_t w = (*mk)[i];
         if (__builtin_popcountll(w) == 1) {
-          EPCHECK(recvInto(mine[__builtin_ctzll(w)], dst, row, epPhaseData, c));
+          const int q = mine[__builtin_ctzll(w)];
+          if (q == rank_) {
+            memcpy(dst, self, row);
+            self += row;
+          } else {
+            EPCHECK(recvInto(q, dst, row, epPhaseData, c));
+          }
           dst += row;
           continue;
         }
@@ -898,7 +927,15 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
     if (!active(q)) continue;
     int cnt = 0;
     for (int t = tb; t < te; ++t) cnt += ir[static_cast<size_t>(t) * R + q];
-    EPCHECK(recvChannelHeader(q, c, cnt * row));
+    if (q != rank_) {
+      EPCHECK(recvChannelHeader(q, c, cnt * row));
+      continue;
+    }
+    MsgHeader m;  // its own: in place, as many rows as its handle received from itself on channel c
+    EPCHECK(recvInto(q, &m, sizeof(m), epPhaseData, c));
+    if (m.magic != kMsgMagic || m.epoch != cur_epoch_ || m.src != q || m.extra_bytes != 0 || m.data_bytes != 0 ||
+        !(m.flags & kMsgRowsInPlace) || h->recv_chan_count[static_cast<size_t>(q) * C + c] != cnt)
+      return fail(epInternalError, q, epPhaseData, "channel message does not match its operation header");
   }
   epResult_t bad = epSuccess;
   std::vector<uint64_t> pbytes(nhosts_, 0);
@@ -921,7 +958,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   }
   if (bad != epSuccess) {  // keep the rings aligned: discard what was announced
     for (int q : mine)
-      if (active(q))
+      if (active(q) && q != rank_)
         for (int t = tb; t < te; ++t)
           if (ir[static_cast<size_t>(t) * R + q]) EPCHECK(skipIn(q, row, epPhaseData, c));
     for (int hh = 0; hh < nhosts_; ++hh)
@@ -931,6 +968,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   }
   std::vector<float> acc(H), part(H);
   uint8_t* out = static_cast<uint8_t*>(a->combined_x);
+  self = slab(rank_);
   for (int t = tb; t < te; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int hh = 0; hh < nhosts_; ++hh) {
