@@ -111,7 +111,8 @@ epResult_t HostEngine::llDispatch(const epLlDispatchArgs_t* a, epResult_t local,
       hdr.v[0] = n_to[p];
       hdr.v[1] = T;
       std::vector<Seg> segs{{ll_dispatch_stage_.data() + base[p], n_to[p] * staged}};
-      if (rows_from_x) segs.insert(segs.end(), row_segs[p].begin(), row_segs[p].end());
+      if (rows_from_x && p == rank_) hdr.flags = kMsgRowsInPlace;  // its own rows: read out of x by its receive half
+      else if (rows_from_x) segs.insert(segs.end(), row_segs[p].begin(), row_segs[p].end());
       post(p, hdr, per_expert_to.data() + static_cast<size_t>(p) * L, sizeof(int) * L, std::move(segs));
     }
     return epSuccess;
@@ -134,8 +135,11 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
   for (int s = 0; s < R && st == epSuccess; ++s) {
     const MsgHeader& h = in[s].h;
     if (in[s].masked) continue;
+    // This rank's own rows may stay in x (kMsgRowsInPlace: a call with both halves, no fp8): metadata only.
+    const bool in_place = (h.flags & kMsgRowsInPlace) != 0;
     if (h.v[0] < 0 || h.v[0] > M || h.v[1] < 0 || h.v[1] > M || in[s].extra.size() != sizeof(int) * L ||
-        h.data_bytes != static_cast<uint64_t>(h.v[0]) * (meta + out_row + srow))
+        (in_place && (s != rank_ || srow || !(a->phases & EP_LL_SEND))) ||
+        h.data_bytes != static_cast<uint64_t>(h.v[0]) * (meta + (in_place ? 0 : out_row + srow)))
       st = fail(epInternalError, s, epPhaseHeader, "LL dispatch message sizes do not match its header");
   }
   if (st != epSuccess) {
@@ -168,9 +172,11 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
     const int n = static_cast<int>(in[s].h.v[0]);
     md.resize(static_cast<size_t>(n) * (1 + K));
     EPCHECK(recvInto(s, md.data(), n * meta, epPhaseData));
+    const bool in_place = (in[s].h.flags & kMsgRowsInPlace) != 0;
+    const uint8_t* x = static_cast<const uint8_t*>(a->x);
     for (int i = 0; i < n; ++i) {  // bounds-check the peer's metadata before using it as indices
       const int32_t* mi = md.data() + static_cast<size_t>(i) * (1 + K);
-      bool bad = mi[0] < 0 || mi[0] >= M;
+      bool bad = mi[0] < 0 || mi[0] >= (in_place ? a->num_tokens : M);
       for (int k = 0; k < K; ++k) bad = bad || mi[1 + k] < -1 || mi[1 + k] >= L;
       if (bad) return fail(epInternalError, s, epPhaseData, "LL dispatch metadata out of range");
     }
@@ -182,8 +188,11 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
         for (int e = 0; e < L; ++e) cursor[static_cast<size_t>(e) * R + s] = begin[static_cast<size_t>(e) * R + s];
       for (int i = 0; i < n; ++i) {
         const int32_t* mi = md.data() + static_cast<size_t>(i) * (1 + K);
-        EPCHECK(waitIn(s, rb, epPhaseData));
-        auto place = [&](size_t dst_row) { in_[0][s].copyOut(dst_base + dst_row * rb, 0, rb); };
+        if (!in_place) EPCHECK(waitIn(s, rb, epPhaseData));
+        auto place = [&](size_t dst_row) {
+          if (in_place) memcpy(dst_base + dst_row * rb, x + static_cast<size_t>(mi[0]) * rb, rb);
+          else in_[0][s].copyOut(dst_base + dst_row * rb, 0, rb);
+        };
         if (expert_major) {
           for (int k = 0; k < K; ++k) {
             int e = mi[1 + k];
@@ -200,7 +209,7 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
             for (int k = 0; k < K; ++k)
               a->recv_topk_idx[(static_cast<size_t>(s) * M + mi[0]) * K + k] = mi[1 + k];
         }
-        in_[0][s].release(rb);
+        if (!in_place) in_[0][s].release(rb);
       }
     }
   }
@@ -247,28 +256,26 @@ epResult_t HostEngine::llCombine(const epLlCombineArgs_t* a, epResult_t local, e
     // With the receive half in the same call, y stays valid until the call returns. With cross-memory attach
     // the rows stay in y and each peer reads its own (the message lists their y rows); this call returns once
     // every peer is done with them.
-    if ((a->phases & EP_LL_RECV) && cma_) {
+    // Without it, this rank's own rows still stay in y (it reads them itself), and the others' go out of y
+    // directly (the receive half flushes the sends before returning), runs of consecutive rows as one piece.
+    if (a->phases & EP_LL_RECV) {
       std::vector<int32_t>& idx = ll_combine_rows_;
       idx.clear();
       for (int s = 0; s < R; ++s)
-        for (size_t yr : rows_to[s]) idx.push_back(static_cast<int32_t>(yr));
+        if (cma_ || s == rank_)
+          for (size_t yr : rows_to[s]) idx.push_back(static_cast<int32_t>(yr));
       size_t off = 0;
       for (int s = 0; s < R; ++s) {
         if (!active(s)) continue;
-        MsgHeader hdr = makeHeader(cur_op_, local, sig);
-        hdr.flags = kMsgRowsByReference;
-        hdr.v[0] = static_cast<int64_t>(rows_to[s].size());
-        hdr.v[2] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(y));
-        post(s, hdr, nullptr, 0, {{reinterpret_cast<const uint8_t*>(idx.data() + off), rows_to[s].size() * 4}});
-        off += rows_to[s].size();
-      }
-      return epSuccess;
-    }
-    // Otherwise, in a call with both halves, the rows go out of y directly (the receive half flushes the sends
-    // before returning), runs of consecutive rows as one piece.
-    if (a->phases & EP_LL_RECV) {
-      for (int s = 0; s < R; ++s) {
-        if (!active(s)) continue;
+        if (cma_ || s == rank_) {
+          MsgHeader hdr = makeHeader(cur_op_, local, sig);
+          hdr.flags = kMsgRowsByReference;
+          hdr.v[0] = static_cast<int64_t>(rows_to[s].size());
+          hdr.v[2] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(y));
+          post(s, hdr, nullptr, 0, {{reinterpret_cast<const uint8_t*>(idx.data() + off), rows_to[s].size() * 4}});
+          off += rows_to[s].size();
+          continue;
+        }
         std::vector<Seg> segs;
         for (size_t yr : rows_to[s]) {
           const uint8_t* p = y + yr * row;
@@ -422,6 +429,10 @@ epResult_t HostEngine::llCombineRecv(const epLlCombineArgs_t* a, const Pending& 
     // Rows left in rank s's y: the message lists their y rows.
     std::vector<int32_t> yrows(expect[s]);
     EPCHECK(recvInto(s, yrows.data(), yrows.size() * sizeof(int32_t), epPhaseData));
+    if (s == rank_)  // read with a plain copy: the indices must name rows of this rank's y
+      for (int32_t yr : yrows)
+        if (yr < 0 || static_cast<size_t>(yr) >= static_cast<size_t>(L) * R * a->max_tokens_per_rank)
+          return fail(epInternalError, s, epPhaseData, "LL combine row index out of range");
     EPCHECK(pullRows(s, yrows, static_cast<uint64_t>(in[s].h.v[2]), row, dst));
     in_[0][s].setReadDone(pend.epoch);
   }
