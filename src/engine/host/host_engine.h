@@ -14,7 +14,10 @@
 // and the receiver reads them straight into place. The owner keeps them untouched until every reader is done:
 // readers raise the read_done counter (to the operation's epoch) of the ring they received the message on,
 // and the owner waits for those counters. A counter rather than a message, because a peer with split LL
-// halves may already have queued later messages on that ring.
+// halves may already have queued later messages on that ring. A rank's own rows stay where they are in more
+// cases (HT dispatch always; HT combine with cross-memory attach or hierarchically across hosts; LL calls with
+// both halves, dispatch without fp8): it copies them once into place instead of twice through its own queue. The
+// message to itself still goes, carrying indices or nothing, so the order of every ring is the same.
 //
 // Across hosts. Ranks with the same host identity (hostname + boot id, or EPCOMM_HOSTID) share memory; toward a
 // rank of another host the rings and region-header words are carried over the net transport by a NetBridge
