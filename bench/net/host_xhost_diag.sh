@@ -9,7 +9,7 @@
 #   (b) the same ranks on one host (no net at all), for the engine's own speed there, also through the queues
 #       (EPCOMM_HOST_CMA=0) with 1 and 4 channels: s12 measured 7.3 ms for HT dispatch that way on 16 cores against
 #       ~10 ms on 2, so the queues alone barely use the cores;
-#   (c) per-thread CPU of every rank during a long HT run (top -H): which threads work and which wait;
+#   (c) per-thread CPU of every rank during a long HT run (from /proc): which threads work and which wait;
 #   (d) with perf on the machine, a flat profile of that run.
 # Reading it: channels that change nothing, with the channel threads idle in (c), mean one serial step per rank
 # (the bridge's one connection and thread per peer, or the forwarder's whole-message store-and-forward) bounds it;
@@ -46,8 +46,27 @@ echo "## (c) per-thread CPU, -n 4 --hosts 2, HT dispatch + combine, 400 iteratio
 EPCOMM_ENGINE=host EPCOMM_NET=socket timeout 120 $B/src/launcher/epcomm-run -n 4 --hosts 2 -- \
   $B/bench/epcomm-bench --ops ht "${A[@]:0:8}" --iters 400 --warmup 2 --net-raw-mb 0 > "$OUT/diag-long.txt" 2>&1 &
 sleep 4
-pids=$(pgrep -d, -f 'bench/epcomm-bench --ops ht')
-[ -n "$pids" ] && top -H -b -d 1 -n 3 -p "$pids" | grep -E '^ *[0-9]+ ' | sort -k9 -nr | head -40
+# CPU of every thread of the ranks over 2 s, from /proc (the device machine has no perf; top may be missing too).
+pids=$(pgrep -f 'bench/epcomm-bench --ops ht' | tr '\n' ' ')
+python3 - $pids <<'PY'
+import os, sys, time
+def snap():
+    d = {}
+    for pid in sys.argv[1:]:
+        try: tids = os.listdir(f"/proc/{pid}/task")
+        except OSError: continue
+        for t in tids:
+            try: f = open(f"/proc/{pid}/task/{t}/stat").read()
+            except OSError: continue
+            name = f[f.index("(") + 1:f.rindex(")")]; v = f[f.rindex(")") + 2:].split()
+            d[(pid, t)] = (name, int(v[11]) + int(v[12]))  # utime + stime, clock ticks
+    return d
+a = snap(); time.sleep(2); b = snap(); hz = os.sysconf("SC_CLK_TCK")
+rows = sorted(((b[k][1] - a[k][1]) / hz / 2 * 100, k, b[k][0]) for k in b if k in a)
+print("%CPU over 2 s  pid  tid  thread"); [print("%6.1f  %s  %s  %s" % (c, k[0], k[1], n)) for c, k, n in reversed(rows)]
+print("total %.0f %% of one core, %d threads" % (sum(r[0] for r in rows), len(rows)))
+PY
+pids=$(echo $pids | tr ' ' ',')
 if command -v perf > /dev/null && [ -n "$pids" ]; then
   echo "## (d) perf, 3 s"
   perf record -o "$OUT/diag.perf" -F 999 -g -p "$pids" -- sleep 3 > /dev/null 2>&1

@@ -8,6 +8,7 @@
 #include "common/checks.h"
 #include "common/log.h"
 #include "common/param.h"
+#include "common/thread_name.h"
 #include "common/time.h"
 
 namespace epcomm {
@@ -269,6 +270,7 @@ void GpuProxy::trace() {
 }
 
 void GpuProxy::loop() {
+  nameThisThread("epcomm-proxy");
   const bool tracing = epParamGpuProxyTrace() != 0;
   int64_t next_trace = nowNs();
   Backoff backoff;

@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/param.h"
 #include "common/routing.h"
+#include "common/thread_name.h"
 #include "common/time.h"
 #include "engine/validate.h"
 
@@ -108,6 +109,7 @@ class ChannelPool {
 
  private:
   void loop(int c) {
+    nameThisThread("epcomm-chan", c);
     uint64_t seen = 0;
     std::unique_lock<std::mutex> l(m_);
     while (true) {

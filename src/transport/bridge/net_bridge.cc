@@ -10,6 +10,7 @@
 
 #include "common/checks.h"
 #include "common/log.h"
+#include "common/thread_name.h"
 #include "common/time.h"
 #include "transport/net/net.h"
 
@@ -827,6 +828,7 @@ bool NetBridge::assist() {
 }
 
 void NetBridge::progressLoop() {
+  nameThisThread("epcomm-bridge");
   Backoff backoff;
   for (;;) {
     bool moved = false;

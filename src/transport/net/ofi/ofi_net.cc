@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "common/param.h"
+#include "common/thread_name.h"
 #include "common/time.h"
 #include "transport/net/net.h"
 #include "transport/net/sockutil.h"
@@ -747,6 +748,7 @@ class OfiBackend final : public NetBackend {
   NetTurnClock hbTurns_;  // the heartbeat thread's turns
 
   void heartbeatLoop(Heartbeat* h) {
+    nameThisThread("epcomm-ofi-hb");
     std::unique_lock<std::mutex> lk(hbMu_);
     while (!h->stop) {
       hbTurns_.turn(nowNs());

@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "common/param.h"
+#include "common/thread_name.h"
 #include "common/time.h"
 #include "transport/net/net.h"
 #include "transport/net/sockutil.h"
@@ -292,6 +293,7 @@ int moveChunks(SockComm* c, int si, bool caller) {
 }
 
 void helperLoop(SockComm* c, Helper* h) {
+  nameThisThread("epcomm-sock");
   std::vector<pollfd> pfds;
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
