@@ -802,7 +802,20 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   const std::vector<int>& mine = host_ranks_[my_host_];
   ScratchArena& keep = chan_scratch_[c];  // partial rows, until pushed (flushSends below)
   keep.reset();
-  std::vector<uint8_t> tmp(row);
+  std::vector<uint8_t> tmp(std::max<size_t>(row, static_cast<size_t>(H) * sizeof(float)));
+  // The next `bytes` of q's channel-c message, read where they lie in the queue (a copy only where they wrap around
+  // its end), then consumed.
+  auto fromQueue = [&](int q, size_t bytes, auto&& use) -> epResult_t {
+    EPCHECK(waitIn(q, bytes, epPhaseData, c));
+    const uint8_t* src = in_[c][q].peek(bytes);
+    if (src == nullptr) {
+      in_[c][q].copyOut(tmp.data(), 0, bytes);
+      src = tmp.data();
+    }
+    use(src);
+    in_[c][q].release(bytes);
+    return epSuccess;
+  };
   // This rank's own rows (kMsgRowsInPlace): read in place in x, where `self` points, instead of from its queue.
   const uint8_t* self = nullptr;
   auto slab = [&](int p) {  // where this rank's channel-c rows for owner p start in x
@@ -816,15 +829,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
       self += row;
       return epSuccess;
     }
-    EPCHECK(waitIn(q, row, epPhaseData, c));
-    const uint8_t* src = in_[c][q].peek(row);
-    if (src == nullptr) {
-      in_[c][q].copyOut(tmp.data(), 0, row);
-      src = tmp.data();
-    }
-    accumulateRow(acc, src, H, dt);
-    in_[c][q].release(row);
-    return epSuccess;
+    return fromQueue(q, row, [&](const uint8_t* src) { accumulateRow(acc, src, H, dt); });
   };
 
   // 1. Forward: this host's partial sums for the owners on other hosts this rank forwarded for.
@@ -977,12 +982,14 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
         std::fill(part.begin(), part.end(), 0.0f);
         for (int q : mine)
           if (ir[static_cast<size_t>(t) * R + q]) EPCHECK(accumulateFrom(q, part.data()));
-      } else if (hostHas(t, hh) == 1) {
-        EPCHECK(recvInto(fw[hh], tmp.data(), row, epPhaseData, c));
+      } else if (hostHas(t, hh) == 1) {  // the one row that host holds, widened: read in its queue
         std::fill(part.begin(), part.end(), 0.0f);
-        accumulateRow(part.data(), tmp.data(), H, dt);
-      } else {
-        EPCHECK(recvInto(fw[hh], part.data(), H * sizeof(float), epPhaseData, c));
+        EPCHECK(fromQueue(fw[hh], row, [&](const uint8_t* src) { accumulateRow(part.data(), src, H, dt); }));
+      } else {  // that host's fp32 partial, added where it lies in the queue
+        EPCHECK(fromQueue(fw[hh], H * sizeof(float), [&](const uint8_t* src) {
+          host::addRow(acc.data(), reinterpret_cast<const float*>(src), H);
+        }));
+        continue;
       }
       host::addRow(acc.data(), part.data(), H);
     }
