@@ -460,9 +460,11 @@ EPCOMM_API epResult_t epCommDeregister(epMemRegion_t region);
  * the oldest one outstanding; a call with both halves needs none outstanding; otherwise epInvalidUsage.
  * Host engine: between a send half and its receive only LL calls may run: epCommBarrier, HT calls and
  * alltoallv return epInvalidUsage and post nothing (the GPU engine keeps separate buffers and allows them). An LL
- * call on the host engine does not wait for its sends: what does not fit in the queues goes out while this rank
- * is inside its later calls, so a peer's receive may wait until this rank's next call that communicates (an LL
- * call, a barrier): a rank that stops calling for long stalls its peers' LL receives.
+ * half on its own on the host engine does not wait for its sends: what does not fit in the queues goes out while
+ * this rank is inside its later calls, so a peer's receive may wait until this rank's next call that communicates
+ * (an LL call, a barrier): a rank that stops calling for long stalls its peers' LL receives. A call with both
+ * halves sends its rows straight out of x (dispatch without fp8) or y (combine) and returns only once they are
+ * in the peers' queues: where a peer sits between its own halves, that may take until the peer's next call.
  * Rejected halves: a rejected EP_LL_RECV posts nothing and stays outstanding: the peers' receives complete as
  * usual and a valid retry of the receive completes this rank's. A rejected EP_LL_SEND returns at once and
  * posts an error header: every peer's receive of that operation returns epRemoteError naming this rank, and

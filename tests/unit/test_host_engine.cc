@@ -1206,6 +1206,9 @@ TEST_P(CrossHost, EveryOperation) {
       // HT exact / cached / worst-token (with the layout), bf16 and fp8, rows that wrap the small queues
       runHtCase(comm, handle, c, R, mix(s, 1), {4 * R, 128, 4, round ? epFloat8E4M3 : epBfloat16, 24});
       runHtCase(comm, handle, c, R, mix(s, 2), {2 * R, 1024, 3, round ? epFloat32 : epFloat16, 40});
+      // Rows of half the smallest queue, every token on every rank: a combine's fp32 partial of such a row fills a
+      // whole 64 KiB queue
+      if (round == 0) runHtCase(comm, handle, c, R, mix(s, 10), {R, 16384, 4, epBfloat16, 6});
       // LL: both layouts, fp8, one call and split halves (also mixed between ranks), two interleaved
       runLlCase(comm, c, R, mix(s, 3), {4 * R, 128, 4, epBfloat16, 8, EM, round == 1, 0, 0});
       runLlCase(comm, c, R, mix(s, 4), {2 * R, 256, 3, epFloat16, 6, RM, round == 0, 1, 1});

@@ -63,10 +63,12 @@ struct MsgHeader {
   uint8_t pad[12];
 };
 // The message carries row indices, not rows: the receiver reads the rows from the sender's memory
-// (process_vm_readv, base address in v[2]) and then signals RingEnd::setReadDone(epoch) on that sender's ring.
+// (process_vm_readv, base address in v[2]; a plain copy when the sender is the receiver itself) and then signals
+// RingEnd::setReadDone(epoch) on that sender's ring.
 constexpr uint32_t kMsgRowsByReference = 1;
-// The message carries no rows and no indices: they stay in the sender's memory, where the receiver knows them
-// (only between a rank and itself: its own HT combine rows, read in place out of its x).
+// The message carries no rows: they stay in the sender's memory, where the receiver knows them (only between a rank
+// and itself: its own hierarchical HT combine rows, the message then empty, read in place out of x; its own LL
+// dispatch rows in a call with both halves, the message then only their metadata, read out of x by token).
 constexpr uint32_t kMsgRowsInPlace = 2;
 static_assert(sizeof(MsgHeader) == 96, "message header size is part of the wire format");
 
@@ -300,7 +302,7 @@ class HostEngine final : public Engine {
     const float* w = nullptr;             // [rows * K]
   };
   std::vector<SelfForward> fwd_self_;  // [R * C]
-  std::vector<std::vector<uint64_t>> fwd_scratch_;  // [R * C] the forward masks of the HT dispatch in progress  // y rows of a joined LL combine whose rows the peers read
+  std::vector<std::vector<uint64_t>> fwd_scratch_;  // [R * C] the forward masks of the HT dispatch in progress
   std::vector<float> acc_;
   std::vector<ScratchArena> chan_scratch_;  // [channel]
   // Elastic ranks: the mask read at operation start, its generation (bumped when someone new is masked), the

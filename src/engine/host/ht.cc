@@ -972,6 +972,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
     return bad;
   }
   std::vector<float> acc(H), part(H);
+  const int part_step = static_cast<int>(std::max<size_t>(1, ring_bytes_ / 2 / sizeof(float)));
   uint8_t* out = static_cast<uint8_t*>(a->combined_x);
   self = slab(rank_);
   for (int t = tb; t < te; ++t) {
@@ -985,10 +986,14 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
       } else if (hostHas(t, hh) == 1) {  // the one row that host holds, widened: read in its queue
         std::fill(part.begin(), part.end(), 0.0f);
         EPCHECK(fromQueue(fw[hh], row, [&](const uint8_t* src) { accumulateRow(part.data(), src, H, dt); }));
-      } else {  // that host's fp32 partial, added where it lies in the queue
-        EPCHECK(fromQueue(fw[hh], H * sizeof(float), [&](const uint8_t* src) {
-          host::addRow(acc.data(), reinterpret_cast<const float*>(src), H);
-        }));
+      } else {  // that host's fp32 partial, added where it lies in the queue, in pieces of at most half a queue
+        // (twice a row may be a whole queue, more than its sender ever gets credit for at once: net_bridge.cc)
+        for (int j = 0; j < H; j += part_step) {
+          const int n = std::min(part_step, H - j);
+          EPCHECK(fromQueue(fw[hh], n * sizeof(float), [&](const uint8_t* src) {
+            host::addRow(acc.data() + j, reinterpret_cast<const float*>(src), n);
+          }));
+        }
         continue;
       }
       host::addRow(acc.data(), part.data(), H);

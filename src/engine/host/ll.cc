@@ -141,6 +141,11 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
         (in_place && (s != rank_ || srow || !(a->phases & EP_LL_SEND))) ||
         h.data_bytes != static_cast<uint64_t>(h.v[0]) * (meta + (in_place ? 0 : out_row + srow)))
       st = fail(epInternalError, s, epPhaseHeader, "LL dispatch message sizes do not match its header");
+    // Per-expert counts place rows (expert-major): none may exceed the rows the message carries.
+    const int* cnt = reinterpret_cast<const int*>(in[s].extra.data());
+    for (int e = 0; e < L && st == epSuccess && in[s].extra.size() == sizeof(int) * L; ++e)
+      if (cnt[e] < 0 || cnt[e] > h.v[0])
+        st = fail(epInternalError, s, epPhaseHeader, "LL dispatch per-expert count out of range");
   }
   if (st != epSuccess) {
     EPCHECK(drainPayloads(in));
@@ -199,7 +204,10 @@ epResult_t HostEngine::llDispatchRecv(const epLlDispatchArgs_t* a, const Pending
             bool dup = false;
             for (int j = 0; j < k; ++j) dup = dup || mi[1 + j] == e;
             if (e < 0 || dup) continue;
-            int row = cursor[static_cast<size_t>(e) * R + s]++;
+            const size_t es_idx = static_cast<size_t>(e) * R + s;
+            const int row = cursor[es_idx]++;
+            if (row >= begin[es_idx] + layoutRangeCount(a->recv_layout_range[es_idx]))  // more than it announced
+              return fail(epInternalError, s, epPhaseData, "LL dispatch rows exceed the per-expert count announced");
             place(static_cast<size_t>(e) * R * M + row);
             if (pass == 0) a->recv_src_info[static_cast<size_t>(e) * R * M + row] = mi[0];
           }
