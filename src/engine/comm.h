@@ -72,6 +72,12 @@ struct epHtHandle {
   std::vector<int> recv_prefix;        // [R + 1] first received row of r
   std::vector<int> recv_per_expert;    // [E/R] rows naming each local expert
   std::vector<int> recv_chan_count;    // [R][channels] rows received from r on each host-engine channel
+  // Host engine: the first received row of r's channel c (of C): r's rows lie channel after channel.
+  int chanRowBegin(int r, int c, int C) const {
+    int b = recv_prefix[r];
+    for (int cc = 0; cc < c; ++cc) b += recv_chan_count[static_cast<size_t>(r) * C + cc];
+    return b;
+  }
   int recv_rows = 0;                   // rows of the recv buffers of the last dispatch (exact: num_recv)
   void* gpu = nullptr;                 // the GPU engine's device-side copy of the layout
   uint64_t mask_gen = 0;               // host engine: the mask generation the layout was computed under

@@ -334,8 +334,7 @@ epResult_t HostEngine::htDispatch(const epHtDispatchArgs_t* a, epHtHandle* h, ep
   else EPCHECK(runChannels([&](int c) -> epResult_t {
     for (int s = 0; s < R; ++s) {
       if (in[s].masked) continue;
-      int b = lay->recv_prefix[s];
-      for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
+      const int b = lay->chanRowBegin(s, c, C);
       const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
       const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
       if (rowsByRef(s)) {
@@ -431,9 +430,7 @@ epResult_t HostEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRe
   // (owners ascending), then this host's owners get theirs directly (htCombineHier says why this order).
   if (ok && hier_) {
     auto slab = [&](int p, int c, const uint8_t** x, size_t* n) {
-      size_t b = h->recv_prefix[p];
-      for (int cc = 0; cc < c; ++cc) b += h->recv_chan_count[static_cast<size_t>(p) * C + cc];
-      *x = static_cast<const uint8_t*>(a->x) + b * row;
+      *x = static_cast<const uint8_t*>(a->x) + static_cast<size_t>(h->chanRowBegin(p, c, C)) * row;
       *n = h->recv_chan_count[static_cast<size_t>(p) * C + c] * row;
     };
     for (int c = 0; c < C; ++c)
@@ -741,8 +738,7 @@ epResult_t HostEngine::htDispatchRecvHier(const epHtDispatchArgs_t* a, const epH
       const int K = a->topk;
       const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
       const size_t srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
-      int b = lay->recv_prefix[s];
-      for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
+      const int b = lay->chanRowBegin(s, c, C);
       const int n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
       const bool has_idx = in[s].h.v[1] & 1, has_w = in[s].h.v[1] & 2;
       if (!pass && rowsByRef(s)) {  // this rank's own rows: their token indices, then the rest as below
@@ -775,8 +771,7 @@ epResult_t HostEngine::placeSelfForward(const epHtDispatchArgs_t* a, const epHtH
   const size_t xrow = static_cast<size_t>(a->hidden) * dtypeSize(a->dtype);
   const size_t srow = a->dtype == epFloat8E4M3 ? sizeof(float) * (a->hidden / EP_FP8_BLOCK) : 0;
   const SelfForward& f = fwd_self_[static_cast<size_t>(s) * C + c];
-  int b = lay->recv_prefix[s];
-  for (int cc = 0; cc < c; ++cc) b += lay->recv_chan_count[static_cast<size_t>(s) * C + cc];
+  const int b = lay->chanRowBegin(s, c, C);
   const size_t n = lay->recv_chan_count[static_cast<size_t>(s) * C + c];
   // The same checks as a message through the queue gets (recvChannelHeader: its size against the layout).
   if (!f.set || f.rows.size() != n || f.xrow != xrow || f.srow != srow || f.has_idx != has_idx ||
@@ -819,9 +814,7 @@ epResult_t HostEngine::htCombineHier(const epHtCombineArgs_t* a, const epHtHandl
   // This rank's own rows (kMsgRowsInPlace): read in place in x, where `self` points, instead of from its queue.
   const uint8_t* self = nullptr;
   auto slab = [&](int p) {  // where this rank's channel-c rows for owner p start in x
-    size_t b = h->recv_prefix[p];
-    for (int cc = 0; cc < c; ++cc) b += h->recv_chan_count[static_cast<size_t>(p) * C + cc];
-    return static_cast<const uint8_t*>(a->x) + b * row;
+    return static_cast<const uint8_t*>(a->x) + static_cast<size_t>(h->chanRowBegin(p, c, C)) * row;
   };
   auto accumulateFrom = [&](int q, float* acc) -> epResult_t {  // one row of q's channel-c message
     if (q == rank_) {
