@@ -8,6 +8,9 @@
 #                                   each; then test_gpu_ll (fences) at R = 8 and at R = 4 across 2 virtual hosts, and
 #                                   test_gpu_ht at R = 2, while the call's 585 s last
 #   bash bench/gpu/s28-ab.sh san    (~540 s) compute-sanitizer on the fences test_gpu_ll at R = 2 with the proof
+#   bash bench/gpu/s28-ab.sh one    (~480 s) all in one call, for a session whose device starts keep failing: the
+#                                   goal shape 3 rounds, the standard shape at R = 8, the fences test_gpu_ll at R = 8,
+#                                   then memcheck and synccheck (with the proof) on it at R = 2
 cd "$(dirname "$0")/../.."
 part=${1:-ab}
 OUT=${OUT:-/tmp/s28}; mkdir -p "$OUT"
@@ -20,6 +23,18 @@ if [ "$part" = san ]; then
   SAN_TESTS=test_gpu_ll SAN_TOOLS="memcheck synccheck" OUT=$OUT bash scripts/gpu_sanitize.sh $F 2; echo "### rc $?"; el
   SAN_TESTS=test_gpu_ll SAN_TOOLS=racecheck FILTER='-*Sanitizer*:Fp8Conversion*' SAN_TIMEOUT=$(( 560 - ($(date +%s) - T0) )) \
     OUT=$OUT bash scripts/gpu_sanitize.sh $F 2; echo "### racecheck rc $?"; el; exit 0
+fi
+if [ "$part" = one ]; then
+  ( mps_start
+    BARGS=(--ll-tokens 64 --experts 64 --iters 100)
+    echo "## (a) goal shape, chain 2, 3 rounds, main / fences alternating"
+    for i in 1 2 3; do if [ $((i % 2)) = 1 ]; then b $M 2 2; b $F 2 2; else b $F 2 2; b $M 2 2; fi; done; el
+    BARGS=(--iters 20)
+    echo "## (b) standard shape (128 tokens, 256 experts, --iters 20), R = 8"; b $M 1 8; b $F 1 8; el
+    LD_LIBRARY_PATH=$F EPCOMM_GPU_TEST_RANKS=8 timeout 230 $F/test_gpu_ll > $OUT/ll_r8.log 2>&1
+    echo "### fences test_gpu_ll R=8 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/ll_r8.log | tail -6; el )
+  SAN_TESTS=test_gpu_ll SAN_TOOLS="memcheck synccheck" SAN_TIMEOUT=$(( (575 - ($(date +%s) - T0)) / 2 - 20 )) OUT=$OUT \
+    bash scripts/gpu_sanitize.sh $F 2; echo "### san rc $?"; el; exit 0
 fi
 mps_start
 echo "## (a) goal shape, chain 2, 4 rounds, main / fences alternating"
