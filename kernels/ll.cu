@@ -728,8 +728,10 @@ __device__ void publishRoutingWords(const LlParams& p, const SendSmem& m, bool s
   }
   __syncthreads();
   if (threadIdx.x < p.nranks && ((act >> threadIdx.x) & 1)) {
-    fenceAcqRel(p.gpu_scope);  // the block's words (ordered before this thread by the barrier) before the release
-    stRelease(&zdEntry(p, threadIdx.x, zs, p.rank)->routed, e, p.gpu_scope);
+    // The block's words (ordered before this thread by the barrier), then `routed`: a fence and a strong store are a
+    // release (device_common.cuh), one barrier instruction where a release store after the fence made two.
+    fenceAcqRel(p.gpu_scope);
+    stRelaxed(&zdEntry(p, threadIdx.x, zs, p.rank)->routed, e, p.gpu_scope);
   }
 }
 
@@ -808,9 +810,11 @@ __device__ __forceinline__ void dispatchSendZeroCopy(const LlParams& p, int* pre
       int32_t* c = zdCounts(ent);
       for (int x = lane; x < p.E; x += 32) c[x] = m.cnt[x];
       if (lane == 0) ent->T = p.T;
-      fenceAcqRel(p.gpu_scope);  // every lane's writes before lane 0's release
-      __syncwarp();
-      if (lane == 0) stRelease(&ent->epoch, e, p.gpu_scope);
+      __syncwarp();  // every lane's writes before lane 0's fence, then its strong store: a release (as above)
+      if (lane == 0) {
+        fenceAcqRel(p.gpu_scope);
+        stRelaxed(&ent->epoch, e, p.gpu_scope);
+      }
     }
   // Every warp needs its token's positions (to find its rows): from the token masks stageRouting built, else
   // staged once per block while the peers' entries come in (instead of by each warp, tokenPositions).
