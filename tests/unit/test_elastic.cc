@@ -30,6 +30,9 @@ using epcomm::test::hashOf;
 using namespace epcomm::test::ops;  // Step, runAll, checkDrops, msSince, kPoison
 
 constexpr int kTimeoutMs = 1500;
+// An operation that waited for a peer waits out the whole deadline. Operations after masking took at most 67 ms in 12
+// runs on the 2-core VM (s28), once 546 ms in a loaded CI stage: the checks allow half a deadline.
+constexpr double kNoWaitMs = kTimeoutMs / 2;
 
 #define CHECK_OR_RETURN(...) EP_RANK_CHECK(rank, __VA_ARGS__)
 
@@ -167,7 +170,7 @@ int survive(epComm_t comm, int rank, int R, const std::vector<int>& victims, epR
     double slowest = 0;
     std::string e = runAll(comm, rank, Step(R, seed, mask), rows, a2a, &slowest);
     CHECK_OR_RETURN(e.empty(), "after masking, seed %llu: %s", (unsigned long long)seed, e.c_str());
-    CHECK_OR_RETURN(slowest < kTimeoutMs / 3, "an operation took %.0f ms: it waited", slowest);
+    CHECK_OR_RETURN(slowest < kNoWaitMs, "an operation took %.0f ms: it waited", slowest);
   }
   std::string e = checkDrops(comm, rows, a2a);
   CHECK_OR_RETURN(e.empty(), "%s", e.c_str());
@@ -294,7 +297,7 @@ TEST(Elastic, NoOpMaskRecoversFromTimeout) {
       double slowest = 0;
       e = runAll(comm, rank, Step(R, seed, all1), rows, a2a, &slowest);
       CHECK_OR_RETURN(e.empty(), "after: %s", e.c_str());
-      CHECK_OR_RETURN(slowest < kTimeoutMs / 3, "an operation took %.0f ms", slowest);
+      CHECK_OR_RETURN(slowest < kNoWaitMs, "an operation took %.0f ms", slowest);
     }
     e = checkDrops(comm, rows, a2a);
     CHECK_OR_RETURN(e.empty(), "%s", e.c_str());
@@ -750,7 +753,7 @@ TEST_P(MismatchedOperations, WithHtDispatchNeedAResync) {
       double slowest = 0;
       e = runAll(comm, rank, Step(R, 90 + round, all1), rows, a2a, &slowest);
       CHECK_OR_RETURN(e.empty(), "round %d after: %s", round, e.c_str());
-      CHECK_OR_RETURN(slowest < kTimeoutMs / 2, "round %d: an operation took %.0f ms", round, slowest);
+      CHECK_OR_RETURN(slowest < kNoWaitMs, "round %d: an operation took %.0f ms", round, slowest);
     }
     epHtHandleDestroy(h);
     return epCommDestroy(comm) == epSuccess ? 0 : 1;
