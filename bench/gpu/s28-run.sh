@@ -9,7 +9,11 @@
 #   bash bench/gpu/s28-run.sh san    (~540 s) compute-sanitizer on test_gpu_ll at R = 2 (lastFlags has not been under
 #                                    the tools), with the out-of-bounds proof
 #   bash bench/gpu/s28-run.sh host   (~240 s) bench/net/host_xhost_diag.sh: issue 12's host engine on the 16 cores
+#   bash bench/gpu/s28-run.sh quick  (build + ~300 s) for a session that gets one call: the goal shape 3 rounds, issue
+#                                    11's HT shapes (R = 8 at 16 SMs, R = 2 and 4 at 24), the GPU engine across 2
+#                                    virtual hosts (HT and LL, xhost/raw), then `host` while the call's 585 s last
 # Run bench first (it builds); the others reuse .gpumain while the machine stays warm, else build again.
+# (s28 itself ran bench/gpu/s28-ab.sh on staged builds; every start but two failed and both calls got an H100.)
 cd "$(dirname "$0")/../.."
 part=${1:-bench}
 OUT=${OUT:-/tmp/s28}; mkdir -p "$OUT"
@@ -22,6 +26,20 @@ if [ "$part" = san ]; then
   SAN_TESTS=test_gpu_ll SAN_TOOLS="memcheck synccheck" OUT=$OUT bash scripts/gpu_sanitize.sh .gpumain 2; echo "### rc $?"; el
   SAN_TESTS=test_gpu_ll SAN_TOOLS=racecheck FILTER='-*Sanitizer*:Fp8Conversion*' SAN_TIMEOUT=$(( 560 - ($(date +%s) - T0) )) \
     OUT=$OUT bash scripts/gpu_sanitize.sh .gpumain 2; echo "### racecheck rc $?"; el; exit 0
+fi
+if [ "$part" = quick ]; then
+  ( mps_start
+    echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
+    for i in 1 2 3; do b .gpumain 2 2; done; el
+    echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts)"
+    for a in "8 16" "2 24" "4 24"; do set -- $a; echo "### HT R=$1 sms=$2"
+      LD_LIBRARY_PATH=.gpumain timeout 60 .gpumain/epcomm-run -n $1 -- .gpumain/epcomm-bench --ops ht --iters 20 --sms $2 2>&1 \
+        | grep -E "^HT |rror|^epcomm-bench"; done; el
+    echo "## (x) GPU engine across 2 virtual hosts (net socket): HT and LL rows with xhost/raw"
+    for n in 4 8; do echo "### -n $n --hosts 2"
+      LD_LIBRARY_PATH=.gpumain EPCOMM_NET=socket timeout 120 .gpumain/epcomm-run -n $n --hosts 2 -- .gpumain/epcomm-bench --ops ht,ll \
+        --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; done; el )
+  [ $(( $(date +%s) - T0 )) -lt 330 ] && OUT=$OUT bash bench/net/host_xhost_diag.sh; el; exit 0
 fi
 mps_start
 if [ "$part" = bench ]; then
