@@ -6,6 +6,11 @@
 #   b DIR CHAIN RANKS [VAR=VALUE ...]
 #                        the LL rows of DIR's epcomm-bench (arguments in the array BARGS) at EPCOMM_GPU_LL_PDL_CHAIN
 #   el                   seconds since the script started
+#   gpu_log NAME PART    output also into $OUT/NAME-PART.log (OUT defaults to /tmp/NAME), and the GPU's name
+#   san_ll DIR           compute-sanitizer on DIR's test_gpu_ll at R = 2 (the proof, memcheck, synccheck, then
+#                        racecheck within the call's 560 s)
+#   suite DIR [LABEL]    DIR's test_gpu_ll at R = 8 and at R = 4 across 2 virtual hosts, test_gpu_ht at R = 2, each
+#                        while the call's 585 s last
 T0=${T0:-$(date +%s)}
 el() { echo "## elapsed $(( $(date +%s) - T0 )) s"; }
 gpu_build() {
@@ -24,3 +29,22 @@ mps_start() {
 b() { local d=$1 ch=$2 n=$3; shift 3; echo "### $d chain=$ch -n $n $*"
   env "$@" LD_LIBRARY_PATH=$d EPCOMM_GPU_LL_PDL_CHAIN=$ch timeout 40 $d/epcomm-run -n $n -- $d/epcomm-bench --ops ll "${BARGS[@]}" 2>&1 \
     | grep -E "^dispatch|^combine|rror"; }
+gpu_log() {
+  OUT=${OUT:-/tmp/$1}; mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/$1-$2.log") 2>&1
+  nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+}
+san_ll() {
+  SAN_TESTS=test_gpu_ll SAN_TOOLS="memcheck synccheck" OUT=$OUT bash scripts/gpu_sanitize.sh $1 2; echo "### rc $?"; el
+  SAN_TESTS=test_gpu_ll SAN_TOOLS=racecheck FILTER='-*Sanitizer*:Fp8Conversion*' SAN_TIMEOUT=$(( 560 - ($(date +%s) - T0) )) \
+    OUT=$OUT bash scripts/gpu_sanitize.sh $1 2; echo "### racecheck rc $?"; el
+}
+suite() {
+  local d=$1 label=${2:+$2 }
+  for run in "ll 8 1 250" "ll 4 2 150" "ht 2 1 120"; do set -- $run
+    left=$(( 585 - ($(date +%s) - T0) )); [ $left -lt 40 ] && { echo "### $run skipped ($left s left)"; continue; }
+    LD_LIBRARY_PATH=$d EPCOMM_GPU_TEST_RANKS=$2 EPCOMM_GPU_TEST_HOSTS=$3 timeout $(( $4 < left ? $4 : left )) \
+      $d/test_gpu_$1 > $OUT/$1_r$2_h$3.log 2>&1
+    echo "### ${label}test_gpu_$1 R=$2 hosts=$3 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/$1_r$2_h$3.log | tail -6; el
+  done
+}

@@ -13,17 +13,11 @@
 #                                   then memcheck and synccheck (with the proof) on it at R = 2
 cd "$(dirname "$0")/../.."
 part=${1:-ab}
-OUT=${OUT:-/tmp/s28}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/s28-$part.log") 2>&1
 source bench/gpu/common.sh
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+gpu_log s28 $part
 M=.gpupack/main F=.gpupack/fences
 cp -n $F/epcomm-run $M/  # the launcher does not depend on the kernels
-if [ "$part" = san ]; then
-  SAN_TESTS=test_gpu_ll SAN_TOOLS="memcheck synccheck" OUT=$OUT bash scripts/gpu_sanitize.sh $F 2; echo "### rc $?"; el
-  SAN_TESTS=test_gpu_ll SAN_TOOLS=racecheck FILTER='-*Sanitizer*:Fp8Conversion*' SAN_TIMEOUT=$(( 560 - ($(date +%s) - T0) )) \
-    OUT=$OUT bash scripts/gpu_sanitize.sh $F 2; echo "### racecheck rc $?"; el; exit 0
-fi
+if [ "$part" = san ]; then san_ll $F; exit 0; fi
 if [ "$part" = one ]; then
   ( mps_start
     BARGS=(--ll-tokens 64 --experts 64 --iters 100)
@@ -45,9 +39,4 @@ done; el
 echo "## (b) standard shape (128 tokens, 256 experts, --iters 20), R = 2, 4, 8"
 BARGS=(--iters 20)
 for R in 2 4 8; do b $M 1 $R; b $F 1 $R; done; el
-for run in "ll 8 1 250" "ll 4 2 150" "ht 2 1 120"; do set -- $run
-  left=$(( 585 - ($(date +%s) - T0) )); [ $left -lt 40 ] && { echo "### $run skipped ($left s left)"; continue; }
-  LD_LIBRARY_PATH=$F EPCOMM_GPU_TEST_RANKS=$2 EPCOMM_GPU_TEST_HOSTS=$3 timeout $(( $4 < left ? $4 : left )) \
-    $F/test_gpu_$1 > $OUT/$1_r$2_h$3.log 2>&1
-  echo "### fences test_gpu_$1 R=$2 hosts=$3 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/$1_r$2_h$3.log | tail -6; el
-done
+suite $F fences

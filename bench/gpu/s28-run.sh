@@ -16,17 +16,11 @@
 # (s28 itself ran bench/gpu/s28-ab.sh on staged builds; every start but two failed and both calls got an H100.)
 cd "$(dirname "$0")/../.."
 part=${1:-bench}
-OUT=${OUT:-/tmp/s28}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/s28-$part.log") 2>&1
 source bench/gpu/common.sh
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+gpu_log s28 $part
 if [ "$part" = host ]; then OUT=$OUT bash bench/net/host_xhost_diag.sh; el; exit 0; fi
 gpu_build .gpumain || { echo "### build failed"; exit 1; }; el
-if [ "$part" = san ]; then
-  SAN_TESTS=test_gpu_ll SAN_TOOLS="memcheck synccheck" OUT=$OUT bash scripts/gpu_sanitize.sh .gpumain 2; echo "### rc $?"; el
-  SAN_TESTS=test_gpu_ll SAN_TOOLS=racecheck FILTER='-*Sanitizer*:Fp8Conversion*' SAN_TIMEOUT=$(( 560 - ($(date +%s) - T0) )) \
-    OUT=$OUT bash scripts/gpu_sanitize.sh .gpumain 2; echo "### racecheck rc $?"; el; exit 0
-fi
+if [ "$part" = san ]; then san_ll .gpumain; exit 0; fi
 if [ "$part" = quick ]; then
   ( mps_start
     echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
@@ -50,11 +44,4 @@ if [ "$part" = bench ]; then
   BARGS=(--iters 20)
   for R in 2 4 8; do b .gpumain 1 $R; done; el
 fi
-if [ "$part" = suite ]; then
-  for run in "ll 8 1 250" "ll 4 2 150" "ht 2 1 120"; do set -- $run
-    left=$(( 585 - ($(date +%s) - T0) )); [ $left -lt 40 ] && { echo "### $run skipped ($left s left)"; continue; }
-    LD_LIBRARY_PATH=.gpumain EPCOMM_GPU_TEST_RANKS=$2 EPCOMM_GPU_TEST_HOSTS=$3 timeout $(( $4 < left ? $4 : left )) \
-      .gpumain/test_gpu_$1 > $OUT/$1_r$2_h$3.log 2>&1
-    echo "### test_gpu_$1 R=$2 hosts=$3 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/$1_r$2_h$3.log | tail -6; el
-  done
-fi
+if [ "$part" = suite ]; then suite .gpumain; fi
