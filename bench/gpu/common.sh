@@ -11,6 +11,10 @@
 #                        racecheck within the call's 560 s)
 #   suite DIR [LABEL]    DIR's test_gpu_ll at R = 8 and at R = 4 across 2 virtual hosts, test_gpu_ht at R = 2, each
 #                        while the call's 585 s last
+#   quick DIR            everything still open on one GPU, for a call that may be the session's only one: issue 9's
+#                        goal shape 3 rounds, the LL standard shape at R = 2, 4, 8, issue 11's HT shapes (R = 8 at
+#                        14 and 16 SMs, R = 2 and 4 at 24), the GPU engine across 2 virtual hosts (HT and LL,
+#                        xhost/raw), then bench/net/host_xhost_diag.sh if under 330 s have passed
 T0=${T0:-$(date +%s)}
 el() { echo "## elapsed $(( $(date +%s) - T0 )) s"; }
 gpu_build() {
@@ -47,4 +51,21 @@ suite() {
       $d/test_gpu_$1 > $OUT/$1_r$2_h$3.log 2>&1
     echo "### ${label}test_gpu_$1 R=$2 hosts=$3 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/$1_r$2_h$3.log | tail -6; el
   done
+}
+quick() {
+  local d=$1
+  ( mps_start
+    echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
+    for i in 1 2 3; do b $d 2 2; done; el
+    echo "## (b) LL standard shape (128 tokens, 256 experts, --iters 20), R = 2, 4, 8"; BARGS=(--iters 20)
+    for R in 2 4 8; do b $d 1 $R; done; el
+    echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts)"
+    for a in "8 14" "8 16" "2 24" "4 24"; do set -- $a; echo "### HT R=$1 sms=$2"
+      LD_LIBRARY_PATH=$d timeout 60 $d/epcomm-run -n $1 -- $d/epcomm-bench --ops ht --iters 20 --sms $2 2>&1 \
+        | grep -E "^HT |rror|^epcomm-bench"; done; el
+    echo "## (x) GPU engine across 2 virtual hosts (net socket): HT and LL rows with xhost/raw"
+    for n in 4 8; do echo "### -n $n --hosts 2"
+      LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout 120 $d/epcomm-run -n $n --hosts 2 -- $d/epcomm-bench --ops ht,ll \
+        --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; done; el )
+  [ $(( $(date +%s) - T0 )) -lt 330 ] && OUT=$OUT bash bench/net/host_xhost_diag.sh; el
 }

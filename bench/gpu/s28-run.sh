@@ -21,20 +21,7 @@ gpu_log s28 $part
 if [ "$part" = host ]; then OUT=$OUT bash bench/net/host_xhost_diag.sh; el; exit 0; fi
 gpu_build .gpumain || { echo "### build failed"; exit 1; }; el
 if [ "$part" = san ]; then san_ll .gpumain; exit 0; fi
-if [ "$part" = quick ]; then
-  ( mps_start
-    echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
-    for i in 1 2 3; do b .gpumain 2 2; done; el
-    echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts)"
-    for a in "8 16" "2 24" "4 24"; do set -- $a; echo "### HT R=$1 sms=$2"
-      LD_LIBRARY_PATH=.gpumain timeout 60 .gpumain/epcomm-run -n $1 -- .gpumain/epcomm-bench --ops ht --iters 20 --sms $2 2>&1 \
-        | grep -E "^HT |rror|^epcomm-bench"; done; el
-    echo "## (x) GPU engine across 2 virtual hosts (net socket): HT and LL rows with xhost/raw"
-    for n in 4 8; do echo "### -n $n --hosts 2"
-      LD_LIBRARY_PATH=.gpumain EPCOMM_NET=socket timeout 120 .gpumain/epcomm-run -n $n --hosts 2 -- .gpumain/epcomm-bench --ops ht,ll \
-        --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; done; el )
-  [ $(( $(date +%s) - T0 )) -lt 330 ] && OUT=$OUT bash bench/net/host_xhost_diag.sh; el; exit 0
-fi
+if [ "$part" = quick ]; then quick .gpumain; exit 0; fi
 mps_start
 if [ "$part" = bench ]; then
   echo "## (a) goal shape, chain 2, 4 rounds"
