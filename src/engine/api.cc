@@ -187,7 +187,9 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   EP_REQUIRE(cfg->timeout_ms >= 0, epInvalidArgument, "config.timeout_ms = %d is negative", cfg->timeout_ms);
   out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
   EP_REQUIRE(out->timeout_ms > 0, epInvalidArgument, "EPCOMM_TIMEOUT_MS = %d must be positive", out->timeout_ms);
-  out->num_channels = cfg->num_channels > 0 ? cfg->num_channels : 1;
+  EP_REQUIRE(cfg->num_channels >= 0, epInvalidArgument, "config.num_channels = %d is negative", cfg->num_channels);
+  // 0 stays 0: the host engine then takes EPCOMM_HOST_CHANNELS or the cores per rank of its host (epcomm.h).
+  out->num_channels = cfg->num_channels;
   out->queue_bytes = cfg->queue_bytes;
   EP_REQUIRE(cfg->ll_max_tokens_per_rank >= 0, epInvalidArgument, "config.ll_max_tokens_per_rank = %d is negative",
              cfg->ll_max_tokens_per_rank);

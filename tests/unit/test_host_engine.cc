@@ -19,6 +19,9 @@
 #include <string>
 #include <vector>
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include "epcomm/epcomm.h"
 #include "multiproc.h"
 #include "transport/net/net.h"
@@ -1311,6 +1314,68 @@ TEST(HostEngineErrors, HtWorstTokenCapacityExceeded) {
     htCombineAndCheck(comm, handle, c, "ht_combine_after_overflow", all, s, epBfloat16, o2, maxrecv);
     c.ok(epHtHandleDestroy(handle), "ht_handle_destroy", comm);
   });
+}
+
+// Channel threads of this process (named epcomm-chan1 .. epcomm-chanC-1; channel 0 is the caller's thread).
+int channelThreads() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      char path[96], name[32] = {0};
+      snprintf(path, sizeof(path), "/proc/self/task/%s/comm", e->d_name);
+      if (FILE* f = fopen(path, "r")) {
+        if (fgets(name, sizeof(name), f) && strncmp(name, "epcomm-chan", 11) == 0) ++n;
+        fclose(f);
+      }
+    }
+    closedir(d);
+  }
+  return n;
+}
+
+// config.num_channels = 0 means EPCOMM_HOST_CHANNELS, else the host's cores shared by its ranks (epcomm.h); an
+// explicit count wins over both, and all ranks use the smallest wish. (Until s29 the API turned 0 into 1, so
+// neither the variable nor the cores were ever used.)
+TEST(HostEngineChannels, ZeroTakesTheEnvironmentThenTheCores) {
+  struct Case {
+    const char* env;  // EPCOMM_HOST_CHANNELS, or nullptr
+    int config;       // config.num_channels of every rank
+    int want;         // channels
+  };
+  const int R = 2;
+  const long cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+  const int by_cores = static_cast<int>(std::min<long>(8, std::max<long>(1, cores / R)));  // kMaxChannels = 8
+  const Case cases[] = {{"3", 0, 3}, {"3", 2, 2}, {nullptr, 0, by_cores}};
+  for (const Case& k : cases) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess) << epGetLastError(nullptr);
+    std::vector<int> codes = epcomm::test::runRanks(
+        R,
+        [&](int rank) -> int {
+          if (k.env) setenv("EPCOMM_HOST_CHANNELS", k.env, 1);
+          else unsetenv("EPCOMM_HOST_CHANNELS");
+          epConfig_t cfg = EP_CONFIG_INIT;
+          cfg.engine = EP_ENGINE_HOST;
+          cfg.timeout_ms = kTimeoutMs;
+          cfg.num_channels = k.config;
+          epComm_t comm = nullptr;
+          if (epCommInitRank(&comm, R, &id, rank, &cfg) != epSuccess) {
+            std::fprintf(stderr, "rank %d: epCommInitRank: %s\n", rank, epGetLastError(nullptr));
+            return 2;
+          }
+          int have = channelThreads() + 1;  // a thread names itself once it runs: give them a moment
+          for (int i = 0; i < 200 && have < k.want; ++i, usleep(5000)) have = channelThreads() + 1;
+          if (have != k.want)
+            std::fprintf(stderr, "rank %d: EPCOMM_HOST_CHANNELS=%s, num_channels %d: %d channels, want %d\n", rank,
+                         k.env ? k.env : "(unset)", k.config, have, k.want);
+          return epCommDestroy(comm) == epSuccess && have == k.want ? 0 : 1;
+        },
+        kRunTimeoutMs);
+    for (int r = 0; r < R; ++r)
+      EXPECT_EQ(codes[r], 0) << "rank " << r << ", EPCOMM_HOST_CHANNELS=" << (k.env ? k.env : "(unset)")
+                             << ", num_channels " << k.config;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -310,6 +310,11 @@ TEST(InvalidArgs, InitArguments) {
   cfg.magic = 1;
   EXPECT_EQ(epCommInitRank(&comm, 1, &id, 0, &cfg), epInvalidArgument);
   EXPECT_NE(std::string(epGetLastError(nullptr)).find("EP_CONFIG_INIT"), std::string::npos);
+  cfg = EP_CONFIG_INIT;
+  cfg.engine = EP_ENGINE_HOST;
+  cfg.num_channels = -1;
+  EXPECT_EQ(epCommInitRank(&comm, 1, &id, 0, &cfg), epInvalidArgument);
+  EXPECT_NE(std::string(epGetLastError(nullptr)).find("num_channels = -1"), std::string::npos);
   epUniqueId garbled = id;
   garbled.internal[40] ^= 0x5a;
   EXPECT_EQ(epCommInitRank(&comm, 1, &garbled, 0, nullptr), epInvalidUniqueId);
