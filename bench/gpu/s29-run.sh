@@ -26,3 +26,12 @@ if [ "$part" = ab ]; then
     done; done; el )
   [ $(( $(date +%s) - T0 )) -lt 300 ] && quick $D
 fi
+# host: issue 9's goal shape 3 rounds on main (.gpupack/main), then bench/net/host_xhost_diag.sh on the host engine
+# with its channels working (until s29 the API turned num_channels 0 into 1: EPCOMM_HOST_CHANNELS and the
+# cores-per-rank default were never used), from build-host/ staged here (.gpupack/build-host, moved into place).
+if [ "$part" = host ]; then
+  ( mps_start; echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
+    for i in 1 2 3; do b $D 2 2; done; el )
+  [ -d .gpupack/build-host ] && [ ! -e build-host ] && cp -a .gpupack/build-host build-host
+  OUT=$OUT bash bench/net/host_xhost_diag.sh; el
+fi
