@@ -176,7 +176,7 @@ typedef struct {
   int cuda_device;             /* GPU engine: device ordinal, -1 = current device */
   int timeout_ms;              /* deadline of every wait; 0 = EPCOMM_TIMEOUT_MS (default 30000) */
   int num_channels;            /* host engine: threads per rank for HT dispatch/combine; 0 = EPCOMM_HOST_CHANNELS
-                                  or cores / ranks (all ranks use the smallest value asked for) */
+                                  or cores / ranks of the machine (all ranks use the smallest value asked for) */
   int num_sms;                 /* GPU engine: SM budget per operation; 0 = default */
   size_t queue_bytes;          /* bytes of each per-peer, per-channel queue; 0 = EPCOMM_QUEUE_BYTES */
   int ll_max_tokens_per_rank;  /* low-latency capacity: tokens per rank per call; 0 = LL disabled */

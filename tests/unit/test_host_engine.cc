@@ -1334,19 +1334,21 @@ int channelThreads() {
   return n;
 }
 
-// config.num_channels = 0 means EPCOMM_HOST_CHANNELS, else the host's cores shared by its ranks (epcomm.h); an
-// explicit count wins over both, and all ranks use the smallest wish. (Until s29 the API turned 0 into 1, so
-// neither the variable nor the cores were ever used.)
+// config.num_channels = 0 means EPCOMM_HOST_CHANNELS, else the machine's cores shared by the ranks on it, virtual
+// hosts included (epcomm.h); an explicit count wins over both, and all ranks use the smallest wish. (Until s29 the
+// API turned 0 into 1, so neither the variable nor the cores were ever used.)
 TEST(HostEngineChannels, ZeroTakesTheEnvironmentThenTheCores) {
   struct Case {
     const char* env;  // EPCOMM_HOST_CHANNELS, or nullptr
     int config;       // config.num_channels of every rank
     int want;         // channels
+    bool vhosts;      // each rank its own virtual host (EPCOMM_HOSTID): they still share this machine's cores
   };
   const int R = 2;
   const long cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
   const int by_cores = static_cast<int>(std::min<long>(8, std::max<long>(1, cores / R)));  // kMaxChannels = 8
-  const Case cases[] = {{"3", 0, 3}, {"3", 2, 2}, {nullptr, 0, by_cores}};
+  const Case cases[] = {{"3", 0, 3, false}, {"3", 2, 2, false}, {nullptr, 0, by_cores, false},
+                        {nullptr, 0, by_cores, true}};
   for (const Case& k : cases) {
     epUniqueId id;
     ASSERT_EQ(epGetUniqueId(&id), epSuccess) << epGetLastError(nullptr);
@@ -1355,6 +1357,10 @@ TEST(HostEngineChannels, ZeroTakesTheEnvironmentThenTheCores) {
         [&](int rank) -> int {
           if (k.env) setenv("EPCOMM_HOST_CHANNELS", k.env, 1);
           else unsetenv("EPCOMM_HOST_CHANNELS");
+          if (k.vhosts) {
+            setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank)).c_str(), 1);
+            setenv("EPCOMM_NET", "socket", 1);
+          }
           epConfig_t cfg = EP_CONFIG_INIT;
           cfg.engine = EP_ENGINE_HOST;
           cfg.timeout_ms = kTimeoutMs;
@@ -1367,8 +1373,8 @@ TEST(HostEngineChannels, ZeroTakesTheEnvironmentThenTheCores) {
           int have = channelThreads() + 1;  // a thread names itself once it runs: give them a moment
           for (int i = 0; i < 200 && have < k.want; ++i, usleep(5000)) have = channelThreads() + 1;
           if (have != k.want)
-            std::fprintf(stderr, "rank %d: EPCOMM_HOST_CHANNELS=%s, num_channels %d: %d channels, want %d\n", rank,
-                         k.env ? k.env : "(unset)", k.config, have, k.want);
+            std::fprintf(stderr, "rank %d: EPCOMM_HOST_CHANNELS=%s, num_channels %d%s: %d channels, want %d\n",
+                         rank, k.env ? k.env : "(unset)", k.config, k.vhosts ? ", virtual hosts" : "", have, k.want);
           return epCommDestroy(comm) == epSuccess && have == k.want ? 0 : 1;
         },
         kRunTimeoutMs);

@@ -205,6 +205,7 @@ epResult_t HostEngine::init() {
   // hostname + boot id. Ranks of one host share memory; ranks of other hosts are reached over the net transport.
   struct HostInfo {
     char host[160];
+    char machine[160];    // hostname + boot id even under EPCOMM_HOSTID: whose cores this rank shares
     int64_t pid;
     uint64_t ring_bytes;
     int32_t channels;     // explicit channel wish, 0 = derive from the cores
@@ -212,13 +213,15 @@ epResult_t HostEngine::init() {
     uint64_t probe_addr;  // cross-memory attach probe: a word peers try to read with process_vm_readv
   } me{};
   hostIdentity(me.host, sizeof(me.host));
+  machineIdentity(me.machine, sizeof(me.machine));
   me.pid = getpid();
   me.ring_bytes = ring_bytes_;
   std::vector<HostInfo> all(nranks_);
-  // Channels (threads per rank): the config's, else EPCOMM_HOST_CHANNELS, else the cores of the rank's host shared
-  // among the ranks of that host (at most kMaxChannels). The host's ranks are known only after the exchange, so
-  // each rank publishes its explicit wish (0: none) and its core count, and every rank derives every rank's wish
-  // from the same table; all ranks then use the smallest.
+  // Channels (threads per rank): the config's, else EPCOMM_HOST_CHANNELS, else the cores of the rank's machine
+  // shared among the ranks on that machine (at most kMaxChannels): virtual hosts of one machine (EPCOMM_HOSTID)
+  // share its cores. The machine's ranks are known only after the exchange, so each rank publishes its explicit
+  // wish (0: none) and its core count, and every rank derives every rank's wish from the same table; all ranks
+  // then use the smallest.
   me.channels = comm_->config.num_channels > 0 ? comm_->config.num_channels
                 : epParamHostChannels() > 0     ? static_cast<int>(epParamHostChannels())
                                                 : 0;
@@ -231,6 +234,7 @@ epResult_t HostEngine::init() {
   std::vector<int> first_of(nranks_);  // the lowest rank of each rank's host
   for (int r = 0; r < nranks_; ++r) {
     all[r].host[sizeof(all[r].host) - 1] = '\0';
+    all[r].machine[sizeof(all[r].machine) - 1] = '\0';
     remote_[r] = strcmp(all[r].host, me.host) != 0;
     first_of[r] = r;
     for (int q = 0; q < r; ++q)
@@ -265,8 +269,9 @@ epResult_t HostEngine::init() {
   hier_ = nhosts_ > 1 && widest <= 64 && epParamHtHierarchical() != 0;
   nchan_ = kMaxChannels;
   for (int r = 0; r < nranks_; ++r) {
-    const int local_ranks = static_cast<int>(host_ranks_[host_of_[r]].size());
-    const int wish = all[r].channels > 0 ? all[r].channels : std::max(1, all[r].cores / local_ranks);
+    int sharing = 0;  // ranks on r's machine
+    for (int q = 0; q < nranks_; ++q) sharing += strcmp(all[q].machine, all[r].machine) == 0 ? 1 : 0;
+    const int wish = all[r].channels > 0 ? all[r].channels : std::max(1, all[r].cores / sharing);
     nchan_ = std::min(nchan_, wish);
   }
   const int C = nchan_;
