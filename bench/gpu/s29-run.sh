@@ -33,5 +33,5 @@ if [ "$part" = host ]; then
   ( mps_start; echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
     for i in 1 2 3; do b $D 2 2; done; el )
   [ -d .gpupack/build-host ] && [ ! -e build-host ] && cp -a .gpupack/build-host build-host
-  OUT=$OUT bash bench/net/host_xhost_diag.sh; el
+  SHORT=${SHORT:-} OUT=$OUT bash bench/net/host_xhost_diag.sh; el
 fi

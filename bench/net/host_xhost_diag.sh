@@ -2,7 +2,8 @@
 # Where the host engine's time goes across virtual hosts on a many-core machine (issue 12's xhost/raw: 0.09-0.12
 # on the GPU machine's 16 cores at R = 4 / 8, about half of the 2-core VM's, with 68 % of the machine idle in s12).
 # CPU only; builds build-host/ (no CUDA) from this tree unless it is there. On the device machine:
-#   OUT=$OUT bash bench/net/host_xhost_diag.sh        (~4 min on 16 cores)
+#   OUT=$OUT bash bench/net/host_xhost_diag.sh        (~4 min on 16 cores; SHORT=1: (a) default and 1 channel only,
+#                                                     no (b))
 # It prints, for -n 4 and -n 8 over 2 virtual hosts:
 #   (a) the operations with the default channels, then EPCOMM_HOST_CHANNELS=1, 2, 4, EPCOMM_QUEUE_BYTES=4 MiB and
 #       EPCOMM_BACKOFF_YIELDS=100000 (waits yield instead of sleeping);
@@ -34,6 +35,7 @@ run() {  # label, ranks, hosts, env...
 for n in 4 8; do
   echo "## (a) -n $n, 2 virtual hosts"
   run default $n 2
+  if [ -n "${SHORT:-}" ]; then run channels=1 $n 2 EPCOMM_HOST_CHANNELS=1; continue; fi  # default against 1 only
   for c in 1 2 4; do run channels=$c $n 2 EPCOMM_HOST_CHANNELS=$c; done
   run queue=4MiB $n 2 EPCOMM_QUEUE_BYTES=4194304
   run no-sleep $n 2 EPCOMM_BACKOFF_YIELDS=100000
