@@ -12,6 +12,8 @@
 #       ~10 ms on 2, so the queues alone barely use the cores;
 #   (c) per-thread CPU of every rank during a long HT run (from /proc): which threads work and which wait;
 #   (d) with perf on the machine, a flat profile of that run.
+# (Before s29's 5a5162e the channel runs measured one channel: the API turned num_channels 0 into 1. With
+# channels working, 4 per rank at -n 4 changed nothing on the 16 cores: bench/results/h100-s29.log, call 2.)
 # Reading it: channels that change nothing, with the channel threads idle in (c), mean one serial step per rank
 # (the bridge's one connection and thread per peer, or the forwarder's whole-message store-and-forward) bounds it;
 # no-sleep much faster means waiters oversleep (Backoff's usleep) the data they wait for.

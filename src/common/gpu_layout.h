@@ -283,10 +283,10 @@ struct LlSlotMeta {
 // sender waits for an acknowledgement before its entries (it checks those of e - 2 by the end of e).
 constexpr int kLlZdSlots = 4;
 struct LlZdEntry {
-  uint64_t epoch;  // written last of T and the counts (release): they are of this operation
+  uint64_t epoch;  // written last of T and the counts (after a fence): they are of this operation
   int32_t T;
   int32_t pad;
-  uint64_t routed;   // written after the routing words (release): they are of operation `routed`
+  uint64_t routed;   // written after the routing words (after a fence): they are of operation `routed`
   uint64_t started;  // llZdStartedWord, written by src first thing in its send half: its output region is free
 };
 // What a zero-copy dispatch's sender needs from a receiver before writing rows there: that the receiver issued its
