@@ -46,9 +46,9 @@ for n in 4 8; do
   run one-host-queues $n 1 EPCOMM_HOST_CMA=0
   for c in 1 4; do run one-host-queues-channels=$c $n 1 EPCOMM_HOST_CMA=0 EPCOMM_HOST_CHANNELS=$c; done
 done
-echo "## (c) per-thread CPU, -n 4 --hosts 2, HT dispatch + combine, 400 iterations"
+echo "## (c) per-thread CPU, -n 4 --hosts 2, HT dispatch + combine, 1500 iterations (still running when sampled)"
 EPCOMM_ENGINE=host EPCOMM_NET=socket timeout 120 $B/src/launcher/epcomm-run -n 4 --hosts 2 -- \
-  $B/bench/epcomm-bench --ops ht "${A[@]:0:8}" --iters 400 --warmup 2 --net-raw-mb 0 > "$OUT/diag-long.txt" 2>&1 &
+  $B/bench/epcomm-bench --ops ht "${A[@]:0:8}" --iters 1500 --warmup 2 --net-raw-mb 0 > "$OUT/diag-long.txt" 2>&1 &
 sleep 4
 # CPU of every thread of the ranks over 2 s, from /proc (the device machine has no perf; top may be missing too).
 pids=$(pgrep -f 'bench/epcomm-bench --ops ht' | tr '\n' ' ')
