@@ -188,7 +188,7 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
   EP_REQUIRE(out->timeout_ms > 0, epInvalidArgument, "EPCOMM_TIMEOUT_MS = %d must be positive", out->timeout_ms);
   EP_REQUIRE(cfg->num_channels >= 0, epInvalidArgument, "config.num_channels = %d is negative", cfg->num_channels);
-  // 0 stays 0: the host engine then takes EPCOMM_HOST_CHANNELS or the cores per rank of its host (epcomm.h).
+  // 0 stays 0: the host engine then takes EPCOMM_HOST_CHANNELS or the cores per rank of its machine (epcomm.h).
   out->num_channels = cfg->num_channels;
   out->queue_bytes = cfg->queue_bytes;
   EP_REQUIRE(cfg->ll_max_tokens_per_rank >= 0, epInvalidArgument, "config.ll_max_tokens_per_rank = %d is negative",

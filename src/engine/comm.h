@@ -18,7 +18,7 @@ class Engine;
 struct CommConfig {
   epEngine_t engine = EP_ENGINE_HOST;
   int timeout_ms = 30000;
-  int num_channels = 0;  // host engine threads per rank; 0 = EPCOMM_HOST_CHANNELS or cores / ranks of the host
+  int num_channels = 0;  // host engine threads per rank; 0 = EPCOMM_HOST_CHANNELS or cores / ranks of the machine
   size_t queue_bytes = 0;
   int ll_max_tokens_per_rank = 0;
   int ll_max_hidden = 7168;
