@@ -1322,7 +1322,7 @@ int channelThreads() {
   if (DIR* d = opendir("/proc/self/task")) {
     while (dirent* e = readdir(d)) {
       if (e->d_name[0] == '.') continue;
-      char path[96], name[32] = {0};
+      char path[320], name[32] = {0};  // d_name is at most 255 bytes
       snprintf(path, sizeof(path), "/proc/self/task/%s/comm", e->d_name);
       if (FILE* f = fopen(path, "r")) {
         if (fgets(name, sizeof(name), f) && strncmp(name, "epcomm-chan", 11) == 0) ++n;
