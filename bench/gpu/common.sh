@@ -6,6 +6,8 @@
 #   b DIR CHAIN RANKS [VAR=VALUE ...]
 #                        the LL rows of DIR's epcomm-bench (arguments in the array BARGS) at EPCOMM_GPU_LL_PDL_CHAIN
 #   el                   seconds since the script started
+#   goal DIR ROUNDS      issue 9's goal shape (R = 2, 64 tokens, 64 experts, hidden 7168, chain 2, --iters 100),
+#                        ROUNDS times (leaves BARGS set to it)
 #   gpu_log NAME PART    output also into $OUT/NAME-PART.log (OUT defaults to /tmp/NAME), and the GPU's name
 #   san_ll DIR           compute-sanitizer on DIR's test_gpu_ll at R = 2 (the proof, memcheck, synccheck, then
 #                        racecheck within the call's 560 s)
@@ -33,6 +35,8 @@ mps_start() {
 b() { local d=$1 ch=$2 n=$3; shift 3; echo "### $d chain=$ch -n $n $*"
   env "$@" LD_LIBRARY_PATH=$d EPCOMM_GPU_LL_PDL_CHAIN=$ch timeout 40 $d/epcomm-run -n $n -- $d/epcomm-bench --ops ll "${BARGS[@]}" 2>&1 \
     | grep -E "^dispatch|^combine|rror"; }
+goal() { echo "## (a) goal shape, chain 2, $2 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
+  for i in $(seq $2); do b $1 2 2; done; el; }
 gpu_log() {
   OUT=${OUT:-/tmp/$1}; mkdir -p "$OUT"
   exec > >(tee -a "$OUT/$1-$2.log") 2>&1
@@ -55,8 +59,7 @@ suite() {
 quick() {
   local d=$1
   ( mps_start
-    echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
-    for i in 1 2 3; do b $d 2 2; done; el
+    goal $d 3
     echo "## (b) LL standard shape (128 tokens, 256 experts, --iters 20), R = 2, 4, 8"; BARGS=(--iters 20)
     for R in 2 4 8; do b $d 1 $R; done; el
     echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts)"

@@ -9,9 +9,8 @@
 #   bash bench/gpu/s28-run.sh san    (~540 s) compute-sanitizer on test_gpu_ll at R = 2 (lastFlags has not been under
 #                                    the tools), with the out-of-bounds proof
 #   bash bench/gpu/s28-run.sh host   (~240 s) bench/net/host_xhost_diag.sh: issue 12's host engine on the 16 cores
-#   bash bench/gpu/s28-run.sh quick  (build + ~300 s) for a session that gets one call: the goal shape 3 rounds, issue
-#                                    11's HT shapes (R = 8 at 16 SMs, R = 2 and 4 at 24), the GPU engine across 2
-#                                    virtual hosts (HT and LL, xhost/raw), then `host` while the call's 585 s last
+#   bash bench/gpu/s28-run.sh quick  (build + ~300 s) for a session that gets one call: common.sh's quick on this
+#                                    build (what is still open on one GPU), then `host` while the call lasts
 # Run bench first (it builds); the others reuse .gpumain while the machine stays warm, else build again.
 # (s28 itself ran bench/gpu/s28-ab.sh on staged builds; every start but two failed and both calls got an H100.)
 cd "$(dirname "$0")/../.."
@@ -24,9 +23,7 @@ if [ "$part" = san ]; then san_ll .gpumain; exit 0; fi
 if [ "$part" = quick ]; then quick .gpumain; exit 0; fi
 mps_start
 if [ "$part" = bench ]; then
-  echo "## (a) goal shape, chain 2, 4 rounds"
-  BARGS=(--ll-tokens 64 --experts 64 --iters 100)
-  for i in 1 2 3 4; do b .gpumain 2 2; done; el
+  goal .gpumain 4
   echo "## (b) standard shape (128 tokens, 256 experts, --iters 20), R = 2, 4, 8"
   BARGS=(--iters 20)
   for R in 2 4 8; do b .gpumain 1 $R; done; el

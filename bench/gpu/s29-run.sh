@@ -32,8 +32,7 @@ fi
 # with its channels working (until s29 the API turned num_channels 0 into 1: EPCOMM_HOST_CHANNELS and the
 # cores-per-rank default were never used), from build-host/ staged here (.gpupack/build-host, moved into place).
 if [ "$part" = host ]; then
-  ( mps_start; echo "## (a) goal shape, chain 2, 3 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
-    for i in 1 2 3; do b $D 2 2; done; el )
+  ( mps_start; goal $D 3 )
   [ -d .gpupack/build-host ] && [ ! -e build-host ] && cp -a .gpupack/build-host build-host
   SHORT=${SHORT:-} OUT=$OUT bash bench/net/host_xhost_diag.sh; el
 fi
