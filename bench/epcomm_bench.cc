@@ -565,8 +565,12 @@ void benchGpuHt(const Options& o, std::vector<Row>& rows, cudaStream_t s) {
   // owner reads it there (or in x) and writes one output row per token (3 per row - 2 per own row + 1;
   // zero-copy 1 + 1). Push combine: into the source's queue, moved into its staging, read by the reduction
   // (5 per row + 1). Useful bytes: each received row read once and written once.
+  // With implicit registration (EPCOMM_GPU_HT_AUTO_REGISTER=1, the default; one host, as pull says) the timed plain
+  // combines read x in place once the owners mapped it: the registered row's bytes.
+  const char* auto_env = getenv("EPCOMM_GPU_HT_AUTO_REGISTER");
+  const bool auto_reg = pull && (auto_env == nullptr || atoi(auto_env) != 0);
   const double disp_bytes = pull_d ? 2 * recv + 2 * T * row : 4 * recv;
-  const double comb_bytes = pull ? 3 * recv - 2 * own_tokens * row + T * row : 5 * recv + T * row;
+  const double comb_bytes = auto_reg ? recv + T * row : pull ? 3 * recv - 2 * own_tokens * row + T * row : 5 * recv + T * row;
   rows.push_back(reportRow("HT dispatch", T, td, recv, 2 * recv, disp_bytes, xd));
   rows.push_back(reportRow("HT combine", T, tc, recv, 2 * recv, comb_bytes, xc));
   if (pull) rows.push_back(reportRow("HT combine zero-copy", T, tz, recv, 2 * recv, recv + T * row));

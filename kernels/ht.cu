@@ -52,6 +52,20 @@ __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
     cs->have = min(*p.h.num_recv, p.recv_rows);
     cs->off = p.x_off;
   }
+  // Implicit registration: the peers' latest published slots and, while this rank waits for some, their
+  // acknowledgements of its own, for the host's next call (monotone words; a stale one only delays a slot).
+  if (p.op == epOpHtCombine && p.auto_mirror != nullptr)
+    for (int i = threadIdx.x; i < p.nranks * (p.auto_acks ? 1 + kGpuAutoRegions : 1); i += blockDim.x) {
+      const int r = i % p.nranks, j = i / p.nranks - 1;
+      if (r == p.rank || !rankActive(p.el, r)) continue;
+      const uint8_t* b = p.base[r];
+      if (j < 0)
+        p.auto_mirror->latest[r] =
+            *reinterpret_cast<const volatile uint64_t*>(b + p.lay.auto_exp + offsetof(GpuAutoTable, latest));
+      else
+        p.auto_mirror->ack[r][j] = *reinterpret_cast<const volatile uint64_t*>(
+            b + p.lay.auto_ack + (static_cast<size_t>(p.rank) * kGpuAutoRegions + j) * sizeof(uint64_t));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -690,8 +704,8 @@ __global__ void __launch_bounds__(1024) htCombinePullKernel(HtParams p) {
       const int k = cs->region, n = cs->have;
       const uint64_t off = cs->off;
       if (k >= 0) {
-        const uint8_t* b = k < kGpuMaxRegions ? p.regions[k].base[r] : nullptr;
-        const uint64_t len = k < kGpuMaxRegions ? p.regions[k].bytes[r] : 0;
+        const uint8_t* b = k < kGpuRegionSlots ? p.regions[k].base[r] : nullptr;
+        const uint64_t len = k < kGpuRegionSlots ? p.regions[k].bytes[r] : 0;
         if (b == nullptr || n < 0 || off > len || static_cast<uint64_t>(n) * p.xrow > len - off) {
           recordViolation(p, epInternalError);  // what the peer published does not fit what it registered
         } else {

@@ -9,6 +9,8 @@
 //                                  among survivors (separate rounds: a barrier one rank fails fast on must not
 //                                  shift the rounds of the next epCommSetActiveRanks)
 //   [registration: 2 x R]          GpuRegEntry [round & 1][src]: the host-side exchange of epCommRegister
+//   [implicit registration]        GpuAutoTable: the allocations this rank offers its peers without a collective
+//                                  call; then its acknowledgements [src][slot] of the peers' (uint64)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
 //   [queue counters: 14 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
 //                                  src), dispatch head (written here, read by src), combine tail, combine head —
@@ -90,6 +92,34 @@ struct GpuRegion {
   uint64_t bytes[kGpuMaxRanks];
 };
 
+// Implicit registration (src/engine/gpu/registry_implicit.cc): a plain pull combine's x, in caller memory, is
+// offered to the peers without a collective call, so that from a later call on the owners read it in place, as
+// if registered. Each rank has kGpuAutoRegions slots of its own; slot j of rank r is row kGpuMaxRegions + j of
+// every owner's GpuRegion table, filled once that owner mapped it. Nothing waits: the source publishes the
+// allocation in its GpuAutoTable (the slot's payload, its gen, then the table's latest gen), each owner maps it at
+// its next combine and acknowledges gen * 2 (+ 1 if it could not) in its own buffer, and the source uses the slot
+// from the combine after it saw every active owner's acknowledgement. The hosts learn the peers' latest gens and
+// (while the source waits for some) the acknowledgements from a host-mapped mirror (GpuAutoMirror) that each
+// combine's begin kernel refreshes, so no call reads the peers' memory from the host unless something changed.
+// A slot gets another allocation only after the last combine that read the old one completed.
+constexpr int kGpuAutoRegions = 32;
+constexpr int kGpuRegionSlots = kGpuMaxRegions + kGpuAutoRegions;
+struct alignas(128) GpuAutoExport {
+  uint64_t gen;      // 0: never published; a new one, larger than any before, each time the slot changes
+  uint64_t bytes;    // of the allocation
+  uint8_t ipc[64];   // cudaIpcMemHandle_t of the allocation, mapped from its start
+};
+struct GpuAutoTable {
+  alignas(128) uint64_t latest;  // the largest gen published in any slot
+  GpuAutoExport slot[kGpuAutoRegions];
+};
+// What a combine's begin kernel saw (host-mapped, one per rank): latest[r] of rank r's table, and ack[r][j] =
+// rank r's acknowledgement of this rank's slot j (refreshed only while this rank waits for one).
+struct GpuAutoMirror {
+  uint64_t latest[kGpuMaxRanks];
+  uint64_t ack[kGpuMaxRanks][kGpuAutoRegions];
+};
+
 // The host-side exchange of epCommRegister / epCommDeregister (src/engine/gpu/registry.cc): entry
 // [round & 1][src] in every rank's own buffer, written by src with cudaMemcpy (payload first, then the round) and
 // read by the peers through their mappings. A rank starts round n + 2 only after it read every peer's entry of
@@ -122,6 +152,7 @@ enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullRead
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
   size_t reg;                     // registration exchange entries [round & 1][src] (GpuRegEntry)
+  size_t auto_exp, auto_ack;      // implicit registration: GpuAutoTable; acknowledgements uint64 [src][slot]
   size_t mailbox, mailbox_entry;  // offset of mailbox[0][0], bytes per entry
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
@@ -200,6 +231,10 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   off = up(off + 2 * kGpuSyncSlots * static_cast<size_t>(nranks) * sizeof(GpuSyncEntry));
   l.reg = off;
   off = up(off + 2 * static_cast<size_t>(nranks) * sizeof(GpuRegEntry));
+  l.auto_exp = off;
+  off = up(off + sizeof(GpuAutoTable));
+  l.auto_ack = off;
+  off = up(off + static_cast<size_t>(nranks) * kGpuAutoRegions * sizeof(uint64_t));
   l.mailbox = off;
   l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
                      15) & ~size_t{15};
@@ -423,9 +458,11 @@ struct HtParams {
   int zc_guard;                      // dispatch (pull combine): wait until the owners have read the last combine's
                                      // staging rows, which the caller may overwrite next (epHtCombineBuffer)
   size_t xrow, srow;                 // bytes of a row of x and of its scales
-  const GpuRegion* regions;          // [kGpuMaxRegions] registered memory (epCommRegister)
+  const GpuRegion* regions;          // [kGpuRegionSlots] registered memory (epCommRegister, then implicit slots)
   int x_region;                      // pull combine: x lies in registered region x_region, at byte x_off of this
   uint64_t x_off;                    // rank's part (the owners read it there: no copy), or -1
+  GpuAutoMirror* auto_mirror;        // pull combine with implicit registration: what the begin kernel saw, or null
+  int auto_acks;                     // ... and the acknowledgements too (this rank waits for some)
   const void* x;
   const float* x_scales;
   const int64_t* topk_idx;

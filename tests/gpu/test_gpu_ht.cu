@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +32,8 @@
 #include "../unit/multiproc.h"
 #include "common/dtype.h"
 #include "common/routing.h"
+#include "engine/comm.h"
+#include "engine/gpu/gpu_engine.h"
 #include "epcomm/epcomm.h"
 
 namespace {
@@ -340,7 +343,8 @@ struct Pipeline {  // layout -> worst-token dispatch -> stand-in -> combine, on 
   }
   ~Pipeline() { epHtHandleDestroy(h); }
   // zero_copy: the stand-in writes into the communicator's zero-copy combine region, which the combine reads.
-  epResult_t run(cudaStream_t s, uint16_t* dst, bool zero_copy = false) {
+  // y_at: the stand-in writes there instead of y.
+  epResult_t run(cudaStream_t s, uint16_t* dst, bool zero_copy = false, uint16_t* y_at = nullptr) {
     epResult_t r = epGetDispatchLayout(comm, idx.p, T, K, E, per_rank.p, per_expert.p, in_rank.p, s);
     if (r != epSuccess) return r;
     epHtDispatchArgs_t a = EP_HT_DISPATCH_ARGS_INIT;
@@ -362,7 +366,7 @@ struct Pipeline {  // layout -> worst-token dispatch -> stand-in -> combine, on 
     a.recv_tokens_per_expert = recv_per.p;
     a.num_recv_tokens = num_recv.p;
     if ((r = epHtDispatch(comm, &a, h, s)) != epSuccess) return r;
-    void* ydev = y.p;
+    void* ydev = y_at != nullptr ? y_at : y.p;
     size_t region_bytes = 0;
     if (zero_copy && (r = epHtCombineBuffer(comm, &ydev, &region_bytes)) != epSuccess) return r;
     if (region_bytes && region_bytes < y.bytes()) return epBufferTooSmall;
@@ -428,6 +432,67 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
     CKE(epCommDestroy(comm), comm);
     return 0;
   }, 600000);
+  expectAllRanksOk(codes, seed);
+}
+
+// Implicit registration (EPCOMM_GPU_HT_AUTO_REGISTER, on by default): plain combines from caller allocations (of
+// whole 2 MiB pages) that come and go: one allocation freed and allocated again (likely at the same address) after the owners began
+// reading it in place, more allocations than the engine's slots (kGpuAutoRegions), x at varying offsets. Each
+// combine equals the zero-copy combine of the same expert outputs just before it (itself checked against the host
+// engine in BitExactAgainstHostEngine), outputs poisoned first, and the owners read x in place in some of them
+// (none across hosts, where the combine pushes).
+TEST_P(GpuHt, ImplicitRegistrationFollowsTheCallersAllocations) {
+  const int R = GetParam();
+  epUniqueId gid;
+  ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
+  const uint64_t seed = g_seed;
+  auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
+    g_rank = rank;
+    CKC(selectDevice(rank));
+    epConfig_t cfg = gpuConfig();
+    epComm_t comm;
+    CKE(initGpuComm(&comm, R, &gid, rank, &cfg), nullptr);
+    cudaStream_t s;
+    CKC(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    Pipeline P(comm, R, rank, 96, 256, 6, 8 * R);
+    // Allocations of 2 MiB pages, as PyTorch's segments (smaller ones share pages and are copied, never shared).
+    const size_t n = std::max<size_t>(P.y.n + 3 * 64, size_t{1} << 20);
+    std::vector<std::unique_ptr<DevBuf<uint16_t>>> pool;
+    for (int k = 0; k <= 40; ++k) pool.push_back(std::make_unique<DevBuf<uint16_t>>(n));
+    // Which allocation each combine reads (-1: free allocation 0 and allocate it again first).
+    std::vector<int> order(8, 0);
+    order.push_back(-1);
+    for (int i = 0; i < 8; ++i) order.push_back(0);
+    for (int i = 0; i < 80; ++i) order.push_back(1 + i % 40);
+    for (int i = 0; i < 8; ++i) order.push_back(i & 1);
+    int it = 0;
+    for (int k : order) {
+      if (k < 0) {
+        pool[0].reset();
+        pool[0] = std::make_unique<DevBuf<uint16_t>>(n);
+        continue;
+      }
+      genInputs<<<64, 256, 0, s>>>(P.x.p, P.idx.p, P.w.p, P.T, P.H, P.K, P.E, seed * 100000 + it * 64 + rank, true);
+      if (!g_cross_hosts) CKE(P.run(s, P.out_eager.p, true), comm);  // the reference: zero-copy
+      else CKE(P.run(s, P.out_eager.p), comm);
+      CKC(cudaMemsetAsync(P.out.p, 0xFF, P.out.bytes(), s));
+      CKE(P.run(s, P.out.p, false, pool[k]->p + 64 * (it % 3)), comm);
+      CKC(cudaStreamSynchronize(s));
+      auto g = P.out.host(), e = P.out_eager.host();
+      CK(memcmp(g.data(), e.data(), g.size() * 2) == 0, "combine %d (allocation %d) differs from the zero-copy one",
+         it, k);
+      ++it;
+    }
+    CK_CLEAN(comm, "after the run");
+    auto* engine = dynamic_cast<epcomm::GpuEngine*>(comm->engine.get());
+    CK(engine != nullptr, "not the GPU engine");
+    const uint64_t used = engine->implicitCombines();
+    if (g_cross_hosts) CK(used == 0, "%llu combines read x in place across hosts", static_cast<unsigned long long>(used));
+    else CK(used >= 4, "only %llu of %d combines read x in place", static_cast<unsigned long long>(used), it);
+    printf("rank %d: %llu of %d plain combines read x in place\n", rank, static_cast<unsigned long long>(used), it);
+    CKE(epCommDestroy(comm), comm);
+    return 0;
+  }, 300000);
   expectAllRanksOk(codes, seed);
 }
 

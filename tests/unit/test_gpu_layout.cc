@@ -27,7 +27,12 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             for (size_t s : starts) EXPECT_EQ(s % 256, 0u);
             EXPECT_GE(l.mailbox, sizeof(GpuCtrl));
             EXPECT_GE(l.reg, l.sync + 2 * kGpuSyncSlots * static_cast<size_t>(R) * sizeof(GpuSyncEntry));
-            EXPECT_LE(l.reg + 2 * static_cast<size_t>(R) * sizeof(GpuRegEntry), l.mailbox);  // registration entries
+            EXPECT_LE(l.reg + 2 * static_cast<size_t>(R) * sizeof(GpuRegEntry), l.auto_exp);  // registration entries
+            // Implicit registration: the table, then the acknowledgements [src][slot], before the mailbox.
+            EXPECT_EQ(l.auto_exp % 128, 0u);
+            EXPECT_LE(l.auto_exp + sizeof(GpuAutoTable), l.auto_ack);
+            EXPECT_EQ(l.auto_ack % 8, 0u);
+            EXPECT_LE(l.auto_ack + static_cast<size_t>(R) * kGpuAutoRegions * sizeof(uint64_t), l.mailbox);
             // Each region holds what the kernels index in it.
             EXPECT_GE(l.mailbox_entry, sizeof(MailboxHead) + 4 * (R + kGpuMaxExperts / R + kGpuMaxChannels));
             EXPECT_EQ(l.mailbox_entry % 16, 0u);

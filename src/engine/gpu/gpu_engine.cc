@@ -60,6 +60,9 @@ GpuEngine::~GpuEngine() {
   if (el_dev_) cudaFree(el_dev_);
   if (regions_dev_) cudaFree(regions_dev_);
   if (reg_stream_) cudaStreamDestroy(reg_stream_);
+  if (auto_mirror_) cudaFreeHost(auto_mirror_);
+  for (AutoSlot& s : auto_slots_)
+    if (s.done) cudaEventDestroy(s.done);
 }
 
 epResult_t GpuEngine::checkLaunch(cudaError_t e, const char* what) {
@@ -180,12 +183,13 @@ epResult_t GpuEngine::init() {
   if (e == cudaSuccess) e = cudaMemset(claims_, 0, sizeof(GpuErrorClaims));
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) EP_FAIL(epCudaError, "allocating the error claims: %s", cudaGetErrorString(e));
-  e = cudaMalloc(reinterpret_cast<void**>(&regions_dev_), sizeof(GpuRegion) * kGpuMaxRegions);
-  if (e == cudaSuccess) e = cudaMemset(regions_dev_, 0, sizeof(GpuRegion) * kGpuMaxRegions);
+  e = cudaMalloc(reinterpret_cast<void**>(&regions_dev_), sizeof(GpuRegion) * kGpuRegionSlots);
+  if (e == cudaSuccess) e = cudaMemset(regions_dev_, 0, sizeof(GpuRegion) * kGpuRegionSlots);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
   if (e != cudaSuccess) EP_FAIL(epCudaError, "allocating the registered-memory table: %s", cudaGetErrorString(e));
   EPCHECK(initElastic());
   EPCHECK(initLl());
+  EPCHECK(initImplicitRegistry());
   if (remote_mask_ != 0) {
     const size_t bytes[kRemoteNumBuffers] = {bufs_.local() ? lay_.total : 0, ll_bufs_.local() ? ll_lay_.total : 0};
     proxy_ = std::make_unique<GpuProxy>(comm_->rank, R, remote_, cudaProxyDevice(device_));

@@ -58,6 +58,8 @@ class GpuEngine final : public Engine {
                              double* seconds) override;
   void abort() override;
   void pollAsyncError() override;
+  // Combines whose x the owners read in place through implicit registration (tests and diagnostics).
+  uint64_t implicitCombines() const { return auto_used_; }
 
  private:
   HtParams baseParams(int op) const;
@@ -80,6 +82,13 @@ class GpuEngine final : public Engine {
   // [x, x + bytes) of this rank (its slot and x's offset in it), or -1.
   epResult_t regExchange(const GpuRegEntry& mine, std::vector<GpuRegEntry>* all, const char* what);
   int regionOf(const void* x, size_t bytes, uint64_t* off) const;
+  // Implicit registration of a plain pull combine's x (registry_implicit.cc). Never waits for a peer and never
+  // fails a call: whatever goes wrong leaves the combine copying x, as without it.
+  epResult_t initImplicitRegistry();
+  void implicitImport();                                          // map the peers' new slots, acknowledge them
+  int implicitSlot(const void* x, size_t bytes, uint64_t* off);   // x's table row once every owner maps it, or -1
+  void implicitUsed(int slot, cudaStream_t s);                    // after the combine that reads slot's rows
+  bool implicitWaiting() const;                                   // a slot waits for acknowledgements
 
   epComm* comm_;
   // Ranks of other hosts (their buffers are not mapped; the proxy carries what is meant for them), as a vector
@@ -139,6 +148,31 @@ class GpuEngine final : public Engine {
   uint64_t reg_round_ = 0, reg_gen_ = 0;
   cudaStream_t reg_stream_ = nullptr;
   IpcMappings reg_maps_;
+  // Implicit registration (EPCOMM_GPU_HT_AUTO_REGISTER): this rank's slots, the peers' slots as this rank mapped
+  // them ([r * kGpuAutoRegions + j]), the host-mapped mirror the begin kernels fill, and its device address.
+  struct AutoSlot {
+    enum State { kFree, kPending, kReady, kRefused } state = kFree;
+    uint64_t gen = 0;
+    cudaIpcMemHandle_t handle{};
+    const uint8_t* base = nullptr;
+    size_t bytes = 0;
+    uint64_t acked = 0;      // owners whose acknowledgement of gen this rank saw
+    uint64_t last_use = 0;   // call count, for least-recently-used replacement
+    cudaEvent_t done = nullptr;  // recorded after the last combine that read the slot
+    bool pinned = false;         // that record failed: never replaced
+  };
+  struct AutoImport {
+    uint64_t gen = 0;
+    void* mapped = nullptr;
+  };
+  bool auto_reg_ = false;
+  AutoSlot auto_slots_[kGpuAutoRegions];
+  std::vector<AutoImport> auto_imports_;
+  std::vector<uint64_t> auto_latest_;      // [r]: the latest gen of rank r's table this rank handled
+  std::vector<GpuAutoTable> auto_table_;   // two host copies of a peer's table (compared: a torn read differs)
+  GpuAutoMirror* auto_mirror_ = nullptr;
+  GpuAutoMirror* auto_mirror_dev_ = nullptr;
+  uint64_t auto_gen_ = 0, auto_calls_ = 0, auto_used_ = 0, auto_replaced_ = 0;
 };
 
 }  // namespace epcomm

@@ -228,10 +228,32 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
               "memory that the peers read during the combine", a->combined_x, out_used, a->x, x_used);
   }
   cudaStream_t s = streamOf(stream);
+  // Implicit registration (registry_implicit.cc), outside graph capture only: a captured combine keeps its choice
+  // for every replay, longer than a slot is held. x overlapping combined_x keeps the copy as well.
+  int implicit = -1;
+  if (auto_reg_) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &cap) != cudaSuccess) {
+      cudaGetLastError();
+      cap = cudaStreamCaptureStatusActive;
+    }
+    if (cap == cudaStreamCaptureStatusNone) {
+      implicitImport();
+      p.auto_mirror = auto_mirror_dev_;
+      const bool overlap = out_used > 0 && x_used > 0 && out < x + x_used && x < out + out_used;
+      if (!p.zero_copy && p.x_region < 0 && !overlap) implicit = p.x_region = implicitSlot(x, x_used, &p.x_off);
+      p.auto_acks = implicitWaiting() ? 1 : 0;
+    }
+  }
   EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
   EPCHECK(checkLaunch(launchHtCombine(p, s), "the combine kernel"));
   // x stays the caller's once the combine completes: that waits until every owner has read it.
-  return p.x_region >= 0 ? checkLaunch(launchHtEnd(p, s), "the combine end kernel") : epSuccess;
+  if (p.x_region >= 0) EPCHECK(checkLaunch(launchHtEnd(p, s), "the combine end kernel"));
+  if (implicit >= 0) {
+    implicitUsed(implicit, s);
+    ++auto_used_;
+  }
+  return epSuccess;
 }
 
 }  // namespace epcomm

@@ -101,12 +101,27 @@ epResult_t ipcExport(const void* ptr, size_t bytes, int device, cudaIpcMemHandle
   *alloc_base = reinterpret_cast<void*>(base);
   return epSuccess;
 }
+bool ipcAllocation(const void* ptr, int device, cudaIpcMemHandle_t* handle, void** base, size_t* bytes) {
+  cudaPointerAttributes at{};
+  PFN_cuMemGetAddressRange_v3020 range = addressRangeFn();
+  CUdeviceptr b = 0;
+  size_t size = 0;
+  if (cudaPointerGetAttributes(&at, ptr) != cudaSuccess || at.type != cudaMemoryTypeDevice || at.device != device ||
+      range == nullptr || range(&b, &size, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||
+      cudaIpcGetMemHandle(handle, reinterpret_cast<void*>(b)) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *base = reinterpret_cast<void*>(b);
+  *bytes = size;
+  return true;
+}
 
 IpcMappings::~IpcMappings() {
   for (Mapping& m : maps_) cudaIpcCloseMemHandle(m.base);
 }
 
-epResult_t IpcMappings::open(const cudaIpcMemHandle_t& h, int peer, void** base) {
+epResult_t IpcMappings::open(const cudaIpcMemHandle_t& h, int peer, void** base, bool quiet) {
   for (Mapping& m : maps_)
     if (memcmp(&m.handle, &h, sizeof(h)) == 0) {
       ++m.refs;
@@ -117,6 +132,7 @@ epResult_t IpcMappings::open(const cudaIpcMemHandle_t& h, int peer, void** base)
   const cudaError_t e = cudaIpcOpenMemHandle(&b, h, cudaIpcMemLazyEnablePeerAccess);
   if (e != cudaSuccess) {
     cudaGetLastError();
+    if (quiet) return epCudaError;
     EP_FAIL(epCudaError, "cannot map rank %d's registered memory (cudaIpcOpenMemHandle: %s)", peer,
             cudaGetErrorString(e));
   }

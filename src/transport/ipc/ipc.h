@@ -32,12 +32,18 @@ class IpcBuffers {
 epResult_t ipcExport(const void* ptr, size_t bytes, int device, cudaIpcMemHandle_t* handle, size_t* offset,
                      void** alloc_base);
 
+// The same lookup without a message, for memory the engine shares on its own (implicit registration): the whole
+// allocation holding ptr (its start, length and handle); false for memory that is not device memory of `device`
+// or that CUDA IPC cannot export, which the caller then copies.
+bool ipcAllocation(const void* ptr, int device, cudaIpcMemHandle_t* handle, void** base, size_t* bytes);
+
 // Peer allocations opened in this process, counted: CUDA maps an allocation once per process, and several
 // registered regions may lie in one allocation. Every mapping still open is closed on destruction.
 class IpcMappings {
  public:
   ~IpcMappings();
-  epResult_t open(const cudaIpcMemHandle_t& h, int peer, void** base);
+  // quiet: a refusal sets no message (the caller falls back on its own).
+  epResult_t open(const cudaIpcMemHandle_t& h, int peer, void** base, bool quiet = false);
   void close(void* base);
 
  private:
