@@ -4,7 +4,8 @@
 # rank: rank 1 writes past the end of a buffer and memcheck must report it.
 #   scripts/gpu_sanitize.sh [BIN_DIR] [ranks]      (defaults: .gpubin, 2); logs in $OUT (default /tmp/epcomm-san)
 # FILTER: a gtest filter (default: every test but the proof); SAN_TESTS: the binaries (default: test_gpu_ll test_gpu_ht);
-# SAN_TOOLS: the tools (default: memcheck racecheck synccheck). The tools slow the ranks tenfold and more, so the
+# SAN_TOOLS: the tools (default: memcheck racecheck synccheck); SAN_ARGS: more compute-sanitizer options (e.g.
+# "--report-api-errors no", where a test makes CUDA calls fail on purpose). The tools slow the ranks tenfold and more, so the
 # tests' short deadlines (rendezvous, stalled peers) are scaled by EPCOMM_GPU_TEST_DEADLINE_SCALE (default 10 here).
 set -uo pipefail
 BIN=${1:-.gpubin}
@@ -26,7 +27,7 @@ rc=0
 for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
   for t in ${SAN_TESTS:-test_gpu_ll test_gpu_ht}; do
     echo "== $tool $t"
-    EPCOMM_GPU_TEST_REPLAYS=10 EPCOMM_GPU_TEST_LATE_OPS=40 EPCOMM_GPU_TEST_CHAIN_OPS=40 timeout ${SAN_TIMEOUT:-300} "$S" --tool $tool --target-processes all \
+    EPCOMM_GPU_TEST_REPLAYS=10 EPCOMM_GPU_TEST_LATE_OPS=40 EPCOMM_GPU_TEST_CHAIN_OPS=40 timeout ${SAN_TIMEOUT:-300} "$S" --tool $tool --target-processes all ${SAN_ARGS:-} \
       --error-exitcode 3 "$BIN/$t" --gtest_filter="${FILTER:--*Sanitizer*}" > "$OUT/san_${tool}_$t.log" 2>&1
     r=$?
     echo "exit $r"
