@@ -34,6 +34,8 @@ htall() {  # R HOSTS LIMIT: the whole of test_gpu_ht
 #   R = 2 (proof first). The implicit path's lazy mapping meets allocations their owner already freed:
 #   cudaIpcOpenMemHandle refuses them (cudaErrorInvalidValue, handled: a refusal is acknowledged), which memcheck
 #   counts as API errors; memcheck runs once with and once without --report-api-errors.
+# bench: issue 11's shapes on / off, ROUNDS (default 2) rounds at R = 8 (~30 s a round on an H100).
+if [ "$part" = bench ]; then ( mps_start; onoff ${ROUNDS:-2} ); exit 0; fi
 if [ "$part" = san ]; then
   F='*Implicit*:*BitExact*:*GraphReplay*'
   SAN_TESTS=test_gpu_ht SAN_TOOLS=memcheck FILTER=$F SAN_TIMEOUT=80 OUT=$OUT bash scripts/gpu_sanitize.sh $D 2
