@@ -13,6 +13,22 @@ cd "$(dirname "$0")/../.."
 part=${1:-first}; D=${2:-.gpupack/new}
 source bench/gpu/common.sh
 gpu_log s30 $part
+# torchseg: where PyTorch's caching allocator puts tensors of a combine's x sizes (and smaller): whether each
+#   segment starts a 2 MiB page, which implicit registration needs (registry_implicit.cc).
+if [ "$part" = torchseg ]; then
+  python3 - <<'PY'
+import torch
+ts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in
+      (4096 * 8 * 7168 * 2, 33 * 7168 * 2, 600 * 7168 * 2, 1 << 20, 300 << 10, 4096)]
+segs = torch.cuda.memory_snapshot()
+for t in ts:
+    p = t.data_ptr()
+    s = next(s for s in segs if s["address"] <= p < s["address"] + s["total_size"])
+    print(f"tensor {t.numel():>10} B: segment {s['segment_type']:5} {s['total_size']:>10} B at {s['address']:#x}, "
+          f"starts a 2 MiB page: {s['address'] % (2 << 20) == 0}")
+PY
+  exit 0
+fi
 [ -x $D/epcomm-bench ] || { echo "### $D has no staged build"; exit 1; }
 onoff() {  # ROUNDS: issue 11's HT shapes, implicit registration on and off in turn; R = 2 and 4 in round 1 only
   echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts), implicit registration 1 / 0"
