@@ -38,7 +38,7 @@
 // each token from the peers' staging rows in ascending rank order, then acknowledges (ack[s][c] = epoch in the
 // copier's counters). A copier overwrites its rows for s only once s acknowledged the combine it last published
 // (sent[s][c], its own record), so the next combine never changes rows a slow owner still reads. With x in memory
-// the copier registered (epCommRegister) it copies none of x's rows: its begin kernel publishes where x is
+// the copier registered (epCommRegister, or implicitly: GpuAutoTable) it copies none of x's rows: its begin kernel publishes where x is
 // (GpuCtrl::comb_src, after the waits above), the owners read that after its ready counter and take the rows
 // from there, and an end kernel after the combine waits for every owner's acknowledgement, so that x is free
 // again when the combine completes.
@@ -71,7 +71,7 @@ constexpr int kGpuMaxTopk = 32;
 constexpr int kGpuMaxChannels = 32;
 
 // Where a rank's pull-combine rows are, published by its begin kernel for the owners: rows [0, have) of x at
-// byte `off` of registered region `region` (epCommRegister; -1: in the combine staging, as are rows past `have`,
+// byte `off` of registered region `region` (epCommRegister, or an implicit slot from kGpuMaxRegions on; -1: in the combine staging, as are rows past `have`,
 // which the copier zeroes there). The owners read it after that rank's ready counter, so it is the combine's.
 struct GpuCombineSource {
   int32_t region;

@@ -2,7 +2,7 @@
 // shared with the peers without a collective call, so that after a few combines the owners read it in place as
 // if it were registered with epCommRegister, and the copy of x into the communicator's buffer goes away.
 //
-// One-sided and lazy (common/gpu_layout.h, GpuAutoExport): this rank publishes the allocation that holds x in a
+// One-sided and lazy (common/gpu_layout.h, GpuAutoTable): this rank publishes the allocation that holds x in a
 // slot of its buffer; each owner maps it at its next combine, fills its table row and acknowledges; this rank
 // uses the slot from the combine after it saw every active owner's acknowledgement. Both sides learn what the
 // other did from the host-mapped mirror the begin kernels refresh, so no call waits for a peer, and any failure
