@@ -71,8 +71,9 @@ constexpr int kGpuMaxTopk = 32;
 constexpr int kGpuMaxChannels = 32;
 
 // Where a rank's pull-combine rows are, published by its begin kernel for the owners: rows [0, have) of x at
-// byte `off` of registered region `region` (epCommRegister, or an implicit slot from kGpuMaxRegions on; -1: in the combine staging, as are rows past `have`,
-// which the copier zeroes there). The owners read it after that rank's ready counter, so it is the combine's.
+// byte `off` of registered region `region` (epCommRegister, or an implicit slot from kGpuMaxRegions on; -1: in
+// the combine staging, as are rows past `have`, which the copier zeroes there). The owners read it after that
+// rank's ready counter, so it is the combine's.
 struct GpuCombineSource {
   int32_t region;
   int32_t have;
