@@ -29,6 +29,27 @@ for t in ts:
 PY
   exit 0
 fi
+# pages: whether CUDA puts small cudaMallocs into the tail page of a large one (3 MiB + 16 bytes) or beside a small
+#   one that starts a page (implicit registration takes allocations of 2 MiB or more that start a page).
+if [ "$part" = pages ]; then
+  python3 - <<'PY'
+import ctypes, glob
+rt = ctypes.CDLL(sorted(glob.glob("/usr/local/cuda*/lib64/libcudart.so*") + glob.glob(".gpupack/new/libcudart.so*"))[0])
+def alloc(n):
+    p = ctypes.c_void_p()
+    assert rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n)) == 0
+    return p.value
+P = 2 << 20
+for big_n in (3 * (1 << 20) + 16, 512 << 10):
+    big = alloc(big_n)
+    end = (big + big_n + P - 1) // P * P
+    smalls = [alloc(n) for n in [4096, 65536, 300 << 10] * 8]
+    inside = [hex(a) for a in smalls if big <= a < end]
+    print(f"allocation of {big_n} B at {big:#x} (starts a 2 MiB page: {big % P == 0}); "
+          f"{len(inside)} of {len(smalls)} later small allocations in its pages {inside[:4]}")
+PY
+  exit 0
+fi
 [ -x $D/epcomm-bench ] || { echo "### $D has no staged build"; exit 1; }
 onoff() {  # ROUNDS: issue 11's HT shapes, implicit registration on and off in turn; R = 2 and 4 in round 1 only
   echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts), implicit registration 1 / 0"
@@ -52,6 +73,19 @@ htall() {  # R HOSTS LIMIT: the whole of test_gpu_ht
 #   counts as API errors; memcheck runs once with and once without --report-api-errors.
 # bench: issue 11's shapes on / off, ROUNDS (default 2) rounds at R = 8 (~30 s a round on an H100).
 if [ "$part" = bench ]; then ( mps_start; onoff ${ROUNDS:-2} ); exit 0; fi
+# recheck: after the review's fixes, test_gpu_ht's implicit, bit-exact and graph tests at R = 2 and 8, one bench
+#   round on / off, and the pages check.
+if [ "$part" = recheck ]; then
+  ( mps_start
+    for R in 2 8; do
+      LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$R timeout 100 $D/test_gpu_ht \
+        --gtest_filter='*Implicit*:*BitExact*:*GraphReplay*:*Refusals*' > $OUT/ht_r$R.log 2>&1
+      echo "### test_gpu_ht R=$R rc $?"
+      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|read x in place|^\[       OK \]" $OUT/ht_r$R.log | tail -16; el
+    done
+    onoff 1 )
+  bash "$0" pages; exit 0
+fi
 if [ "$part" = san ]; then
   F='*Implicit*:*BitExact*:*GraphReplay*'
   SAN_TESTS=test_gpu_ht SAN_TOOLS=memcheck FILTER=$F SAN_TIMEOUT=80 OUT=$OUT bash scripts/gpu_sanitize.sh $D 2

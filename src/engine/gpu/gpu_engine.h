@@ -87,7 +87,7 @@ class GpuEngine final : public Engine {
   epResult_t initImplicitRegistry();
   void implicitImport();                                          // map the peers' new slots, acknowledge them
   int implicitSlot(const void* x, size_t bytes, uint64_t* off);   // x's table row once every owner maps it, or -1
-  void implicitUsed(int slot, cudaStream_t s);                    // after the combine that reads slot's rows
+  void implicitUsed(int slot, cudaStream_t s, bool launched);     // after the combine that reads slot's rows
   bool implicitWaiting() const;                                   // a slot waits for acknowledgements
 
   epComm* comm_;
@@ -159,7 +159,7 @@ class GpuEngine final : public Engine {
     uint64_t acked = 0;      // owners whose acknowledgement of gen this rank saw
     uint64_t last_use = 0;   // call count, for least-recently-used replacement
     cudaEvent_t done = nullptr;  // recorded after the last combine that read the slot
-    bool pinned = false;         // that record failed: never replaced
+    bool pinned = false;         // a combine's end or that record failed: never replaced
   };
   struct AutoImport {
     uint64_t gen = 0;

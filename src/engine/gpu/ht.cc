@@ -245,15 +245,15 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
       p.auto_acks = implicitWaiting() ? 1 : 0;
     }
   }
-  EPCHECK(checkLaunch(launchHtBegin(p, s), "the combine begin kernel"));
-  EPCHECK(checkLaunch(launchHtCombine(p, s), "the combine kernel"));
+  epResult_t rc = checkLaunch(launchHtBegin(p, s), "the combine begin kernel");
+  if (rc == epSuccess) rc = checkLaunch(launchHtCombine(p, s), "the combine kernel");
   // x stays the caller's once the combine completes: that waits until every owner has read it.
-  if (p.x_region >= 0) EPCHECK(checkLaunch(launchHtEnd(p, s), "the combine end kernel"));
-  if (implicit >= 0) {
-    implicitUsed(implicit, s);
-    ++auto_used_;
+  if (rc == epSuccess && p.x_region >= 0) rc = checkLaunch(launchHtEnd(p, s), "the combine end kernel");
+  if (implicit >= 0) {  // a slot whose combine may not end cleanly is never given to another allocation
+    implicitUsed(implicit, s, rc == epSuccess);
+    auto_used_ += rc == epSuccess;
   }
-  return epSuccess;
+  return rc;
 }
 
 }  // namespace epcomm

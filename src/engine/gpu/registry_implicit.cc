@@ -51,7 +51,13 @@ epResult_t GpuEngine::initImplicitRegistry() {
   for (int j = 0; j < kGpuAutoRegions && e == cudaSuccess; ++j)
     e = cudaEventCreateWithFlags(&auto_slots_[j].done, cudaEventDisableTiming);
   if (e == cudaSuccess && reg_stream_ == nullptr) e = cudaStreamCreateWithFlags(&reg_stream_, cudaStreamNonBlocking);
-  if (e != cudaSuccess) EP_FAIL(epCudaError, "setting up implicit registration: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    // Not worth failing the communicator for: its combines copy x, as with EPCOMM_GPU_HT_AUTO_REGISTER=0.
+    cudaGetLastError();
+    EP_INFO(kSubsysGpu, "implicit registration off: setting it up failed (%s)", cudaGetErrorString(e));
+    auto_reg_ = false;
+    return epSuccess;
+  }
   auto_imports_.assign(static_cast<size_t>(comm_->nranks) * kGpuAutoRegions, AutoImport{});
   auto_latest_.assign(comm_->nranks, 0);
   auto_table_.resize(2);
@@ -122,15 +128,18 @@ void GpuEngine::implicitImport() {
 int GpuEngine::implicitSlot(const void* x, size_t bytes, uint64_t* off) {
   ++auto_calls_;
   if (bytes == 0) return -1;
+  RelaxedCapture relaxed;  // the lookups and cudaEventQuery below included
   cudaIpcMemHandle_t h;
   void* alloc = nullptr;
   size_t alloc_bytes = 0;
   if (!ipcAllocation(x, device_, &h, &alloc, &alloc_bytes)) return -1;
   if (alloc == bufs_.local() || alloc == ll_bufs_.local()) return -1;  // the peers map those already
-  // Only allocations that start a 2 MiB page, as every PyTorch caching-allocator segment and large cudaMalloc
-  // does: CUDA packs small ones several to a page, CUDA IPC maps whole pages, and a peer that mapped one of them
-  // could map no other (cudaErrorAlreadyMapped), epCommRegister's included.
-  if (reinterpret_cast<uintptr_t>(alloc) % (size_t{2} << 20) != 0) return -1;
+  // Only allocations of 2 MiB or more that start a 2 MiB page, as every PyTorch caching-allocator segment and
+  // large cudaMalloc does: CUDA packs small ones several to a page (the first of them starts it), CUDA IPC maps
+  // whole pages, and a peer that mapped one of them could map no other (cudaErrorAlreadyMapped), epCommRegister's
+  // included.
+  constexpr size_t kPage = size_t{2} << 20;
+  if (reinterpret_cast<uintptr_t>(alloc) % kPage != 0 || alloc_bytes < kPage) return -1;
   const uint8_t* base = static_cast<const uint8_t*>(alloc);
   if (static_cast<size_t>(static_cast<const uint8_t*>(x) - base) > alloc_bytes - bytes || bytes > alloc_bytes)
     return -1;  // x runs past its allocation: the owners would read past it too; the copy is the caller's risk
@@ -193,7 +202,6 @@ int GpuEngine::implicitSlot(const void* x, size_t bytes, uint64_t* off) {
   memcpy(e.ipc, &h, sizeof(h));
   // The payload, its gen, then the table's latest: an owner that sees latest reads this slot (one stream, in
   // order; it reads the table twice).
-  RelaxedCapture relaxed;
   uint8_t* table = static_cast<uint8_t*>(bufs_.local()) + lay_.auto_exp;
   uint8_t* at = table + offsetof(GpuAutoTable, slot) + pick * sizeof(GpuAutoExport);
   cudaError_t ce = cudaMemcpyAsync(at + 8, reinterpret_cast<const uint8_t*>(&e) + 8, sizeof(e) - 8,
@@ -227,9 +235,11 @@ bool GpuEngine::implicitWaiting() const {
   return false;
 }
 
-void GpuEngine::implicitUsed(int slot, cudaStream_t s) {
+void GpuEngine::implicitUsed(int slot, cudaStream_t s, bool launched) {
   const int j = slot - kGpuMaxRegions;
-  if (j >= 0 && j < kGpuAutoRegions && cudaEventRecord(auto_slots_[j].done, s) != cudaSuccess) {
+  if (j < 0 || j >= kGpuAutoRegions) return;
+  RelaxedCapture relaxed;
+  if (!launched || cudaEventRecord(auto_slots_[j].done, s) != cudaSuccess) {
     // Without the event the slot must never be replaced: nothing would tell when the owners stopped reading it.
     cudaGetLastError();
     auto_slots_[j].pinned = true;
