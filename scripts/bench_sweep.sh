@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU HT sweep: epcomm-bench over SM budgets and token counts, ranks under a private MPS daemon, every row
-# appended to one CSV ($OUT/bench_sweep.csv); draw it with scripts/plot_bench.py.
+# appended to one CSV ($OUT/bench_sweep.csv); draw it with scripts/plot_bench.py. ITERS (3) and WARMUP (1): the
+# bench's --iters and --warmup (the plain HT combine reads x in place from about its third call on: implicit
+# registration, src/engine/gpu/registry_implicit.cc).
 #   scripts/bench_sweep.sh [BIN_DIR] [ranks] [sms] [tokens]     e.g. .gpubin 2,4,8 8,16,24,32 1024,4096
 set -uo pipefail
 BIN=${1:-.gpubin}
@@ -20,7 +22,7 @@ for r in "${RS[@]}"; do
   for s in "${SMS[@]}"; do
     for t in "${TOKS[@]}"; do
       timeout 120 "$BIN/epcomm-run" -n "$r" -- "$BIN/epcomm-bench" --ops ht --sms "$s" --ht-tokens "$t" \
-        --iters "${ITERS:-3}" --warmup 1 --csv "$CSV" 2>&1 | grep -E "^HT" | sed "s/^/R=$r sms=$s: /"
+        --iters "${ITERS:-3}" --warmup "${WARMUP:-1}" --csv "$CSV" 2>&1 | grep -E "^HT" | sed "s/^/R=$r sms=$s: /"
     done
   done
 done
