@@ -68,9 +68,10 @@ htall() {  # R HOSTS LIMIT: the whole of test_gpu_ht
   grep -c "already mapped" $OUT/ht_all_r$1_h$2.log | sed 's/^/### "already mapped" lines: /'; el
 }
 # san: compute-sanitizer memcheck, racecheck and synccheck on test_gpu_ht's implicit, bit-exact and graph tests at
-#   R = 2 (proof first). The implicit path's lazy mapping meets allocations their owner already freed:
-#   cudaIpcOpenMemHandle refuses them (cudaErrorInvalidValue, handled: a refusal is acknowledged), which memcheck
-#   counts as API errors; memcheck runs once with and once without --report-api-errors.
+#   R = 2 (proof first: needs test_gpu_ll staged). The implicit path's lazy mapping can meet allocations their owner
+#   already freed: cudaIpcOpenMemHandle refuses them (cudaErrorInvalidValue, handled: a refusal is acknowledged),
+#   which memcheck counts as API errors (2 in call 3, before allocations under 2 MiB were left out; 0 in call 8);
+#   memcheck runs once with and once without --report-api-errors.
 # bench: issue 11's shapes on / off, ROUNDS (default 2) rounds at R = 8 (~30 s a round on an H100).
 if [ "$part" = bench ]; then ( mps_start; onoff ${ROUNDS:-2} ); exit 0; fi
 # recheck: after the review's fixes, test_gpu_ht's implicit, bit-exact and graph tests at R = 2 and 8, one bench
