@@ -426,10 +426,9 @@ EPCOMM_API epResult_t epHtCombineBuffer(epComm_t comm, void** x, size_t* x_bytes
  * is epInvalidArgument.
  * Without a call: on the ranks of one host, a plain HT pull combine whose x lies in a cudaMalloc allocation of
  * 2 MiB or more that starts a 2 MiB page (as PyTorch's caching-allocator segments do; CUDA packs smaller
- * allocations several to a page) offers that allocation to the peers on its own (implicit registration; EPCOMM_GPU_HT_AUTO_REGISTER=0
- * turns it off). Nothing
- * waits: the owners map it at their next combines, and from then on combines from that allocation read x in
- * place, with the lifetime rule above; until then, and for memory CUDA IPC cannot share, x is copied. Up to 32
+ * allocations several to a page) offers that allocation to the peers on its own (implicit registration;
+ * EPCOMM_GPU_HT_AUTO_REGISTER=0 turns it off). Nothing waits: the owners map it at their next combines, and from
+ * then on combines from that allocation read x in place, with the lifetime rule above; until then, and for memory CUDA IPC cannot share, x is copied. Up to 32
  * allocations per rank stay mapped by the peers, until the communicator is destroyed or the slot, unused for 64
  * combines and no longer read, goes to another allocation; a freed allocation is recognized (CUDA gives its
  * successor another IPC handle) and never read. Captured combines copy x unless it lies in a region registered
