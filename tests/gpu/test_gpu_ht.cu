@@ -436,8 +436,9 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
 }
 
 // Implicit registration (EPCOMM_GPU_HT_AUTO_REGISTER, on by default): plain combines from caller allocations (of
-// whole 2 MiB pages) that come and go: one allocation freed and allocated again (likely at the same address) after the owners began
-// reading it in place, more allocations than the engine's slots (kGpuAutoRegions), x at varying offsets. Each
+// whole 2 MiB pages) that come and go: one allocation freed and allocated again (likely at the same address)
+// after the owners began reading it in place, more allocations than the engine's slots (kGpuAutoRegions), x at
+// varying offsets. Each
 // combine equals the zero-copy combine of the same expert outputs just before it (itself checked against the host
 // engine in BitExactAgainstHostEngine), outputs poisoned first, and the owners read x in place in some of them
 // (none across hosts, where the combine pushes).
@@ -487,8 +488,10 @@ TEST_P(GpuHt, ImplicitRegistrationFollowsTheCallersAllocations) {
     auto* engine = dynamic_cast<epcomm::GpuEngine*>(comm->engine.get());
     CK(engine != nullptr, "not the GPU engine");
     const uint64_t used = engine->implicitCombines();
-    if (g_cross_hosts) CK(used == 0, "%llu combines read x in place across hosts", static_cast<unsigned long long>(used));
-    else CK(used >= 4, "only %llu of %d combines read x in place", static_cast<unsigned long long>(used), it);
+    if (g_cross_hosts)
+      CK(used == 0, "%llu combines read x in place across hosts", static_cast<unsigned long long>(used));
+    else
+      CK(used >= 4, "only %llu of %d combines read x in place", static_cast<unsigned long long>(used), it);
     printf("rank %d: %llu of %d plain combines read x in place\n", rank, static_cast<unsigned long long>(used), it);
     CKE(epCommDestroy(comm), comm);
     return 0;

@@ -208,6 +208,7 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   const uint8_t* x = static_cast<const uint8_t*>(a->x);
   const uint8_t* out = static_cast<const uint8_t*>(a->combined_x);
   const size_t x_used = static_cast<size_t>(h->recv_rows) * xrow, out_used = static_cast<size_t>(a->num_tokens) * xrow;
+  const bool x_meets_out = out_used > 0 && x_used > 0 && out < x + x_used && x < out + out_used;
   if (ht_pull_ && x != region && x < region_end && x + x_used > region)
     EP_FAIL(epInvalidArgument, "x = %p (%zu bytes) overlaps the zero-copy combine region (epHtCombineBuffer) at %p "
             "but does not start there: pass the region's start", a->x, x_used, static_cast<const void*>(region));
@@ -223,7 +224,7 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   } else if (ht_pull_) {
     p.x_region = regionOf(x, x_used, &p.x_off);  // registered (epCommRegister): the owners read x there
     // ... while this rank writes combined_x: the two must not overlap.
-    if (p.x_region >= 0 && out_used > 0 && x_used > 0 && out < x + x_used && x < out + out_used)
+    if (p.x_region >= 0 && x_meets_out)
       EP_FAIL(epInvalidArgument, "combined_x = %p (%zu bytes) overlaps x = %p (%zu bytes), which lies in registered "
               "memory that the peers read during the combine", a->combined_x, out_used, a->x, x_used);
   }
@@ -240,8 +241,7 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
     if (cap == cudaStreamCaptureStatusNone) {
       implicitImport();
       p.auto_mirror = auto_mirror_dev_;
-      const bool overlap = out_used > 0 && x_used > 0 && out < x + x_used && x < out + out_used;
-      if (!p.zero_copy && p.x_region < 0 && !overlap) implicit = p.x_region = implicitSlot(x, x_used, &p.x_off);
+      if (!p.zero_copy && p.x_region < 0 && !x_meets_out) implicit = p.x_region = implicitSlot(x, x_used, &p.x_off);
       p.auto_acks = implicitWaiting() ? 1 : 0;
     }
   }

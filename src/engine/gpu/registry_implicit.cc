@@ -104,7 +104,8 @@ void GpuEngine::implicitImport() {
       uint8_t* base = ok ? static_cast<uint8_t*>(m) : nullptr;
       const uint64_t bytes = ok ? x.bytes : 0;
       e = cudaMemcpyAsync(&row->base[r], &base, sizeof(base), cudaMemcpyHostToDevice, reg_stream_);
-      if (e == cudaSuccess) e = cudaMemcpyAsync(&row->bytes[r], &bytes, sizeof(bytes), cudaMemcpyHostToDevice, reg_stream_);
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(&row->bytes[r], &bytes, sizeof(bytes), cudaMemcpyHostToDevice, reg_stream_);
       if (e == cudaSuccess) e = cudaStreamSynchronize(reg_stream_);
       if (e != cudaSuccess) {
         cudaGetLastError();
@@ -131,8 +132,9 @@ int GpuEngine::implicitSlot(const void* x, size_t bytes, uint64_t* off) {
   RelaxedCapture relaxed;  // the lookups and cudaEventQuery below included
   cudaIpcMemHandle_t h;
   void* alloc = nullptr;
-  size_t alloc_bytes = 0;
-  if (!ipcAllocation(x, device_, &h, &alloc, &alloc_bytes)) return -1;
+  size_t x_off = 0, alloc_bytes = 0;
+  // Memory CUDA IPC cannot share, or x running past its allocation (the owners would read past it too): copied.
+  if (ipcExport(x, bytes, device_, &h, &x_off, &alloc, &alloc_bytes, true) != epSuccess) return -1;
   if (alloc == bufs_.local() || alloc == ll_bufs_.local()) return -1;  // the peers map those already
   // Only allocations of 2 MiB or more that start a 2 MiB page, as every PyTorch caching-allocator segment and
   // large cudaMalloc does: CUDA packs small ones several to a page (the first of them starts it), CUDA IPC maps
@@ -141,8 +143,6 @@ int GpuEngine::implicitSlot(const void* x, size_t bytes, uint64_t* off) {
   constexpr size_t kPage = size_t{2} << 20;
   if (reinterpret_cast<uintptr_t>(alloc) % kPage != 0 || alloc_bytes < kPage) return -1;
   const uint8_t* base = static_cast<const uint8_t*>(alloc);
-  if (static_cast<size_t>(static_cast<const uint8_t*>(x) - base) > alloc_bytes - bytes || bytes > alloc_bytes)
-    return -1;  // x runs past its allocation: the owners would read past it too; the copy is the caller's risk
   const uint64_t owners = active_mask_ & ~(1ull << comm_->rank);
   for (int j = 0; j < kGpuAutoRegions; ++j) {
     AutoSlot& s = auto_slots_[j];
@@ -168,7 +168,7 @@ int GpuEngine::implicitSlot(const void* x, size_t bytes, uint64_t* off) {
       EP_INFO(kSubsysGpu, "implicit registration: allocation %p (%zu bytes) is slot %d; the owners read x in place",
               alloc, s.bytes, j);
     s.state = AutoSlot::kReady;
-    *off = static_cast<uint64_t>(static_cast<const uint8_t*>(x) - base);
+    *off = x_off;
     return kGpuMaxRegions + j;
   }
   // A new allocation: a free slot, else the least recently used one, if no combine in flight reads it and it sat

@@ -66,56 +66,46 @@ static PFN_cuMemGetAddressRange_v3020 addressRangeFn() {
   return fn;
 }
 
+// quiet: a refusal returns its code without a message (EP_ERROR sets the thread's error text and logs it).
+#define IPC_FAIL(code, ...) return quiet ? (code) : EP_ERROR((code), __VA_ARGS__)
 epResult_t ipcExport(const void* ptr, size_t bytes, int device, cudaIpcMemHandle_t* handle, size_t* offset,
-                     void** alloc_base) {
+                     void** alloc_base, size_t* alloc_bytes, bool quiet) {
   cudaPointerAttributes at{};
   cudaError_t e = cudaPointerGetAttributes(&at, ptr);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    EP_FAIL(epInvalidArgument, "ptr = %p is not memory CUDA knows (cudaPointerGetAttributes: %s)", ptr,
-            cudaGetErrorString(e));
+    IPC_FAIL(epInvalidArgument, "ptr = %p is not memory CUDA knows (cudaPointerGetAttributes: %s)", ptr,
+             cudaGetErrorString(e));
   }
-  EP_REQUIRE(at.type == cudaMemoryTypeDevice, epInvalidArgument,
-             "ptr = %p is not device memory (CUDA memory type %d); register cudaMalloc memory", ptr,
-             static_cast<int>(at.type));
-  EP_REQUIRE(at.device == device, epInvalidArgument, "ptr = %p is memory of device %d, the communicator's is %d",
-             ptr, at.device, device);
+  if (at.type != cudaMemoryTypeDevice)
+    IPC_FAIL(epInvalidArgument, "ptr = %p is not device memory (CUDA memory type %d); register cudaMalloc memory",
+             ptr, static_cast<int>(at.type));
+  if (at.device != device)
+    IPC_FAIL(epInvalidArgument, "ptr = %p is memory of device %d, the communicator's is %d", ptr, at.device,
+             device);
   PFN_cuMemGetAddressRange_v3020 range = addressRangeFn();
-  EP_REQUIRE(range != nullptr, epCudaError, "the driver has no cuMemGetAddressRange");
+  if (range == nullptr) IPC_FAIL(epCudaError, "the driver has no cuMemGetAddressRange");
   CUdeviceptr base = 0;
   size_t size = 0;
-  EP_REQUIRE(range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) == CUDA_SUCCESS, epInvalidArgument,
-             "ptr = %p lies in no device allocation (cuMemGetAddressRange failed)", ptr);
+  if (range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS)
+    IPC_FAIL(epInvalidArgument, "ptr = %p lies in no device allocation (cuMemGetAddressRange failed)", ptr);
   const size_t off = reinterpret_cast<uintptr_t>(ptr) - base;
-  EP_REQUIRE(bytes <= size - off, epInvalidArgument,
-             "bytes = %zu from ptr = %p run past the end of its allocation (%zu bytes from there)", bytes, ptr,
-             size - off);
+  if (bytes > size - off)
+    IPC_FAIL(epInvalidArgument, "bytes = %zu from ptr = %p run past the end of its allocation (%zu bytes from "
+             "there)", bytes, ptr, size - off);
   e = cudaIpcGetMemHandle(handle, reinterpret_cast<void*>(base));
   if (e != cudaSuccess) {
     cudaGetLastError();
-    EP_FAIL(epNotSupported, "the allocation that holds ptr = %p cannot be shared over CUDA IPC "
-            "(cudaIpcGetMemHandle: %s); cuMemCreate memory, e.g. PyTorch's expandable segments, cannot be registered",
-            ptr, cudaGetErrorString(e));
+    IPC_FAIL(epNotSupported, "the allocation that holds ptr = %p cannot be shared over CUDA IPC "
+             "(cudaIpcGetMemHandle: %s); cuMemCreate memory, e.g. PyTorch's expandable segments, cannot be "
+             "registered", ptr, cudaGetErrorString(e));
   }
   *offset = off;
   *alloc_base = reinterpret_cast<void*>(base);
+  if (alloc_bytes != nullptr) *alloc_bytes = size;
   return epSuccess;
 }
-bool ipcAllocation(const void* ptr, int device, cudaIpcMemHandle_t* handle, void** base, size_t* bytes) {
-  cudaPointerAttributes at{};
-  PFN_cuMemGetAddressRange_v3020 range = addressRangeFn();
-  CUdeviceptr b = 0;
-  size_t size = 0;
-  if (cudaPointerGetAttributes(&at, ptr) != cudaSuccess || at.type != cudaMemoryTypeDevice || at.device != device ||
-      range == nullptr || range(&b, &size, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||
-      cudaIpcGetMemHandle(handle, reinterpret_cast<void*>(b)) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  *base = reinterpret_cast<void*>(b);
-  *bytes = size;
-  return true;
-}
+#undef IPC_FAIL
 
 IpcMappings::~IpcMappings() {
   for (Mapping& m : maps_) cudaIpcCloseMemHandle(m.base);

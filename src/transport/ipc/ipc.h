@@ -26,16 +26,13 @@ class IpcBuffers {
   std::vector<bool> opened_;
 };
 
-// Caller memory shared on demand (epCommRegister): the handle of the cudaMalloc allocation that holds
-// [ptr, ptr + bytes) and ptr's offset in it. epInvalidArgument when the range leaves the allocation;
-// epNotSupported for memory CUDA IPC cannot export (cuMemCreate / expandable segments, cudaMallocAsync).
+// Caller memory shared on demand (epCommRegister, and implicitly by the HT combine): the handle of the cudaMalloc
+// allocation that holds [ptr, ptr + bytes), ptr's offset in it, its start and (alloc_bytes) its length.
+// epInvalidArgument when the range leaves the allocation; epNotSupported for memory CUDA IPC cannot export
+// (cuMemCreate / expandable segments, cudaMallocAsync). quiet: a refusal sets no message (the caller falls back on
+// its own).
 epResult_t ipcExport(const void* ptr, size_t bytes, int device, cudaIpcMemHandle_t* handle, size_t* offset,
-                     void** alloc_base);
-
-// The same lookup without a message, for memory the engine shares on its own (implicit registration): the whole
-// allocation holding ptr (its start, length and handle); false for memory that is not device memory of `device`
-// or that CUDA IPC cannot export, which the caller then copies.
-bool ipcAllocation(const void* ptr, int device, cudaIpcMemHandle_t* handle, void** base, size_t* bytes);
+                     void** alloc_base, size_t* alloc_bytes = nullptr, bool quiet = false);
 
 // Peer allocations opened in this process, counted: CUDA maps an allocation once per process, and several
 // registered regions may lie in one allocation. Every mapping still open is closed on destruction.
