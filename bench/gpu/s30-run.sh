@@ -59,6 +59,11 @@ onoff() {  # ROUNDS: issue 11's HT shapes, implicit registration on and off in t
       EPCOMM_GPU_HT_AUTO_REGISTER=$v LD_LIBRARY_PATH=$D timeout 60 $D/epcomm-run -n $1 -- $D/epcomm-bench --ops ht \
         --iters 20 --warmup 5 --sms $2 --ht-tokens ${3:-4096} 2>&1 | grep -E "^HT |rror|^epcomm-bench"; done; done; el; done
 }
+htsome() {  # R LIMIT FILTER: test_gpu_ht's tests matching FILTER
+  LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$1 timeout $2 $D/test_gpu_ht --gtest_filter="$3" > $OUT/ht_r$1.log 2>&1
+  echo "### test_gpu_ht R=$1 rc $?"
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|read x in place|^\[       OK \]" $OUT/ht_r$1.log | tail -16; el
+}
 htall() {  # R HOSTS LIMIT: the whole of test_gpu_ht
   local left=$(( 560 - ($(date +%s) - T0) )); [ $left -lt 40 ] && { echo "### test_gpu_ht R=$1 hosts=$2 skipped"; return; }
   LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$1 EPCOMM_GPU_TEST_HOSTS=$2 timeout $(( $3 < left ? $3 : left )) \
@@ -78,14 +83,20 @@ if [ "$part" = bench ]; then ( mps_start; onoff ${ROUNDS:-2} ); exit 0; fi
 #   round on / off, and the pages check.
 if [ "$part" = recheck ]; then
   ( mps_start
-    for R in 2 8; do
-      LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$R timeout 100 $D/test_gpu_ht \
-        --gtest_filter='*Implicit*:*BitExact*:*GraphReplay*:*Refusals*' > $OUT/ht_r$R.log 2>&1
-      echo "### test_gpu_ht R=$R rc $?"
-      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|read x in place|^\[       OK \]" $OUT/ht_r$R.log | tail -16; el
-    done
+    for R in 2 8; do htsome $R 100 '*Implicit*:*BitExact*:*GraphReplay*:*Refusals*'; done
     onoff 1 )
   bash "$0" pages; exit 0
+fi
+# suite: after the final read's mends, the whole of test_gpu_ht at R = 2, its implicit, bit-exact, graph and
+#   registration tests at R = 8, test_gpu_ll at R = 2, and one R = 8 bench pair on / off.
+if [ "$part" = suite ]; then
+  ( mps_start; htall 2 1 60; htsome 8 60 '*Implicit*:*BitExact*:*GraphReplay*:*Refusals*'
+    LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=2 timeout 100 $D/test_gpu_ll > $OUT/ll_r2.log 2>&1
+    echo "### test_gpu_ll R=2 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/ll_r2.log | tail -4; el
+    for v in 1 0; do echo "### HT R=8 sms=16 auto=$v"
+      EPCOMM_GPU_HT_AUTO_REGISTER=$v LD_LIBRARY_PATH=$D timeout 60 $D/epcomm-run -n 8 -- $D/epcomm-bench --ops ht \
+        --iters 20 --warmup 5 --sms 16 2>&1 | grep -E "^HT |rror|^epcomm-bench"; done; el )
+  exit 0
 fi
 if [ "$part" = san ]; then
   F='*Implicit*:*BitExact*:*GraphReplay*'
@@ -104,22 +115,5 @@ if [ "$part" = verify ]; then
   exit 0
 fi
 ( mps_start
-  for R in 2 8; do
-    LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$R timeout 150 $D/test_gpu_ht \
-      --gtest_filter='*Implicit*:*BitExact*:*GraphReplay*' > $OUT/ht_r$R.log 2>&1
-    echo "### test_gpu_ht R=$R rc $?"
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|read x in place|^\[       OK \]" $OUT/ht_r$R.log | tail -16; el
-  done
-  echo "## (d) HT at issue 11's shapes (4096 tokens, hidden 7168, top-8, 256 experts), implicit registration 1 / 0"
-  for i in 1 2 3; do for a in "8 16" "8 14" "2 24" "4 24"; do set -- $a
-    [ $i -gt 1 ] && [ $1 != 8 ] && continue
-    for v in 1 0; do echo "### round $i HT R=$1 sms=$2 auto=$v"
-      EPCOMM_GPU_HT_AUTO_REGISTER=$v LD_LIBRARY_PATH=$D timeout 60 $D/epcomm-run -n $1 -- $D/epcomm-bench --ops ht \
-        --iters 20 --warmup 5 --sms $2 2>&1 | grep -E "^HT |rror|^epcomm-bench"; done; done; el; done
-  for run in "4 1 200" "2 2 120"; do set -- $run
-    left=$(( 560 - ($(date +%s) - T0) )); [ $left -lt 40 ] && { echo "### test_gpu_ht R=$1 hosts=$2 skipped"; continue; }
-    LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$1 EPCOMM_GPU_TEST_HOSTS=$2 timeout $(( $3 < left ? $3 : left )) \
-      $D/test_gpu_ht --gtest_filter="${FILTER:-*}" > $OUT/ht_all_r$1_h$2.log 2>&1
-    echo "### test_gpu_ht (all) R=$1 hosts=$2 rc $?"
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|^\[       OK \]" $OUT/ht_all_r$1_h$2.log | tail -16; el
-  done )
+  for R in 2 8; do htsome $R 150 '*Implicit*:*BitExact*:*GraphReplay*'; done
+  onoff 3; htall 4 1 200; htall 2 2 120 )
