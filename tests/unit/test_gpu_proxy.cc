@@ -7,7 +7,8 @@
 //    unknown type ends that peer's stream, logged, and nothing of it is stored;
 //  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline);
 //  - stop with a flush right after writing delivers what the rings hold (the proxy drives the bridge itself);
-//  - the proxy's thread never calls its device (on a GPU, a CUDA call there can block behind the application's).
+//  - the proxy's thread never calls its device (on a GPU, a CUDA call there can block behind the application's);
+//  - the streaming-store copy it stores DATA with (common/stream_copy.h) equals memcpy at every size and alignment.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "common/gpu_remote.h"
+#include "common/stream_copy.h"
 #include "engine/gpu/proxy.h"
 #include "engine/gpu/proxy_host_writer.h"
 #include "multiproc.h"
@@ -49,6 +51,22 @@ bool waitWord(const uint8_t* buf, uint64_t off, uint64_t want, int timeout_ms) {
     if (std::chrono::steady_clock::now() > until) return false;
     else std::this_thread::yield();
   return true;
+}
+
+TEST(StreamCopy, EqualsMemcpyAtEverySizeAndAlignment) {
+  std::mt19937 rng(12345);
+  std::vector<uint8_t> src(40000), want(40100), got(40100);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  for (size_t n : {0, 1, 15, 16, 17, 63, 64, 65, 1023, 1024, 1025, 4096, 14336, 14367, 39000})
+    for (size_t da = 0; da < 33; da += 3)
+      for (size_t sa = 0; sa < 33; sa += 7) {
+        std::fill(want.begin(), want.end(), 0xA5);
+        std::fill(got.begin(), got.end(), 0xA5);
+        memcpy(want.data() + da, src.data() + sa, n);
+        ASSERT_EQ(epcomm::streamCopy(got.data() + da, src.data() + sa, n), got.data() + da);
+        epcomm::streamFence();
+        ASSERT_EQ(want, got) << n << " bytes, destination +" << da << ", source +" << sa;
+      }
 }
 
 // The host device, counting the calls made from a thread other than the one that created it.

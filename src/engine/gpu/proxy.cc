@@ -8,6 +8,7 @@
 #include "common/checks.h"
 #include "common/log.h"
 #include "common/param.h"
+#include "common/stream_copy.h"
 #include "common/thread_name.h"
 #include "common/time.h"
 
@@ -22,6 +23,9 @@ EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
 // backend's inline size (64 KiB) its helper threads move it over several data sockets at once, which the proxy's
 // bulk streams want; below, the proxy's bridge thread does, on one socket, with a syscall or more per message.
 EP_PARAM(GpuProxyMsgBytes, "GPU_PROXY_MSG_BYTES", 1 << 20);
+// 1: DATA payloads go into the far copies with streaming stores (common/stream_copy.h: no read of the destination,
+// the caches left alone); 0: memcpy.
+EP_PARAM(GpuProxyStreamStores, "GPU_PROXY_STREAM_STORES", 1);
 // Who makes the net bridge's calls (sends, receives, credits): 0, the proxy's own thread, between its turns over the
 // rings and inboxes (one polling thread per rank); 1, a progress thread of the bridge's; -1 (the default), the
 // proxy's thread where this rank reaches at most kDriveMaxPeers ranks of other hosts, else the bridge's.
@@ -208,6 +212,8 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
     return false;
   }
   const size_t max_payload = inbox_bytes_ / 4;
+  static const bool streaming = epParamGpuProxyStreamStores() != 0;
+  bool streamed = false;  // a streaming copy not yet fenced
   size_t parsed = 0;
   for (int n = 0; n < kInPerTurn && parsed < *budget && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
     GpuRemoteRecord h;
@@ -239,13 +245,17 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
     if (h.type == kRemoteFlag) {
       uint64_t v;
       inbox.copyOut(&v, parsed + sizeof(h), 8);
+      if (streamed) streamFence();  // the bytes before the flag first
+      streamed = false;
       __atomic_store_n(reinterpret_cast<uint64_t*>(at), v, __ATOMIC_RELEASE);
     } else if (len > 0) {
-      inbox.copyOut(at, parsed + sizeof(h), len);
+      inbox.copyOut(at, parsed + sizeof(h), len, streaming ? streamCopy : memcpy);
+      streamed |= streaming;
     }
     parsed += size;
     ++recs_in_;
   }
+  if (streamed) streamFence();  // nothing stored stays unordered past this turn
   *budget -= std::min(parsed, *budget);
   if (parsed > 0) inbox.release(parsed);
   return parsed > 0;

@@ -10,7 +10,8 @@
 //        the record's buffer (pinned host memory, mapped: the kernels read there every word a rank of another
 //        host writes)
 //
-// Storing is a memcpy (DATA) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
+// Storing is a copy with streaming stores (DATA: common/stream_copy.h, the far copies are never read by this CPU;
+// fenced before the next FLAG) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
 // call while kernels run. One would block behind the application's own, e.g. a kernel's first launch under lazy
 // module loading (CUDA_MODULE_LOADING=LAZY, the default), which waits for the running kernels, which may be
 // waiting for this very thread; copy engines also store a batch's copies in any order. The far copies cost pinned

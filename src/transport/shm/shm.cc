@@ -155,12 +155,12 @@ size_t RingEnd::available() const {
   return static_cast<size_t>(tail - head);
 }
 
-void RingEnd::copyOut(void* dst, size_t off, size_t len) const {
+void RingEnd::copyOut(void* dst, size_t off, size_t len, void* (*copy)(void*, const void*, size_t)) const {
   uint64_t head = ctl_->head.load(std::memory_order_relaxed);
   size_t pos = static_cast<size_t>((head + off) % bytes_);
   size_t first = bytes_ - pos < len ? bytes_ - pos : len;
-  memcpy(dst, data_ + pos, first);
-  if (len > first) memcpy(static_cast<uint8_t*>(dst) + first, data_, len - first);
+  copy(dst, data_ + pos, first);
+  if (len > first) copy(static_cast<uint8_t*>(dst) + first, data_, len - first);
 }
 
 size_t RingEnd::pull(void* dst, size_t len) {

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "epcomm/epcomm.h"
@@ -111,8 +112,9 @@ class RingEnd {
   // Consumer: pointer to len readable bytes if they are ready and contiguous in the ring, else nullptr
   // (then use pull/copyOut). release() consumes them.
   const uint8_t* peek(size_t len) const;
-  // Consumer: copies len ready bytes at offset off from the read position without consuming them.
-  void copyOut(void* dst, size_t off, size_t len) const;
+  // Consumer: copies len ready bytes at offset off from the read position without consuming them (with `copy`:
+  // memcpy, or streamCopy for a destination nobody reads soon).
+  void copyOut(void* dst, size_t off, size_t len, void* (*copy)(void*, const void*, size_t) = memcpy) const;
   void release(size_t len);
   // Consumer: drops everything the producer has published so far (the producer must have stopped pushing).
   void discardAll() { ctl_->head.store(ctl_->tail.load(std::memory_order_acquire), std::memory_order_release); }
