@@ -32,16 +32,27 @@ __device__ __forceinline__ uint64_t remoteOff(const void* in_window) {
   return reinterpret_cast<uint64_t>(in_window) - kGpuRemoteWindow;
 }
 
+// The proxy's consumed count of ring g as this kernel reads it: host memory, and the largest value read so far
+// (g.seen, device memory) raised to it.
+__device__ __forceinline__ uint64_t readConsumed(const GpuRemoteRing& g) {
+  const uint64_t c = *g.consumed;
+  atomicMax(g.seen, static_cast<unsigned long long>(c));
+  return c;
+}
+
 // Waits until the proxy has taken what the ring held below `end` a lap ago (the ring has room up to `end`), with
 // the communicator's deadline. False on timeout (recorded, peer = the ring's rank) or abort. Unlike waitAtLeast it
-// does not give up when another wait has failed: a reservation left without its record would stop the ring.
+// does not give up when another wait has failed: a reservation left without its record would stop the ring. Host
+// memory is read only when the largest count read so far (g.seen) is too low (gpu_remote.h).
 template <class P>
 __device__ bool ringRoom(const P& p, const GpuRemoteRing& g, uint64_t end, int peer, uint64_t epoch) {
-  if (end <= g.bytes || *g.consumed >= end - g.bytes) return true;
+  if (end <= g.bytes || *reinterpret_cast<volatile unsigned long long*>(g.seen) >= end - g.bytes ||
+      readConsumed(g) >= end - g.bytes)
+    return true;
   WaitClock clock;
   volatile GpuErrorRecord* err = p.err;
   for (uint32_t it = 1;; ++it) {
-    if (*g.consumed >= end - g.bytes) return true;
+    if (readConsumed(g) >= end - g.bytes) return true;
     if ((it & 15) == 0) {
       if (err->abort != 0) return false;
       if (clock.over(p.timeout_ns)) {

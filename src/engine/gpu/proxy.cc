@@ -82,12 +82,14 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   void* dev = nullptr;
   EPCHECK(dev_->allocMapped(sizeof(uint64_t) * nranks_, reinterpret_cast<void**>(&consumed_), &dev));
   uint64_t* consumed_dev = static_cast<uint64_t*>(dev);
-  EPCHECK(dev_->allocDevice(sizeof(unsigned long long) * nranks_, reinterpret_cast<void**>(&reserved_dev_)));
+  // [0, R): the kernels' reservations; [R, 2R): the largest consumed count they read (GpuRemoteRing::seen).
+  EPCHECK(dev_->allocDevice(sizeof(unsigned long long) * 2 * nranks_, reinterpret_cast<void**>(&reserved_dev_)));
   for (int r = 0; r < nranks_; ++r) {
     if (!remote_[r]) continue;
     // Zeroed: no stamp matches a position before the kernels write it.
     EPCHECK(dev_->allocMapped(ring_bytes_, reinterpret_cast<void**>(&out_[r].ring), &dev));
-    table.ring[r] = GpuRemoteRing{static_cast<uint8_t*>(dev), reserved_dev_ + r, consumed_dev + r, ring_bytes_};
+    table.ring[r] = GpuRemoteRing{static_cast<uint8_t*>(dev), reserved_dev_ + r, consumed_dev + r, ring_bytes_,
+                                  reserved_dev_ + nranks_ + r};
   }
   // The far copies: as large as the buffers (any offset may be written), zeroed like them.
   for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) {

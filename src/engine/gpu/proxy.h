@@ -122,7 +122,8 @@ class GpuProxy {
   int in_first_ = 0;  // the inbox a turn of the loop stores from first (each turn the next: fair under the budget)
   bool drives_bridge_ = false;  // this proxy's thread makes the bridge's net calls (no bridge thread)
   uint64_t* consumed_ = nullptr;  // [R] host-mapped: what the proxy took from each ring
-  unsigned long long* reserved_dev_ = nullptr;  // [R] device memory: the kernels' reservations
+  unsigned long long* reserved_dev_ = nullptr;  // [2R] device memory: the kernels' reservations, then the largest
+                                                // consumed counts they read (GpuRemoteRing::seen)
   GpuRemote* table_dev_ = nullptr;
   ShmRegion inbox_;                  // the bridge's inboxes (private to this process)
   std::unique_ptr<NetBridge> bridge_;

@@ -1,0 +1,219 @@
+// The ceilings of the GPU engine's path between hosts on this machine, each alone (common/gpu_remote.h has the path):
+//   (a) kernels storing records into pinned, mapped host memory, as they fill the proxy's rings (14 KiB payloads,
+//       a system fence and a stamp per record, or none);
+//   (b) kernels loading from pinned, mapped host memory, as they read the far copies;
+//   (c) one CPU thread (or T) copying records from a small, cache-warm source (an inbox) into a large, cold
+//       destination (a far copy): memcpy against streamCopy (common/stream_copy.h);
+//   (d) the copy engine's pinned D2H / H2D rate, for reference;
+//   (e) records reserved as the kernels do it (an atomic add per record, the ring-room read of host memory or not).
+// Virtual hosts on one machine put the net transport's socket copies on the same memory; these say what is left.
+//
+//   host-path-probe [--mb 512] [--blocks 32]
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/stream_copy.h"
+
+#define CU(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                         \
+    }                                                                                  \
+  } while (0)
+
+namespace {
+
+constexpr size_t kRecord = 14 * 1024 + 32;
+
+// Every warp writes whole records (payload from device memory, 16-byte stores) into the host ring, then, with
+// fence, a system fence and the stamp, as remoteCommitWarp does.
+__global__ void storeRecords(uint4* ring, const uint4* src, size_t records, bool fence) {
+  const int lane = threadIdx.x & 31;
+  const size_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const size_t words = kRecord / 16;
+  for (size_t r = warp; r < records; r += nwarps) {
+    uint4* d = ring + r * words;
+    const uint4* s = src + (r % 64) * words;
+    for (size_t i = 2 + lane; i < words; i += 32) d[i] = s[i];
+    if (fence) {
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0) *reinterpret_cast<volatile unsigned long long*>(d) = r + 1;
+    }
+  }
+}
+
+// As the kernels reserve records (remote.cuh remoteReserve / ringRoom / remoteCommitWarp): lane 0 takes the record's
+// place with an atomic add on the ring's counter (device memory) and, with room_read 1, reads the proxy's consumed
+// count (host memory) per record, as ringRoom did past the ring's first lap until s31; with 2, as it does since: the
+// largest count read so far (device memory) first, host memory only where that is too low (here: once). The warp
+// writes the payload; a system fence and the stamp.
+__global__ void reserveRecords(uint8_t* ring, size_t ring_bytes, unsigned long long* reserved,
+                               const volatile unsigned long long* consumed, const uint4* src, size_t records,
+                               uint32_t payload, int room_read, unsigned long long* seen, unsigned* sink) {
+  const int lane = threadIdx.x & 31;
+  const size_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const uint32_t need = 32 + payload;
+  unsigned sum = 0;
+  for (size_t r = warp; r < records; r += nwarps) {
+    unsigned long long pos = 0;
+    if (lane == 0) {
+      pos = atomicAdd(reserved, need);
+      if (room_read == 1) sum += static_cast<unsigned>(*consumed);
+      if (room_read == 2 && *reinterpret_cast<volatile unsigned long long*>(seen) < 1) atomicMax(seen, *consumed);
+    }
+    pos = __shfl_sync(0xffffffffu, pos, 0) % (ring_bytes - need);
+    uint4* d = reinterpret_cast<uint4*>(ring + (pos & ~31ull));
+    const uint4* s = src + (r % 64) * (kRecord / 16);
+    for (uint32_t i = 2 + lane; i < need / 16; i += 32) d[i] = s[i];
+    __threadfence_system();
+    __syncwarp();
+    if (lane == 0) *reinterpret_cast<volatile unsigned long long*>(d) = pos + 1;
+  }
+  if (sum == 0x12345678u) atomicAdd(sink, 1);
+}
+
+__global__ void loadRecords(const uint4* far, size_t records, unsigned* sink) {
+  const int lane = threadIdx.x & 31;
+  const size_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const size_t words = kRecord / 16;
+  unsigned acc = 0;
+  for (size_t r = warp; r < records; r += nwarps) {
+    const volatile uint4* s = far + r * words;
+    for (size_t i = lane; i < words; i += 32) {
+      const uint4 v = const_cast<const uint4&>(s[i]);
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  }
+  if (acc == 0x12345678u) atomicAdd(sink, 1);
+}
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  size_t mb = 512;
+  int blocks = 32;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--mb")) mb = strtoull(argv[i + 1], nullptr, 10);
+    if (!strcmp(argv[i], "--blocks")) blocks = atoi(argv[i + 1]);
+  }
+  const size_t bytes = mb << 20, records = bytes / kRecord;
+  void *host = nullptr, *dev_host = nullptr, *src = nullptr;
+  CU(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
+  CU(cudaHostGetDevicePointer(&dev_host, host, 0));
+  memset(host, 1, bytes);
+  CU(cudaMalloc(&src, 64 * kRecord));
+  CU(cudaMemset(src, 7, 64 * kRecord));
+  unsigned* sink = nullptr;
+  CU(cudaMalloc(&sink, 4));
+  cudaEvent_t a, b;
+  CU(cudaEventCreate(&a));
+  CU(cudaEventCreate(&b));
+  auto timeKernel = [&](auto launch) {
+    launch();
+    CU(cudaDeviceSynchronize());
+    std::vector<float> t;
+    for (int i = 0; i < 5; ++i) {
+      CU(cudaEventRecord(a));
+      launch();
+      CU(cudaEventRecord(b));
+      CU(cudaEventSynchronize(b));
+      float ms = 0;
+      CU(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return records * kRecord / (t[2] * 1e-3) / 1e9;
+  };
+  printf("host path probe: %zu MiB of %zu-byte records\n", mb, kRecord);
+  for (int nb : {blocks / 4, blocks, blocks * 4})
+    for (int fence = 1; fence >= 0; --fence)
+      printf("(a) GPU stores into mapped host memory, %3d blocks x 8 warps, %s: %7.2f GB/s\n", nb,
+             fence ? "fence+stamp per record" : "no fence             ",
+             timeKernel([&] {
+               storeRecords<<<nb, 256>>>(static_cast<uint4*>(dev_host), static_cast<const uint4*>(src), records,
+                                         fence);
+             }));
+  unsigned long long* reserved = nullptr;
+  CU(cudaMalloc(&reserved, 16));
+  for (uint32_t payload : {2048u, 14336u})
+    for (int room : {1, 2, 0}) {
+      CU(cudaMemset(reserved, 0, 16));
+      const size_t recs = bytes / (32 + payload);
+      const double gbs = timeKernel([&] {
+        reserveRecords<<<blocks, 256>>>(static_cast<uint8_t*>(dev_host), bytes, reserved,
+                                        static_cast<const volatile unsigned long long*>(dev_host), static_cast<const uint4*>(src),
+                                        recs, payload, room, reserved + 1, sink);
+      }) * recs * (32 + payload) / (records * kRecord);
+      printf("(e) records as the kernels reserve them, %3d blocks x 8 warps, %5u-byte payloads, %s: %7.2f GB/s, "
+             "%.2f M records/s\n", blocks, payload,
+             room == 1 ? "host read per record     " : room == 2 ? "largest read, then host  " : "no host read             ", gbs,
+             gbs * 1e3 / (32 + payload));
+    }
+  for (int nb : {blocks / 4, blocks, blocks * 4})
+    printf("(b) GPU loads from mapped host memory, %3d blocks x 8 warps: %7.2f GB/s\n", nb, timeKernel([&] {
+             loadRecords<<<nb, 256>>>(static_cast<const uint4*>(dev_host), records, sink);
+           }));
+  // (c): T threads, each copying records from its own 8 MiB warm source ring into its share of the destination.
+  for (int streaming = 0; streaming < 2; ++streaming)
+    for (int T : {1, 2, 4, 8}) {
+      std::vector<std::vector<uint8_t>> rings(T, std::vector<uint8_t>(8 << 20, 3));
+      auto run = [&] {
+        std::vector<std::thread> th;
+        const double t0 = now();
+        for (int t = 0; t < T; ++t)
+          th.emplace_back([&, t] {
+            uint8_t* d = static_cast<uint8_t*>(host) + bytes / T * t;
+            const size_t n = bytes / T / kRecord;
+            for (size_t r = 0; r < n; ++r) {
+              const uint8_t* s = rings[t].data() + (r * kRecord) % ((8 << 20) - kRecord);
+              if (streaming) epcomm::streamCopy(d + r * kRecord + 32, s + 32, kRecord - 32);
+              else memcpy(d + r * kRecord + 32, s + 32, kRecord - 32);
+            }
+            if (streaming) epcomm::streamFence();
+          });
+        for (auto& x : th) x.join();
+        return now() - t0;
+      };
+      run();
+      std::vector<double> t;
+      for (int i = 0; i < 3; ++i) t.push_back(run());
+      std::sort(t.begin(), t.end());
+      printf("(c) CPU copy warm ring -> cold host memory, %d thread(s), %s: %7.2f GB/s\n", T,
+             streaming ? "streamCopy" : "memcpy    ", bytes / T / kRecord * kRecord * T / t[1] / 1e9);
+    }
+  void* dbuf = nullptr;
+  CU(cudaMalloc(&dbuf, bytes));
+  for (int dir = 0; dir < 2; ++dir) {
+    std::vector<float> t;
+    for (int i = 0; i < 4; ++i) {
+      CU(cudaEventRecord(a));
+      if (dir == 0) CU(cudaMemcpyAsync(host, dbuf, bytes, cudaMemcpyDeviceToHost));
+      else CU(cudaMemcpyAsync(dbuf, host, bytes, cudaMemcpyHostToDevice));
+      CU(cudaEventRecord(b));
+      CU(cudaEventSynchronize(b));
+      float ms = 0;
+      CU(cudaEventElapsedTime(&ms, a, b));
+      if (i) t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    printf("(d) copy engine, pinned %s: %7.2f GB/s\n", dir ? "H2D" : "D2H", bytes / (t[1] * 1e-3) / 1e9);
+  }
+  return 0;
+}
