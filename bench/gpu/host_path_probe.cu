@@ -5,7 +5,9 @@
 //   (c) one CPU thread (or T) copying records from a small, cache-warm source (an inbox) into a large, cold
 //       destination (a far copy): memcpy against streamCopy (common/stream_copy.h);
 //   (d) the copy engine's pinned D2H / H2D rate, for reference;
-//   (e) records reserved as the kernels do it (an atomic add per record, the ring-room read of host memory or not).
+//   (e) records reserved as the kernels do it (an atomic add per record, the ring-room read of host memory or not);
+//   (f) kernels loading from mapped host memory while other blocks poll one word of it, as waiters on a flag that a
+//       rank of another host raises do.
 // Virtual hosts on one machine put the net transport's socket copies on the same memory; these say what is left.
 //
 //   host-path-probe [--mb 512] [--blocks 32]
@@ -100,6 +102,42 @@ __global__ void loadRecords(const uint4* far, size_t records, unsigned* sink) {
   if (acc == 0x12345678u) atomicAdd(sink, 1);
 }
 
+// (f): blocks [0, pollers) poll one word of host memory (lane 0 of each warp, as waitAtLeast does: a load and a
+// 64 ns sleep) until the other blocks have read every record from host memory, as (b); how fast the readers go with
+// the pollers beside them, and how many polls the GPU served.
+__global__ void pollWhileLoading(const uint4* far, size_t records, int pollers, const volatile uint64_t* word,
+                                 unsigned* done, unsigned long long* polls, unsigned* sink) {
+  const int lane = threadIdx.x & 31;
+  if (static_cast<int>(blockIdx.x) < pollers) {
+    unsigned long long n = 0;
+    uint64_t acc = 0;
+    // Bounded (about 10 s of polls), should the readers never be scheduled beside the pollers.
+    for (uint32_t it = 0; *reinterpret_cast<volatile unsigned*>(done) < gridDim.x - pollers && it < (1u << 26); ++it) {
+      if (lane == 0) {
+        acc += *word;
+        ++n;
+      }
+      __nanosleep(64);
+    }
+    if (lane == 0) atomicAdd(polls, n);
+    if (acc == 0x12345678u) atomicAdd(sink, 1);
+    return;
+  }
+  const size_t warp = ((blockIdx.x - pollers) * blockDim.x + threadIdx.x) / 32;
+  const size_t nwarps = (gridDim.x - pollers) * blockDim.x / 32, words = kRecord / 16;
+  unsigned acc = 0;
+  for (size_t r = warp; r < records; r += nwarps) {
+    const volatile uint4* s = far + r * words;
+    for (size_t i = lane; i < words; i += 32) {
+      const uint4 v = const_cast<const uint4&>(s[i]);
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  }
+  if (acc == 0x12345678u) atomicAdd(sink, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(done, 1);
+}
+
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -170,6 +208,25 @@ int main(int argc, char** argv) {
     printf("(b) GPU loads from mapped host memory, %3d blocks x 8 warps: %7.2f GB/s\n", nb, timeKernel([&] {
              loadRecords<<<nb, 256>>>(static_cast<const uint4*>(dev_host), records, sink);
            }));
+  {
+    unsigned* done = nullptr;
+    unsigned long long* polls = nullptr;
+    CU(cudaMalloc(&done, 4));
+    CU(cudaMalloc(&polls, 8));
+    for (int pollers : {0, 8, 32, 64}) {
+      unsigned long long n = 0;
+      const double gbs = timeKernel([&] {
+        CU(cudaMemsetAsync(done, 0, 4));
+        CU(cudaMemsetAsync(polls, 0, 8));
+        pollWhileLoading<<<pollers + blocks, 256>>>(static_cast<const uint4*>(dev_host), records, pollers,
+                                                    static_cast<const volatile uint64_t*>(dev_host), done, polls,
+                                                    sink);
+      });
+      CU(cudaMemcpy(&n, polls, 8, cudaMemcpyDeviceToHost));
+      printf("(f) GPU loads from mapped host memory, %3d blocks, beside %2d blocks x 8 warps polling one host word: "
+             "%7.2f GB/s, %.2f M polls/s\n", blocks, pollers, gbs, n / (records * kRecord / gbs / 1e9) / 1e6);
+    }
+  }
   // (c): T threads, each copying records from its own 8 MiB warm source ring into its share of the destination.
   for (int streaming = 0; streaming < 2; ++streaming)
     for (int T : {1, 2, 4, 8}) {
