@@ -59,9 +59,12 @@ __global__ void storeRecords(uint4* ring, const uint4* src, size_t records, bool
 
 // As the kernels reserve records (remote.cuh remoteReserve / ringRoom / remoteCommitWarp): lane 0 takes the record's
 // place with an atomic add on the ring's counter (device memory) and, with room_read 1, reads the proxy's consumed
-// count (host memory) per record, as ringRoom did past the ring's first lap until s31; with 2, as it does since: the
-// largest count read so far (device memory) first, host memory only where that is too low (here: once). The warp
-// writes the payload; a system fence and the stamp.
+// count (host memory) per record, as ringRoom did past the ring's first lap until s31 (there the writes waited for
+// the read; here only the fence does, so this is an upper bound of that path); with 2, as it does since: the
+// largest count read so far (device memory) first, host memory only where that is too low, which here is never
+// after the first launch (the count never moves): the case of a ring with room, not of kernels a lap ahead of the
+// proxy, where every waiting warp reads host memory again. The warp writes the payload; a system fence and the
+// stamp.
 __global__ void reserveRecords(uint8_t* ring, size_t ring_bytes, unsigned long long* reserved,
                                const volatile unsigned long long* consumed, const uint4* src, size_t records,
                                uint32_t payload, int room_read, unsigned long long* seen, unsigned* sink) {
@@ -149,7 +152,7 @@ int main(int argc, char** argv) {
   int blocks = 32;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--mb")) mb = strtoull(argv[i + 1], nullptr, 10);
-    if (!strcmp(argv[i], "--blocks")) blocks = atoi(argv[i + 1]);
+    if (!strcmp(argv[i], "--blocks")) blocks = std::max(4, atoi(argv[i + 1]));
   }
   const size_t bytes = mb << 20, records = bytes / kRecord;
   void *host = nullptr, *dev_host = nullptr, *src = nullptr;
@@ -165,6 +168,7 @@ int main(int argc, char** argv) {
   CU(cudaEventCreate(&b));
   auto timeKernel = [&](auto launch) {
     launch();
+    CU(cudaGetLastError());  // a launch that failed would time an empty interval
     CU(cudaDeviceSynchronize());
     std::vector<float> t;
     for (int i = 0; i < 5; ++i) {

@@ -1,7 +1,7 @@
 // The kernels' side of the GPU proxy's outbound rings (kernels/remote.cuh) for CPU writers: what the CPU tests of
 // the proxy (tests/unit/test_gpu_proxy.cc) and its throughput bench (bench/net/proxy_bench.cc) use in place of
-// kernels. Reserve with an atomic add, wait for room a lap behind, write the header and payload, store the stamp
-// last.
+// kernels. Reserve with an atomic add, wait for room a lap behind (tested first against the largest consumed count
+// read so far, GpuRemoteRing::seen, as the kernels do), write the header and payload, store the stamp last.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -14,9 +14,18 @@ namespace epcomm {
 
 struct ProxyHostWriter {
   GpuRemoteRing g;
+  // The consumed count, read, and seen raised to it (kernels/remote.cuh readConsumed).
+  uint64_t readConsumed() const {
+    const uint64_t c = __atomic_load_n(g.consumed, __ATOMIC_ACQUIRE);
+    unsigned long long s = __atomic_load_n(g.seen, __ATOMIC_RELAXED);
+    while (s < c && !__atomic_compare_exchange_n(g.seen, &s, c, true, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
+    }
+    return c;
+  }
   bool room(uint64_t end, int timeout_ms) const {
+    if (end <= g.bytes || __atomic_load_n(g.seen, __ATOMIC_ACQUIRE) >= end - g.bytes) return true;
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (end > g.bytes && *g.consumed < end - g.bytes) {
+    while (readConsumed() < end - g.bytes) {
       if (std::chrono::steady_clock::now() > until) return false;
       std::this_thread::yield();
     }
