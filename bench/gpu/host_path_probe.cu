@@ -25,15 +25,7 @@
 #include <vector>
 
 #include "common/stream_copy.h"
-
-#define CU(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
+#include "cuda_check.h"
 
 namespace {
 
@@ -90,9 +82,10 @@ __global__ void reserveRecords(uint8_t* ring, size_t ring_bytes, unsigned long l
   if (sum == 0x12345678u) atomicAdd(sink, 1);
 }
 
-__global__ void loadRecords(const uint4* far, size_t records, unsigned* sink) {
+// Warp `warp` of `nwarps` reads records warp, warp + nwarps, ... whole from host memory, as the kernels read the far
+// copies; what it read goes into *sink only in a case that never happens, so that the loads stay.
+__device__ void readRecords(const uint4* far, size_t records, size_t warp, size_t nwarps, unsigned* sink) {
   const int lane = threadIdx.x & 31;
-  const size_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
   const size_t words = kRecord / 16;
   unsigned acc = 0;
   for (size_t r = warp; r < records; r += nwarps) {
@@ -103,6 +96,10 @@ __global__ void loadRecords(const uint4* far, size_t records, unsigned* sink) {
     }
   }
   if (acc == 0x12345678u) atomicAdd(sink, 1);
+}
+
+__global__ void loadRecords(const uint4* far, size_t records, unsigned* sink) {
+  readRecords(far, records, (blockIdx.x * blockDim.x + threadIdx.x) / 32, gridDim.x * blockDim.x / 32, sink);
 }
 
 // (f): blocks [0, pollers) poll one word of host memory (lane 0 of each warp, as waitAtLeast does: a load and a
@@ -126,17 +123,8 @@ __global__ void pollWhileLoading(const uint4* far, size_t records, int pollers, 
     if (acc == 0x12345678u) atomicAdd(sink, 1);
     return;
   }
-  const size_t warp = ((blockIdx.x - pollers) * blockDim.x + threadIdx.x) / 32;
-  const size_t nwarps = (gridDim.x - pollers) * blockDim.x / 32, words = kRecord / 16;
-  unsigned acc = 0;
-  for (size_t r = warp; r < records; r += nwarps) {
-    const volatile uint4* s = far + r * words;
-    for (size_t i = lane; i < words; i += 32) {
-      const uint4 v = const_cast<const uint4&>(s[i]);
-      acc ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-  }
-  if (acc == 0x12345678u) atomicAdd(sink, 1);
+  readRecords(far, records, ((blockIdx.x - pollers) * blockDim.x + threadIdx.x) / 32,
+              (gridDim.x - pollers) * blockDim.x / 32, sink);
   __syncthreads();
   if (threadIdx.x == 0) atomicAdd(done, 1);
 }
@@ -156,79 +144,80 @@ int main(int argc, char** argv) {
   }
   const size_t bytes = mb << 20, records = bytes / kRecord;
   void *host = nullptr, *dev_host = nullptr, *src = nullptr;
-  CU(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
-  CU(cudaHostGetDevicePointer(&dev_host, host, 0));
+  CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped));
+  CUDA_CHECK(cudaHostGetDevicePointer(&dev_host, host, 0));
   memset(host, 1, bytes);
-  CU(cudaMalloc(&src, 64 * kRecord));
-  CU(cudaMemset(src, 7, 64 * kRecord));
+  CUDA_CHECK(cudaMalloc(&src, 64 * kRecord));
+  CUDA_CHECK(cudaMemset(src, 7, 64 * kRecord));
   unsigned* sink = nullptr;
-  CU(cudaMalloc(&sink, 4));
+  CUDA_CHECK(cudaMalloc(&sink, 4));
   cudaEvent_t a, b;
-  CU(cudaEventCreate(&a));
-  CU(cudaEventCreate(&b));
-  auto timeKernel = [&](auto launch) {
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  // The median time of a launch (5 after one warm-up), in seconds.
+  auto kernelSeconds = [&](auto launch) {
     launch();
-    CU(cudaGetLastError());  // a launch that failed would time an empty interval
-    CU(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaGetLastError());  // a launch that failed would time an empty interval
+    CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<float> t;
     for (int i = 0; i < 5; ++i) {
-      CU(cudaEventRecord(a));
+      CUDA_CHECK(cudaEventRecord(a));
       launch();
-      CU(cudaEventRecord(b));
-      CU(cudaEventSynchronize(b));
+      CUDA_CHECK(cudaEventRecord(b));
+      CUDA_CHECK(cudaEventSynchronize(b));
       float ms = 0;
-      CU(cudaEventElapsedTime(&ms, a, b));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
       t.push_back(ms);
     }
     std::sort(t.begin(), t.end());
-    return records * kRecord / (t[2] * 1e-3) / 1e9;
+    return t[2] * 1e-3;
   };
+  const double gb = records * kRecord / 1e9;  // what (a), (b) and (f) move
   printf("host path probe: %zu MiB of %zu-byte records\n", mb, kRecord);
   for (int nb : {blocks / 4, blocks, blocks * 4})
     for (int fence = 1; fence >= 0; --fence)
       printf("(a) GPU stores into mapped host memory, %3d blocks x 8 warps, %s: %7.2f GB/s\n", nb,
              fence ? "fence+stamp per record" : "no fence             ",
-             timeKernel([&] {
+             gb / kernelSeconds([&] {
                storeRecords<<<nb, 256>>>(static_cast<uint4*>(dev_host), static_cast<const uint4*>(src), records,
                                          fence);
              }));
   unsigned long long* reserved = nullptr;
-  CU(cudaMalloc(&reserved, 16));
+  CUDA_CHECK(cudaMalloc(&reserved, 16));
   for (uint32_t payload : {2048u, 14336u})
     for (int room : {1, 2, 0}) {
-      CU(cudaMemset(reserved, 0, 16));
+      CUDA_CHECK(cudaMemset(reserved, 0, 16));
       const size_t recs = bytes / (32 + payload);
-      const double gbs = timeKernel([&] {
+      const double sec = kernelSeconds([&] {
         reserveRecords<<<blocks, 256>>>(static_cast<uint8_t*>(dev_host), bytes, reserved,
-                                        static_cast<const volatile unsigned long long*>(dev_host), static_cast<const uint4*>(src),
-                                        recs, payload, room, reserved + 1, sink);
-      }) * recs * (32 + payload) / (records * kRecord);
+                                        static_cast<const volatile unsigned long long*>(dev_host),
+                                        static_cast<const uint4*>(src), recs, payload, room, reserved + 1, sink);
+      });
+      const char* how[] = {"no host read             ", "host read per record     ", "largest read, then host  "};
       printf("(e) records as the kernels reserve them, %3d blocks x 8 warps, %5u-byte payloads, %s: %7.2f GB/s, "
-             "%.2f M records/s\n", blocks, payload,
-             room == 1 ? "host read per record     " : room == 2 ? "largest read, then host  " : "no host read             ", gbs,
-             gbs * 1e3 / (32 + payload));
+             "%.2f M records/s\n", blocks, payload, how[room], recs * (32 + payload) / sec / 1e9, recs / sec / 1e6);
     }
   for (int nb : {blocks / 4, blocks, blocks * 4})
-    printf("(b) GPU loads from mapped host memory, %3d blocks x 8 warps: %7.2f GB/s\n", nb, timeKernel([&] {
+    printf("(b) GPU loads from mapped host memory, %3d blocks x 8 warps: %7.2f GB/s\n", nb, gb / kernelSeconds([&] {
              loadRecords<<<nb, 256>>>(static_cast<const uint4*>(dev_host), records, sink);
            }));
   {
     unsigned* done = nullptr;
     unsigned long long* polls = nullptr;
-    CU(cudaMalloc(&done, 4));
-    CU(cudaMalloc(&polls, 8));
+    CUDA_CHECK(cudaMalloc(&done, 4));
+    CUDA_CHECK(cudaMalloc(&polls, 8));
     for (int pollers : {0, 8, 32, 64}) {
       unsigned long long n = 0;
-      const double gbs = timeKernel([&] {
-        CU(cudaMemsetAsync(done, 0, 4));
-        CU(cudaMemsetAsync(polls, 0, 8));
+      const double sec = kernelSeconds([&] {
+        CUDA_CHECK(cudaMemsetAsync(done, 0, 4));
+        CUDA_CHECK(cudaMemsetAsync(polls, 0, 8));
         pollWhileLoading<<<pollers + blocks, 256>>>(static_cast<const uint4*>(dev_host), records, pollers,
                                                     static_cast<const volatile uint64_t*>(dev_host), done, polls,
                                                     sink);
       });
-      CU(cudaMemcpy(&n, polls, 8, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(&n, polls, 8, cudaMemcpyDeviceToHost));
       printf("(f) GPU loads from mapped host memory, %3d blocks, beside %2d blocks x 8 warps polling one host word: "
-             "%7.2f GB/s, %.2f M polls/s\n", blocks, pollers, gbs, n / (records * kRecord / gbs / 1e9) / 1e6);
+             "%7.2f GB/s, %.2f M polls/s\n", blocks, pollers, gb / sec, n / sec / 1e6);
     }
   }
   // (c): T threads, each copying records from its own 8 MiB warm source ring into its share of the destination.
@@ -260,17 +249,17 @@ int main(int argc, char** argv) {
              streaming ? "streamCopy" : "memcpy    ", bytes / T / kRecord * kRecord * T / t[1] / 1e9);
     }
   void* dbuf = nullptr;
-  CU(cudaMalloc(&dbuf, bytes));
+  CUDA_CHECK(cudaMalloc(&dbuf, bytes));
   for (int dir = 0; dir < 2; ++dir) {
     std::vector<float> t;
     for (int i = 0; i < 4; ++i) {
-      CU(cudaEventRecord(a));
-      if (dir == 0) CU(cudaMemcpyAsync(host, dbuf, bytes, cudaMemcpyDeviceToHost));
-      else CU(cudaMemcpyAsync(dbuf, host, bytes, cudaMemcpyHostToDevice));
-      CU(cudaEventRecord(b));
-      CU(cudaEventSynchronize(b));
+      CUDA_CHECK(cudaEventRecord(a));
+      if (dir == 0) CUDA_CHECK(cudaMemcpyAsync(host, dbuf, bytes, cudaMemcpyDeviceToHost));
+      else CUDA_CHECK(cudaMemcpyAsync(dbuf, host, bytes, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaEventRecord(b));
+      CUDA_CHECK(cudaEventSynchronize(b));
       float ms = 0;
-      CU(cudaEventElapsedTime(&ms, a, b));
+      CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
       if (i) t.push_back(ms);
     }
     std::sort(t.begin(), t.end());

@@ -22,14 +22,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      exit(1);                                                                                 \
-    }                                                                                          \
-  } while (0)
+#include "cuda_check.h"
 
 namespace {
 
@@ -169,29 +162,29 @@ template <typename F>
 double graphUs(cudaStream_t st, int per_graph, int reps, F&& launch) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < per_graph; ++i) launch();
-  CK(cudaStreamEndCapture(st, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
+  CUDA_CHECK(cudaStreamEndCapture(st, &g));
+  CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(ge, st));
   std::vector<double> us;
   for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(a, st));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(b, st));
-    CK(cudaEventSynchronize(b));
+    CUDA_CHECK(cudaEventRecord(a, st));
+    CUDA_CHECK(cudaGraphLaunch(ge, st));
+    CUDA_CHECK(cudaEventRecord(b, st));
+    CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     us.push_back(ms * 1000.0 / per_graph);
   }
-  CK(cudaGetLastError());
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  CUDA_CHECK(cudaGetLastError());
+  CUDA_CHECK(cudaGraphExecDestroy(ge));
+  CUDA_CHECK(cudaGraphDestroy(g));
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
   std::sort(us.begin(), us.end());
   return us[us.size() / 2];
 }
@@ -253,24 +246,24 @@ int main(int argc, char** argv) {
   uint8_t *x, *out;
   int64_t* doff;
   unsigned long long *w, *ns;
-  CK(cudaMalloc(&x, static_cast<size_t>(R) * T * row));
-  CK(cudaMalloc(&out, R * region));
-  CK(cudaMalloc(&doff, off.size() * sizeof(int64_t)));
-  CK(cudaMalloc(&w, 4096));
-  CK(cudaMalloc(&ns, 8));
-  CK(cudaMemset(x, 0x3c, static_cast<size_t>(R) * T * row));
-  CK(cudaMemset(out, 0, R * region));
-  CK(cudaMemcpy(doff, off.data(), off.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMalloc(&x, static_cast<size_t>(R) * T * row));
+  CUDA_CHECK(cudaMalloc(&out, R * region));
+  CUDA_CHECK(cudaMalloc(&doff, off.size() * sizeof(int64_t)));
+  CUDA_CHECK(cudaMalloc(&w, 4096));
+  CUDA_CHECK(cudaMalloc(&ns, 8));
+  CUDA_CHECK(cudaMemset(x, 0x3c, static_cast<size_t>(R) * T * row));
+  CUDA_CHECK(cudaMemset(out, 0, R * region));
+  CUDA_CHECK(cudaMemcpy(doff, off.data(), off.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
   uint8_t* scratch;
-  CK(cudaMalloc(&scratch, 2 * bytes + 4096));
+  CUDA_CHECK(cudaMalloc(&scratch, 2 * bytes + 4096));
   cudaStream_t st;
-  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int G = a.blocks * R;  // every rank's blocks in one launch
   const int nbuf = std::max(1, std::min(kMaxBuf, 200 * 1024 / row)), tma_smem = nbuf * row;
-  CK(cudaFuncSetAttribute(rowsTmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tma_smem));
+  CUDA_CHECK(cudaFuncSetAttribute(rowsTmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tma_smem));
   int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   printf("ll_floor: ranks %d, tokens %d, hidden %d (bf16), topk %d, experts %d; %d blocks a rank (%d in all, %d SMs);"
          " rows write %.2f MB in all; graph of %d launches, median of %d replays, us per launch\n",
          R, T, a.H, K, E, a.blocks, G, sms, bytes / 1e6, a.per_graph, a.reps);
@@ -294,7 +287,7 @@ int main(int argc, char** argv) {
     }
     cfg.attrs = attr;
     cfg.numAttrs = n;
-    CK(cudaLaunchKernelEx(&cfg, emptyKernel));
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, emptyKernel));
   };
   const double t_coop = graphUs(st, a.per_graph, a.reps, [&] { launchEx(true, false); });
   const double t_chain = graphUs(st, a.per_graph, a.reps, [&] { launchEx(true, true); });
@@ -321,20 +314,20 @@ int main(int argc, char** argv) {
     });
     printf("%-34s %8.2f us  %7.1f GB/s written\n", "write (stores only, all SMs)", t, bytes / t / 1e3);
     const double c = graphUs(st, a.per_graph, a.reps, [&] {
-      CK(cudaMemcpyAsync(scratch + bytes, scratch, bytes, cudaMemcpyDeviceToDevice, st));
+      CUDA_CHECK(cudaMemcpyAsync(scratch + bytes, scratch, bytes, cudaMemcpyDeviceToDevice, st));
     });
     printf("%-34s %8.2f us  %7.1f GB/s read+written\n", "cudaMemcpyAsync of that many bytes", c, 2 * bytes / c / 1e3);
   }
   {
     const int rounds = 2000;
-    CK(cudaMemset(w, 0, 4096));
+    CUDA_CHECK(cudaMemset(w, 0, 4096));
     pingPongKernel<<<2, 32, 0, st>>>(w, rounds, ns);
     unsigned long long v = 0;
-    CK(cudaMemcpyAsync(&v, ns, 8, cudaMemcpyDeviceToHost, st));
-    CK(cudaStreamSynchronize(st));
+    CUDA_CHECK(cudaMemcpyAsync(&v, ns, 8, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(cudaStreamSynchronize(st));
     printf("%-34s %8.3f us one way (%d round trips)\n", "flag (release store -> acquire poll)", v / 1e3 / (2.0 * rounds),
            rounds);
   }
-  CK(cudaGetLastError());
+  CUDA_CHECK(cudaGetLastError());
   return 0;
 }
