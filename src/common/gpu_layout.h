@@ -38,10 +38,10 @@
 // each token from the peers' staging rows in ascending rank order, then acknowledges (ack[s][c] = epoch in the
 // copier's counters). A copier overwrites its rows for s only once s acknowledged the combine it last published
 // (sent[s][c], its own record), so the next combine never changes rows a slow owner still reads. With x in memory
-// the copier registered (epCommRegister, or implicitly: GpuAutoTable) it copies none of x's rows: its begin kernel publishes where x is
-// (GpuCtrl::comb_src, after the waits above), the owners read that after its ready counter and take the rows
-// from there, and an end kernel after the combine waits for every owner's acknowledgement, so that x is free
-// again when the combine completes.
+// the copier registered (epCommRegister, or implicitly: GpuAutoTable) it copies none of x's rows: its begin kernel
+// publishes where x is (GpuCtrl::comb_src, after the waits above), the owners read that after its ready counter and
+// take the rows from there, and an end kernel after the combine waits for every owner's acknowledgement, so that x
+// is free again when the combine completes.
 // In both pull paths the two blocks of channel c each do half of the channel (rows of every peer, tokens or
 // receive rows of this rank), first staging and then reading, with a ready and an ack counter per half
 // (kPullReady / kPullReady1, ...): every block of the launch must be resident at once, which the grid's size

@@ -438,10 +438,9 @@ TEST_P(GpuHt, GraphReplayMatchesEager) {
 // Implicit registration (EPCOMM_GPU_HT_AUTO_REGISTER, on by default): plain combines from caller allocations (of
 // whole 2 MiB pages) that come and go: one allocation freed and allocated again (likely at the same address)
 // after the owners began reading it in place, more allocations than the engine's slots (kGpuAutoRegions), x at
-// varying offsets. Each
-// combine equals the zero-copy combine of the same expert outputs just before it (itself checked against the host
-// engine in BitExactAgainstHostEngine), outputs poisoned first, and the owners read x in place in some of them
-// (none across hosts, where the combine pushes).
+// varying offsets. Each combine equals the zero-copy combine of the same expert outputs just before it (itself
+// checked against the host engine in BitExactAgainstHostEngine), outputs poisoned first, and the owners read x in
+// place in some of them (none across hosts, where the combine pushes).
 TEST_P(GpuHt, ImplicitRegistrationFollowsTheCallersAllocations) {
   const int R = GetParam();
   epUniqueId gid;

@@ -78,6 +78,7 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   ring_bytes_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyRingBytes(), 1 << 20)) &
                 ~size_t{kRemoteRecordAlign - 1};
   inbox_bytes_ = ring_bytes_;
+  stream_stores_ = epParamGpuProxyStreamStores() != 0;
   GpuRemote table{};
   void* dev = nullptr;
   EPCHECK(dev_->allocMapped(sizeof(uint64_t) * nranks_, reinterpret_cast<void**>(&consumed_), &dev));
@@ -214,7 +215,6 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
     return false;
   }
   const size_t max_payload = inbox_bytes_ / 4;
-  static const bool streaming = epParamGpuProxyStreamStores() != 0;
   bool streamed = false;  // a streaming copy not yet fenced
   size_t parsed = 0;
   for (int n = 0; n < kInPerTurn && parsed < *budget && avail - parsed >= sizeof(GpuRemoteRecord); ++n) {
@@ -251,8 +251,8 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
       streamed = false;
       __atomic_store_n(reinterpret_cast<uint64_t*>(at), v, __ATOMIC_RELEASE);
     } else if (len > 0) {
-      inbox.copyOut(at, parsed + sizeof(h), len, streaming ? streamCopy : memcpy);
-      streamed |= streaming;
+      inbox.copyOut(at, parsed + sizeof(h), len, stream_stores_ ? streamCopy : memcpy);
+      streamed |= stream_stores_;
     }
     parsed += size;
     ++recs_in_;

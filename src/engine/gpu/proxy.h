@@ -114,6 +114,7 @@ class GpuProxy {
   std::vector<uint8_t> remote_;
   std::unique_ptr<ProxyDevice> dev_;
   size_t ring_bytes_ = 0, inbox_bytes_ = 0;
+  bool stream_stores_ = true;  // DATA goes into the far copies with streaming stores (EPCOMM_GPU_PROXY_STREAM_STORES)
   size_t buf_bytes_[kRemoteNumBuffers] = {};
   uint8_t* far_host_[kRemoteNumBuffers] = {};  // far copies (pinned, mapped), see farCopy()
   uint8_t* far_dev_[kRemoteNumBuffers] = {};
