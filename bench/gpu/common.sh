@@ -8,6 +8,8 @@
 #   el                   seconds since the script started
 #   goal DIR ROUNDS      issue 9's goal shape (R = 2, 64 tokens, 64 experts, hidden 7168, chain 2, --iters 100),
 #                        ROUNDS times (leaves BARGS set to it)
+#   xhost DIR N [VAR=VALUE ...]
+#                        DIR's bench across 2 virtual hosts at -n N (OPS, XT), rows with xhost/raw
 #   gpu_log NAME PART    output also into $OUT/NAME-PART.log (OUT defaults to /tmp/NAME), and the GPU's name
 #   san_ll DIR           compute-sanitizer on DIR's test_gpu_ll at R = 2 (the proof, memcheck, synccheck, then
 #                        racecheck within the call's 560 s)
@@ -37,6 +39,11 @@ b() { local d=$1 ch=$2 n=$3; shift 3; echo "### $d chain=$ch -n $n $*"
     | grep -E "^dispatch|^combine|rror"; }
 goal() { echo "## (a) goal shape, chain 2, $2 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
   for i in $(seq $2); do b $1 2 2; done; el; }
+# xhost DIR N [VAR=VALUE ...]: DIR's epcomm-bench across 2 virtual hosts at -n N over net/socket, the rows with
+# xhost/raw (OPS: the bench's --ops, default ht,ll; XT: the timeout, default 150 s)
+xhost() { local d=$1 n=$2; shift 2; echo "### $d -n $n --hosts 2 $*"
+  env "$@" LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout ${XT:-150} $d/epcomm-run -n $n --hosts 2 -- \
+    $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; }
 gpu_log() {
   OUT=${OUT:-/tmp/$1}; mkdir -p "$OUT"
   exec > >(tee -a "$OUT/$1-$2.log") 2>&1
@@ -67,8 +74,6 @@ quick() {
       LD_LIBRARY_PATH=$d timeout 60 $d/epcomm-run -n $1 -- $d/epcomm-bench --ops ht --iters 20 --sms $2 2>&1 \
         | grep -E "^HT |rror|^epcomm-bench"; done; el
     echo "## (x) GPU engine across 2 virtual hosts (net socket): HT and LL rows with xhost/raw"
-    for n in 4 8; do echo "### -n $n --hosts 2"
-      LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout 120 $d/epcomm-run -n $n --hosts 2 -- $d/epcomm-bench --ops ht,ll \
-        --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; done; el )
+    for n in 4 8; do XT=120 xhost $d $n; done; el )
   [ $(( $(date +%s) - T0 )) -lt 330 ] && OUT=$OUT bash bench/net/host_xhost_diag.sh; el
 }

@@ -18,11 +18,6 @@ source bench/gpu/common.sh
 gpu_log s31 $part
 [ -x $D/epcomm-bench ] || { echo "### $D has no staged build"; exit 1; }
 nproc; free -g | head -2
-xrun() {  # N [VAR=VALUE ...]: one GPU bench across 2 virtual hosts (HT and LL unless OPS says)
-  local n=$1; shift; echo "### $D -n $n --hosts 2 $*"
-  env "$@" LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 150 $D/epcomm-run -n $n --hosts 2 -- \
-    $D/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw )|rror"
-}
 # VARIANTS: space-separated environments, each VAR=VALUE[,VAR=VALUE...] ("-" for none), for xhost's A/B
 variants() { for v in ${VARIANTS:--}; do [ "$v" = - ] && echo "" || echo "${v//,/ }"; done; }
 case $part in
@@ -35,13 +30,13 @@ case $part in
     done; done; done; el ;;
   xhost)  # ROUNDS rounds of every variant at -n 4, then N8 (1) at -n 8
     ( mps_start
-      for i in $(seq ${ROUNDS:-2}); do variants | while read -r v; do xrun 4 $v; done; el; done
-      for i in $(seq ${N8:-1}); do variants | while read -r v; do xrun 8 $v; done; el; done ) ;;
+      for i in $(seq ${ROUNDS:-2}); do variants | while read -r v; do xhost $D 4 $v; done; el; done
+      for i in $(seq ${N8:-1}); do variants | while read -r v; do xhost $D 8 $v; done; el; done ) ;;
   ab)  # before / after: BASE (main's code: the streaming build of call 1 with EPCOMM_GPU_PROXY_STREAM_STORES=0, its
        # libepcomm and epcomm-bench only) against DIR, in turn, ROUNDS (2) rounds at -n 4, N8 (1) at -n 8
     ( mps_start; B=${BASE:-.gpupack/base}; cp -n $D/epcomm-run $B/ 2>/dev/null
       for n in 4 8; do for i in $(seq $([ $n = 4 ] && echo ${ROUNDS:-2} || echo ${N8:-1})); do
-        D=$B xrun $n EPCOMM_GPU_PROXY_STREAM_STORES=0; xrun $n; el; done; done ) ;;
+        xhost $B $n EPCOMM_GPU_PROXY_STREAM_STORES=0; xhost $D $n; el; done; done ) ;;
   tests)
     ( mps_start
       for t in ht ll; do LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=4 EPCOMM_GPU_TEST_HOSTS=2 timeout ${TT:-200} \
