@@ -7,6 +7,7 @@
 // (ring -> outbox -> net -> inbox -> far copy) costs apart from the GPU.
 //
 //   proxy_bench [--ranks 2] [--mb 256] [--record-kb 14] [--writers 4] [--flag-every 16] [--reps 3]
+//               [--raw-msg-kb 1024] [--raw-window 4]
 //
 // Prints, on rank 0: GB/s summed over ranks (bytes sent to other hosts over the slowest rank's time) for the raw
 // stream and for the proxy, and their ratio; and the CPU time all ranks spent per byte sent in each (the proxy's
@@ -35,6 +36,7 @@ namespace {
 
 struct Options {
   int ranks = 2, mb = 256, record_kb = 14, writers = 4, flag_every = 16, reps = 3;
+  int raw_msg_kb = 1024, raw_window = 4;  // the raw stream's messages and how many are in flight per peer and direction
 };
 
 constexpr int kTimeoutMs = 60000;
@@ -80,7 +82,8 @@ int runRank(const Options& o, const epUniqueId& id, int rank) {
   uint64_t raw_sent = 0;
   double raw_s = 0;
   const double raw_cpu0 = cpuSeconds(RUSAGE_SELF);
-  BENCH_CHECK(proxy.rawStream(remote, static_cast<size_t>(o.mb) << 20, 1 << 20, 4, kTimeoutMs,
+  BENCH_CHECK(proxy.rawStream(remote, static_cast<size_t>(o.mb) << 20, static_cast<size_t>(o.raw_msg_kb) << 10,
+                              o.raw_window, kTimeoutMs,
                               [&] { return bs->barrier(kTimeoutMs); }, &raw_sent, &raw_s) == epSuccess,
               "raw stream: %s", epGetLastError(nullptr));
   const double raw_cpu = cpuSeconds(RUSAGE_SELF) - raw_cpu0;
@@ -177,18 +180,21 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     int* v = a == "--ranks" ? &o.ranks : a == "--mb" ? &o.mb : a == "--record-kb" ? &o.record_kb
-           : a == "--writers" ? &o.writers : a == "--flag-every" ? &o.flag_every : a == "--reps" ? &o.reps : nullptr;
+           : a == "--writers" ? &o.writers : a == "--flag-every" ? &o.flag_every : a == "--reps" ? &o.reps
+           : a == "--raw-msg-kb" ? &o.raw_msg_kb : a == "--raw-window" ? &o.raw_window : nullptr;
     if (v == nullptr || i + 1 >= argc) {
       fprintf(stderr, "usage: proxy_bench [--ranks 2] [--mb 256] [--record-kb 14] [--writers 4] [--flag-every 16] "
-                      "[--reps 3] (unknown or incomplete argument '%s')\n", a.c_str());
+                      "[--reps 3] [--raw-msg-kb 1024] [--raw-window 4] (unknown or incomplete argument '%s')\n",
+              a.c_str());
       return 2;
     }
     *v = atoi(argv[++i]);
   }
   if (o.ranks < 2 || o.ranks > 64 || o.mb < 1 || o.record_kb < 1 || o.record_kb > 512 || o.writers < 1 ||
-      o.writers > 64 || o.flag_every < 1 || o.reps < 1) {
+      o.writers > 64 || o.flag_every < 1 || o.reps < 1 || o.raw_msg_kb < 1 || o.raw_msg_kb > 65536 ||
+      o.raw_window < 1 || o.raw_window > 64) {
     fprintf(stderr, "proxy_bench: --ranks must be in [2, 64], --record-kb in [1, 512], --writers in [1, 64], "
-                    "--mb, --flag-every and --reps at least 1\n");
+                    "--raw-msg-kb in [1, 65536], --raw-window in [1, 64], --mb, --flag-every and --reps at least 1\n");
     return 2;
   }
   epUniqueId id;
