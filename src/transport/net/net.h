@@ -18,6 +18,8 @@
 //   then not dereferenced). Close-then-deregister is the safe order when operations may still be posted: a
 //   region must not be deregistered while an operation references it (undefined for verbs and efa).
 #pragma once
+#include <sys/uio.h>  // iovec
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -28,6 +30,7 @@ namespace epcomm::net {
 
 constexpr int kNetHandleSize = 128;  // == NCCL_NET_HANDLE_MAXSIZE
 constexpr int kNetMaxRecvs = 8;      // largest grouped receive
+constexpr int kNetMaxScatter = 1024;  // most pieces of a scattered receive (irecvScatter)
 constexpr int kNetMaxRequests = 32;  // == NCCL_NET_MAX_REQUESTS (we accept more, see kNetRequestPool)
 constexpr int kNetRequestPool = kNetMaxRequests * kNetMaxRecvs * 2;
 constexpr int kNetMaxDevs = 4;
@@ -62,6 +65,15 @@ class NetBackend {
   virtual epResult_t irecv(void* recvComm, int n, void** data, const size_t* sizes, const int* tags,
                            void** mhandles, void** request) = 0;
   virtual epResult_t test(void* request, int* done, size_t* sizes) = 0;
+  // A receive of one message (tag 0) whose bytes land in `niov` pieces in order (the pieces copied: `iov` need not
+  // outlive the call), for backends with scatters(); the same contracts as irecv. The net bridge receives a run of
+  // GPU proxy records this way: headers into its inbox, payloads straight into their far copies.
+  virtual bool scatters() const { return false; }
+  virtual epResult_t irecvScatter(void* recvComm, const iovec* iov, int niov, void** request) {
+    (void)recvComm, (void)iov, (void)niov;
+    *request = nullptr;
+    return epNotSupported;
+  }
   virtual epResult_t closeSend(void* sendComm) = 0;
   virtual epResult_t closeRecv(void* recvComm) = 0;
   virtual epResult_t closeListen(void* listenComm) = 0;

@@ -147,10 +147,50 @@ struct SockRequest {
   int tags[kNetMaxRecvs];
   bool matched[kNetMaxRecvs];
   MsgHeader hdr;  // send side
+  // A scattered receive (irecvScatter, n == 1, data[0] null): the message's bytes land in these pieces in order;
+  // seg_at[k] is where piece k starts in the message.
+  std::vector<iovec> segs;
+  std::vector<size_t> seg_at;
 };
 
+// Message bytes [at, at + n) of a scattered receive as at most `max` pieces of its segments; returns how many.
+constexpr int kIov = 64;
+int scatterIov(const SockRequest* r, size_t at, size_t n, iovec* iov, int max) {
+  size_t k = static_cast<size_t>(std::upper_bound(r->seg_at.begin(), r->seg_at.end(), at) - r->seg_at.begin()) - 1;
+  int m = 0;
+  for (; k < r->segs.size() && n > 0 && m < max; ++k) {
+    const size_t skip = at - r->seg_at[k], take = std::min(n, r->segs[k].iov_len - skip);
+    iov[m++] = {static_cast<char*>(r->segs[k].iov_base) + skip, take};
+    at += take;
+    n -= take;
+  }
+  return m;
+}
+
+// recvSome into message bytes [at, at + n) of a scattered receive (one recvmsg).
+ssize_t recvScatter(int fd, const SockRequest* r, size_t at, size_t n, std::string* err) {
+  if (n == 0) return 0;
+  iovec iov[kIov];
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = static_cast<size_t>(scatterIov(r, at, n, iov, kIov));
+  for (;;) {
+    ssize_t k = ::recvmsg(fd, &mh, MSG_DONTWAIT);
+    if (k > 0) return k;
+    if (k == 0) {
+      *err = "connection closed by peer";
+      return -1;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    *err = strerror(errno);
+    return -1;
+  }
+}
+
 struct Chunk {
-  char* ptr;
+  char* ptr;  // (a scattered receive: null, its bytes start at message offset `at`)
+  size_t at;
   size_t len;
   size_t done;
   SockRequest* req;
@@ -263,8 +303,9 @@ int moveChunks(SockComm* c, int si, bool caller) {
       if (ds.q.empty() || (caller && !ds.q.front().assist)) break;
       ch = &ds.q.front();
     }
-    ssize_t r = c->isSend ? sendSome(ds.fd, ch->ptr + ch->done, ch->len - ch->done, &err)
-                          : recvSome(ds.fd, ch->ptr + ch->done, ch->len - ch->done, &err);
+    ssize_t r = c->isSend                 ? sendSome(ds.fd, ch->ptr + ch->done, ch->len - ch->done, &err)
+                : ch->req->segs.empty() ? recvSome(ds.fd, ch->ptr + ch->done, ch->len - ch->done, &err)
+                                        : recvScatter(ds.fd, ch->req, ch->at + ch->done, ch->len - ch->done, &err);
     if (r < 0) {
       ds.busy.store(false, std::memory_order_release);
       c->fail(epRemoteError, "NET/epcomm: %s connection with peer %s: data socket %d: %s", c->side(),
@@ -367,7 +408,7 @@ void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
     {
       std::lock_guard<std::mutex> g(ds.mu);
       wasEmpty = ds.q.empty() || ds.assistQueued.load(std::memory_order_relaxed) > 0;
-      ds.q.push_back(Chunk{base + off, std::min(cs, size - off), 0, req, lone});
+      ds.q.push_back(Chunk{base ? base + off : nullptr, off, std::min(cs, size - off), 0, req, lone});
       ds.queued.fetch_add(1, std::memory_order_release);
       if (lone) ds.assistQueued.fetch_add(1, std::memory_order_release);
     }
@@ -457,6 +498,8 @@ SockRequest* getRequest(SockComm* c) {
   r->nMatched = 0;
   r->pending.store(0, std::memory_order_relaxed);
   r->assisted = false;
+  r->segs.clear();
+  r->seg_at.clear();
   return r;
 }
 
@@ -527,7 +570,10 @@ void recvCtrlProgress(SockComm* c) {
     SockRequest* r = c->ctrlQ.front();
     if (c->inlineIdx >= 0) {
       int i = c->inlineIdx;
-      ssize_t k = ctrlRead(c, static_cast<char*>(r->data[i]) + c->inlineGot, r->got[i] - c->inlineGot, &err);
+      iovec v{nullptr, r->got[i] - c->inlineGot};
+      if (r->segs.empty()) v.iov_base = static_cast<char*>(r->data[i]) + c->inlineGot;
+      else scatterIov(r, c->inlineGot, v.iov_len, &v, 1);  // scattered: up to the end of the piece it is in
+      ssize_t k = ctrlRead(c, static_cast<char*>(v.iov_base), v.iov_len, &err);
       if (k < 0) {
         c->fail(epRemoteError, "NET/epcomm: recv connection with peer %s: control socket: %s", c->peer.c_str(),
                 err.c_str());
@@ -871,6 +917,34 @@ class SocketBackend final : public NetBackend {
     recvCtrlProgress(c);
     *request = r;
     (void)assist(c);  // a failure is recorded in c: the request's test() reports it
+    return epSuccess;
+  }
+
+  bool scatters() const override { return true; }
+  epResult_t irecvScatter(void* recvComm, const iovec* iov, int niov, void** request) override {
+    *request = nullptr;
+    auto* c = static_cast<SockComm*>(recvComm);
+    NETCHECK(c->error());
+    if (niov < 1 || niov > kNetMaxScatter)
+      NET_FAIL(epInvalidArgument, "NET/epcomm: irecvScatter of %d pieces (1..%d)", niov, kNetMaxScatter);
+    SockRequest* r = getRequest(c);
+    if (r == nullptr) return epSuccess;
+    size_t total = 0;
+    for (int k = 0; k < niov; ++k) {
+      r->seg_at.push_back(total);
+      r->segs.push_back(iov[k]);
+      total += iov[k].iov_len;
+    }
+    r->n = 1;
+    r->data[0] = nullptr;
+    r->cap[0] = total;
+    r->got[0] = 0;
+    r->tags[0] = 0;
+    r->matched[0] = false;
+    c->ctrlQ.push_back(r);
+    recvCtrlProgress(c);
+    *request = r;
+    (void)assist(c);
     return epSuccess;
   }
 

@@ -1,0 +1,118 @@
+// The socket backend's scattered receive (NetBackend::irecvScatter, which the net bridge uses to place GPU proxy
+// payloads straight into the far copies): every byte of a message lands in its piece, in order, whether the message
+// travels inline on the control socket or in chunks over the data sockets, and pieces of one byte or across chunk
+// boundaries are no different.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/time.h"
+#include "transport/net/net.h"
+
+namespace {
+
+using epcomm::net::NetBackend;
+
+struct Pair {
+  NetBackend* net = nullptr;
+  void *listen = nullptr, *send = nullptr, *recv = nullptr;
+  ~Pair() {
+    if (send) net->closeSend(send);
+    if (recv) net->closeRecv(recv);
+    if (listen) net->closeListen(listen);
+  }
+};
+
+// Connects a send comm to a receive comm of this very process (connect and accept are non-blocking: both are
+// called until each gives its comm).
+bool connectPair(Pair* p) {
+  std::string why;
+  p->net = epcomm::net::netSocketBackend(&why);
+  if (p->net == nullptr) return false;
+  uint8_t handle[epcomm::net::kNetHandleSize] = {};
+  if (p->net->listen(0, handle, &p->listen) != epSuccess) return false;
+  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
+  while ((p->send == nullptr || p->recv == nullptr) && !deadline.expired()) {
+    if (p->send == nullptr && p->net->connect(0, handle, &p->send) != epSuccess) return false;
+    if (p->recv == nullptr && p->net->accept(p->listen, &p->recv) != epSuccess) return false;
+  }
+  return p->send != nullptr && p->recv != nullptr;
+}
+
+// Tests both requests until both are done (or one fails, or 20 s pass).
+bool complete(NetBackend* net, void* sreq, void* rreq, size_t* got) {
+  int sdone = 0, rdone = 0;
+  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
+  while ((!sdone || !rdone) && !deadline.expired()) {
+    if (!sdone && net->test(sreq, &sdone, nullptr) != epSuccess) return false;
+    if (!rdone && net->test(rreq, &rdone, got) != epSuccess) return false;
+  }
+  return sdone && rdone;
+}
+
+TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
+  Pair p;
+  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  ASSERT_TRUE(p.net->scatters());
+  std::mt19937 rng(20261206);
+  // Inline (up to the backend's 64 KiB default), exactly that, and chunked over the data sockets (512 KiB chunks).
+  for (size_t size : {size_t{1}, size_t{1000}, size_t{65536}, size_t{65537}, size_t{3u << 20} + 7}) {
+    std::vector<uint8_t> src(size);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    // Pieces of random sizes (some of 1 byte) that together cover the message, each at a shuffled place of dst
+    // with a byte of gap after it, so a piece written past its end or into the wrong place shows.
+    std::vector<std::pair<size_t, size_t>> pieces;  // (offset in the message, length)
+    for (size_t at = 0; at < size;) {
+      const size_t n = std::min<size_t>(size - at, rng() % 3 == 0 ? 1 : 1 + rng() % 40000);
+      pieces.emplace_back(at, n);
+      at += n;
+    }
+    ASSERT_LE(pieces.size(), static_cast<size_t>(epcomm::net::kNetMaxScatter));
+    std::vector<size_t> order(pieces.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<uint8_t> dst(size + pieces.size(), 0xAB);
+    std::vector<size_t> place(pieces.size());
+    size_t at = 0;
+    for (size_t i : order) {
+      place[i] = at;
+      at += pieces[i].second + 1;
+    }
+    std::vector<iovec> iov(pieces.size());
+    for (size_t i = 0; i < pieces.size(); ++i) iov[i] = iovec{dst.data() + place[i], pieces[i].second};
+    void *mh_s = nullptr, *sreq = nullptr, *rreq = nullptr;
+    ASSERT_EQ(p.net->regMr(p.send, src.data(), size, epcomm::net::kNetPtrHost, &mh_s), epSuccess);
+    ASSERT_EQ(p.net->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), &rreq), epSuccess);
+    ASSERT_NE(rreq, nullptr);
+    ASSERT_EQ(p.net->isend(p.send, src.data(), size, 0, mh_s, &sreq), epSuccess);
+    ASSERT_NE(sreq, nullptr);
+    size_t got = 0;
+    ASSERT_TRUE(complete(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
+    EXPECT_EQ(got, size);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      ASSERT_EQ(memcmp(dst.data() + place[i], src.data() + pieces[i].first, pieces[i].second), 0)
+          << "size " << size << ": piece " << i << " of " << pieces.size();
+      ASSERT_EQ(dst[place[i] + pieces[i].second], 0xAB) << "size " << size << ": past piece " << i;
+    }
+    p.net->deregMr(p.send, mh_s);
+  }
+}
+
+TEST(NetSocketScatter, TooManyPiecesIsAnError) {
+  Pair p;
+  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  uint8_t b[8];
+  std::vector<iovec> iov(epcomm::net::kNetMaxScatter + 1, iovec{b, 1});
+  void* req = nullptr;
+  EXPECT_EQ(p.net->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), &req), epInvalidArgument);
+  const std::string why = epcomm::net::netLastError();  // names the call and the limit
+  EXPECT_NE(why.find("irecvScatter of 1025 pieces (1..1024)"), std::string::npos) << why;
+  EXPECT_EQ(req, nullptr);
+}
+
+}  // namespace
