@@ -7,7 +7,8 @@
 //
 //   kernel --records--> ring[r] (host memory) --proxy--> net (NetBridge) --> r's proxy --> the far copy of r's
 //   buffer (pinned host memory at the buffer's offsets, which r's kernels read for every word a rank of another
-//   host writes; stored by the proxy's thread, no CUDA call)
+//   host writes; stored by the proxy's thread, no CUDA call; large DATA payloads the net transport receives there
+//   itself, engine/gpu/proxy.h)
 //
 // A record is a 32-byte header and its payload, padded to 32 bytes: DATA (bytes to store at an offset of one of
 // r's buffers) or FLAG (one 8-byte word, stored with release semantics once every earlier record from this rank
@@ -33,7 +34,9 @@ constexpr uint64_t kGpuRemoteWindow = 1ull << 56;  // base[r] of a remote rank: 
                                                    // direct access faults instead of landing somewhere
 
 enum GpuRemoteBuffer : uint32_t { kRemoteHtBuffer = 0, kRemoteLlBuffer = 1, kRemoteNumBuffers = 2 };
-enum GpuRemoteType : uint32_t { kRemoteData = 1, kRemoteFlag = 2, kRemoteSkip = 3 };
+// kRemotePlaced: a DATA record whose payload the net transport stores into the far copy itself (NetBridge
+// placement); only the sending proxy writes it, over a DATA header in its ring before the header goes out.
+enum GpuRemoteType : uint32_t { kRemoteData = 1, kRemoteFlag = 2, kRemoteSkip = 3, kRemotePlaced = 4 };
 
 struct alignas(16) GpuRemoteRecord {
   uint64_t stamp;  // ring position + 1, stored last

@@ -224,8 +224,10 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
 }
 
 // Over both net backends, with the smallest ring (1 MiB: many laps, SKIP records at every end; frames only) and
-// one of 4 MiB (long runs of records go as DATA_NEXT payload messages, net_bridge.h).
-class GpuProxyNet : public ::testing::TestWithParam<std::tuple<const char*, const char*>> {};
+// one of 4 MiB (long runs of records go as DATA_NEXT payload messages, net_bridge.h), and with placement off or
+// from runs of 4 KiB (EPCOMM_GPU_PROXY_PLACE: the socket backend scatters such runs' payloads into the far copies;
+// ofi places nothing).
+class GpuProxyNet : public ::testing::TestWithParam<std::tuple<const char*, const char*, const char*>> {};
 
 TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
   const char* net = std::get<0>(GetParam());
@@ -237,27 +239,33 @@ TEST_P(GpuProxyNet, RecordsArriveInOrderAcrossLaps) {
     GTEST_SKIP() << "EPCOMM_NET=ofi is not offered here: " << why;
   }
   setenv("EPCOMM_GPU_PROXY_RING_BYTES", std::get<1>(GetParam()), 1);
+  setenv("EPCOMM_GPU_PROXY_PLACE", std::get<2>(GetParam()), 1);
   for (int R : {2, 3}) {
     epUniqueId id;
     ASSERT_EQ(epGetUniqueId(&id), epSuccess);
     auto codes = epcomm::test::runRanks(R, [&](int rank) { return exchangeRounds(rank, R, id, 12, 4); }, 240000);
     for (int r = 0; r < R; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << R << " over " << net;
   }
+  unsetenv("EPCOMM_GPU_PROXY_PLACE");
   unsetenv("EPCOMM_NET");
 }
 
 INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet,
                          ::testing::Combine(::testing::Values("socket", "ofi"),
-                                            ::testing::Values("1048576", "4194304")),
-                         [](const ::testing::TestParamInfo<std::tuple<const char*, const char*>>& i) {
-                           return std::string(std::get<0>(i.param)) + "_ring" + std::get<1>(i.param);
+                                            ::testing::Values("1048576", "4194304"), ::testing::Values("0", "4096")),
+                         [](const ::testing::TestParamInfo<std::tuple<const char*, const char*, const char*>>& i) {
+                           return std::string(std::get<0>(i.param)) + "_ring" + std::get<1>(i.param) + "_place" +
+                                  std::get<2>(i.param);
                          });
 
 // Rank 0 sends rank 1 a good round, then a record that must be refused, one kind per run: past its buffer's end,
-// for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), or of an unknown type
-// (rank 0's proxy refuses to forward its own ring past it). Nothing after the bad record is stored.
+// for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), of an unknown type (rank
+// 0's proxy refuses to forward its own ring past it), or past its buffer's end with a payload that is placed (rank
+// 0's proxy names it to the bridge, EPCOMM_GPU_PROXY_PLACE; rank 1's place() refuses it, so it lands in the inbox
+// and rank 1's proxy refuses the stream there, in order). Nothing after the bad record is stored.
 TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
-  onTwoRanks(3, [](int rank, int kind, Rank& me) -> int {
+  setenv("EPCOMM_GPU_PROXY_PLACE", "4096", 1);
+  onTwoRanks(4, [](int rank, int kind, Rank& me) -> int {
     if (rank == 0) {
       const uint8_t good[64] = {1, 2, 3};
       CK(me.to[1].data(epcomm::kRemoteHtBuffer, 4096, good, sizeof(good)), "good record");
@@ -270,8 +278,11 @@ TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
         h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, 0, 64, &pos);
         if (h) h->type = 77;
       }
+      constexpr uint32_t kPlaced = 8192;  // >= the proxy's kMinPlacedBytes
+      if (kind == 3)
+        h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, kHtBytes - 64, kPlaced, &pos);
       CK(h != nullptr, "reserving the bad record");
-      memset(h + 1, 0xEE, 64);
+      memset(h + 1, 0xEE, kind == 3 ? kPlaced : 64);
       RingWriter::stamp(h, pos);
       CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 8, 2), "a flag after it");
       std::string why;
@@ -285,11 +296,13 @@ TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
       CK(kind == 2 || me.proxy->failed(0, &why), "the bad record (kind %d) was not refused", kind);
       usleep(100000);
       CK(loadAcquire(me.htFar(), 8) == 0, "a flag after a refused record was stored");
-      CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[0] == 1, "a refused record was stored");
+      CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[kHtBytes - 64] == 0 && me.htFar()[0] == 1,
+         "a refused record was stored");
     }
     CK(me.bs->barrier(20000) == epSuccess, "final barrier");
     return 0;
   });
+  unsetenv("EPCOMM_GPU_PROXY_PLACE");
 }
 
 // Rank 1 dies; rank 0 keeps writing far more than its ring holds toward it: the proxy drops what is meant for the

@@ -30,6 +30,14 @@ EP_PARAM(GpuProxyStreamStores, "GPU_PROXY_STREAM_STORES", 1);
 // rings and inboxes (one polling thread per rank); 1, a progress thread of the bridge's; -1 (the default), the
 // proxy's thread where this rank reaches at most kDriveMaxPeers ranks of other hosts, else the bridge's.
 EP_PARAM(GpuProxyNetThread, "GPU_PROXY_NET_THREAD", -1);
+// N > 0: in every run of N bytes or more that holds DATA payloads of kMinPlacedBytes or more, the bridge sends the run
+// as one message that the receiver's net transport scatters as it lands, those payloads straight into the far copy
+// (NetBridge placement; the socket backend), instead of into the inbox for a copy by the receiver's proxy; 0: every
+// record through the inbox. Only what this rank sends: it takes placed payloads either way. Off until a GPU run
+// measures it: the copy it removes is what the proxy pays most for on the 16-core H100 host (bench/results/
+// h100-s32.log, call 2); on the 2-core VM N = 4096 took proxy_bench at 2 ranks from 2.30 to 3.26 GB/s and changed
+// nothing where both cores were saturated (cpu-proxy-place-s32.log).
+EP_PARAM(GpuProxyPlace, "GPU_PROXY_PLACE", 0);
 
 namespace {
 
@@ -39,13 +47,18 @@ namespace {
 constexpr int kDriveMaxPeers = 3;
 constexpr int kInPerTurn = 1024;   // records stored from one inbox per turn of the loop
 constexpr int kOutPerTurn = 1024;  // records moved from one ring per turn of the loop
+// Smallest DATA payload placed: shorter ones stay in the inbox, where two pieces of the scattered receive would cost
+// about what copying them does.
+constexpr uint32_t kMinPlacedBytes = 2048;
+constexpr int kPlaceKeyShift = 56;  // a placement key: buffer << kPlaceKeyShift | offset
 std::mutex g_why_mutex;            // guards GpuProxy::why_ (diagnostics only)
 
 // A record's ring bytes from its header (0 for a type no kernel writes).
 uint64_t recordSize(const GpuRemoteRecord& h) {
   switch (h.type) {
     case kRemoteSkip: return h.len;
-    case kRemoteData: return remoteRecordBytes(h.len);
+    case kRemoteData:
+    case kRemotePlaced: return remoteRecordBytes(h.len);
     case kRemoteFlag: return remoteRecordBytes(8);
     default: return 0;
   }
@@ -79,6 +92,7 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
                 ~size_t{kRemoteRecordAlign - 1};
   inbox_bytes_ = ring_bytes_;
   stream_stores_ = epParamGpuProxyStreamStores() != 0;
+  place_min_run_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyPlace(), 0));
   GpuRemote table{};
   void* dev = nullptr;
   EPCHECK(dev_->allocMapped(sizeof(uint64_t) * nranks_, reinterpret_cast<void**>(&consumed_), &dev));
@@ -114,6 +128,7 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
                                         remote_, &inbox_);
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) bridge_->useOutboxMemory(0, r, out_[r].ring);  // sent from where the kernels wrote it
+  bridge_->usePlacement(this);  // payloads into the far copies
   const int64_t net_thread = epParamGpuProxyNetThread();
   const int npeers = static_cast<int>(std::count(remote_.begin(), remote_.end(), 1));
   drives_bridge_ = net_thread == 0 || (net_thread < 0 && npeers <= kDriveMaxPeers);
@@ -203,6 +218,51 @@ bool GpuProxy::pumpOut(int r) {
   return moved;
 }
 
+// The bridge framing the ring toward `peer` asks for the next payload to place within [from, to): the records from
+// o.scan on (whole records the proxy took, checked by pumpOut, not yet framed: the kernels leave them alone until
+// `consumed` passes them), the first DATA with kMinPlacedBytes or more whose record lies within [from, to). Its
+// header becomes PLACED before it goes out, so that the receiver's proxy does not copy the inbox bytes the payload
+// never wrote.
+bool GpuProxy::nextPayload(int peer, uint64_t from, uint64_t to, uint64_t* at, uint32_t* len, uint64_t* key) {
+  if (place_min_run_ == 0) return false;
+  Out& o = out_[peer];
+  while (o.scan < to) {
+    GpuRemoteRecord* h = reinterpret_cast<GpuRemoteRecord*>(o.ring + o.scan % ring_bytes_);
+    const uint64_t size = recordSize(*h), rec = o.scan;
+    if (size == 0) return false;  // (pumpOut took no such record)
+    o.scan += size;
+    // A record that ends past `to` goes framed (the run ends inside it).
+    if (o.scan <= to && rec >= from && h->type == kRemoteData && h->len >= kMinPlacedBytes) {
+      h->type = kRemotePlaced;
+      *at = rec + sizeof(GpuRemoteRecord);
+      *len = h->len;
+      *key = static_cast<uint64_t>(h->buf) << kPlaceKeyShift | h->off;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Everything toward `peer` before `to` is framed: o.scan moves past the records that begin before it, while their
+// headers are still unsent (so not written over: `consumed` stays at or below what the bridge sent).
+void GpuProxy::framed(int peer, uint64_t to) {
+  Out& o = out_[peer];
+  while (o.scan < to) {
+    const uint64_t size = recordSize(*reinterpret_cast<const GpuRemoteRecord*>(o.ring + o.scan % ring_bytes_));
+    if (size == 0) return;  // (pumpOut took no such record)
+    o.scan += size;
+  }
+}
+
+// Where a placed payload from `peer` lands: the far copy of its buffer, at its offset (checked, R5).
+uint8_t* GpuProxy::place(int peer, uint64_t key, uint32_t len) {
+  (void)peer;
+  const uint64_t b = key >> kPlaceKeyShift, off = key & ((uint64_t{1} << kPlaceKeyShift) - 1);
+  if (b >= kRemoteNumBuffers || far_host_[b] == nullptr || off > buf_bytes_[b] || len > buf_bytes_[b] - off)
+    return nullptr;
+  return far_host_[b] + off;
+}
+
 // Whole records of inbox q, checked, stored into the far copies in order (DATA: the bytes; FLAG: a release store,
 // after everything before it), then released from the inbox. Stops once it has parsed *budget bytes (at least one
 // record), and takes what it parsed off *budget.
@@ -232,7 +292,7 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
       continue;
     }
     const uint64_t len = h.type == kRemoteFlag ? 8 : h.len;
-    if (h.type != kRemoteData && h.type != kRemoteFlag) bad = "a record of an unknown type";
+    if (h.type != kRemoteData && h.type != kRemotePlaced && h.type != kRemoteFlag) bad = "a record of an unknown type";
     else if (h.buf >= kRemoteNumBuffers || far_host_[h.buf] == nullptr) bad = "a record for a buffer this rank lacks";
     else if ((h.type == kRemoteFlag && (h.len != 8 || h.off % 8 != 0)) || len > max_payload ||
              h.off > buf_bytes_[h.buf] || len > buf_bytes_[h.buf] - h.off)
@@ -250,7 +310,7 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
       if (streamed) streamFence();  // the bytes before the flag first
       streamed = false;
       __atomic_store_n(reinterpret_cast<uint64_t*>(at), v, __ATOMIC_RELEASE);
-    } else if (len > 0) {
+    } else if (len > 0 && h.type == kRemoteData) {  // (PLACED: the net transport stored it there already)
       inbox.copyOut(at, parsed + sizeof(h), len, stream_stores_ ? streamCopy : memcpy);
       streamed |= stream_stores_;
     }

@@ -8,10 +8,14 @@
 //        side and the ring and r's inbox are two stages of the pipeline
 //   in:  NetBridge inbox from q (host memory, the bridge receives into it) --records in order--> the far copy of
 //        the record's buffer (pinned host memory, mapped: the kernels read there every word a rank of another
-//        host writes)
+//        host writes). With EPCOMM_GPU_PROXY_PLACE (off by default), DATA payloads of 2 KiB or more skip the
+//        inbox: the sending proxy names them to its bridge (NetBridge::Placement), which sends their run as one
+//        message that the receiving net transport scatters as it lands, those payloads straight into the far copy
+//        at offsets the receiving proxy checked; their headers (PLACED) still pass through the inbox in order, so
+//        the FLAGs after them keep their meaning
 //
-// Storing is a copy with streaming stores (DATA: common/stream_copy.h, the far copies are never read by this CPU;
-// fenced before the next FLAG) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
+// Storing is a copy with streaming stores (DATA not placed: common/stream_copy.h, the far copies are never read by
+// this CPU; fenced before the next FLAG) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
 // call while kernels run. One would block behind the application's own, e.g. a kernel's first launch under lazy
 // module loading (CUDA_MODULE_LOADING=LAZY, the default), which waits for the running kernels, which may be
 // waiting for this very thread; copy engines also store a batch's copies in any order. The far copies cost pinned
@@ -64,7 +68,7 @@ std::unique_ptr<ProxyDevice> cudaProxyDevice(int device);
 // Plain host memory for both sides: the CPU tests' device.
 std::unique_ptr<ProxyDevice> hostProxyDevice();
 
-class GpuProxy {
+class GpuProxy final : private NetBridge::Placement {
  public:
   // remote[r] != 0: rank r is on another host.
   GpuProxy(int rank, int nranks, std::vector<uint8_t> remote, std::unique_ptr<ProxyDevice> device);
@@ -98,6 +102,7 @@ class GpuProxy {
   struct Out {
     uint8_t* ring = nullptr;  // host address of the ring, which is also the bridge's outbox toward the rank
     uint64_t pos = 0;         // taken so far: the whole records before it are the outbox's (atomic access)
+    uint64_t scan = 0;        // the first record not yet framed whole (nextPayload, framed: the framing thread's)
     bool broken = false;      // a malformed record (a bug): nothing more is forwarded
     bool dropping = false;    // the rank is dead: records are dropped once the bridge stopped sending to it
   };
@@ -105,6 +110,12 @@ class GpuProxy {
     bool bad = false;  // a record failed its checks: nothing more is stored from this rank
   };
   void loop();
+  // NetBridge::Placement: DATA payloads of kMinPlacedBytes or more go straight from the ring into the receiver's far
+  // copy (EPCOMM_GPU_PROXY_PLACE).
+  bool nextPayload(int peer, uint64_t from, uint64_t to, uint64_t* at, uint32_t* len, uint64_t* key) override;
+  uint8_t* place(int peer, uint64_t key, uint32_t len) override;
+  size_t minRunBytes() const override { return place_min_run_; }
+  void framed(int peer, uint64_t to) override;
   bool pumpOut(int r);
   bool storeIn(int q, size_t* budget);
   void refuse(int q, const char* what);
@@ -115,6 +126,7 @@ class GpuProxy {
   std::unique_ptr<ProxyDevice> dev_;
   size_t ring_bytes_ = 0, inbox_bytes_ = 0;
   bool stream_stores_ = true;  // DATA goes into the far copies with streaming stores (EPCOMM_GPU_PROXY_STREAM_STORES)
+  size_t place_min_run_ = 0;   // runs this long or longer place their DATA payloads (EPCOMM_GPU_PROXY_PLACE; 0: off)
   size_t buf_bytes_[kRemoteNumBuffers] = {};
   uint8_t* far_host_[kRemoteNumBuffers] = {};  // far copies (pinned, mapped), see farCopy()
   uint8_t* far_dev_[kRemoteNumBuffers] = {};

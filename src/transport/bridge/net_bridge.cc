@@ -20,7 +20,7 @@ namespace {
 
 constexpr uint32_t kFrameMagic = 0x65704e42u;  // "epNB"
 constexpr uint16_t kHello = 1, kData = 2, kCredit = 3, kReadDone = 4, kCtrl = 5, kBye = 6, kByeAck = 7, kDataNext = 8,
-                   kOut = 9;
+                   kOut = 9, kDataPlaced = 10;
 constexpr int kSendSlots = 16;  // frames in flight per peer
 constexpr int kRecvSlots = 8;   // frames received and not yet applied, per peer
 constexpr size_t kMaxSendsInFlight = 32;  // frames and payloads, per peer
@@ -33,11 +33,19 @@ struct FrameHdr {
   uint16_t ch;
   uint32_t len;
   int32_t src;
-  uint64_t v[4];  // DATA, DATA_NEXT: stream offset (DATA_NEXT: payload bytes in v[1]); CREDIT: consumer head;
+  uint64_t v[4];  // DATA, DATA_NEXT, DATA_PLACED: stream offset (DATA_NEXT, DATA_PLACED: payload bytes in v[1]);
+                  // CREDIT: consumer head;
                   // READDONE: epoch; CTRL: rs word, hash, epoch, status; HELLO: secret, gen, ring bytes;
                   // OUT: set (0 rc_accused, 1 rc_masked) << 32 | word index, the word's bits
 };
 static_assert(sizeof(FrameHdr) == 48, "frame header size is part of the wire format");
+// A DATA_PLACED frame's bytes: one of these per placed piece of its payload, in order (Placement).
+struct PlacedSeg {
+  uint32_t off;  // in the payload
+  uint32_t len;
+  uint64_t key;  // the receiver's Placement::place says where it goes
+};
+static_assert(sizeof(PlacedSeg) == 16, "part of the wire format");
 // Outbox bytes up to this go inside a DATA frame (copied into the frame, then out of it into the inbox); frames of
 // 64 KiB go whole on the socket backend's control socket (its inline size). Where the bridge's user allows them
 // (max_payload), more go as a DATA_NEXT frame and a message of their own, sent straight from the outbox and received
@@ -47,6 +55,9 @@ constexpr size_t kFrameBytes = sizeof(FrameHdr) + kFramePayload;
 // Shorter runs go in frames even where DATA_NEXT is allowed: a payload message costs the socket backend a hand-off
 // to its helper threads, which only long runs repay.
 constexpr size_t kMinPayloadMsg = 256u << 10;
+// Most placed pieces in one payload (a DATA_PLACED frame's bytes; a piece and the inbox bytes before it are two of
+// the scattered receive's pieces).
+constexpr size_t kMaxPlacedSegs = std::min<size_t>(kFramePayload / sizeof(PlacedSeg), net::kNetMaxScatter / 2 - 1);
 
 }  // namespace
 
@@ -72,7 +83,8 @@ struct NetBridge::Peer {
     uint16_t type, ch;
     uint64_t v[4];
     uint32_t len;
-    bool hdr_posted;  // DATA_NEXT: the frame is out, its payload not yet
+    bool hdr_posted;  // DATA_NEXT, DATA_PLACED: the frame is out, its payload not yet
+    std::vector<uint8_t> body;  // DATA_PLACED: the frame's bytes (PlacedSeg each)
   };
   std::deque<Desc> q;
   // Posted messages, in posting order: the send slot (-1: a payload) and, for DATA and DATA_NEXT payloads, the
@@ -103,10 +115,11 @@ struct NetBridge::Peer {
   };
   std::deque<Rx> rx;
   int frames_posted = 0;  // frame receives not yet complete
-  bool payload_due = false;  // a DATA_NEXT is in: its payload receive (below) is the next one to post
+  bool payload_due = false;  // a DATA_NEXT or DATA_PLACED is in: its payload receive (below) is the next one to post
   uint16_t payload_ch = 0;
   uint64_t payload_off = 0;
   uint32_t payload_len = 0;
+  std::vector<iovec> payload_iov;  // DATA_PLACED: where its bytes land, in order (else all in the inbox)
   std::vector<uint64_t> rx_expect;  // [ch] stream offset the next DATA must start at (all before it announced)
   bool bye_in = false;              // a BYE frame came in (applied or not): nothing follows it
   bool send_failed = false, recv_failed = false, bye = false, bye_queued = false, bye_acked = false;
@@ -187,6 +200,8 @@ bool NetBridge::sendingStopped(int p) const { return peers_[p]->send_closed.load
 uint64_t NetBridge::outRead(int ch, int p) const { return peers_[p]->out_read[ch].load(std::memory_order_acquire); }
 
 void NetBridge::useOutboxMemory(int ch, int p, uint8_t* data) { peers_[p]->out_data[ch] = data; }
+
+void NetBridge::usePlacement(Placement* hook) { placement_ = hook; }
 
 bool NetBridge::dead(int p, std::string* why) const {
   const Peer* q = peers_[p].get();
@@ -484,10 +499,12 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
 // Progress
 // ------------------------------------------------------------------------------------------------------
 
-void NetBridge::queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len) {
-  Peer::Desc d{type, ch, {0, 0, 0, 0}, len, false};
+void NetBridge::queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len,
+                           std::vector<uint8_t>* body) {
+  Peer::Desc d{type, ch, {0, 0, 0, 0}, len, false, {}};
   if (v) memcpy(d.v, v, sizeof(d.v));
-  p.q.push_back(d);
+  if (body) d.body.swap(*body);
+  p.q.push_back(std::move(d));
 }
 
 // Posts queued frames in order and completes sends from the front. A DATA frame's payload is copied out of the
@@ -537,11 +554,13 @@ bool NetBridge::pumpSends(Peer& p) {
         const size_t off = d.v[0] % ring_bytes_, first = std::min<size_t>(d.len, ring_bytes_ - off);
         memcpy(buf + sizeof(h), ring + off, first);
         if (first < d.len) memcpy(buf + sizeof(h) + first, ring, d.len - first);
+      } else if (d.type == kDataPlaced) {
+        memcpy(buf + sizeof(h), d.body.data(), d.len);
       }
       const bool data = d.type == kData;
       if (!post(buf, sizeof(h) + d.len, p.send_mh[slot], slot, data ? d.ch : -1, data ? d.v[0] + d.len : 0)) break;
       p.free_send.pop_back();
-      if (d.type != kDataNext) {
+      if (d.type != kDataNext && d.type != kDataPlaced) {
         p.q.pop_front();
         continue;
       }
@@ -612,7 +631,11 @@ bool NetBridge::pumpRecvs(Peer& p) {
       size_t size = p.payload_len;
       int tag = 0;
       void* req = nullptr;
-      if (backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[p.payload_ch], &req) != epSuccess) {
+      const epResult_t res =
+          p.payload_iov.empty()
+              ? backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[p.payload_ch], &req)
+              : backend_->irecvScatter(p.recv, p.payload_iov.data(), static_cast<int>(p.payload_iov.size()), &req);
+      if (res != epSuccess) {
         markDead(p, net::netLastError());
         return moved;
       }
@@ -650,25 +673,59 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
   FrameHdr h;
   if (n < sizeof(h)) return markDead(p, "a frame shorter than its header");
   memcpy(&h, buf, sizeof(h));
-  if (h.magic != kFrameMagic || h.src != p.rank || h.len != n - sizeof(h) || (h.type != kData && h.len != 0) ||
-      h.ch >= nchan_)
+  if (h.magic != kFrameMagic || h.src != p.rank || h.len != n - sizeof(h) ||
+      (h.type != kData && h.type != kDataPlaced && h.len != 0) || h.ch >= nchan_)
     return markDead(p, "a malformed frame (stream out of sync)");
   if (h.type == kBye) p.bye_in = true;
-  if (h.type != kData && h.type != kDataNext) return;
-  if (h.type == kDataNext && max_payload_ == 0)  // its payload would land in the frame receives posted ahead
-    return markDead(p, "a DATA_NEXT frame on a connection that takes none");
+  if (h.type != kData && h.type != kDataNext && h.type != kDataPlaced) return;
+  if (h.type != kData && max_payload_ == 0)  // its payload would land in the frame receives posted ahead
+    return markDead(p, "a DATA_NEXT or DATA_PLACED frame on a connection that takes none");
+  if (h.type == kDataPlaced && (placement_ == nullptr || !backend_->scatters()))
+    return markDead(p, "a DATA_PLACED frame to a rank that places nothing");
   const uint64_t len = h.type == kData ? h.len : h.v[1];
   const uint64_t head = own_->ringCtl(p.rank, h.ch)->head.load(std::memory_order_acquire);
-  if (h.v[0] != p.rx_expect[h.ch] || len == 0 || (h.type == kDataNext && len > ring_bytes_ / 8) ||
+  if (h.v[0] != p.rx_expect[h.ch] || len == 0 || (h.type != kData && len > ring_bytes_ / 8) ||
       h.v[0] + len - head > ring_bytes_)
     return markDead(p, "a data frame beyond its credit or out of order");
   p.rx_expect[h.ch] += len;
   if (h.type == kData) return;
   if (h.v[0] % ring_bytes_ + len > ring_bytes_) return markDead(p, "a data payload across the end of the ring");
+  p.payload_iov.clear();
+  if (h.type == kDataPlaced && !placeIov(p, h.ch, h.v[0], len, buf + sizeof(h), h.len)) return;
   p.payload_due = true;
   p.payload_ch = h.ch;
   p.payload_off = h.v[0];
   p.payload_len = static_cast<uint32_t>(len);
+}
+
+// A DATA_PLACED frame's pieces (`bytes` of PlacedSeg for the payload of `len` bytes at stream offset `off` of
+// channel ch), checked, into p.payload_iov: the payload's bytes in order, each piece where Placement::place says and
+// the bytes between them in the inbox where they stand in the ring. A piece place() refuses lands there too: the
+// owner's checks of the stream, in order, refuse it after everything before it (as for any record it finds bad).
+// False (the connection ended) for a malformed frame.
+bool NetBridge::placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint8_t* segs, size_t bytes) {
+  const size_t nseg = bytes / sizeof(PlacedSeg);
+  if (bytes % sizeof(PlacedSeg) != 0 || nseg == 0 || nseg > kMaxPlacedSegs) {
+    markDead(p, "a DATA_PLACED frame of a malformed size");
+    return false;
+  }
+  uint8_t* inbox = own_->ringData(p.rank, ch) + off % ring_bytes_;
+  uint64_t at = 0;  // payload bytes given a place so far
+  for (size_t i = 0; i < nseg; ++i) {
+    PlacedSeg sg;
+    memcpy(&sg, segs + i * sizeof(sg), sizeof(sg));
+    if (sg.off < at || sg.off >= len || sg.len == 0 || sg.len > len - sg.off) {
+      markDead(p, "a DATA_PLACED piece out of order or past its payload");
+      p.payload_iov.clear();
+      return false;
+    }
+    if (sg.off > at) p.payload_iov.push_back(iovec{inbox + at, sg.off - at});
+    uint8_t* dst = placement_->place(p.rank, sg.key, sg.len);
+    p.payload_iov.push_back(iovec{dst ? dst : inbox + sg.off, sg.len});
+    at = static_cast<uint64_t>(sg.off) + sg.len;
+  }
+  if (at < len) p.payload_iov.push_back(iovec{inbox + at, len - at});
+  return true;
 }
 
 // A frame from peer p, in stream order (checkFrame passed it when it came in).
@@ -688,7 +745,8 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
       ctl->tail.store(tail + h.len, std::memory_order_release);
       return;
     }
-    case kDataNext: return;  // its payload, next in line, moves the tail
+    case kDataNext:
+    case kDataPlaced: return;  // its payload, next in line, moves the tail
     case kCredit: {
       RingCtl& ctl = p.out_ctl[h.ch];
       const uint64_t head = ctl.head.load(std::memory_order_relaxed);
@@ -747,10 +805,31 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         const size_t contiguous = ring_bytes_ - p.sent[c] % ring_bytes_;
         const size_t ready = std::min<uint64_t>(tail - p.sent[c], contiguous);
         const bool next = ready >= kMinPayloadMsg && max_payload_ >= kMinPayloadMsg;
-        const size_t n = next ? std::min(ready, max_payload_) : std::min<uint64_t>(tail - p.sent[c], kFramePayload);
+        size_t n = next ? std::min(ready, max_payload_) : std::min<uint64_t>(tail - p.sent[c], kFramePayload);
+        // A run of at least the owner's minRunBytes() that holds pieces it places goes as one message too
+        // (DATA_PLACED: the receiver's backend scatters it as it lands), up to max_payload_.
+        std::vector<uint8_t> segs;
+        const size_t min_run = placement_ && c == 0 && backend_->scatters() ? placement_->minRunBytes() : 0;
+        if (min_run > 0 && max_payload_ > 0 && ready >= min_run) {
+          const size_t pn = std::min(ready, max_payload_);
+          uint64_t from = p.sent[c], at = 0, key = 0;
+          uint32_t plen = 0;
+          while (segs.size() < kMaxPlacedSegs * sizeof(PlacedSeg) &&
+                 placement_->nextPayload(p.rank, from, p.sent[c] + pn, &at, &plen, &key)) {
+            const PlacedSeg sg{static_cast<uint32_t>(at - p.sent[c]), plen, key};
+            segs.insert(segs.end(), reinterpret_cast<const uint8_t*>(&sg),
+                        reinterpret_cast<const uint8_t*>(&sg) + sizeof(sg));
+            from = at + plen;
+          }
+          if (!segs.empty()) n = pn;
+        }
         const uint64_t v[4] = {p.sent[c], n, 0, 0};
-        queueFrame(p, next ? kDataNext : kData, static_cast<uint16_t>(c), v, next ? 0 : static_cast<uint32_t>(n));
+        if (!segs.empty())
+          queueFrame(p, kDataPlaced, static_cast<uint16_t>(c), v, static_cast<uint32_t>(segs.size()), &segs);
+        else
+          queueFrame(p, next ? kDataNext : kData, static_cast<uint16_t>(c), v, next ? 0 : static_cast<uint32_t>(n));
         p.sent[c] += n;
+        if (min_run > 0) placement_->framed(p.rank, p.sent[c]);
         data_sent_.fetch_add(n, std::memory_order_relaxed);
         moved = true;
       }

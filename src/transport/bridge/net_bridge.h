@@ -12,6 +12,12 @@
 //                    (private)                      of p                      ring of source = this rank)
 //                                 --DATA_NEXT frame, then the payload as a message of its own, sent from the
 //                                   outbox and received into the inbox where it belongs (no copy in either process)
+//                                 --DATA_PLACED frame (the pieces of the payload the owner places), then the payload,
+//                                   scattered as it lands: those pieces where the owner says (the GPU proxy's far
+//                                   copies), the rest into the inbox; the inbox tail steps over the placed pieces
+//                                 --DATA_PLACED frame (the bytes before a placed payload, inline), then the payload
+//                                   as a message of its own, received where the owner's Placement hook says (the
+//                                   GPU proxy's far copies); the inbox tail steps over it (usePlacement)
 //   outbox head  <--CREDIT frames (p's consumed bytes)----------------------- engine pulls / releases
 //   outbox read_done <--READDONE frames (p's RingEnd::setReadDone)----------- engine
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)
@@ -97,6 +103,32 @@ class NetBridge {
   // before connect(). The caller then writes it and moves its tail itself (outCtl), as RingEnd::push would: the
   // GPU proxy's record ring, sent from where the kernels wrote it.
   void useOutboxMemory(int ch, int p, uint8_t* data);
+  // Placed payloads: stream bytes that go straight from the sender's outbox into memory of the receiver's choosing
+  // instead of into its inbox (the GPU proxy: record payloads into the far copies, with no copy by this process on
+  // either side). A run of at least minRunBytes() (up to max_payload) that holds pieces to place goes as one
+  // message announced by a DATA_PLACED frame, which lists the pieces; the receiver's backend scatters the message as
+  // it lands (NetBackend::irecvScatter; over a backend without it nothing is placed). The sender's owner names the
+  // pieces (nextPayload, called by the thread framing the outbox toward `peer`, in stream order), the receiver's
+  // owner says where each goes (place); the inbox tail steps over them unwritten once the message is in. Both ends
+  // need the hook (a DATA_PLACED frame to a bridge without one ends the connection). Call before connect().
+  class Placement {
+   public:
+    virtual ~Placement() = default;
+    // Sender: the first piece to place within stream bytes [from, to) of the outbox toward `peer` (channel 0):
+    // true with its stream offset (*at >= from, *at + *len <= to), its size and a key for the receiver.
+    virtual bool nextPayload(int peer, uint64_t from, uint64_t to, uint64_t* at, uint32_t* len, uint64_t* key) = 0;
+    // Sender: the shortest run worth a message of its own for its pieces (0: this end places nothing, and neither
+    // nextPayload nor framed is called).
+    virtual size_t minRunBytes() const = 0;
+    // Sender: every stream byte toward `peer` before `to` is framed (called after each step of framing, placed or
+    // not, so that the owner never has to look at outbox bytes that may have been sent and written over since).
+    virtual void framed(int peer, uint64_t to) = 0;
+    // Receiver: where `len` bytes with `key` from `peer` go, or nullptr: refused, and they land in the inbox like
+    // any stream bytes, for the owner's checks to refuse in stream order (R5: everything before them is stored,
+    // nothing after them).
+    virtual uint8_t* place(int peer, uint64_t key, uint32_t len) = 0;
+  };
+  void usePlacement(Placement* hook);
   RingCtl* outCtl(int ch, int p) const;
   // Outbox bytes toward p on channel ch that the bridge has finished reading (their sends completed), a stream
   // offset: memory of the caller's outbox below it may be written again even before the peer credits it, as long
@@ -156,12 +188,15 @@ class NetBridge {
   bool pumpRecvs(Peer& p);
   void checkFrame(Peer& p, const uint8_t* buf, size_t n);
   void applyFrame(Peer& p, const uint8_t* buf, size_t n);
-  void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len);
+  void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len,
+                  std::vector<uint8_t>* body = nullptr);
+  bool placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint8_t* segs, size_t bytes);
   void markDead(Peer& p, const char* what);
 
   int rank_, nranks_, nchan_;
   size_t ring_bytes_;
   size_t max_payload_;  // largest DATA_NEXT payload this rank sends; 0: frames only, both ways
+  Placement* placement_ = nullptr;  // see usePlacement
   std::vector<uint8_t> remote_;
   ShmRegion* own_;
   net::NetBackend* backend_ = nullptr;
