@@ -60,15 +60,18 @@ TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
   ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
   ASSERT_TRUE(p.net->scatters());
   std::mt19937 rng(20261206);
-  // Inline (up to the backend's 64 KiB default), exactly that, and chunked over the data sockets (512 KiB chunks).
-  for (size_t size : {size_t{1}, size_t{1000}, size_t{65536}, size_t{65537}, size_t{3u << 20} + 7}) {
+  // Inline (up to the backend's 64 KiB default), exactly that, and chunked over the data sockets (512 KiB chunks);
+  // pieces of up to 40000 bytes, or of up to 400 so that a chunk spans far more pieces than one recvmsg takes (kIov).
+  const std::pair<size_t, size_t> cases[] = {{1, 40000},     {1000, 40000},  {65536, 40000},
+                                             {65537, 40000}, {70000, 400},   {(3u << 20) + 7, 40000}};
+  for (const auto& [size, max_piece] : cases) {
     std::vector<uint8_t> src(size);
     for (auto& b : src) b = static_cast<uint8_t>(rng());
     // Pieces of random sizes (some of 1 byte) that together cover the message, each at a shuffled place of dst
     // with a byte of gap after it, so a piece written past its end or into the wrong place shows.
     std::vector<std::pair<size_t, size_t>> pieces;  // (offset in the message, length)
     for (size_t at = 0; at < size;) {
-      const size_t n = std::min<size_t>(size - at, rng() % 3 == 0 ? 1 : 1 + rng() % 40000);
+      const size_t n = std::min<size_t>(size - at, rng() % 3 == 0 ? 1 : 1 + rng() % max_piece);
       pieces.emplace_back(at, n);
       at += n;
     }

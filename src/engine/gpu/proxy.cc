@@ -69,7 +69,8 @@ uint64_t recordSize(const GpuRemoteRecord& h) {
 GpuProxy::GpuProxy(int rank, int nranks, std::vector<uint8_t> remote, std::unique_ptr<ProxyDevice> device)
     : rank_(rank), nranks_(nranks), remote_(std::move(remote)), dev_(std::move(device)) {
   out_.resize(nranks_);
-  in_.resize(nranks_);
+  in_bad_ = std::make_unique<std::atomic<bool>[]>(nranks_);
+  for (int r = 0; r < nranks_; ++r) in_bad_[r].store(false, std::memory_order_relaxed);
   why_.resize(nranks_);
 }
 
@@ -149,7 +150,7 @@ void GpuProxy::noteFailure(int r, const char* what) {
 
 void GpuProxy::refuse(int q, const char* what) {
   noteFailure(q, what);
-  in_[q].bad = true;
+  in_bad_[q].store(true, std::memory_order_relaxed);
   EP_WARN("GPU proxy: rank %d drops everything further from rank %d: %s", rank_, q, what);
 }
 
@@ -232,7 +233,10 @@ bool GpuProxy::nextPayload(int peer, uint64_t from, uint64_t to, uint64_t* at, u
     if (size == 0) return false;  // (pumpOut took no such record)
     o.scan += size;
     // A record that ends past `to` goes framed (the run ends inside it).
-    if (o.scan <= to && rec >= from && h->type == kRemoteData && h->len >= kMinPlacedBytes) {
+    // (Only a record the key can name: pumpOut checked its size, not its buffer and offset, which the receiver
+    // checks. One it cannot name goes through the inbox, where the receiver refuses it in order.)
+    if (o.scan <= to && rec >= from && h->type == kRemoteData && h->len >= kMinPlacedBytes &&
+        h->buf < kRemoteNumBuffers && (h->off >> kPlaceKeyShift) == 0) {
       h->type = kRemotePlaced;
       *at = rec + sizeof(GpuRemoteRecord);
       *len = h->len;
@@ -255,11 +259,13 @@ void GpuProxy::framed(int peer, uint64_t to) {
 }
 
 // Where a placed payload from `peer` lands: the far copy of its buffer, at its offset (checked, R5).
+// Nothing more once the stream from `peer` is refused (see proxy.h: what is placed ahead of the checks).
 uint8_t* GpuProxy::place(int peer, uint64_t key, uint32_t len) {
-  (void)peer;
   const uint64_t b = key >> kPlaceKeyShift, off = key & ((uint64_t{1} << kPlaceKeyShift) - 1);
-  if (b >= kRemoteNumBuffers || far_host_[b] == nullptr || off > buf_bytes_[b] || len > buf_bytes_[b] - off)
+  if (in_bad_[peer].load(std::memory_order_relaxed) || b >= kRemoteNumBuffers || far_host_[b] == nullptr ||
+      off > buf_bytes_[b] || len > buf_bytes_[b] - off)
     return nullptr;
+  placed_.fetch_add(len, std::memory_order_relaxed);
   return far_host_[b] + off;
 }
 
@@ -267,10 +273,9 @@ uint8_t* GpuProxy::place(int peer, uint64_t key, uint32_t len) {
 // after everything before it), then released from the inbox. Stops once it has parsed *budget bytes (at least one
 // record), and takes what it parsed off *budget.
 bool GpuProxy::storeIn(int q, size_t* budget) {
-  In& in = in_[q];
   RingEnd inbox(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_);
   const size_t avail = inbox.available();
-  if (in.bad) {  // keep the bridge flowing, store nothing
+  if (in_bad_[q].load(std::memory_order_relaxed)) {  // keep the bridge flowing, store nothing
     if (avail > 0) inbox.release(avail);
     return false;
   }
@@ -336,7 +341,8 @@ void GpuProxy::trace() {
             "inbox from %d: %zu available%s; records out %llu in %llu\n", rank_, r,
             static_cast<unsigned long long>(o.pos),
             static_cast<unsigned long long>(__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE)),
-            h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(), in_[r].bad ? ", refused" : "",
+            h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(),
+            in_bad_[r].load(std::memory_order_relaxed) ? ", refused" : "",
             static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_));
   }
 }

@@ -14,9 +14,16 @@
 //        at offsets the receiving proxy checked; their headers (PLACED) still pass through the inbox in order, so
 //        the FLAGs after them keep their meaning
 //
+// Placed payloads are stored as they land, ahead of the in-order checks of the records before them: a record the
+// proxy refuses ends what is placed from that rank after it only from the runs that arrive once it has refused it
+// (place() then says no), so a payload placed in the same run may already be in the far copy. place() checks every
+// piece's bounds, so nothing lands outside a buffer; a rank whose stream is refused is broken, and its kernels'
+// waits end at their deadline. Placed bytes may also still land after the proxy stopped storing (stop(), or a peer
+// the bridge found dead with a receive posted): the connections close before the far copies are freed.
+//
 // Storing is a copy with streaming stores (DATA not placed: common/stream_copy.h, the far copies are never read by
-// this CPU; fenced before the next FLAG) or a release store (FLAG) by this thread, in stream order: the proxy makes no CUDA
-// call while kernels run. One would block behind the application's own, e.g. a kernel's first launch under lazy
+// this CPU; fenced before the next FLAG) or a release store (FLAG) by this thread, in stream order: the proxy makes
+// no CUDA call while kernels run. One would block behind the application's own, e.g. a kernel's first launch under lazy
 // module loading (CUDA_MODULE_LOADING=LAZY, the default), which waits for the running kernels, which may be
 // waiting for this very thread; copy engines also store a batch's copies in any order. The far copies cost pinned
 // host memory as large as the HT and LL buffers, on ranks that have peers on other hosts only.
@@ -90,6 +97,8 @@ class GpuProxy final : private NetBridge::Placement {
   // Why the stream from or to rank r ended, or false while it flows.
   bool failed(int r, std::string* why) const;
   size_t ringBytes() const { return ring_bytes_; }
+  // Payload bytes from ranks of other hosts that the net transport placed into the far copies (EPCOMM_GPU_PROXY_PLACE).
+  uint64_t placedBytes() const { return placed_.load(std::memory_order_relaxed); }
   // Bytes of records forwarded to the net transport so far (epCommGetNetBytes; header and padding included, SKIPs
   // not). Waits first, at most wait_ms, until the proxy has taken every record the kernels reserved: called after
   // the operations' streams completed, the count then includes them.
@@ -106,9 +115,9 @@ class GpuProxy final : private NetBridge::Placement {
     bool broken = false;      // a malformed record (a bug): nothing more is forwarded
     bool dropping = false;    // the rank is dead: records are dropped once the bridge stopped sending to it
   };
-  struct In {
-    bool bad = false;  // a record failed its checks: nothing more is stored from this rank
-  };
+  // Per source rank: a record failed its checks, nothing more is stored from it (set by the thread that stores
+  // the inboxes, read by place() on the thread that receives).
+  std::unique_ptr<std::atomic<bool>[]> in_bad_;
   void loop();
   // NetBridge::Placement: DATA payloads of kMinPlacedBytes or more go straight from the ring into the receiver's far
   // copy (EPCOMM_GPU_PROXY_PLACE).
@@ -131,7 +140,7 @@ class GpuProxy final : private NetBridge::Placement {
   uint8_t* far_host_[kRemoteNumBuffers] = {};  // far copies (pinned, mapped), see farCopy()
   uint8_t* far_dev_[kRemoteNumBuffers] = {};
   std::vector<Out> out_;
-  std::vector<In> in_;
+
   int in_first_ = 0;  // the inbox a turn of the loop stores from first (each turn the next: fair under the budget)
   bool drives_bridge_ = false;  // this proxy's thread makes the bridge's net calls (no bridge thread)
   uint64_t* consumed_ = nullptr;  // [R] host-mapped: what the proxy took from each ring
@@ -143,6 +152,7 @@ class GpuProxy final : private NetBridge::Placement {
   // What moved (EPCOMM_GPU_PROXY_TRACE prints it while the proxy runs).
   uint64_t recs_out_ = 0, recs_in_ = 0;
   std::atomic<uint64_t> forwarded_{0};  // record bytes pushed into the bridge's outboxes
+  std::atomic<uint64_t> placed_{0};     // see placedBytes()
   void trace();
   std::thread thread_;
   std::atomic<bool> stop_{false};

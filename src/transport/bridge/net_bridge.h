@@ -15,9 +15,6 @@
 //                                 --DATA_PLACED frame (the pieces of the payload the owner places), then the payload,
 //                                   scattered as it lands: those pieces where the owner says (the GPU proxy's far
 //                                   copies), the rest into the inbox; the inbox tail steps over the placed pieces
-//                                 --DATA_PLACED frame (the bytes before a placed payload, inline), then the payload
-//                                   as a message of its own, received where the owner's Placement hook says (the
-//                                   GPU proxy's far copies); the inbox tail steps over it (usePlacement)
 //   outbox head  <--CREDIT frames (p's consumed bytes)----------------------- engine pulls / releases
 //   outbox read_done <--READDONE frames (p's RingEnd::setReadDone)----------- engine
 //   own region header rs_* --CTRL frames--> mirror header of this rank in p (what peerHeader(this) returns)

@@ -28,10 +28,10 @@
 
 namespace epcomm::net {
 
-constexpr int kNetHandleSize = 128;  // == NCCL_NET_HANDLE_MAXSIZE
-constexpr int kNetMaxRecvs = 8;      // largest grouped receive
-constexpr int kNetMaxScatter = 1024;  // most pieces of a scattered receive (irecvScatter)
-constexpr int kNetMaxRequests = 32;  // == NCCL_NET_MAX_REQUESTS (we accept more, see kNetRequestPool)
+constexpr int kNetHandleSize = 128;   // == NCCL_NET_HANDLE_MAXSIZE
+constexpr int kNetMaxRecvs = 8;       // largest grouped receive
+constexpr int kNetMaxScatter = 1024;  // most pieces of a scattered receive (irecvScatter; IOV_MAX on Linux)
+constexpr int kNetMaxRequests = 32;   // == NCCL_NET_MAX_REQUESTS (we accept more, see kNetRequestPool)
 constexpr int kNetRequestPool = kNetMaxRequests * kNetMaxRecvs * 2;
 constexpr int kNetMaxDevs = 4;
 

@@ -154,6 +154,7 @@ struct SockRequest {
 };
 
 // Message bytes [at, at + n) of a scattered receive as at most `max` pieces of its segments; returns how many.
+// A recvmsg takes at most kIov pieces (on the stack); a chunk with more is read in several, as partial reads are.
 constexpr int kIov = 64;
 int scatterIov(const SockRequest* r, size_t at, size_t n, iovec* iov, int max) {
   size_t k = static_cast<size_t>(std::upper_bound(r->seg_at.begin(), r->seg_at.end(), at) - r->seg_at.begin()) - 1;
@@ -930,6 +931,8 @@ class SocketBackend final : public NetBackend {
     SockRequest* r = getRequest(c);
     if (r == nullptr) return epSuccess;
     size_t total = 0;
+    r->segs.reserve(niov);
+    r->seg_at.reserve(niov);
     for (int k = 0; k < niov; ++k) {
       r->seg_at.push_back(total);
       r->segs.push_back(iov[k]);
