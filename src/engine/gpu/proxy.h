@@ -140,7 +140,6 @@ class GpuProxy final : private NetBridge::Placement {
   uint8_t* far_host_[kRemoteNumBuffers] = {};  // far copies (pinned, mapped), see farCopy()
   uint8_t* far_dev_[kRemoteNumBuffers] = {};
   std::vector<Out> out_;
-
   int in_first_ = 0;  // the inbox a turn of the loop stores from first (each turn the next: fair under the budget)
   bool drives_bridge_ = false;  // this proxy's thread makes the bridge's net calls (no bridge thread)
   uint64_t* consumed_ = nullptr;  // [R] host-mapped: what the proxy took from each ring

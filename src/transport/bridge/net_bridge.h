@@ -121,8 +121,8 @@ class NetBridge {
     // not, so that the owner never has to look at outbox bytes that may have been sent and written over since).
     virtual void framed(int peer, uint64_t to) = 0;
     // Receiver: where `len` bytes with `key` from `peer` go, or nullptr: refused, and they land in the inbox like
-    // any stream bytes, for the owner's checks to refuse in stream order (R5: everything before them is stored,
-    // nothing after them).
+    // any stream bytes, for the owner's checks to refuse in stream order (R5). Called as the frame comes in, before
+    // the owner has checked the stream bytes ahead of it.
     virtual uint8_t* place(int peer, uint64_t key, uint32_t len) = 0;
   };
   void usePlacement(Placement* hook);
