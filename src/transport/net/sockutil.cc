@@ -277,8 +277,16 @@ ssize_t sendSome(int fd, const void* p, size_t n, std::string* err) {
 
 ssize_t recvSome(int fd, void* p, size_t n, std::string* err) {
   if (n == 0) return 0;
+  iovec v{p, n};
+  return recvSomeV(fd, &v, 1, err);
+}
+
+ssize_t recvSomeV(int fd, iovec* iov, int niov, std::string* err) {
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = static_cast<size_t>(niov);
   for (;;) {
-    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    ssize_t r = ::recvmsg(fd, &mh, MSG_DONTWAIT);
     if (r > 0) return r;
     if (r == 0) {
       *err = "connection closed by peer";

@@ -3,6 +3,7 @@
 #pragma once
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <atomic>
@@ -91,6 +92,8 @@ struct TcpConnector {
 // reset, ...). For recv, a peer that closed yields -1 with err = "closed".
 ssize_t sendSome(int fd, const void* p, size_t n, std::string* err);
 ssize_t recvSome(int fd, void* p, size_t n, std::string* err);
+// recvSome into `niov` pieces in order (one recvmsg).
+ssize_t recvSomeV(int fd, iovec* iov, int niov, std::string* err);
 
 uint64_t randomU64();  // from getrandom(); secrets and connection ids
 

@@ -168,25 +168,11 @@ int scatterIov(const SockRequest* r, size_t at, size_t n, iovec* iov, int max) {
   return m;
 }
 
-// recvSome into message bytes [at, at + n) of a scattered receive (one recvmsg).
+// recvSome into message bytes [at, at + n) of a scattered receive.
 ssize_t recvScatter(int fd, const SockRequest* r, size_t at, size_t n, std::string* err) {
   if (n == 0) return 0;
   iovec iov[kIov];
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = static_cast<size_t>(scatterIov(r, at, n, iov, kIov));
-  for (;;) {
-    ssize_t k = ::recvmsg(fd, &mh, MSG_DONTWAIT);
-    if (k > 0) return k;
-    if (k == 0) {
-      *err = "connection closed by peer";
-      return -1;
-    }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-    *err = strerror(errno);
-    return -1;
-  }
+  return recvSomeV(fd, iov, scatterIov(r, at, n, iov, kIov), err);
 }
 
 struct Chunk {
