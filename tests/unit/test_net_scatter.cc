@@ -106,6 +106,33 @@ TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
   }
 }
 
+// A message shorter than the pieces together (as NCCL allows a receive larger than the send) fills them in order up to
+// its end, leaves the rest untouched and reports its own size; inline and chunked alike.
+TEST(NetSocketScatter, ShorterMessageFillsThePiecesUpToItsEnd) {
+  Pair p;
+  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  std::mt19937 rng(20261207);
+  for (const size_t size : {size_t{100}, size_t{65536}, size_t{(1u << 20) + 3}}) {
+    std::vector<uint8_t> src(size);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    const size_t piece = size / 3 + 1, npieces = 5;  // 5/3 of the message
+    std::vector<uint8_t> dst(piece * npieces, 0xAB);
+    std::vector<iovec> iov(npieces);
+    for (size_t i = 0; i < npieces; ++i) iov[i] = iovec{dst.data() + i * piece, piece};
+    void *mh_s = nullptr, *sreq = nullptr, *rreq = nullptr;
+    ASSERT_EQ(p.net->regMr(p.send, src.data(), size, epcomm::net::kNetPtrHost, &mh_s), epSuccess);
+    ASSERT_EQ(p.net->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), &rreq), epSuccess);
+    ASSERT_EQ(p.net->isend(p.send, src.data(), size, 0, mh_s, &sreq), epSuccess);
+    size_t got = 0;
+    ASSERT_TRUE(complete(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
+    EXPECT_EQ(got, size);
+    EXPECT_EQ(memcmp(dst.data(), src.data(), size), 0) << "size " << size;
+    EXPECT_EQ(std::count(dst.begin() + size, dst.end(), 0xAB), static_cast<long>(dst.size() - size))
+        << "size " << size << ": bytes past the message were written";
+    p.net->deregMr(p.send, mh_s);
+  }
+}
+
 TEST(NetSocketScatter, TooManyPiecesIsAnError) {
   Pair p;
   ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
