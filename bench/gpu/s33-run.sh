@@ -10,7 +10,7 @@
 # verify: call 1's filtered test_gpu_ll with placement ran out of its 100 s inside LateBlocksManyOperations (10000
 #         operations of 256-byte rows, which place nothing): test_gpu_ll R = 4 across 2 virtual hosts whole with
 #         EPCOMM_GPU_PROXY_PLACE=4096 (default rings), then LateBlocksManyOperations alone with 0 (how long it takes
-#         without placement), then xplace at -n 8 once (XR=0)
+#         without placement), then (VX=1, the default) the engine at -n 8 with 4096 and with 0
 cd "$(dirname "$0")/../.."
 part=${1:-suite}; D=.gpupack/new
 source bench/gpu/common.sh
@@ -29,7 +29,7 @@ case $part in
           $D/test_gpu_ll --gtest_filter="$2" > $OUT/ll-place$1.log 2>&1
         echo "### test_gpu_ll R=4 hosts=2 PLACE=$1 filter '$2' rc $?"
         grep -E "^\[ +(OK|FAILED) |^\[  PASSED" $OUT/ll-place$1.log | sed 's/Ranks\/GpuLl\.//' | tail -16; el; done
-      for v in 4096 0; do xhost $D 8 EPCOMM_GPU_PROXY_PLACE=$v; done; el ) ;;
+      [ "${VX:-1}" = 1 ] && { for v in 4096 0; do xhost $D 8 EPCOMM_GPU_PROXY_PLACE=$v; done; el; } ) ;;
   xplace)
     ( mps_start
       for n in 4 8; do for i in $(seq $([ $n = 4 ] && echo ${XR:-2} || echo ${N8:-1})); do
