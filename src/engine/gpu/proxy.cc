@@ -33,11 +33,11 @@ EP_PARAM(GpuProxyNetThread, "GPU_PROXY_NET_THREAD", -1);
 // N > 0: in every run of N bytes or more that holds DATA payloads of kMinPlacedBytes or more, the bridge sends the run
 // as one message that the receiver's net transport scatters as it lands, those payloads straight into the far copy
 // (NetBridge placement; the socket backend), instead of into the inbox for a copy by the receiver's proxy; 0: every
-// record through the inbox. Only what this rank sends: it takes placed payloads either way. Off until a GPU run
-// measures it: the copy it removes is what the proxy pays most for on the 16-core H100 host (bench/results/
-// h100-s32.log, call 2); on the 2-core VM N = 4096 took proxy_bench at 2 ranks from 2.30 to 3.26 GB/s and changed
-// nothing where both cores were saturated (cpu-proxy-place-s32.log).
-EP_PARAM(GpuProxyPlace, "GPU_PROXY_PLACE", 0);
+// record through the inbox. Only what this rank sends: it takes placed payloads either way. On by default from 4 KiB
+// runs since the first GPU runs (H100, 2 virtual hosts, -n 4, bench/results/h100-s33.log): proxy_bench at 4 ranks
+// 15.2 -> 19.7 GB/s (2 ranks: no change), the engine's HT dispatch 14.1 -> 16.9 and LL dispatch / combine 7.7 / 10.0
+// -> 9.0 / 11.6 GB/s, one round each; the cross-host GPU suites passed with it (HT 8, LL 14 tests at R = 4).
+EP_PARAM(GpuProxyPlace, "GPU_PROXY_PLACE", 4096);
 
 namespace {
 

@@ -8,7 +8,7 @@
 //        side and the ring and r's inbox are two stages of the pipeline
 //   in:  NetBridge inbox from q (host memory, the bridge receives into it) --records in order--> the far copy of
 //        the record's buffer (pinned host memory, mapped: the kernels read there every word a rank of another
-//        host writes). With EPCOMM_GPU_PROXY_PLACE (off by default), DATA payloads of 2 KiB or more skip the
+//        host writes). With EPCOMM_GPU_PROXY_PLACE (4096 by default), DATA payloads of 2 KiB or more skip the
 //        inbox: the sending proxy names them to its bridge (NetBridge::Placement), which sends their run as one
 //        message that the receiving net transport scatters as it lands, those payloads straight into the far copy
 //        at offsets the receiving proxy checked; their headers (PLACED) still pass through the inbox in order, so
