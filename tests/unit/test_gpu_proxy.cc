@@ -175,7 +175,9 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
         for (int w = 0; w < threads; ++w)
           ws.emplace_back([&, w] {
             std::vector<uint8_t> buf;
-            for (size_t i = w; i < pieces.size(); i += threads) {
+            // (stop at the first failure: each record waits up to 20 s for room, and a rank that keeps waiting is
+            // killed at the harness's deadline instead of saying why)
+            for (size_t i = w; i < pieces.size() && !failed; i += threads) {
               buf.resize(pieces[i].second);
               for (size_t j = 0; j < buf.size(); ++j) buf[j] = pattern(rank, q, k, pieces[i].first + j);
               if (!me.to[q].data(epcomm::kRemoteHtBuffer, rank * slice + pieces[i].first, buf.data(),

@@ -133,6 +133,7 @@ struct OfiDev {
   uint32_t nextCommId = 1;
   std::vector<bool> commIdUsed = std::vector<bool>(kMaxCommId + 1, false);
   OfiRequest* sinkWaiting = nullptr;  // closeRecv's stray sink being waited for; complete() clears it
+  bool warnedCq = false;  // pollCq has said once that the CQ reported what no request can be told
 };
 
 struct OfiComm {
@@ -821,11 +822,28 @@ class OfiBackend final : public NetBackend {
       }
       if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
-        if (fi_cq_readerr(d->cq, &err, 0) > 0) complete(d, static_cast<SubOp*>(err.op_context), 0, err.err ? err.err : FI_EOTHER);
+        const ssize_t got = fi_cq_readerr(d->cq, &err, 0);
+        if (got <= 0) {  // (the entry fi_cq_read announced is not there: stop, rather than spin holding d->mu)
+          cqWarnOnce(d, "fi_cq_readerr found no error entry after fi_cq_read's -FI_EAVAIL", got);
+          break;
+        }
+        if (err.op_context == nullptr) {  // an error of no request (e.g. of a connection): none will see it
+          char buf[160];
+          cqWarnOnce(d, fi_cq_strerror(d->cq, err.prov_errno, err.err_data, buf, sizeof(buf)), -err.err);
+        }
+        complete(d, static_cast<SubOp*>(err.op_context), 0, err.err ? err.err : FI_EOTHER);
         continue;
       }
+      if (n != -FI_EAGAIN) cqWarnOnce(d, "fi_cq_read failed", n);
       break;  // -FI_EAGAIN or a CQ failure (reported through the requests that never complete + liveness)
     }
+  }
+  // The first CQ event no request can be told of (later ones stay quiet): a request it stalls then has a cause in
+  // the log.
+  static void cqWarnOnce(OfiDev* d, const char* what, ssize_t rc) {
+    if (d->warnedCq) return;
+    d->warnedCq = true;
+    NET_WARN("NET/epcomm: ofi completion queue: %s (%zd: %s)", what, rc, fiErr(static_cast<int>(rc)));
   }
 
   void complete(OfiDev* d, SubOp* op, size_t len, int err) {
