@@ -800,6 +800,8 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
   if (!p.send_failed && !p.bye) {  // a peer that said goodbye needs nothing more (but its acknowledgement)
     for (int c = 0; c < nchan_; ++c) {
       const uint64_t tail = p.out_ctl[c].tail.load(std::memory_order_acquire);
+      // Placement (channel 0 only, over a backend that scatters): the owner's shortest run worth placing, 0 for none.
+      const size_t min_run = placement_ && c == 0 && backend_->scatters() ? placement_->minRunBytes() : 0;
       while (p.sent[c] < tail) {
         // A DATA_NEXT payload is contiguous in the ring (and lands at the same place in the peer's).
         const size_t contiguous = ring_bytes_ - p.sent[c] % ring_bytes_;
@@ -809,7 +811,6 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         // A run of at least the owner's minRunBytes() that holds pieces it places goes as one message too
         // (DATA_PLACED: the receiver's backend scatters it as it lands), up to max_payload_.
         std::vector<uint8_t> segs;
-        const size_t min_run = placement_ && c == 0 && backend_->scatters() ? placement_->minRunBytes() : 0;
         if (min_run > 0 && max_payload_ > 0 && ready >= min_run) {
           const size_t pn = std::min(ready, max_payload_);
           uint64_t from = p.sent[c], at = 0, key = 0;
