@@ -662,6 +662,15 @@ bool constantTimeEq(uint64_t a, uint64_t b) {
   return d == 0;
 }
 
+// A receive request, filled, in line for the control socket's next message (irecv, irecvScatter).
+epResult_t postReceive(SockComm* c, SockRequest* r, void** request) {
+  c->ctrlQ.push_back(r);
+  recvCtrlProgress(c);
+  *request = r;
+  (void)assist(c);  // a failure is recorded in c: the request's test() reports it
+  return epSuccess;
+}
+
 class SocketBackend final : public NetBackend {
  public:
   const char* name() const override { return "socket"; }
@@ -900,11 +909,7 @@ class SocketBackend final : public NetBackend {
       r->tags[i] = tags[i];
       r->matched[i] = false;
     }
-    c->ctrlQ.push_back(r);
-    recvCtrlProgress(c);
-    *request = r;
-    (void)assist(c);  // a failure is recorded in c: the request's test() reports it
-    return epSuccess;
+    return postReceive(c, r, request);
   }
 
   bool scatters() const override { return true; }
@@ -930,11 +935,7 @@ class SocketBackend final : public NetBackend {
     r->got[0] = 0;
     r->tags[0] = 0;
     r->matched[0] = false;
-    c->ctrlQ.push_back(r);
-    recvCtrlProgress(c);
-    *request = r;
-    (void)assist(c);
-    return epSuccess;
+    return postReceive(c, r, request);
   }
 
   epResult_t test(void* request, int* done, size_t* sizes) override {
