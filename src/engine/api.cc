@@ -3,6 +3,8 @@
 // failure copies the message into the communicator (epGetLastError), whatever the failure was.
 #include <unistd.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -23,6 +25,9 @@
 using namespace epcomm;
 
 EP_PARAM(TimeoutMs, "TIMEOUT_MS", 30000);
+// 0: the larger of the communicator's timeout and 60 s (connecting the ranks of many hosts is not a wait that
+// sees progress at every step, and a short EPCOMM_TIMEOUT_MS is chosen to notice deaths, not to bound set-up).
+EP_PARAM(SetupTimeoutMs, "SETUP_TIMEOUT_MS", 0);
 
 void epComm::recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase) {
   int expected = epSuccess;
@@ -187,6 +192,10 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   EP_REQUIRE(cfg->timeout_ms >= 0, epInvalidArgument, "config.timeout_ms = %d is negative", cfg->timeout_ms);
   out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
   EP_REQUIRE(out->timeout_ms > 0, epInvalidArgument, "EPCOMM_TIMEOUT_MS = %d must be positive", out->timeout_ms);
+  const int64_t setup = epParamSetupTimeoutMs();
+  EP_REQUIRE(setup >= 0 && setup <= INT_MAX, epInvalidArgument, "EPCOMM_SETUP_TIMEOUT_MS = %lld is outside [0, %d]",
+             static_cast<long long>(setup), INT_MAX);
+  out->setup_timeout_ms = setup > 0 ? static_cast<int>(setup) : std::max(out->timeout_ms, 60000);
   EP_REQUIRE(cfg->num_channels >= 0, epInvalidArgument, "config.num_channels = %d is negative", cfg->num_channels);
   // 0 stays 0: the host engine then takes EPCOMM_HOST_CHANNELS or the cores per rank of its machine (epcomm.h).
   out->num_channels = cfg->num_channels;
@@ -234,12 +243,12 @@ epResult_t initComm(epComm_t* out, int nranks, int rank, const epConfig_t* confi
   comm->serial = next_serial.fetch_add(1);
   comm->active.assign(nranks, 1);
   logSetRank(rank);
-  EPCHECK(boot(cfg.timeout_ms, &comm->bootstrap));
+  EPCHECK(boot(cfg.setup_timeout_ms, &comm->bootstrap));
   comm->engine = makeEngine(comm.get());
   EPCHECK(comm->engine->init());
   comm->bootstrap->creationDone();
-  EP_INFO(kSubsysInit, "communicator ready: rank %d of %d, host engine, timeout %d ms", rank, nranks,
-          cfg.timeout_ms);
+  EP_INFO(kSubsysInit, "communicator ready: rank %d of %d, timeout %d ms, set-up deadline %d ms", rank, nranks,
+          cfg.timeout_ms, cfg.setup_timeout_ms);
   live().add(comm.get(), Live::kComm);
   *out = comm.release();
   return epSuccess;

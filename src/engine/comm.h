@@ -18,6 +18,9 @@ class Engine;
 struct CommConfig {
   epEngine_t engine = EP_ENGINE_HOST;
   int timeout_ms = 30000;
+  // Deadline of the waits inside epCommInitRank (exchanges, barriers, net connections across hosts): wiring up many
+  // ranks may take longer than a wait without progress is allowed to (EPCOMM_SETUP_TIMEOUT_MS).
+  int setup_timeout_ms = 60000;
   int num_channels = 0;  // host engine threads per rank; 0 = EPCOMM_HOST_CHANNELS or cores / ranks of the machine
   size_t queue_bytes = 0;
   int ll_max_tokens_per_rank = 0;

@@ -112,7 +112,7 @@ epResult_t GpuEngine::init() {
   cudaDeviceGetPCIBusId(ids[comm_->rank].bus, sizeof(ids[0].bus), device_);
   hostIdentity(ids[comm_->rank].host, sizeof(ids[0].host));
   machineIdentity(ids[comm_->rank].machine, sizeof(ids[0].machine));
-  EPCHECK(comm_->bootstrap->allgather(ids.data(), sizeof(DevId), c.timeout_ms));
+  EPCHECK(comm_->bootstrap->allgather(ids.data(), sizeof(DevId), c.setup_timeout_ms));
   // Ranks of other hosts are never mapped: the proxy carries what is meant for them. Every rank sees the same
   // identities, so every rank takes the same decisions below.
   remote_.assign(R, 0);
@@ -159,7 +159,7 @@ epResult_t GpuEngine::init() {
   };
   std::vector<Shape> shapes(R);
   shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0, ht_pull_dispatch_ ? 1 : 0};
-  EPCHECK(comm_->bootstrap->allgather(shapes.data(), sizeof(Shape), c.timeout_ms));
+  EPCHECK(comm_->bootstrap->allgather(shapes.data(), sizeof(Shape), c.setup_timeout_ms));
   for (int r = 0; r < R; ++r) {
     const Shape& a = shapes[r];
     const Shape& b = shapes[comm_->rank];
@@ -173,7 +173,7 @@ epResult_t GpuEngine::init() {
                r, a.channels, b.channels, a.queue_rows, b.queue_rows, a.pull, b.pull, a.pull_dispatch,
                b.pull_dispatch, static_cast<unsigned long long>(a.total), static_cast<unsigned long long>(b.total));
   }
-  EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.timeout_ms, remote_));
+  EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.setup_timeout_ms, remote_));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaHostAlloc of the error record: %s", cudaGetErrorString(e));
   memset(err_host_, 0, sizeof(GpuErrorRecord));
@@ -193,9 +193,9 @@ epResult_t GpuEngine::init() {
   if (remote_mask_ != 0) {
     const size_t bytes[kRemoteNumBuffers] = {bufs_.local() ? lay_.total : 0, ll_bufs_.local() ? ll_lay_.total : 0};
     proxy_ = std::make_unique<GpuProxy>(comm_->rank, R, remote_, cudaProxyDevice(device_));
-    EPCHECK(proxy_->start(comm_->bootstrap.get(), bytes, c.timeout_ms));
+    EPCHECK(proxy_->start(comm_->bootstrap.get(), bytes, c.setup_timeout_ms));
     // Every rank's proxy is up before any kernel writes records for it.
-    EPCHECK(comm_->bootstrap->barrier(c.timeout_ms));
+    EPCHECK(comm_->bootstrap->barrier(c.setup_timeout_ms));
   }
   EP_INFO(kSubsysInit, "GPU engine ready: device %d, %d ranks, %zu-byte buffer, %d channels of %d-row queues",
           device_, R, lay_.total, lay_.channels, lay_.queue_rows);

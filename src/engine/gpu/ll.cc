@@ -60,7 +60,7 @@ epResult_t GpuEngine::initLl() {
   if (c.ll_zero_copy_dispatch && !zd)
     EP_INFO(kSubsysInit, "config.ll_zero_copy_dispatch ignored: ranks on other hosts cannot write this rank's regions");
   ll_lay_ = llLayout(R, c.ll_max_tokens_per_rank, experts, c.ll_max_hidden, zd);
-  EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.timeout_ms, remote_));
+  EPCHECK(ll_bufs_.init(comm_->bootstrap.get(), ll_lay_.total, c.setup_timeout_ms, remote_));
   const int64_t want = epParamGpuLlBlocks();
   ll_blocks_ = want > 0 ? static_cast<int>(std::min<int64_t>(want, 1 << 16)) : ll_default_blocks_;
   ll_pdl_ = gpu_sharing_ == 1 && epParamGpuLlPdl() != 0;

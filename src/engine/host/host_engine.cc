@@ -229,7 +229,7 @@ epResult_t HostEngine::init() {
   cma_probe_ = 0x65704d4100000000ull | static_cast<uint64_t>(rank_);
   me.probe_addr = reinterpret_cast<uint64_t>(&cma_probe_);
   all[rank_] = me;
-  EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.timeout_ms));
+  EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.setup_timeout_ms));
   remote_.assign(nranks_, 0);
   std::vector<int> first_of(nranks_);  // the lowest rank of each rank's host
   for (int r = 0; r < nranks_; ++r) {
@@ -290,12 +290,12 @@ epResult_t HostEngine::init() {
   }
   std::vector<int32_t> cans(nranks_);
   cans[rank_] = can;
-  EPCHECK(bs->allgather(cans.data(), sizeof(int32_t), comm_->config.timeout_ms));
+  EPCHECK(bs->allgather(cans.data(), sizeof(int32_t), comm_->config.setup_timeout_ms));
   cma_ = true;
   for (int32_t c : cans) cma_ = cma_ && c != 0;
 
   EPCHECK(own_.create(shmRegionName(bs->secret(), rank_), rank_, nranks_, C, ring_bytes_));
-  epResult_t res = bs->barrier(comm_->config.timeout_ms);
+  epResult_t res = bs->barrier(comm_->config.setup_timeout_ms);
   peers_.resize(nranks_);
   for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
     if (r == rank_ || remote_[r]) continue;  // never shared memory across hosts
@@ -303,7 +303,7 @@ epResult_t HostEngine::init() {
     res = peers_[r]->open(shmRegionName(bs->secret(), r), r, nranks_, C, ring_bytes_);
   }
   // Every rank has mapped every region (or failed): remove the names so nothing outlives the processes.
-  epResult_t res2 = bs->barrier(comm_->config.timeout_ms);
+  epResult_t res2 = bs->barrier(comm_->config.setup_timeout_ms);
   own_.unlink();
   EPCHECK(res);
   EPCHECK(res2);
@@ -314,8 +314,8 @@ epResult_t HostEngine::init() {
     // session, bench/results/cpu-proxy-s18.log), and 512 KiB frames through the socket backend's helper threads
     // were slower at every shape on the 16-core H200 host (bench/results/h200-s9-host-xhost.log).
     bridge_ = std::make_unique<NetBridge>(rank_, nranks_, C, ring_bytes_, 0, remote_, &own_);
-    EPCHECK(bridge_->connect(bs, comm_->config.timeout_ms));
-    EPCHECK(bs->barrier(comm_->config.timeout_ms));
+    EPCHECK(bridge_->connect(bs, comm_->config.setup_timeout_ms));
+    EPCHECK(bs->barrier(comm_->config.setup_timeout_ms));
   }
 
   out_.assign(C, std::vector<RingEnd>(nranks_));
