@@ -161,6 +161,8 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
         if (q == rank) continue;
         // The peer has read round k - 1 (its acknowledgement, at word R + rank of this rank's LL buffer).
         if (!waitWord(me.llFar(), 8 * (R + q), k - 1, 20000)) {
+          fprintf(stderr, "rank %d: rank %d never acknowledged round %d; %s\n", rank, q, k - 1,
+                  me.proxy->describe(q).c_str());
           failed = 1;
           return;
         }
@@ -197,7 +199,7 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
       if (s == rank) continue;
       if (!waitWord(me.llFar(), 8 * s, k, 20000)) {
         bad = 1;
-        fprintf(stderr, "rank %d: round %d from rank %d never came\n", rank, k, s);
+        fprintf(stderr, "rank %d: round %d from rank %d never came; %s\n", rank, k, s, me.proxy->describe(s).c_str());
         break;
       }
       std::mt19937 rng(k * 1000 + s * 10 + rank);

@@ -154,6 +154,17 @@ void GpuProxy::refuse(int q, const char* what) {
   EP_WARN("GPU proxy: rank %d drops everything further from rank %d: %s", rank_, q, what);
 }
 
+std::string GpuProxy::describe(int r) {
+  if (r < 0 || r >= nranks_ || !remote_[r] || !bridge_) return "not a rank of another host";
+  const RingCtl* in = inbox_.ringCtl(r, 0);
+  char b[200];
+  snprintf(b, sizeof(b), "proxy: ring toward it taken %llu freed %llu, inbox from it stored %llu of %llu; bridge: ",
+           static_cast<unsigned long long>(__atomic_load_n(&out_[r].pos, __ATOMIC_ACQUIRE)),
+           static_cast<unsigned long long>(__atomic_load_n(&consumed_[r], __ATOMIC_ACQUIRE)),
+           static_cast<unsigned long long>(in->head.load()), static_cast<unsigned long long>(in->tail.load()));
+  return b + bridge_->describe(r);
+}
+
 bool GpuProxy::failed(int r, std::string* why) const {
   std::string w;
   if (bridge_ && bridge_->dead(r, &w)) {

@@ -96,6 +96,9 @@ class GpuProxy final : private NetBridge::Placement {
   void stop(bool flush, const uint8_t* live, int timeout_ms);
   // Why the stream from or to rank r ended, or false while it flows.
   bool failed(int r, std::string* why) const;
+  // The state of the stream with remote rank r (this proxy's and the bridge's), one line: for a caller whose wait
+  // failed.
+  std::string describe(int r);
   size_t ringBytes() const { return ring_bytes_; }
   // Payload bytes from ranks of other hosts that the net transport placed into the far copies (EPCOMM_GPU_PROXY_PLACE).
   uint64_t placedBytes() const { return placed_.load(std::memory_order_relaxed); }

@@ -13,6 +13,7 @@
 #include "common/thread_name.h"
 #include "common/time.h"
 #include "transport/net/net.h"
+#include "transport/net/sockutil.h"
 
 namespace epcomm {
 
@@ -93,6 +94,7 @@ struct NetBridge::Peer {
     void* req;
     int slot, ch;
     uint64_t end;
+    int64_t t_ns;  // when it was posted (watch)
   };
   std::deque<Sent> inflight;
   std::unique_ptr<std::atomic<uint64_t>[]> out_read;  // [ch] outbox bytes whose sends completed (see outRead)
@@ -112,6 +114,7 @@ struct NetBridge::Peer {
     uint32_t len;  // payload: bytes announced
     bool done;
     size_t got;
+    int64_t t_ns;  // when it was posted (watch)
   };
   std::deque<Rx> rx;
   int frames_posted = 0;  // frame receives not yet complete
@@ -137,6 +140,7 @@ struct NetBridge::Peer {
   void unlock() { busy.store(false, std::memory_order_release); }
   mutable std::mutex why_m;
   std::string why;
+  bool stuck_said = false;  // watch() reported a late request, and some request has stayed late since
 };
 
 NetBridge::NetBridge(int rank, int nranks, int nchannels, size_t ring_bytes, size_t max_payload,
@@ -234,6 +238,7 @@ void NetBridge::markDead(Peer& p, const char* what) {
 
 epResult_t NetBridge::connect(Bootstrap* bs, int timeout_ms, Progress progress) {
   memcpy(secret_, bs->secret(), kSecretBytes);
+  stuck_ns_ = net::netTimeoutMs() * 500000LL;  // half of EPCOMM_TIMEOUT_MS (watch)
   int nremote = 0;
   for (int r = 0; r < nranks_; ++r) nremote += remote_[r] ? 1 : 0;
   std::string why;
@@ -537,7 +542,7 @@ bool NetBridge::pumpSends(Peer& p) {
       return false;
     }
     if (!req) return false;
-    p.inflight.push_back(Peer::Sent{req, slot, ch, end});
+    p.inflight.push_back(Peer::Sent{req, slot, ch, end, nowNs()});
     moved = true;
     return true;
   };
@@ -640,7 +645,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
         return moved;
       }
       if (req) {
-        p.rx.push_back(Peer::Rx{req, -1, p.payload_ch, p.payload_len, false, 0});
+        p.rx.push_back(Peer::Rx{req, -1, p.payload_ch, p.payload_len, false, 0, nowNs()});
         p.payload_due = false;
         step = true;
       }
@@ -657,7 +662,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
       }
       if (!req) break;
       p.free_recv.pop_back();
-      p.rx.push_back(Peer::Rx{req, slot, 0, 0, false, 0});
+      p.rx.push_back(Peer::Rx{req, slot, 0, 0, false, 0, nowNs()});
       ++p.frames_posted;
       step = true;
     }
@@ -878,7 +883,77 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
   }
   moved = pumpSends(p) || moved;
   moved = pumpRecvs(p) || moved;
+  if (!moved) watch(p);
   return moved;
+}
+
+// The backend's stall deadline fires only on a peer that shows no sign of life; a request that never completes while
+// the peer's heartbeats still come (a lost completion, a provider that stopped making progress) would leave only the
+// engine's deadline, with no cause. A send, or a payload receive (its frame is in, so its bytes are on their way),
+// still pending after half of EPCOMM_TIMEOUT_MS is reported, with the peer's state: once until no request is late.
+void NetBridge::watch(Peer& p) {
+  if (p.dead.load(std::memory_order_relaxed) || p.send_failed || p.recv_failed) return;
+  const int64_t now = nowNs();
+  const char* what = nullptr;
+  int64_t t = 0;
+  if (!p.inflight.empty() && now - p.inflight.front().t_ns > stuck_ns_) {
+    what = "a send to";
+    t = p.inflight.front().t_ns;
+  } else {
+    for (const Peer::Rx& e : p.rx)
+      if (e.slot < 0 && !e.done && now - e.t_ns > stuck_ns_) {
+        what = "a payload receive from";
+        t = e.t_ns;
+        break;
+      }
+  }
+  if (!what) {
+    p.stuck_said = false;  // nothing is late (any more): the next stall is reported again
+    return;
+  }
+  if (p.stuck_said) return;
+  p.stuck_said = true;
+  EP_WARN("rank %d: %s rank %d over net/%s has not completed in %.1f s, and the peer is alive: %s", rank_, what,
+          p.rank, backend_->name(), (now - t) / 1e9, describeLocked(p).c_str());
+}
+
+// The caller makes p's net calls (or holds its lock).
+std::string NetBridge::describeLocked(const Peer& p) const {
+  const int64_t now = nowNs();
+  std::string s;
+  char b[256];
+  for (int c = 0; c < nchan_; ++c) {
+    const RingCtl* in = own_->ringCtl(p.rank, c);
+    snprintf(b, sizeof(b), "ch %d out tail %llu head %llu framed %llu read %llu; in tail %llu head %llu expect %llu "
+             "credited %llu; ", c, static_cast<unsigned long long>(p.out_ctl[c].tail.load()),
+             static_cast<unsigned long long>(p.out_ctl[c].head.load()), static_cast<unsigned long long>(p.sent[c]),
+             static_cast<unsigned long long>(p.out_read[c].load()), static_cast<unsigned long long>(in->tail.load()),
+             static_cast<unsigned long long>(in->head.load()), static_cast<unsigned long long>(p.rx_expect[c]),
+             static_cast<unsigned long long>(p.credited[c]));
+    s += b;
+  }
+  const double send_age = p.inflight.empty() ? 0 : (now - p.inflight.front().t_ns) / 1e6;
+  const double recv_age = p.rx.empty() ? 0 : (now - p.rx.front().t_ns) / 1e6;
+  snprintf(b, sizeof(b), "frames queued %zu%s, sends in flight %zu (oldest %.0f ms), receives posted %zu (oldest "
+           "%.0f ms, %s), payload due %d; failed send %d recv %d, goodbye in %d", p.q.size(),
+           !p.q.empty() && p.q.front().hdr_posted ? " (a payload next)" : "", p.inflight.size(), send_age, p.rx.size(),
+           recv_age, p.rx.empty() ? "-" : p.rx.front().slot < 0 ? "a payload" : "a frame", p.payload_due ? 1 : 0,
+           p.send_failed ? 1 : 0, p.recv_failed ? 1 : 0, p.bye_in ? 1 : 0);
+  s += b;
+  return s;
+}
+
+std::string NetBridge::describe(int r) {
+  if (r < 0 || r >= nranks_ || !peers_[r]) return "not a rank of another host";
+  Peer& p = *peers_[r];
+  // Bounded: the thread making p's calls may be the one that is stuck (inside the backend).
+  const int64_t until = nowNs() + 200 * 1000000LL;
+  while (!p.tryLock())
+    if (nowNs() > until) return "its net calls have been held by another thread for 200 ms or more (stuck in the backend?)";
+    else std::this_thread::yield();
+  std::string s = describeLocked(p);
+  p.unlock();
+  return s;
 }
 
 void NetBridge::readWords(uint64_t* word, uint64_t* words) const {

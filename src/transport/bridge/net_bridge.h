@@ -152,6 +152,10 @@ class NetBridge {
   // and posts sends and receives, applies what arrived. Never waits. True if anything moved. Safe to call from
   // any number of threads at once, until shutdown (then it does nothing).
   bool assist();
+  // The state of the connections with remote rank r, one line (sent, framed, credited and read stream offsets per
+  // channel, frames queued, requests in flight and the age of the oldest): for a caller whose wait failed. Waits at
+  // most 200 ms for the thread making r's net calls, and says so if it is held longer.
+  std::string describe(int r);
   // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits).
   uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
 
@@ -189,6 +193,8 @@ class NetBridge {
                   std::vector<uint8_t>* body = nullptr);
   bool placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint8_t* segs, size_t bytes);
   void markDead(Peer& p, const char* what);
+  void watch(Peer& p);  // reports a request pending for half of EPCOMM_TIMEOUT_MS while the peer is alive
+  std::string describeLocked(const Peer& p) const;
 
   int rank_, nranks_, nchan_;
   size_t ring_bytes_;
@@ -209,6 +215,7 @@ class NetBridge {
   std::atomic<uint64_t> data_sent_{0};
   std::vector<uint8_t> flush_live_;
   int64_t flush_deadline_ns_ = 0;
+  int64_t stuck_ns_ = 15000000000LL;  // watch(): half of EPCOMM_TIMEOUT_MS
   uint64_t raw_gen_ = 0;  // rawStream calls (the greeting of its connections carries it)
 };
 
