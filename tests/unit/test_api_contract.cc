@@ -4,7 +4,10 @@
 // Ranks run as forked processes; World/RankIo (api_world.h) give every rank its inputs and reference checks.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -286,6 +289,50 @@ TEST(StaleUniqueId, IsRefusedAtOnceByTheProcessThatMadeIt) {
   EXPECT_LT(msSince(t0), 1000);
   EXPECT_NE(std::string(epGetLastError(nullptr)).find("epGetUniqueId"), std::string::npos) << epGetLastError(nullptr);
   EXPECT_EQ(comm, nullptr);
+}
+
+// ---- Set-up has a deadline of its own (EPCOMM_SETUP_TIMEOUT_MS), not the no-progress one -------------------
+
+// A short config.timeout_ms is chosen to notice deaths fast; wiring the ranks up may take longer (a rank that
+// starts late, connections across hosts on a loaded machine). Two ranks on virtual hosts of their own (net
+// connections at creation), timeout_ms = 500, rank 1 calls epCommInitRank 2 s after rank 0: both succeed and run a
+// barrier. With EPCOMM_SETUP_TIMEOUT_MS = 500 the same start fails within its bound, and a negative value is refused.
+TEST(SetupDeadline, IsItsOwnAndNotTheNoProgressDeadline) {
+  for (const char* setup : {"0", "500", "-1"}) {
+    epUniqueId id;
+    ASSERT_EQ(epGetUniqueId(&id), epSuccess);
+    auto codes = epcomm::test::runRanks(2, [&](int rank) -> int {
+      setenv("EPCOMM_HOSTID", rank == 0 ? "setup-a" : "setup-b", 1);
+      setenv("EPCOMM_NET", "socket", 1);
+      setenv("EPCOMM_SETUP_TIMEOUT_MS", setup, 1);
+      if (rank == 1 && strcmp(setup, "-1") != 0) usleep(2000 * 1000);
+      epConfig_t cfg = EP_CONFIG_INIT;
+      cfg.engine = EP_ENGINE_HOST;
+      cfg.timeout_ms = 500;
+      epComm_t comm = nullptr;
+      auto t0 = std::chrono::steady_clock::now();
+      const epResult_t r = epCommInitRank(&comm, 2, &id, rank, &cfg);
+      const std::string why = epGetLastError(nullptr);
+      if (strcmp(setup, "-1") == 0) {
+        CHECK(r == epInvalidArgument && why.find("EPCOMM_SETUP_TIMEOUT_MS") != std::string::npos,
+              "a negative EPCOMM_SETUP_TIMEOUT_MS: %d '%s'", r, why.c_str());
+        return 0;
+      }
+      if (strcmp(setup, "500") == 0) {
+        if (rank == 0)  // (rank 1 may fail or not: rank 0 is gone by the time it arrives)
+          CHECK(r != epSuccess && msSince(t0) < 1900, "rank 0: %d after %lld ms with a 500 ms set-up deadline", r,
+                msSince(t0));
+        if (r == epSuccess) epCommDestroy(comm);
+        return 0;
+      }
+      CHECK(r == epSuccess, "init with a late peer: %s", why.c_str());
+      const epResult_t b = epCommBarrier(comm, nullptr);
+      epCommDestroy(comm);
+      CHECK(b == epSuccess, "barrier: %s", epGetLastError(nullptr));
+      return 0;
+    }, 30000);
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << ", EPCOMM_SETUP_TIMEOUT_MS=" << setup;
+  }
 }
 
 // ---- Defect 5: the size helpers validate the shape fields with the operations' codes ----------------------
