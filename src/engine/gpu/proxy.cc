@@ -17,7 +17,7 @@ namespace epcomm {
 // Bytes of each outbound ring (one per rank of another host, pinned host memory) and of each inbox the bridge
 // fills (one per such rank). Both hold several of the largest records (an HT queue slot, an LL slot's row).
 EP_PARAM(GpuProxyRingBytes, "GPU_PROXY_RING_BYTES", 8 << 20);
-// 1: the proxy prints where every stream stands once a second (diagnostics).
+// 1: the proxy prints where every stream stands once a second, and where its thread's time went (diagnostics).
 EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
 // Largest message the proxy's net bridge sends a run of records in (at most an eighth of the ring). Above the socket
 // backend's inline size (64 KiB) its helper threads move it over several data sockets at once, which the proxy's
@@ -356,12 +356,21 @@ void GpuProxy::trace() {
             in_bad_[r].load(std::memory_order_relaxed) ? ", refused" : "",
             static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_));
   }
+  // The share of the last period this thread spent in turns that moved something, by part: near 100% in all, the
+  // thread is what limits the streams.
+  const int64_t now = nowNs(), span = std::max<int64_t>(now - busy_since_, 1);
+  fprintf(stderr, "epcomm proxy rank %d: busy %.0f%% of %.2f s: rings %.0f%%, net calls %.0f%%, inboxes %.0f%%\n",
+          rank_, 100.0 * (busy_ns_[0] + busy_ns_[1] + busy_ns_[2]) / span, span / 1e9, 100.0 * busy_ns_[0] / span,
+          100.0 * busy_ns_[1] / span, 100.0 * busy_ns_[2] / span);
+  busy_ns_[0] = busy_ns_[1] = busy_ns_[2] = 0;
+  busy_since_ = now;
 }
 
 void GpuProxy::loop() {
   nameThisThread("epcomm-proxy");
   const bool tracing = epParamGpuProxyTrace() != 0;
   int64_t next_trace = nowNs();
+  busy_since_ = next_trace;
   Backoff backoff;
   for (;;) {
     if (tracing && nowNs() >= next_trace) {
@@ -370,6 +379,7 @@ void GpuProxy::loop() {
     }
     const bool stopping = stop_.load(std::memory_order_acquire);
     bool moved = false;
+    const int64_t t0 = tracing ? nowNs() : 0;
     for (int r = 0; r < nranks_; ++r)
       if (remote_[r]) moved |= pumpOut(r);
     if (stopping) break;  // flush: only the rings; see stop()
@@ -377,13 +387,19 @@ void GpuProxy::loop() {
     // inboxes, and what storeIn released on the last turn is credited. Then at most a credit step (an eighth of an
     // inbox) of records in all, from the inboxes in turn, before the next turn makes the net calls again (receives
     // to post, credits, the rings' sends), which would otherwise wait for every inbox to be stored whole.
+    const int64_t t1 = tracing ? nowNs() : 0;
     if (drives_bridge_) moved |= bridge_->assist();
+    const int64_t t2 = tracing ? nowNs() : 0;
     size_t budget = drives_bridge_ ? inbox_bytes_ / 8 : SIZE_MAX;
     for (int i = 0; i < nranks_ && budget > 0; ++i) {
       const int q = (in_first_ + i) % nranks_;
       if (remote_[q]) moved |= storeIn(q, &budget);
     }
     in_first_ = (in_first_ + 1) % nranks_;
+    if (tracing && moved) {  // where a busy turn's time goes (a turn that moved nothing is idle time)
+      const int64_t t3 = nowNs();
+      busy_ns_[0] += t1 - t0, busy_ns_[1] += t2 - t1, busy_ns_[2] += t3 - t2;
+    }
     if (moved) backoff.reset();
     else backoff.pause();
   }

@@ -153,6 +153,7 @@ class GpuProxy final : private NetBridge::Placement {
   std::unique_ptr<NetBridge> bridge_;
   // What moved (EPCOMM_GPU_PROXY_TRACE prints it while the proxy runs).
   uint64_t recs_out_ = 0, recs_in_ = 0;
+  int64_t busy_ns_[3] = {}, busy_since_ = 0;  // time in turns that moved: rings, net calls, inboxes (this thread's)
   std::atomic<uint64_t> forwarded_{0};  // record bytes pushed into the bridge's outboxes
   std::atomic<uint64_t> placed_{0};     // see placedBytes()
   void trace();

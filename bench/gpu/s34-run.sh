@@ -1,0 +1,41 @@
+#!/bin/bash
+# s34's device calls (issue 12), on a build made here and carried (carry [".gpupack"]; .gpupack/new: scripts/gpu_stage.sh
+# of build-gpu plus bench/net/proxy_bench):
+#   bash bench/gpu/s34-run.sh PART
+# suite: s33-run.sh's suite (the GPU suite under MPS, then NCCL through the plugin with what is left of 585 s)
+# where: where the time of the cross-host streams goes. The GPU engine at -n 4 across 2 virtual hosts (HT, then LL)
+#        and proxy_bench (the proxy alone, R = 2 and 4) with EPCOMM_GPU_PROXY_TRACE=1 (each proxy thread's busy share
+#        by part, once a second), while top samples every thread's CPU share (the proxy, the socket helpers
+#        epcomm-sock, the bridge thread): a thread near 100% is what limits the stream.
+cd "$(dirname "$0")/../.."
+part=${1:-where}; D=.gpupack/new
+[ "$part" = suite ] && exec bash bench/gpu/s33-run.sh suite
+source bench/gpu/common.sh
+gpu_log s34 $part
+# top's view of the threads, once a second until killed: one line per sample where they used more than half a core,
+# CPU% summed by thread name (threads, busiest one's %): proxy, socket helpers (epcomm-sock), bridge, the ranks' own
+threads() { top -b -H -d 1 -w 200 | awk '/^top -/{ if (n) out(); n++; delete s; delete c; delete m; next }
+  $1 ~ /^[0-9]+$/ && $9+0 > 0 { k=$12; s[k]+=$9; c[k]++; if ($9+0 > m[k]) m[k]=$9+0 }
+  function out(  t, k, l) { t=0; l=""; for (k in s) { t+=s[k]; l=l sprintf(" %s %.0f (%d, max %.0f)", k, s[k], c[k], m[k]) }
+    if (n > 1 && t > 50) print "t=" n l; fflush() }'; }
+case $part in
+  where)
+    ( mps_start
+      for ops in ht ll; do
+        echo "### epcomm-bench --ops $ops -n 4 --hosts 2, EPCOMM_GPU_PROXY_TRACE=1"
+        threads > $OUT/top-$ops.txt & tp=$!
+        EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 120 $D/epcomm-run -n 4 --hosts 2 -- \
+          $D/epcomm-bench --ops $ops --iters 60 > $OUT/where-$ops.log 2>&1
+        echo "rc $?"; grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/where-$ops.log
+        grep "busy" $OUT/where-$ops.log | awk '$6+0 > 10' | tail -24
+        kill $tp; pkill -x top; echo "--- top -H, CPU% by thread name (threads, busiest)"; tail -20 $OUT/top-$ops.txt; el
+      done )
+    for a in "2 4096 2" "4 2048 1"; do set -- $a
+      echo "### proxy_bench --ranks $1 --mb $2 --writers $3, EPCOMM_GPU_PROXY_TRACE=1"
+      threads > $OUT/top-pb$1.txt & tp=$!
+      EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 90 $D/proxy_bench --ranks $1 --mb $2 \
+        --writers $3 --reps 10 > $OUT/pb$1.log 2>&1; echo "rc $?"
+      grep -vE "^epcomm proxy rank [0-9]+ ->" $OUT/pb$1.log | tail -16
+      kill $tp; pkill -x top; echo "--- top -H"; tail -14 $OUT/top-pb$1.txt; el
+    done ;;
+esac
