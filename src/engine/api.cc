@@ -25,9 +25,6 @@
 using namespace epcomm;
 
 EP_PARAM(TimeoutMs, "TIMEOUT_MS", 30000);
-// 0: the larger of the communicator's timeout and 60 s (connecting the ranks of many hosts is not a wait that
-// sees progress at every step, and a short EPCOMM_TIMEOUT_MS is chosen to notice deaths, not to bound set-up).
-EP_PARAM(SetupTimeoutMs, "SETUP_TIMEOUT_MS", 0);
 
 void epComm::recordAsyncError(epResult_t code, int op, uint64_t epoch, int peer, int phase) {
   int expected = epSuccess;
@@ -192,7 +189,10 @@ epResult_t resolveConfig(const epConfig_t* cfg, CommConfig* out) {
   EP_REQUIRE(cfg->timeout_ms >= 0, epInvalidArgument, "config.timeout_ms = %d is negative", cfg->timeout_ms);
   out->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : static_cast<int>(epParamTimeoutMs());
   EP_REQUIRE(out->timeout_ms > 0, epInvalidArgument, "EPCOMM_TIMEOUT_MS = %d must be positive", out->timeout_ms);
-  const int64_t setup = epParamSetupTimeoutMs();
+  // EPCOMM_SETUP_TIMEOUT_MS, read at every creation (not cached like the other parameters: it bounds this call only).
+  // 0: the larger of the communicator's timeout and 60 s (connecting the ranks of many hosts is not a wait that sees
+  // progress at every step, and a short timeout is chosen to notice deaths, not to bound set-up).
+  const int64_t setup = paramLoad("EPCOMM_SETUP_TIMEOUT_MS", 0);
   EP_REQUIRE(setup >= 0 && setup <= INT_MAX, epInvalidArgument, "EPCOMM_SETUP_TIMEOUT_MS = %lld is outside [0, %d]",
              static_cast<long long>(setup), INT_MAX);
   out->setup_timeout_ms = setup > 0 ? static_cast<int>(setup) : std::max(out->timeout_ms, 60000);
