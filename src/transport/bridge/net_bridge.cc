@@ -948,9 +948,11 @@ std::string NetBridge::describe(int r) {
   Peer& p = *peers_[r];
   // Bounded: the thread making p's calls may be the one that is stuck (inside the backend).
   const int64_t until = nowNs() + 200 * 1000000LL;
-  while (!p.tryLock())
-    if (nowNs() > until) return "its net calls have been held by another thread for 200 ms or more (stuck in the backend?)";
-    else std::this_thread::yield();
+  while (!p.tryLock()) {
+    if (nowNs() > until)
+      return "its net calls have been held by another thread for 200 ms or more (stuck in the backend?)";
+    std::this_thread::yield();
+  }
   std::string s = describeLocked(p);
   p.unlock();
   return s;
