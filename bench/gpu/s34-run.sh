@@ -10,6 +10,18 @@
 cd "$(dirname "$0")/../.."
 part=${1:-where}; D=.gpupack/new
 [ "$part" = suite ] && exec bash bench/gpu/s33-run.sh suite
+[ "$part" = one ] && { T0=$(date +%s); source bench/gpu/common.sh; gpu_log s34 one
+  ( mps_start
+    for t in "ll 4 2 150" "ht 4 2 120"; do set -- $t
+      LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$2 EPCOMM_GPU_TEST_HOSTS=$3 timeout $4 $D/test_gpu_$1 > $OUT/$1.log 2>&1
+      echo "### test_gpu_$1 R=$2 hosts=$3 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|WARN" $OUT/$1.log | tail -8; el
+    done )
+  WHERE_PB=${WHERE_PB:-1} bash bench/gpu/s34-run.sh where
+  left=$(( 585 - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
+  [ $left -gt 50 ] && WORLDS=2 timeout $left bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14
+  el; exit 0; }
+# one: what one call can hold: test_gpu_ll and test_gpu_ht at R = 4 across 2 virtual hosts, where (its proxy_bench at
+#      R = 2 only), NCCL through the plugin at 2 ranks with what is left
 source bench/gpu/common.sh
 gpu_log s34 $part
 # top's view of the threads, once a second until killed: one line per sample where they used more than half a core,
@@ -25,12 +37,12 @@ case $part in
         echo "### epcomm-bench --ops $ops -n 4 --hosts 2, EPCOMM_GPU_PROXY_TRACE=1"
         threads > $OUT/top-$ops.txt & tp=$!
         EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 120 $D/epcomm-run -n 4 --hosts 2 -- \
-          $D/epcomm-bench --ops $ops --iters 60 > $OUT/where-$ops.log 2>&1
+          $D/epcomm-bench --ops $ops --iters 40 > $OUT/where-$ops.log 2>&1
         echo "rc $?"; grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/where-$ops.log
         grep "busy" $OUT/where-$ops.log | awk '$6+0 > 10' | tail -24
         kill $tp; pkill -x top; echo "--- top -H, CPU% by thread name (threads, busiest)"; tail -20 $OUT/top-$ops.txt; el
       done )
-    for a in "2 4096 2" "4 2048 1"; do set -- $a
+    for a in "2 4096 2" "4 2048 1"; do set -- $a; [ "$1" = 4 ] && [ "${WHERE_PB:-2}" = 1 ] && continue
       echo "### proxy_bench --ranks $1 --mb $2 --writers $3, EPCOMM_GPU_PROXY_TRACE=1"
       threads > $OUT/top-pb$1.txt & tp=$!
       EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 90 $D/proxy_bench --ranks $1 --mb $2 \
