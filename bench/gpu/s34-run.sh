@@ -20,6 +20,7 @@ part=${1:-where}; D=.gpupack/new
   left=$(( 585 - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
   [ $left -gt 50 ] && WORLDS=2 timeout $left bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14
   el; exit 0; }
+# knobs: see below
 # one: what one call can hold: test_gpu_ll and test_gpu_ht at R = 4 across 2 virtual hosts, where (its proxy_bench at
 #      R = 2 only), NCCL through the plugin at 2 ranks with what is left
 source bench/gpu/common.sh
@@ -31,6 +32,20 @@ threads() { top -b -H -d 1 -w 200 | awk '/^top -/{ if (n) out(); n++; delete s; 
   function out(  t, k, l) { t=0; l=""; for (k in s) { t+=s[k]; l=l sprintf(" %s %.0f (%d, max %.0f)", k, s[k], c[k], m[k]) }
     if (n > 1 && t > 50) print "t=" n l; fflush() }'; }
 case $part in
+  knobs)  # where's answer (net calls are most of the proxy thread's busy time): the socket backend's message shape
+    # A/B, ROUNDS (2) rounds, alternating: default; EPCOMM_NET_MIN_CHUNK=512 KiB (a 1 MiB message in 2 chunks, not 8:
+    # fewer helper wake-ups and syscalls per message on the proxy's thread); 4 MiB proxy messages (32 MiB rings);
+    # both. proxy_bench at R = 2, then the engine at -n 4 across 2 hosts (HT and LL)
+    ( mps_start
+      for i in $(seq ${ROUNDS:-2}); do
+        for v in "" "EPCOMM_NET_MIN_CHUNK=524288" "EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432" \
+                 "EPCOMM_NET_MIN_CHUNK=524288 EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"; do
+          echo -n "round $i proxy_bench R=2 [${v:-default}]: "
+          env $v EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 60 $D/proxy_bench --ranks 2 --mb 2048 --writers 2 \
+            --reps 5 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1
+          xhost $D 4 $v
+        done; el
+      done ) ;;
   where)
     ( mps_start
       for ops in ht ll; do
