@@ -387,6 +387,9 @@ void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
   bool lone = size <= static_cast<size_t>(assistMax());
   for (size_t i = 0; i < S && lone; ++i) lone = c->data[i]->queued.load(std::memory_order_acquire) == 0;
   req->assisted = lone;
+  // Each helper is woken once per message, after its chunks are queued: it then serves all of its sockets (a wake per
+  // chunk was up to 8 eventfd writes per message by the caller, the GPU proxy's thread, for 4 helpers).
+  uint64_t to_wake = 0;
   for (size_t off = 0; off < size; off += cs) {
     DataSock& ds = *c->data[c->nextSock];
     c->nextSock = (c->nextSock + 1) % static_cast<int>(S);
@@ -399,8 +402,9 @@ void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
       ds.queued.fetch_add(1, std::memory_order_release);
       if (lone) ds.assistQueued.fetch_add(1, std::memory_order_release);
     }
-    if (wasEmpty && !lone) wake(c->helpers[ds.helper].get());
+    if (wasEmpty && !lone) to_wake |= uint64_t{1} << ds.helper;
   }
+  for (; to_wake; to_wake &= to_wake - 1) wake(c->helpers[__builtin_ctzll(to_wake)].get());
 }
 
 // The caller's share (isend, irecv and test, after the control socket's progress): moves the chunks of lone
