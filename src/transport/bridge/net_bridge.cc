@@ -913,8 +913,9 @@ void NetBridge::watch(Peer& p) {
   }
   if (p.stuck_said) return;
   p.stuck_said = true;
-  EP_WARN("rank %d: %s rank %d over net/%s has not completed in %.1f s, and the peer is alive: %s", rank_, what,
-          p.rank, backend_->name(), (now - t) / 1e9, describeLocked(p).c_str());
+  // (A peer that died shows the same until the backend's stall deadline, EPCOMM_TIMEOUT_MS, says so.)
+  EP_WARN("rank %d: %s rank %d over net/%s has not completed in %.1f s, and the connection has not failed: %s", rank_,
+          what, p.rank, backend_->name(), (now - t) / 1e9, describeLocked(p).c_str());
 }
 
 // The caller makes p's net calls (or holds its lock).

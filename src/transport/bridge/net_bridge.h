@@ -193,7 +193,7 @@ class NetBridge {
                   std::vector<uint8_t>* body = nullptr);
   bool placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint8_t* segs, size_t bytes);
   void markDead(Peer& p, const char* what);
-  void watch(Peer& p);  // reports a request pending for half of EPCOMM_TIMEOUT_MS while the peer is alive
+  void watch(Peer& p);  // reports a request pending for half of EPCOMM_TIMEOUT_MS on a connection not failed
   std::string describeLocked(const Peer& p) const;
 
   int rank_, nranks_, nchan_;
