@@ -3,6 +3,7 @@
 //   epcomm-run -n 4 -- epcomm-bench [--ht-tokens 4096] [--ll-tokens 128] [--hidden 7168] [--topk 8]
 //                                   [--experts 256] [--iters 5] [--warmup 2] [--ops ht,ll,a2a] [--sms 24]
 //                                   [--csv FILE] [--net-raw-mb 16] [--net-raw-msg-kb 1024] [--net-raw-window 4]
+//                                   [--blocking-sync]
 //
 // Prints one table on rank 0: operation, ranks, tokens, hidden, top-k, experts, SM budget, median time (the
 // slowest rank's), GB/s per rank by DeepEP's accounting (bytes of token rows a rank receives (HT) or sends (LL)
@@ -45,6 +46,10 @@ struct Options {
   int ht_tokens = 4096, ll_tokens = 128, hidden = 7168, topk = 8, experts = 256, iters = 5, warmup = 2, sms = 24;
   int net_raw_mb = 16, net_raw_msg_kb = 1024, net_raw_window = 4;  // raw net stream: MiB per peer, message, window
   bool ht = true, ll = true, a2a = false;
+  // GPU engine: the host thread sleeps in CUDA's waits instead of spinning (cudaDeviceScheduleBlockingSync). CUDA
+  // spins while a process has fewer contexts than cores: ranks on virtual hosts of one machine then take a core each
+  // from the proxies and the net transport's helpers (s34, bench/results/h100-s34.log).
+  bool blocking_sync = false;
   std::string csv;
 };
 
@@ -882,7 +887,8 @@ int usage(const char* argv0, const std::string& why) {
           "epcomm-bench (rank %s): %s\n"
           "usage: epcomm-run -n R -- %s [--ht-tokens N] [--ll-tokens N] [--hidden H] [--topk K] [--experts E]\n"
           "                                [--iters N] [--warmup N] [--ops ht,ll,a2a] [--sms N] [--csv FILE]\n"
-          "                                [--net-raw-mb MiB] [--net-raw-msg-kb KiB] [--net-raw-window N]\n",
+          "                                [--net-raw-mb MiB] [--net-raw-msg-kb KiB] [--net-raw-window N]\n"
+          "                                [--blocking-sync]\n",
           getenv("EPCOMM_RANK") ? getenv("EPCOMM_RANK") : "?", why.c_str(), argv0);
   return 2;
 }
@@ -954,6 +960,8 @@ int main(int argc, char** argv) {
       o.ht = ops.find("ht") != std::string::npos;
       o.ll = ops.find("ll") != std::string::npos;
       o.a2a = ops.find("a2a") != std::string::npos;
+    } else if (a == "--blocking-sync") {
+      o.blocking_sync = true;
     } else if (a == "--csv" && i + 1 < argc) {
       o.csv = argv[++i];
     } else {
@@ -977,6 +985,21 @@ int main(int argc, char** argv) {
   cfg.ht_max_tokens_per_rank = o.ht_tokens;
   cfg.ht_max_hidden = o.hidden;
   cfg.num_sms = o.sms;
+#ifdef EPCOMM_HAVE_GPU_ENGINE
+  int ndev = 0;
+  if (o.blocking_sync && (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0)) {
+    cudaGetLastError();
+    fprintf(stderr, "epcomm-bench: --blocking-sync ignored: no GPU\n");
+  } else if (o.blocking_sync) {  // before any CUDA call makes a context: applies to the device the engine takes
+    const cudaError_t e = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
+    if (e != cudaSuccess) {
+      fprintf(stderr, "epcomm-bench: --blocking-sync: cudaSetDeviceFlags: %s\n", cudaGetErrorString(e));
+      return 1;
+    }
+  }
+#else
+  if (o.blocking_sync) return usage(argv[0], "--blocking-sync needs the GPU engine (this build has none)");
+#endif
   CHECK(epCommInitFromEnv(&comm, &cfg));
   CHECK(epCommRank(comm, &rank));
   CHECK(epCommSize(comm, &nranks));

@@ -43,7 +43,7 @@ goal() { echo "## (a) goal shape, chain 2, $2 rounds"; BARGS=(--ll-tokens 64 --e
 # xhost/raw (OPS: the bench's --ops, default ht,ll; XT: the timeout, default 150 s)
 xhost() { local d=$1 n=$2; shift 2; echo "### $d -n $n --hosts 2 $*"
   env "$@" LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout ${XT:-150} $d/epcomm-run -n $n --hosts 2 -- \
-    $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; }
+    $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 $BENCH_ARGS 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; }
 gpu_log() {
   OUT=${OUT:-/tmp/$1}; mkdir -p "$OUT"
   exec > >(tee -a "$OUT/$1-$2.log") 2>&1

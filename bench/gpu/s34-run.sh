@@ -36,16 +36,18 @@ case $part in
     # A/B, ROUNDS (2) rounds, alternating: main's build (.gpupack/new) and the one with a helper woken once per
     # message (.gpupack/dedup: its libepcomm, proxy_bench), each by default and with EPCOMM_NET_MIN_CHUNK=512 KiB (a
     # 1 MiB message in 2 chunks, not 8: fewer wake-ups and syscalls per message on the proxy's thread); main's with
-    # 4 MiB proxy messages (32 MiB rings). proxy_bench at R = 2, then the engine at -n 4 across 2 hosts (HT and LL)
+    # 4 MiB proxy messages (32 MiB rings); main's with the ranks sleeping in CUDA's waits (epcomm-bench --blocking-sync,
+    # proxy_bench as the default). proxy_bench at R = 2, then the engine at -n 4 across 2 hosts (HT and LL)
     ( mps_start
       for i in $(seq ${ROUNDS:-2}); do
         for c in "new" "dedup" "new EPCOMM_NET_MIN_CHUNK=524288" "dedup EPCOMM_NET_MIN_CHUNK=524288" \
-                 "new EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"; do
-          set -- $c; d=.gpupack/$1; shift
+                 "new EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432" "new BLOCKING"; do
+          set -- $c; d=.gpupack/$1; shift; bargs=""  # BLOCKING: the ranks sleep in CUDA's waits (--blocking-sync)
+          [ "$1" = BLOCKING ] && { bargs=--blocking-sync; shift; }
           echo -n "round $i proxy_bench R=2 [$d $*]: "
           env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$d timeout 60 $d/proxy_bench --ranks 2 --mb 2048 --writers 2 \
             --reps 5 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1
-          xhost $d 4 "$@"
+          BENCH_ARGS=$bargs xhost $d 4 "$@"
         done; el
       done ) ;;
   where)
