@@ -16,11 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "bootstrap/bootstrap.h"
+#include "bridge_rank.h"
 #include "common/time.h"
-#include "multiproc.h"
-#include "transport/bridge/net_bridge.h"
-#include "transport/shm/shm.h"
 
 namespace {
 
@@ -73,17 +70,13 @@ class Receiver final : public NetBridge::Placement {
 uint8_t streamByte(size_t i) { return static_cast<uint8_t>(i * 131 + (i >> 9) + 7); }
 
 int runRank(int rank, const epUniqueId& id, Lie lie) {
-  std::unique_ptr<epcomm::Bootstrap> bs;
-  EP_RANK_CHECK(rank, epcomm::bootstrapInitSocket(&id, rank, 2, kTimeoutMs, &bs) == epSuccess, "bootstrap");
-  epcomm::ShmRegion own;
-  EP_RANK_CHECK(rank, own.create(epcomm::shmRegionName(bs->secret(), rank) + "-bridge-test", rank, 2, 1, kRing) ==
-                          epSuccess, "region");
-  own.unlink();
-  std::vector<uint8_t> remote(2, 1);
-  remote[rank] = 0;
+  epcomm::test::BridgeRank me;
+  if (epcomm::test::openBridgeRank(rank, id, kRing, kMaxPayload, "-bridge-test", kTimeoutMs, &me) != 0) return 1;
+  auto& bs = me.bs;
+  auto& own = me.own;
+  auto& bridge = me.bridge;
   Sender sender(lie);
   Receiver receiver;
-  auto bridge = std::make_unique<NetBridge>(rank, 2, 1, kRing, kMaxPayload, remote, &own);
   bridge->usePlacement(rank == 0 ? static_cast<NetBridge::Placement*>(&sender) : &receiver);
   EP_RANK_CHECK(rank, bridge->connect(bs.get(), kTimeoutMs) == epSuccess, "connect");
   const epcomm::Deadline deadline = epcomm::Deadline::afterMs(kTimeoutMs);

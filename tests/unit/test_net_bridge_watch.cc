@@ -20,11 +20,8 @@
 #include <thread>
 #include <vector>
 
-#include "bootstrap/bootstrap.h"
+#include "bridge_rank.h"
 #include "common/time.h"
-#include "multiproc.h"
-#include "transport/bridge/net_bridge.h"
-#include "transport/shm/shm.h"
 
 namespace {
 
@@ -37,15 +34,11 @@ constexpr int kPauseMs = 5000;     // rank 1 makes no net calls (> EPCOMM_TIMEOU
 uint8_t streamByte(size_t i) { return static_cast<uint8_t>(i * 131 + (i >> 11) + 3); }
 
 int runRank(int rank, const epUniqueId& id, const std::string& log) {
-  std::unique_ptr<epcomm::Bootstrap> bs;
-  EP_RANK_CHECK(rank, epcomm::bootstrapInitSocket(&id, rank, 2, kTimeoutMs, &bs) == epSuccess, "bootstrap");
-  epcomm::ShmRegion own;
-  EP_RANK_CHECK(rank, own.create(epcomm::shmRegionName(bs->secret(), rank) + "-watch-test", rank, 2, 1, kRing) ==
-                          epSuccess, "region");
-  own.unlink();
-  std::vector<uint8_t> remote(2, 1);
-  remote[rank] = 0;
-  auto bridge = std::make_unique<NetBridge>(rank, 2, 1, kRing, kMaxPayload, remote, &own);
+  epcomm::test::BridgeRank me;
+  if (epcomm::test::openBridgeRank(rank, id, kRing, kMaxPayload, "-watch-test", kTimeoutMs, &me) != 0) return 1;
+  auto& bs = me.bs;
+  auto& own = me.own;
+  auto& bridge = me.bridge;
   EP_RANK_CHECK(rank, bridge->connect(bs.get(), kTimeoutMs,
                                       rank == 0 ? NetBridge::Progress::kOwnThread : NetBridge::Progress::kCaller) ==
                           epSuccess, "connect");
