@@ -986,13 +986,13 @@ int main(int argc, char** argv) {
   cfg.ht_max_hidden = o.hidden;
   cfg.num_sms = o.sms;
 #ifdef EPCOMM_HAVE_GPU_ENGINE
-  int ndev = 0;
-  if (o.blocking_sync && (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0)) {
-    cudaGetLastError();
-    fprintf(stderr, "epcomm-bench: --blocking-sync ignored: no GPU\n");
-  } else if (o.blocking_sync) {  // before any CUDA call makes a context: applies to the device the engine takes
-    const cudaError_t e = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
-    if (e != cudaSuccess) {
+  if (o.blocking_sync) {  // before any CUDA call makes a context: applies to the device the engine takes
+    int ndev = 0;
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    if (e != cudaSuccess || ndev == 0) {
+      cudaGetLastError();
+      fprintf(stderr, "epcomm-bench: --blocking-sync ignored: no GPU\n");
+    } else if ((e = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync)) != cudaSuccess) {
       fprintf(stderr, "epcomm-bench: --blocking-sync: cudaSetDeviceFlags: %s\n", cudaGetErrorString(e));
       return 1;
     }
