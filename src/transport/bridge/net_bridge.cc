@@ -682,6 +682,15 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
       (h.type != kData && h.type != kDataPlaced && h.len != 0) || h.ch >= nchan_)
     return markDead(p, "a malformed frame (stream out of sync)");
   if (h.type == kBye) p.bye_in = true;
+  if (h.type == kCredit) {
+    // Applied as it comes in, not in stream order: it concerns only the stream toward the peer, and in order it
+    // would wait for every payload from the peer posted before it (up to an inbox's credit of them) to land.
+    RingCtl& ctl = p.out_ctl[h.ch];
+    if (h.v[0] < ctl.head.load(std::memory_order_relaxed) || h.v[0] > p.sent[h.ch])
+      return markDead(p, "a credit for bytes never sent");
+    ctl.head.store(h.v[0], std::memory_order_release);
+    return;
+  }
   if (h.type != kData && h.type != kDataNext && h.type != kDataPlaced) return;
   if (h.type != kData && max_payload_ == 0)  // its payload would land in the frame receives posted ahead
     return markDead(p, "a DATA_NEXT or DATA_PLACED frame on a connection that takes none");
@@ -752,13 +761,7 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
     }
     case kDataNext:
     case kDataPlaced: return;  // its payload, next in line, moves the tail
-    case kCredit: {
-      RingCtl& ctl = p.out_ctl[h.ch];
-      const uint64_t head = ctl.head.load(std::memory_order_relaxed);
-      if (h.v[0] < head || h.v[0] > p.sent[h.ch]) return markDead(p, "a credit for bytes never sent");
-      ctl.head.store(h.v[0], std::memory_order_release);
-      return;
-    }
+    case kCredit: return;  // applied as it came in (checkFrame)
     case kReadDone: p.out_ctl[h.ch].read_done.store(h.v[0], std::memory_order_release); return;
     case kCtrl: {
       RegionHeader* m = mirrors_[p.rank].get();

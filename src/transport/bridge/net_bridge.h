@@ -32,7 +32,9 @@
 // Credit. The outbox's head is not where the local progress thread has read to but the consumer's head as last
 // reported: RingEnd::push then admits only bytes the remote inbox has room for, so the progress thread can send
 // whatever the outbox holds at once, and the stream position in the outbox equals the one in the inbox (both
-// counters start at 0 and are monotonic, like shm's).
+// counters start at 0 and are monotonic, like shm's). A CREDIT frame takes effect as it comes in, ahead of the payloads
+// from the peer still landing before it in the stream: in order, a full stream each way held every credit back by
+// up to a ring of the other direction's payloads.
 //
 // Order. One connection per direction and peer carries every frame in posting order, and the progress thread
 // reads the region header's resynchronization word before it scans the outboxes: a CTRL frame always follows
