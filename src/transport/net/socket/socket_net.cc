@@ -199,6 +199,11 @@ struct Helper {
   std::thread th;
   int efd = -1;
   std::vector<int> socks;
+  // Set while it is about to sleep in poll() or sleeps there: only then does new work need a wake-up (an eventfd
+  // write, a syscall on the thread queuing the chunks). Dekker with DataSock::queued, both sides seq_cst: the helper
+  // sets it and then looks at its queues, planChunks queues and then reads it, so one of them sees the other.
+  std::atomic<bool> sleeping{false};
+  std::vector<bool> watched;  // helperLoop's, per socket of socks
 };
 
 struct SockComm {
@@ -345,19 +350,31 @@ void helperLoop(SockComm* c, Helper* h) {
       }
       timeoutMs = static_cast<int>(std::clamp<int64_t>((nextBeatNs - now) / 1000000LL + 1, 1, 1000));
     }
-    for (int si : h->socks) {
+    std::vector<bool>& watched = h->watched;  // [i]: h->socks[i] has chunks queued that would block (poll() watches)
+    for (size_t i = 0; i < h->socks.size(); ++i) {
+      const int si = h->socks[i];
       const int m = moveChunks(c, si, false);
       if (m < 0) return;
       if (m > 0) progressed = true;
-      if (m == 0 && c->data[si]->queued.load(std::memory_order_acquire) > 0)
-        pfds.push_back({c->data[si]->fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
+      watched[i] = m == 0 && c->data[si]->queued.load(std::memory_order_acquire) > 0;
+      if (watched[i]) pfds.push_back({c->data[si]->fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
     }
     if (progressed) continue;
     // Nothing moved: sleep until a socket is ready, new chunks are queued (eventfd) or a heartbeat is due/comes.
+    // Chunks queued on an idle socket since the pass above came without a wake-up if `sleeping` was still false.
+    h->sleeping.store(true, std::memory_order_seq_cst);
+    bool fresh = false;
+    for (size_t i = 0; i < h->socks.size() && !fresh; ++i)
+      fresh = !watched[i] && c->data[h->socks[i]]->queued.load(std::memory_order_seq_cst) > 0;
+    if (fresh) {
+      h->sleeping.store(false, std::memory_order_relaxed);
+      continue;
+    }
     const bool listen = live && c->liveOpen.load(std::memory_order_relaxed);
     if (listen) pfds.push_back({c->liveFd, POLLIN, 0});
     pfds.push_back({h->efd, POLLIN, 0});
     int pr = poll(pfds.data(), pfds.size(), timeoutMs);
+    h->sleeping.store(false, std::memory_order_relaxed);
     if (pr > 0 && (pfds.back().revents & POLLIN)) {
       uint64_t v;
       ssize_t rr = read(h->efd, &v, sizeof(v));
@@ -399,12 +416,17 @@ void planChunks(SockComm* c, SockRequest* req, char* base, size_t size) {
       std::lock_guard<std::mutex> g(ds.mu);
       wasEmpty = ds.q.empty() || ds.assistQueued.load(std::memory_order_relaxed) > 0;
       ds.q.push_back(Chunk{base ? base + off : nullptr, off, std::min(cs, size - off), 0, req, lone});
-      ds.queued.fetch_add(1, std::memory_order_release);
+      ds.queued.fetch_add(1, std::memory_order_seq_cst);
       if (lone) ds.assistQueued.fetch_add(1, std::memory_order_release);
     }
     if (wasEmpty && !lone) to_wake |= uint64_t{1} << ds.helper;
   }
-  for (; to_wake; to_wake &= to_wake - 1) wake(c->helpers[__builtin_ctzll(to_wake)].get());
+  // Only a helper that sleeps, or is about to (Helper::sleeping), needs the wake-up; a busy one finds the chunks in
+  // its next pass.
+  for (; to_wake; to_wake &= to_wake - 1) {
+    Helper* h = c->helpers[__builtin_ctzll(to_wake)].get();
+    if (h->sleeping.load(std::memory_order_seq_cst)) wake(h);
+  }
 }
 
 // The caller's share (isend, irecv and test, after the control socket's progress): moves the chunks of lone
@@ -470,6 +492,7 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
     c->helpers[d->helper]->socks.push_back(s);
     c->data.push_back(std::move(d));
   }
+  for (auto& hp : c->helpers) hp->watched.assign(hp->socks.size(), false);
   c->lastProgressNs.store(nowNs());
   c->lastHeardNs.store(nowNs());
   c->turns.start(nowNs());
