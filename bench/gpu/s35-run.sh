@@ -38,7 +38,7 @@ case $part in
     ( mps_start
       echo "## columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
       for i in 1 2; do
-        for d in .gpupack/new $B; do pb $d; done
+        for d in .gpupack/new $B $(ls -d .gpupack/c 2>/dev/null); do pb $d; done  # c: proxy_bench only
         for d in .gpupack/new $B; do XT=80 xhost $d 4; done; el
         [ $i = 2 ] && break
         echo "## knobs on b"
