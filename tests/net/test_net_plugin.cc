@@ -619,6 +619,62 @@ TEST_P(NetPlugin, LoneMessagesAroundTheAssistLimit) {
   });
 }
 
+// Messages one after another, each posted as the one before completes (each side keeps one request in flight): the
+// moment a helper thread runs out of work and goes to sleep is the moment the next message's chunks are queued. The
+// socket backend wakes only a helper that sleeps or is about to (Helper::sleeping); a wake-up lost there leaves the
+// chunks until the helper's poll() times out, up to a second. No message may take that long: at most 2 of 300 slower
+// than 600 ms (a loaded machine's scheduling), where a lost wake-up shows in many. Every message is checked.
+// (Mutation-checked: with no wake-up at all it fails; the helper's re-check after setting `sleeping` closes a window
+// of a few hundred ns that this test does not hit on the 2-core VM even at 3000 messages.)
+TEST_P(NetPlugin, NoWakeUpLostBetweenMessages) {
+  run(2, [](int rank, Net* net) {
+    void *sc = nullptr, *rc = nullptr;
+    if (int e = pairConnect(net, rank, 0, 1, &sc, &rc)) return e;
+    constexpr int kMsgs = 300;
+    const size_t sizes[] = {(192 << 10) + 8, 1 << 20, (64 << 10) + 8};
+    // Sender: one buffer per size, filled once, so that the next send is posted the moment the last one completes.
+    // Receiver: two buffers in turn, the next receive posted before the last one's bytes are checked.
+    std::vector<char> buf(3 << 20);
+    void* mh = nullptr;
+    CK(net->regMr(rank == 0 ? sc : rc, buf.data(), buf.size(), NCCL_PTR_HOST, &mh));
+    if (rank == 0)
+      for (int k = 0; k < 3; ++k) fill(buf.data() + (k << 20), sizes[k], 700 + k);
+    int slow = 0;
+    double worst_ms = 0;
+    auto lap = [&, t0 = std::chrono::steady_clock::now()]() mutable {
+      const auto t = std::chrono::steady_clock::now();
+      const double ms = std::chrono::duration<double, std::milli>(t - t0).count();
+      t0 = t;
+      worst_ms = std::max(worst_ms, ms);
+      slow += ms > 600;
+    };
+    void* req = nullptr;
+    int got = -1;
+    if (rank == 1 && postRecvOne(net, rc, buf.data(), 1 << 20, 2, mh, &req) != 0) return 1;
+    for (int i = 0; i < kMsgs; ++i) {
+      if (rank == 0) {
+        if (int e = postSend(net, sc, buf.data() + ((i % 3) << 20), sizes[i % 3], 2, mh, &req)) return e;
+        CK(waitReq(net, req, &got));
+        lap();
+        continue;
+      }
+      CK(waitReq(net, req, &got));
+      lap();
+      if (i + 1 < kMsgs)
+        if (int e = postRecvOne(net, rc, buf.data() + (((i + 1) & 1) << 20), 1 << 20, 2, mh, &req)) return e;
+      REQ(got == static_cast<int>(sizes[i % 3]) && check(buf.data() + ((i & 1) << 20), got, 700 + i % 3),
+          "message %d: size %d or data wrong", i, got);
+    }
+    REQ(slow <= 2, "rank %d: %d of %d messages took over 600 ms (worst %.0f ms): a helper slept through new work", rank,
+        slow, kMsgs, worst_ms);
+    CK(net->deregMr(rank == 0 ? sc : rc, mh));
+    barrier();
+    if (rank == 0) CK(net->closeSend(sc));
+    else CK(net->closeRecv(rc));
+    return 0;
+  });
+}
+
 TEST_P(NetPluginAbi, GroupedReceives) {
   run(2, [](int rank, Net* net) {
     void *sc = nullptr, *rc = nullptr;
