@@ -44,7 +44,8 @@ case $part in
         echo "## knobs on b"
         pb $B EPCOMM_NET_MIN_CHUNK=524288; pb $B EPCOMM_GPU_PROXY_RING_BYTES=33554432
         pb $B EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; pb $B --raw-window 8; pb $B --raw-window 32
-        XT=80 BENCH_ARGS=--blocking-sync xhost $B 4; el
+        XT=80 BENCH_ARGS=--blocking-sync xhost $B 4
+        XT=80 BENCH_ARGS="--net-raw-window 16" xhost $B 4; el  # the raw stream from 16 MiB per peer, not 4
       done
       LD_LIBRARY_PATH=$B EPCOMM_GPU_TEST_RANKS=4 EPCOMM_GPU_TEST_HOSTS=2 timeout 100 $B/test_gpu_ht > $OUT/ht.log 2>&1
       echo "### b test_gpu_ht R=4 hosts=2 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|WARN" $OUT/ht.log | tail -8; el )
