@@ -546,6 +546,9 @@ bool NetBridge::pumpSends(Peer& p) {
     moved = true;
     return true;
   };
+  // What this pass posts goes out together (a frame and the header of the payload after it, credits): one syscall.
+  const bool cork = !p.send_failed && p.send != nullptr && !p.q.empty();
+  if (cork) backend_->cork(p.send, true);
   while (!p.send_failed && !p.q.empty() && p.inflight.size() < kMaxSendsInFlight) {
     Peer::Desc& d = p.q.front();
     if (!d.hdr_posted) {
@@ -575,6 +578,7 @@ bool NetBridge::pumpSends(Peer& p) {
     if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1, d.ch, d.v[0] + d.v[1])) break;
     p.q.pop_front();
   }
+  if (cork && p.send != nullptr) backend_->cork(p.send, false);
   return moved;
 }
 

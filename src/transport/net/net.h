@@ -65,6 +65,11 @@ class NetBackend {
   virtual epResult_t irecv(void* recvComm, int n, void** data, const size_t* sizes, const int* tags,
                            void** mhandles, void** request) = 0;
   virtual epResult_t test(void* request, int* done, size_t* sizes) = 0;
+  // While on, isend on sendComm may hold back what it would send at once (the socket backend: the message's header
+  // and inline payload; a large message's data still goes), until cork(off) or a test() of that comm's requests
+  // sends everything held at once: several small messages posted together (the net bridge's frames) then cost one
+  // syscall, not one each. Off by default; a backend without it ignores it.
+  virtual void cork(void* sendComm, bool on) { (void)sendComm, (void)on; }
   // A receive of one message (tag 0) whose bytes land in `niov` pieces in order (the pieces copied: `iov` need not
   // outlive the call), for backends with scatters(); the same contracts as irecv. The net bridge receives a run of
   // GPU proxy records this way: headers into its inbox, payloads straight into their far copies.

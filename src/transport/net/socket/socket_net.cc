@@ -225,6 +225,7 @@ struct SockComm {
   int nextSock = 0;
   // Control-socket state; touched only by the thread that calls isend/irecv/test (NCCL's proxy thread).
   std::deque<SockRequest*> ctrlQ;
+  bool corked = false;  // isend queues the control bytes only (NetBackend::cork)
   MsgHeader hdr{};
   size_t hdrGot = 0;
   int inlineIdx = -1;
@@ -522,21 +523,23 @@ void putRequest(SockRequest* r) {
   r->comm->freeList.push_back(r);
 }
 
-// Sender: headers (and inline payloads) in posting order.
+// Sender: headers (and inline payloads) in posting order, as many queued messages per sendmsg as its iovec holds.
 void sendCtrlProgress(SockComm* c) {
-  std::string err;
   while (!c->ctrlQ.empty()) {
-    SockRequest* r = c->ctrlQ.front();
-    size_t payload = r->hdr.size <= c->inlineMax ? r->hdr.size : 0;
-    size_t total = sizeof(MsgHeader) + payload;
-    iovec iov[2];
+    iovec iov[kIov];
     int niov = 0;
-    if (c->ctrlSent < sizeof(MsgHeader)) {
-      iov[niov++] = {reinterpret_cast<char*>(&r->hdr) + c->ctrlSent, sizeof(MsgHeader) - c->ctrlSent};
-      if (payload) iov[niov++] = {r->data[0], payload};
-    } else {
-      size_t off = c->ctrlSent - sizeof(MsgHeader);
-      iov[niov++] = {static_cast<char*>(r->data[0]) + off, payload - off};
+    size_t want = 0, skip = c->ctrlSent;  // skip: what the front message already sent
+    for (SockRequest* r : c->ctrlQ) {
+      if (niov + 2 > kIov) break;
+      const size_t payload = r->hdr.size <= c->inlineMax ? r->hdr.size : 0;
+      if (skip < sizeof(MsgHeader)) {
+        iov[niov++] = {reinterpret_cast<char*>(&r->hdr) + skip, sizeof(MsgHeader) - skip};
+        if (payload) iov[niov++] = {r->data[0], payload};
+      } else {
+        iov[niov++] = {static_cast<char*>(r->data[0]) + (skip - sizeof(MsgHeader)), sizeof(MsgHeader) + payload - skip};
+      }
+      want += sizeof(MsgHeader) + payload - skip;
+      skip = 0;
     }
     msghdr mh{};
     mh.msg_iov = iov;
@@ -549,12 +552,20 @@ void sendCtrlProgress(SockComm* c) {
               strerror(errno));
       return;
     }
-    c->ctrlSent += k;
     c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
-    if (c->ctrlSent < total) return;
-    c->ctrlSent = 0;
-    r->ctrlDone = true;
-    c->ctrlQ.pop_front();
+    for (size_t left = static_cast<size_t>(k); left > 0;) {  // the messages the k bytes completed, in order
+      SockRequest* r = c->ctrlQ.front();
+      const size_t rest = sizeof(MsgHeader) + (r->hdr.size <= c->inlineMax ? r->hdr.size : 0) - c->ctrlSent;
+      if (left < rest) {
+        c->ctrlSent += left;
+        break;
+      }
+      left -= rest;
+      c->ctrlSent = 0;
+      r->ctrlDone = true;
+      c->ctrlQ.pop_front();
+    }
+    if (static_cast<size_t>(k) < want) return;
   }
 }
 
@@ -913,7 +924,7 @@ class SocketBackend final : public NetBackend {
     r->hdr = MsgHeader{kMsgMagic, tag, size};
     if (size > c->inlineMax) planChunks(c, r, static_cast<char*>(data), size);
     c->ctrlQ.push_back(r);
-    sendCtrlProgress(c);
+    if (!c->corked) sendCtrlProgress(c);
     *request = r;
     (void)assist(c);  // a failure is recorded in c: the request's test() reports it
     return epSuccess;
@@ -937,6 +948,12 @@ class SocketBackend final : public NetBackend {
       r->matched[i] = false;
     }
     return postReceive(c, r, request);
+  }
+
+  void cork(void* sendComm, bool on) override {
+    auto* c = static_cast<SockComm*>(sendComm);
+    c->corked = on;
+    if (!on && c->error() == epSuccess) sendCtrlProgress(c);
   }
 
   bool scatters() const override { return true; }
