@@ -7,7 +7,7 @@
 #        messages with 32 MiB rings; the raw stream with 1 and 2 messages in flight instead of 4, which says how much
 #        of the raw rate is pipelining), the engine at -n 4 across 2 hosts by default, with those two knobs and with
 #        --blocking-sync; NCCL through the plugin at 2 ranks with what is left of 585 s
-# ab:    A/B of .gpupack/new (main) against .gpupack/b (a change), 2 rounds alternating: proxy_bench R = 2, the
+# ab:    A/B of .gpupack/new (main) against .gpupack/b (a change; c, where carried: proxy_bench of another), 2 rounds alternating: proxy_bench R = 2, the
 #        engine at -n 4 across 2 hosts; between the rounds b with the knobs of `first`; then test_gpu_ht at R = 4
 #        across 2 hosts on b, and NCCL through the plugin (built there from this tree) with what is left of 585 s
 # A pack may travel as PACK.tar.xz (carry limit 64 MiB): unpacked here when its folder is missing.
