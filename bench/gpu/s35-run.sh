@@ -31,7 +31,7 @@ case $part in
       XT=80 xhost $D 4; XT=80 xhost $D 4 EPCOMM_NET_MIN_CHUNK=524288
       XT=80 xhost $D 4 EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432
       XT=80 BENCH_ARGS=--blocking-sync xhost $D 4; el )
-    left=$(( 585 - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
+    left=$(( ${BUDGET:-585} - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
     [ $left -gt 60 ] && WORLDS=2 timeout $left bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14
     el ;;
   ab) B=.gpupack/b
@@ -49,7 +49,7 @@ case $part in
       done
       LD_LIBRARY_PATH=$B EPCOMM_GPU_TEST_RANKS=4 EPCOMM_GPU_TEST_HOSTS=2 timeout 100 $B/test_gpu_ht > $OUT/ht.log 2>&1
       echo "### b test_gpu_ht R=4 hosts=2 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|WARN" $OUT/ht.log | tail -8; el )
-    left=$(( 585 - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
+    left=$(( ${BUDGET:-585} - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
     [ $left -gt 60 ] && WORLDS=2 timeout $left bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14
     el ;;
 esac
