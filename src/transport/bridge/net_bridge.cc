@@ -582,13 +582,23 @@ bool NetBridge::pumpSends(Peer& p) {
   return moved;
 }
 
+// Whether a peer may send messages other than frames (DATA_NEXT or DATA_PLACED payloads), which the receiver then
+// posts one frame receive at a time for. A peer sends DATA_NEXT payloads of at least kMinPayloadMsg and at most an
+// eighth of the ring (both ends' rings are of one size), and DATA_PLACED only over a backend that scatters. Else the
+// frame receives stay posted kRecvSlots at a time, as toward a host engine: over ofi with rings under 2 MiB, one at a
+// time left the sender's 64 KiB frames (above rxm's eager size) waiting for the receiver's provider, the setting of an
+// intermittent stall in CI (s33, s35: every frame receive pending for 20 s, both processes alive).
+bool NetBridge::payloadsIn() const {
+  return max_payload_ > 0 && (ring_bytes_ / 8 >= kMinPayloadMsg || (placement_ != nullptr && backend_->scatters()));
+}
+
 // Receives frames and payloads in posting order (see Peer::rx): the front completes and is applied first. Where the
 // peer may send DATA_NEXT, one frame receive is posted at a time, and it is completed early, at the back, so that
 // the payload it announces is posted while earlier ones still land; otherwise every message is a frame, and
 // kRecvSlots frame receives stay posted (a backend such as ofi then has a buffer for each as it comes).
 bool NetBridge::pumpRecvs(Peer& p) {
   bool moved = false;
-  const bool one_frame = max_payload_ > 0;
+  const bool one_frame = payloadsIn();
   // -1: failed (recorded), 0: not yet, 1: complete.
   auto test = [&](Peer::Rx& e) -> int {
     int done = 0;
@@ -696,7 +706,7 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
     return;
   }
   if (h.type != kData && h.type != kDataNext && h.type != kDataPlaced) return;
-  if (h.type != kData && max_payload_ == 0)  // its payload would land in the frame receives posted ahead
+  if (h.type != kData && !payloadsIn())  // its payload would land in the frame receives posted ahead
     return markDead(p, "a DATA_NEXT or DATA_PLACED frame on a connection that takes none");
   if (h.type == kDataPlaced && (placement_ == nullptr || !backend_->scatters()))
     return markDead(p, "a DATA_PLACED frame to a rank that places nothing");

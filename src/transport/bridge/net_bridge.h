@@ -189,6 +189,7 @@ class NetBridge {
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
   bool pumpRecvs(Peer& p);
+  bool payloadsIn() const;  // a peer may send DATA_NEXT or DATA_PLACED payloads (one frame receive posted at a time)
   void checkFrame(Peer& p, const uint8_t* buf, size_t n);
   void applyFrame(Peer& p, const uint8_t* buf, size_t n);
   void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len,
