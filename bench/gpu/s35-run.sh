@@ -10,6 +10,7 @@
 # ab:    A/B of .gpupack/new (main) against .gpupack/b (a change; c, where carried: proxy_bench of another), 2 rounds alternating: proxy_bench R = 2, the
 #        engine at -n 4 across 2 hosts; between the rounds b with the knobs of `first`; then test_gpu_ht at R = 4
 #        across 2 hosts on b, and NCCL through the plugin (built there from this tree) with what is left of 585 s
+# micro: proxy_bench alone, main / b / c twice, about 70 s
 # mini: one round of ab and the HT suite on b, about 220 s
 # short: ab within about 400 s (for a session with little device time left)
 # A pack may travel as PACK.tar.xz (carry limit 64 MiB): unpacked here when its folder is missing.
@@ -72,4 +73,6 @@ case $part in
       for d in .gpupack/new $B; do XT=60 xhost $d 4; done; el
       LD_LIBRARY_PATH=$B EPCOMM_GPU_TEST_RANKS=4 EPCOMM_GPU_TEST_HOSTS=2 timeout 80 $B/test_gpu_ht > $OUT/ht.log 2>&1
       echo "### b test_gpu_ht R=4 hosts=2 rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|WARN" $OUT/ht.log | tail -8; el ) ;;
+  micro)  # proxy_bench only, main / b / c / main / b: about 70 s
+    for d in .gpupack/new .gpupack/b .gpupack/c .gpupack/new .gpupack/b; do pb $d; done; el ;;
 esac
