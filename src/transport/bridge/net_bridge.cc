@@ -578,7 +578,7 @@ bool NetBridge::pumpSends(Peer& p) {
     if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1, d.ch, d.v[0] + d.v[1])) break;
     p.q.pop_front();
   }
-  if (cork && p.send != nullptr) backend_->cork(p.send, false);
+  if (cork) backend_->cork(p.send, false);
   return moved;
 }
 

@@ -203,7 +203,6 @@ struct Helper {
   // write, a syscall on the thread queuing the chunks). Dekker with DataSock::queued, both sides seq_cst: the helper
   // sets it and then looks at its queues, planChunks queues and then reads it, so one of them sees the other.
   std::atomic<bool> sleeping{false};
-  std::vector<bool> watched;  // helperLoop's, per socket of socks
 };
 
 struct SockComm {
@@ -329,6 +328,7 @@ int moveChunks(SockComm* c, int si, bool caller) {
 void helperLoop(SockComm* c, Helper* h) {
   nameThisThread("epcomm-sock");
   std::vector<pollfd> pfds;
+  std::vector<bool> watched(h->socks.size());  // [i]: h->socks[i] has chunks queued that would block (poll() watches)
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
   const int64_t beatNs = netHeartbeatMs() * 1000000LL;
@@ -351,7 +351,6 @@ void helperLoop(SockComm* c, Helper* h) {
       }
       timeoutMs = static_cast<int>(std::clamp<int64_t>((nextBeatNs - now) / 1000000LL + 1, 1, 1000));
     }
-    std::vector<bool>& watched = h->watched;  // [i]: h->socks[i] has chunks queued that would block (poll() watches)
     for (size_t i = 0; i < h->socks.size(); ++i) {
       const int si = h->socks[i];
       const int m = moveChunks(c, si, false);
@@ -493,7 +492,6 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
     c->helpers[d->helper]->socks.push_back(s);
     c->data.push_back(std::move(d));
   }
-  for (auto& hp : c->helpers) hp->watched.assign(hp->socks.size(), false);
   c->lastProgressNs.store(nowNs());
   c->lastHeardNs.store(nowNs());
   c->turns.start(nowNs());
@@ -523,6 +521,11 @@ void putRequest(SockRequest* r) {
   r->comm->freeList.push_back(r);
 }
 
+// A message's bytes on the control socket: its header, and its payload where that is inline.
+size_t ctrlBytes(const SockComm* c, const SockRequest* r) {
+  return sizeof(MsgHeader) + (r->hdr.size <= c->inlineMax ? r->hdr.size : 0);
+}
+
 // Sender: headers (and inline payloads) in posting order, as many queued messages per sendmsg as its iovec holds.
 void sendCtrlProgress(SockComm* c) {
   while (!c->ctrlQ.empty()) {
@@ -531,14 +534,14 @@ void sendCtrlProgress(SockComm* c) {
     size_t want = 0, skip = c->ctrlSent;  // skip: what the front message already sent
     for (SockRequest* r : c->ctrlQ) {
       if (niov + 2 > kIov) break;
-      const size_t payload = r->hdr.size <= c->inlineMax ? r->hdr.size : 0;
+      const size_t total = ctrlBytes(c, r);
       if (skip < sizeof(MsgHeader)) {
         iov[niov++] = {reinterpret_cast<char*>(&r->hdr) + skip, sizeof(MsgHeader) - skip};
-        if (payload) iov[niov++] = {r->data[0], payload};
+        if (total > sizeof(MsgHeader)) iov[niov++] = {r->data[0], total - sizeof(MsgHeader)};
       } else {
-        iov[niov++] = {static_cast<char*>(r->data[0]) + (skip - sizeof(MsgHeader)), sizeof(MsgHeader) + payload - skip};
+        iov[niov++] = {static_cast<char*>(r->data[0]) + (skip - sizeof(MsgHeader)), total - skip};
       }
-      want += sizeof(MsgHeader) + payload - skip;
+      want += total - skip;
       skip = 0;
     }
     msghdr mh{};
@@ -555,7 +558,7 @@ void sendCtrlProgress(SockComm* c) {
     c->lastProgressNs.store(nowNs(), std::memory_order_relaxed);
     for (size_t left = static_cast<size_t>(k); left > 0;) {  // the messages the k bytes completed, in order
       SockRequest* r = c->ctrlQ.front();
-      const size_t rest = sizeof(MsgHeader) + (r->hdr.size <= c->inlineMax ? r->hdr.size : 0) - c->ctrlSent;
+      const size_t rest = ctrlBytes(c, r) - c->ctrlSent;
       if (left < rest) {
         c->ctrlSent += left;
         break;
