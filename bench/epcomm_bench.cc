@@ -2,7 +2,7 @@
 //
 //   epcomm-run -n 4 -- epcomm-bench [--ht-tokens 4096] [--ll-tokens 128] [--hidden 7168] [--topk 8]
 //                                   [--experts 256] [--iters 5] [--warmup 2] [--ops ht,ll,a2a] [--sms 24]
-//                                   [--csv FILE] [--net-raw-mb 16] [--net-raw-msg-kb 1024] [--net-raw-window 4]
+//                                   [--csv FILE] [--net-raw-mb 64] [--net-raw-msg-kb 1024] [--net-raw-window 4]
 //                                   [--blocking-sync]
 //
 // Prints one table on rank 0: operation, ranks, tokens, hidden, top-k, experts, SM budget, median time (the
@@ -17,10 +17,11 @@
 // Across hosts (epcomm-run --hosts H; GPU engine: the bytes its proxy forwarded, in the HT rows and the LL table's
 // graph rows) the rows also show
 // the bytes all ranks handed to the inter-host transport per operation (xhost_MB/op, epCommGetNetBytes) and per
-// second (xhost_GB/s), and, measured in the same run between the same processes before the operations, the raw
-// net throughput (epCommNetRawBandwidth: every rank streams --net-raw-mb MiB to every rank of other hosts at once
+// second (xhost_GB/s), and, measured in the same run between the same processes before and after the operations,
+// the raw net throughput (epCommNetRawBandwidth: every rank streams --net-raw-mb MiB to every rank of other hosts at once
 // over the same EPCOMM_NET backend, in --net-raw-msg-kb KiB messages, --net-raw-window in flight per peer and
-// direction; median of --iters after --warmup): a "net raw" row (GB/s summed over ranks like xhost_GB/s) and
+// direction; --iters repetitions after --warmup before the operations and as many after, the median of all of them,
+// each half's own printed beside it): a "net raw" row (GB/s summed over ranks like xhost_GB/s) and
 // xhost/raw = xhost_GB/s over it for every operation. --net-raw-mb 0 leaves the raw measurement out; with every
 // rank on one host it is off.
 #include <algorithm>
@@ -44,7 +45,7 @@ namespace {
 
 struct Options {
   int ht_tokens = 4096, ll_tokens = 128, hidden = 7168, topk = 8, experts = 256, iters = 5, warmup = 2, sms = 24;
-  int net_raw_mb = 16, net_raw_msg_kb = 1024, net_raw_window = 4;  // raw net stream: MiB per peer, message, window
+  int net_raw_mb = 64, net_raw_msg_kb = 1024, net_raw_window = 4;  // raw net stream: MiB per peer, message, window
   bool ht = true, ll = true, a2a = false;
   // GPU engine: the host thread sleeps in CUDA's waits instead of spinning (cudaDeviceScheduleBlockingSync). CUDA
   // spins while a process has fewer contexts than cores: ranks on virtual hosts of one machine then take a core each
@@ -106,35 +107,44 @@ double memcpyRoofline() {
   return rank == 0 ? 2.0 * bytes * nranks / worst : 0.0;
 }
 
-// Raw net throughput across hosts (host engine), in the same run and between the same processes as the operations:
-// every rank streams to every rank of other hosts at once (epCommNetRawBandwidth). bytes: all ranks' bytes of one
+// Raw net throughput across hosts, in the same run and between the same processes as the operations: every rank
+// streams to every rank of other hosts at once (epCommNetRawBandwidth). Measured twice, before and after the
+// operations (--iters repetitions each, after --warmup), because one short measurement moved by a third from run
+// to run on a 16-core host (s35): the reference is the median of both halves' repetitions pooled, and each half's
+// own median is printed beside it so that a drift during the run shows. bytes: all ranks' bytes of one
 // repetition; seconds: the slowest rank's median. {0, 0} on one host or with --net-raw-mb 0.
 struct NetRaw {
-  double bytes = 0, seconds = 0;
+  double bytes = 0, seconds = 0, before_s = 0, after_s = 0;
+  std::vector<double> mine;  // this rank's times so far (before, then after)
   double gbs() const { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
+  double gbs(double s) const { return s > 0 ? bytes / s / 1e9 : 0.0; }
 };
 
 std::vector<double> gatherToRank0(const double* mine, int n);
 
-NetRaw netRaw(const Options& o) {
-  NetRaw raw;
-  if (o.net_raw_mb <= 0) return raw;
+// One half: --warmup + --iters repetitions; this rank's timed ones go into raw->mine. After the second half (after
+// = true) the pooled and per-half figures are gathered on rank 0.
+void netRaw(const Options& o, NetRaw* raw, bool after) {
+  if (o.net_raw_mb <= 0) return;
   const size_t per_peer = static_cast<size_t>(o.net_raw_mb) << 20, msg = static_cast<size_t>(o.net_raw_msg_kb) << 10;
-  std::vector<double> t;
   uint64_t sent = 0;
   for (int i = 0; i < o.warmup + o.iters; ++i) {
     double s = 0;
     CHECK(epCommNetRawBandwidth(comm, per_peer, msg, o.net_raw_window, &sent, &s));  // one host: 0 at once
-    if (i >= o.warmup) t.push_back(s);
+    if (i >= o.warmup) raw->mine.push_back(s);
   }
-  const double mine[2] = {median(t), static_cast<double>(sent)};
-  const std::vector<double> all = gatherToRank0(mine, 2);
+  if (!after) return;
+  const size_t half = raw->mine.size() / 2;
+  const double mine[4] = {median(raw->mine), median({raw->mine.begin(), raw->mine.begin() + half}),
+                          median({raw->mine.begin() + half, raw->mine.end()}), static_cast<double>(sent)};
+  const std::vector<double> all = gatherToRank0(mine, 4);
   if (rank == 0)
     for (int r = 0; r < nranks; ++r) {
-      raw.seconds = std::max(raw.seconds, all[2 * r]);
-      raw.bytes += all[2 * r + 1];
+      raw->seconds = std::max(raw->seconds, all[4 * r]);
+      raw->before_s = std::max(raw->before_s, all[4 * r + 1]);
+      raw->after_s = std::max(raw->after_s, all[4 * r + 2]);
+      raw->bytes += all[4 * r + 3];
     }
-  return raw;
 }
 
 // Random distinct experts per token.
@@ -1018,16 +1028,18 @@ int main(int argc, char** argv) {
     CUCHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     roof = copyRoofline(s);
     g_p2p = p2pBandwidth(s);
-    raw = netRaw(o);  // across hosts: the proxy's net transport between the same processes
+    netRaw(o, &raw, false);  // across hosts: the proxy's net transport between the same processes
     if (o.ht) benchGpuHt(o, rows, s);
     if (o.ll) benchGpuLl(o, s);
     if (o.a2a) benchGpuA2a(o, rows, s);
+    netRaw(o, &raw, true);
 #endif
   } else {
     roof = memcpyRoofline();
-    raw = netRaw(o);
+    netRaw(o, &raw, false);
     if (o.ht) benchHt(o, rows);
     if (o.ll) benchLl(o, rows);
+    netRaw(o, &raw, true);
   }
   if (rank == 0) {
     const bool gpu = engine == EP_ENGINE_GPU;
@@ -1059,13 +1071,14 @@ int main(int argc, char** argv) {
              "-", raw.seconds * 1e3, "-", "-", "-", raw.bytes / 1e6, raw.gbs(), "-");
       const char* net = getenv("EPCOMM_NET");
       printf("net raw: every rank streamed %d MiB to every rank of other hosts at once over net/%s (%d KiB messages, "
-             "%d in flight per peer and direction; connections of its own, set up like the engine's), before the "
-             "operations; median of %d; xhost/raw = xhost_GB/s over its GB/s\n", o.net_raw_mb,
-             net && *net ? net : "socket", o.net_raw_msg_kb, o.net_raw_window, o.iters);
+             "%d in flight per peer and direction; connections of its own, set up like the engine's), %d times "
+             "before the operations and %d times after; the median of all %d (before alone %.3f GB/s, after alone "
+             "%.3f); xhost/raw = xhost_GB/s over it\n", o.net_raw_mb, net && *net ? net : "socket", o.net_raw_msg_kb,
+             o.net_raw_window, o.iters, o.iters, 2 * o.iters, raw.gbs(raw.before_s), raw.gbs(raw.after_s));
     }
 #ifdef EPCOMM_HAVE_GPU_ENGINE
     // Across hosts the graph rows also give what all ranks' proxies forwarded per operation (xhost_MB/op), that per
-    // second of rank 0's graph time (xhost_GB/s), and that over the raw net stream measured before (xhost/raw).
+    // second of rank 0's graph time (xhost_GB/s), and that over the raw net stream (xhost/raw).
     bool ll_xhost = raw.gbs() > 0;
     for (const LlTimes& t : g_ll) ll_xhost = ll_xhost || t.xhost_bytes > 0;
     if (!g_ll.empty())
