@@ -1,0 +1,40 @@
+#!/bin/bash
+# s36's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
+# build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
+#   bash bench/gpu/s36-run.sh PART
+# diag: what main owes on the GPU (test_gpu_ht and test_gpu_ll at R = 4 across 2 virtual hosts); where the proxy's
+#       gap to the raw stream comes from (proxy_bench R = 2 with one knob at a time: 64 KiB records instead of 14,
+#       2 and 8 helper threads per connection instead of 4, a bridge thread of its own, 512 KiB chunks, 4 MiB proxy
+#       messages with 32 MiB rings, a raw stream with 1 message in flight); the engine at -n 4 across 2 hosts with
+#       and without --blocking-sync, alternating (the bench's raw reference is now before + after the operations)
+# nccl: NCCL through the plugin (built here: carry build-nccl-net or not), worlds 2 and 4, then the small-message
+#       sweep against NCCL's own Socket transport (world 2, 8 KiB .. 8 MiB, 3 interleaved rounds)
+cd "$(dirname "$0")/../.."
+part=${1:-diag}
+T0=$(date +%s); source bench/gpu/common.sh; gpu_log s36 $part
+for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
+D=${D:-.gpupack/m}
+pb() { local d=$1; shift; local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
+  echo -n "proxy_bench R=2 [${a[*]} $*]: "
+  env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$d timeout 60 $d/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \
+    "${a[@]}" 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1; }
+suite1() { local t=$1 r=$2 h=$3 to=$4
+  LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
+  echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
+case $part in
+  diag)
+    ( mps_start
+      suite1 ht 4 2 60
+      echo "## columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
+      pb $D; pb $D --record-kb 64; pb $D EPCOMM_NET_NTHREADS=2; pb $D EPCOMM_NET_NTHREADS=8
+      pb $D EPCOMM_GPU_PROXY_NET_THREAD=1; pb $D EPCOMM_NET_MIN_CHUNK=524288
+      pb $D EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; pb $D --raw-window 1; pb $D; el
+      for i in 1 2; do XT=70 xhost $D 4; XT=70 BENCH_ARGS=--blocking-sync xhost $D 4; done; el
+      left=$(( 580 - ($(date +%s) - T0) )); [ $left -gt 60 ] && suite1 ll 4 2 $left ) ;;
+  nccl)
+    WORLDS="2 4" timeout 300 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -24; el
+    left=$(( 580 - ($(date +%s) - T0) )); echo "### small-message sweep, $left s left"
+    [ $left -gt 60 ] && ROUNDS=3 REPS=3 ITERS_SCALE=3 WORLDS=2 OPS=broadcast,all_gather,all_reduce,all_to_all \
+      SIZES=8K,32K,128K,512K,2M,8M timeout $left bash scripts/nccl_bench_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -45
+    el ;;
+esac
