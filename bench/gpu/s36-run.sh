@@ -29,6 +29,9 @@ case $part in
       pb $D; pb $D --record-kb 64; pb $D EPCOMM_NET_NTHREADS=2; pb $D EPCOMM_NET_NTHREADS=8
       pb $D EPCOMM_GPU_PROXY_NET_THREAD=1; pb $D EPCOMM_NET_MIN_CHUNK=524288
       pb $D EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; pb $D --raw-window 1; pb $D; el
+      echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
+      EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 60 $D/proxy_bench --ranks 2 --mb 2048 \
+        --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -24; el
       for i in 1 2; do XT=70 xhost $D 4; XT=70 BENCH_ARGS=--blocking-sync xhost $D 4; done; el
       left=$(( 580 - ($(date +%s) - T0) )); [ $left -gt 60 ] && suite1 ll 4 2 $left ) ;;
   nccl)
