@@ -32,7 +32,7 @@ case $part in
       echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
       EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 60 $D/proxy_bench --ranks 2 --mb 2048 \
         --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -24; el
-      for i in 1 2; do XT=70 xhost $D 4; XT=70 BENCH_ARGS=--blocking-sync xhost $D 4; done; el
+      for i in 1 2; do XT=70 xhost $D 4; XT=70 BENCH_ARGS=--blocking-sync xhost $D 4; done; XT=70 xhost $D 4 EPCOMM_NET_NTHREADS=2; el
       left=$(( 580 - ($(date +%s) - T0) )); [ $left -gt 60 ] && suite1 ll 4 2 $left ) ;;
   nccl)
     WORLDS="2 4" timeout 300 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -24; el
