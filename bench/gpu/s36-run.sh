@@ -2,13 +2,13 @@
 # s36's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
 # build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
 #   bash bench/gpu/s36-run.sh PART
-# diag: what main owes on the GPU (test_gpu_ht and test_gpu_ll at R = 4 across 2 virtual hosts); where the proxy's
+# diag: what main owes on the GPU (test_gpu_ht at R = 4 across 2 virtual hosts); where the proxy's
 #       gap to the raw stream comes from (proxy_bench R = 2 with one knob at a time: 64 KiB records instead of 14,
 #       2 and 8 helper threads per connection instead of 4, a bridge thread of its own, 512 KiB chunks, 4 MiB proxy
 #       messages with 32 MiB rings, a raw stream with 1 message in flight); the engine at -n 4 across 2 hosts with
 #       and without --blocking-sync, alternating (the bench's raw reference is now before + after the operations)
-# nccl: NCCL through the plugin (built here: carry build-nccl-net or not), worlds 2 and 4, then the small-message
-#       sweep against NCCL's own Socket transport (world 2, 8 KiB .. 8 MiB, 3 interleaved rounds)
+# nccl: NCCL through the plugin (built here: carry build-nccl-net or not), worlds 2 and 4, test_gpu_ll at R = 4
+#       across 2 hosts, then the small-message sweep against NCCL's own Socket transport (world 2, 8 KiB .. 8 MiB, 3 interleaved rounds)
 cd "$(dirname "$0")/../.."
 part=${1:-diag}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s36 $part
@@ -32,10 +32,10 @@ case $part in
       echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
       EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 60 $D/proxy_bench --ranks 2 --mb 2048 \
         --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -24; el
-      for i in 1 2; do XT=70 xhost $D 4; XT=70 BENCH_ARGS=--blocking-sync xhost $D 4; done; XT=70 xhost $D 4 EPCOMM_NET_NTHREADS=2; el
-      left=$(( 580 - ($(date +%s) - T0) )); [ $left -gt 60 ] && suite1 ll 4 2 $left ) ;;
+      for i in 1 2; do XT=70 xhost $D 4; XT=70 BENCH_ARGS=--blocking-sync xhost $D 4; done; XT=70 xhost $D 4 EPCOMM_NET_NTHREADS=2; el ) ;;
   nccl)
-    WORLDS="2 4" timeout 300 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -24; el
+    WORLDS="2 4" timeout 200 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -24; el
+    ( mps_start; suite1 ll 4 2 170 )
     left=$(( 580 - ($(date +%s) - T0) )); echo "### small-message sweep, $left s left"
     [ $left -gt 60 ] && ROUNDS=3 REPS=3 ITERS_SCALE=3 WORLDS=2 OPS=broadcast,all_gather,all_reduce,all_to_all \
       SIZES=8K,32K,128K,512K,2M,8M timeout $left bash scripts/nccl_bench_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -45
