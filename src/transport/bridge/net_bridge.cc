@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -10,6 +11,7 @@
 
 #include "common/checks.h"
 #include "common/log.h"
+#include "common/param.h"
 #include "common/thread_name.h"
 #include "common/time.h"
 #include "transport/net/net.h"
@@ -59,6 +61,12 @@ constexpr size_t kMinPayloadMsg = 256u << 10;
 // Most placed pieces in one payload (a DATA_PLACED frame's bytes; a piece and the inbox bytes before it are two of
 // the scattered receive's pieces).
 constexpr size_t kMaxPlacedSegs = std::min<size_t>(kFramePayload / sizeof(PlacedSeg), net::kNetMaxScatter / 2 - 1);
+
+// Parallel data streams per direction over all of a bridge's connections (NetBackend::connectStreams), spread evenly:
+// a rank that reaches hundreds of ranks of other hosts would otherwise open the socket backend's default of 8 data
+// sockets and 4 helper threads per connection and direction for each (about 7000 descriptors and 2000 threads per
+// process at 248 peers). 64 leaves that default alone up to 8 peers; 0 or less: no cap.
+EP_PARAM(NetStreamBudget, "NET_STREAM_BUDGET", 64);
 
 }  // namespace
 
@@ -332,6 +340,13 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
   }
   send.assign(nranks_, nullptr);
   recv.assign(nranks_, nullptr);
+  const int64_t budget = epParamNetStreamBudget();
+  const int streams = budget > 0 ? static_cast<int>(std::max<int64_t>(1, budget / std::max(nremote, 1))) : 0;
+  // Room for both ends of every connection under RLIMIT_NOFILE, checked before the first socket.
+  char what[96];
+  snprintf(what, sizeof(what), "rank %d's net connections to and from %d ranks of other hosts", rank_, nremote);
+  if (net::ensureDescriptors(size_t{2} * nremote * backend_->descriptorsPerConnection(streams), what) != epSuccess)
+    return EP_ERROR(epSystemError, "%s", net::netLastError());
   // connect() keeps its progress in the caller's copy of the handle: a fresh copy for every call.
   std::vector<std::array<uint8_t, net::kNetHandleSize>> handle(nranks_);
   for (int r = 0; r < nranks_; ++r)
@@ -357,7 +372,7 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
     for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
       if (!to[r]) continue;
       if (!send[r]) {
-        if (backend_->connect(0, handle[r].data(), &send[r]) != epSuccess) {
+        if (backend_->connectStreams(0, handle[r].data(), streams, &send[r]) != epSuccess) {
           res = EP_ERROR(epRemoteError, "rank %d: connecting to rank %d over the net transport: %s", rank_, r,
                          net::netLastError());
           break;

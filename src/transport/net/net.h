@@ -58,6 +58,19 @@ class NetBackend {
   virtual epResult_t getProperties(int dev, NetProperties* props) = 0;
   virtual epResult_t listen(int dev, void* handle, void** listenComm) = 0;
   virtual epResult_t connect(int dev, void* handle, void** sendComm) = 0;
+  // connect() for a caller that opens many connections at once (the net bridge: one per rank of other hosts, which
+  // may be hundreds): at most max_streams parallel data streams on this one (the socket backend: data sockets, and
+  // helper threads on each side), 0 for the backend's default. Both ends use what the connecting side chose.
+  virtual epResult_t connectStreams(int dev, void* handle, int max_streams, void** sendComm) {
+    (void)max_streams;
+    return connect(dev, handle, sendComm);
+  }
+  // File descriptors one end of a connection made with connectStreams(max_streams) holds (0: none that grow with
+  // connections, as far as this backend knows): what a caller must find room for under RLIMIT_NOFILE.
+  virtual int descriptorsPerConnection(int max_streams) const {
+    (void)max_streams;
+    return 0;
+  }
   virtual epResult_t accept(void* listenComm, void** recvComm) = 0;
   virtual epResult_t regMr(void* comm, void* data, size_t size, int type, void** mhandle) = 0;
   virtual epResult_t deregMr(void* comm, void* mhandle) = 0;
@@ -90,6 +103,11 @@ NetBackend* netBackend(std::string* why);
 // Backends can also be made explicitly (tests compare them); the object lives for the whole process.
 NetBackend* netSocketBackend(std::string* why);
 NetBackend* netOfiBackend(std::string* why);
+
+// Makes room under RLIMIT_NOFILE for `more` descriptors beyond those open now (and a margin): raises the soft limit
+// toward the hard one where needed (logged at INFO), else fails with epSystemError naming both limits and `what`
+// (the connections that need them), before a socket() or accept() deep in connection set-up would fail with EMFILE.
+epResult_t ensureDescriptors(size_t more, const char* what);
 
 // ---- logging: through NCCL's logger when the plugin was loaded by NCCL, else epcomm's own log ----------------
 enum NetLogLevel : int { kNetLogWarn = 1, kNetLogInfo = 2, kNetLogTrace = 3 };

@@ -1,6 +1,9 @@
 // Logging sink, error recording and backend selection for the net transport.
+#include <dirent.h>
 #include <strings.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
@@ -56,6 +59,37 @@ const char* netLastError() { return tLastError; }
 epResult_t netQuietError(epResult_t code, const char* msg) {
   snprintf(tLastError, sizeof(tLastError), "%s", msg);
   return code;
+}
+
+epResult_t ensureDescriptors(size_t more, const char* what) {
+  constexpr size_t kMargin = 64;  // for what else the process opens meanwhile (files, pipes, the bootstrap)
+  size_t open_now = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (const dirent* e = readdir(d)) open_now += e->d_name[0] != '.';
+    closedir(d);
+    if (open_now > 0) --open_now;  // the directory's own descriptor
+  }
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return epSuccess;  // cannot tell: let socket() say
+  const size_t need = open_now + more + kMargin;
+  if (lim.rlim_cur == RLIM_INFINITY || lim.rlim_cur >= need) return epSuccess;
+  if (lim.rlim_max == RLIM_INFINITY || lim.rlim_max >= need) {
+    const rlim_t old = lim.rlim_cur;
+    // Up to the hard limit at most, but not beyond what is needed twice over (a later communicator's share).
+    lim.rlim_cur = lim.rlim_max == RLIM_INFINITY ? 2 * need : std::min<rlim_t>(lim.rlim_max, 2 * need);
+    if (setrlimit(RLIMIT_NOFILE, &lim) == 0) {
+      NET_INFO("NET/epcomm: %s need about %zu more file descriptors (%zu open): raised the soft RLIMIT_NOFILE from "
+               "%llu to %llu", what, more, open_now, static_cast<unsigned long long>(old),
+               static_cast<unsigned long long>(lim.rlim_cur));
+      return epSuccess;
+    }
+    lim.rlim_cur = old;
+  }
+  NET_FAIL(epSystemError,
+           "NET/epcomm: %s need about %zu more file descriptors, %zu are open, and RLIMIT_NOFILE allows %llu (hard "
+           "limit %llu): raise the limit (ulimit -n) or lower EPCOMM_NET_STREAM_BUDGET (data streams per peer)",
+           what, more, open_now, static_cast<unsigned long long>(lim.rlim_cur),
+           lim.rlim_max == RLIM_INFINITY ? ~0ull : static_cast<unsigned long long>(lim.rlim_max));
 }
 
 NetBackend* netBackend(std::string* why) {

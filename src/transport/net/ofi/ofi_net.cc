@@ -355,6 +355,12 @@ class OfiBackend final : public NetBackend {
     return epSuccess;
   }
 
+  // The TCP side channel; a provider that connects per peer (tcp, rxm over it) may hold one more.
+  int descriptorsPerConnection(int max_streams) const override {
+    (void)max_streams;
+    return 2;
+  }
+
   epResult_t connect(int dev, void* handle, void** sendComm) override {
     *sendComm = nullptr;
     auto* h = static_cast<OfiHandle*>(handle);

@@ -103,6 +103,15 @@ constexpr uint32_t kVersion = 2;  // 2: the liveness socket (a version-1 peer wo
 constexpr int kMaxDataSocks = 64;
 constexpr size_t kStage = 16 << 10;  // receiver's control-stream read-ahead (see SockComm::stage)
 
+// Data sockets of a connection the caller makes (its Hello tells the peer): NTHREADS x NSOCKS, at most max_streams
+// where that is positive (NetBackend::connectStreams). Each side then runs min(NTHREADS, sockets) helper threads.
+int dataSockets(int max_streams) {
+  const int64_t T = std::clamp<int64_t>(helperThreads(), 1, kMaxDataSocks);
+  int64_t S = std::clamp<int64_t>(T * std::max<int64_t>(1, epParamNetNsocks()), 1, kMaxDataSocks);
+  if (max_streams > 0) S = std::min<int64_t>(S, max_streams);
+  return static_cast<int>(S);
+}
+
 struct SockConnectStage;
 
 struct SocketHandle {
@@ -757,6 +766,15 @@ class SocketBackend final : public NetBackend {
   }
 
   epResult_t connect(int dev, void* handle, void** sendComm) override {
+    return connectStreams(dev, handle, 0, sendComm);
+  }
+
+  int descriptorsPerConnection(int max_streams) const override {
+    const int S = dataSockets(max_streams);
+    return S + 2 + static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, S));  // + control, liveness; eventfds
+  }
+
+  epResult_t connectStreams(int dev, void* handle, int max_streams, void** sendComm) override {
     (void)dev;
     *sendComm = nullptr;
     auto* h = static_cast<SocketHandle*>(handle);
@@ -765,8 +783,7 @@ class SocketBackend final : public NetBackend {
     SockConnectStage* st = h->stage;
     if (st == nullptr) {
       st = new SockConnectStage();
-      int64_t T = std::clamp<int64_t>(helperThreads(), 1, kMaxDataSocks);
-      int64_t S = std::clamp<int64_t>(T * std::max<int64_t>(1, epParamNetNsocks()), 1, kMaxDataSocks);
+      const int64_t S = dataSockets(max_streams);
       st->hello = Hello{kHelloMagic, kVersion, h->secret, randomU64(), 0, static_cast<uint32_t>(S),
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetChunk(), 4096, 1 << 30)),
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetMinChunk(), 4096, 1 << 30)),
