@@ -2,6 +2,10 @@
 # s36's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
 # build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
 #   bash bench/gpu/s36-run.sh PART
+# one:  the owed checks and the main diagnostics in one call (HT and LL suites across hosts, proxy_bench with 4
+#       settings and the proxy's trace, the engine across hosts by default / --blocking-sync / 2 helper threads, NCCL
+#       through the plugin at world 2 with what is left)
+# sweep: the small-message sweep alone (below)
 # diag: what main owes on the GPU (test_gpu_ht at R = 4 across 2 virtual hosts); where the proxy's
 #       gap to the raw stream comes from (proxy_bench R = 2 with one knob at a time: 64 KiB records instead of 14,
 #       2 and 8 helper threads per connection instead of 4, a bridge thread of its own, 512 KiB chunks, 4 MiB proxy
@@ -22,6 +26,23 @@ suite1() { local t=$1 r=$2 h=$3 to=$4
   LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
   echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
 case $part in
+  one)  # everything owed in one call of about 560 s, for a session whose machines are scarce
+    ( mps_start
+      suite1 ht 4 2 60
+      echo "## columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
+      pb $D; pb $D EPCOMM_NET_NTHREADS=2; pb $D --record-kb 64
+      pb $D EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; el
+      echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
+      EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 30 $D/proxy_bench --ranks 2 --mb 2048 \
+        --writers 2 --reps 2 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -12; el
+      XT=60 xhost $D 4; XT=60 BENCH_ARGS=--blocking-sync xhost $D 4; XT=60 xhost $D 4 EPCOMM_NET_NTHREADS=2; el
+      suite1 ll 4 2 160 )
+    left=$(( 570 - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
+    [ $left -gt 40 ] && WORLDS=2 timeout $left bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14
+    el ;;
+  sweep)
+    ROUNDS=3 REPS=3 ITERS_SCALE=3 WORLDS=2 OPS=broadcast,all_gather,all_reduce,all_to_all SIZES=8K,32K,128K,512K,2M,8M \
+      timeout 560 bash scripts/nccl_bench_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -45; el ;;
   diag)
     ( mps_start
       suite1 ht 4 2 60
