@@ -26,20 +26,24 @@ suite1() { local t=$1 r=$2 h=$3 to=$4
   LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
   echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
 case $part in
-  one)  # everything owed in one call of about 560 s, for a session whose machines are scarce
+  one)  # everything owed in one call, most needed first, each part only while BUDGET (default 570 s) lasts
+    left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }
     ( mps_start
-      suite1 ht 4 2 60
+      suite1 ht 4 2 60 )
+    echo "### NCCL through the plugin, world 2, $(left) s left"
+    [ $(left) -gt 60 ] && WORLDS=2 timeout $(( $(left) < 150 ? $(left) : 150 )) bash scripts/nccl_plugin_gpu.sh 2>&1 \
+      | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14; el
+    ( mps_start
+      [ $(left) -gt 100 ] && suite1 ll 4 2 $(( $(left) < 170 ? $(left) - 10 : 160 ))
       echo "## columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-      pb $D; pb $D EPCOMM_NET_NTHREADS=2; pb $D --record-kb 64
-      pb $D EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; el
-      echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
-      EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 30 $D/proxy_bench --ranks 2 --mb 2048 \
-        --writers 2 --reps 2 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -12; el
-      XT=60 xhost $D 4; XT=60 BENCH_ARGS=--blocking-sync xhost $D 4; XT=60 xhost $D 4 EPCOMM_NET_NTHREADS=2; el
-      suite1 ll 4 2 160 )
-    left=$(( 570 - ($(date +%s) - T0) )); echo "### NCCL through the plugin, world 2, $left s left"
-    [ $left -gt 40 ] && WORLDS=2 timeout $left bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14
-    el ;;
+      [ $(left) -gt 40 ] && { pb $D; pb $D EPCOMM_NET_NTHREADS=2; }
+      [ $(left) -gt 40 ] && { echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
+        EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 30 $D/proxy_bench --ranks 2 --mb 2048 \
+          --writers 2 --reps 2 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -12; el; }
+      [ $(left) -gt 80 ] && { XT=60 xhost $D 4; XT=60 BENCH_ARGS=--blocking-sync xhost $D 4; }
+      [ $(left) -gt 70 ] && XT=60 xhost $D 4 EPCOMM_NET_NTHREADS=2
+      [ $(left) -gt 30 ] && { pb $D --record-kb 64; pb $D EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; }
+      el ) ;;
   sweep)
     ROUNDS=3 REPS=3 ITERS_SCALE=3 WORLDS=2 OPS=broadcast,all_gather,all_reduce,all_to_all SIZES=8K,32K,128K,512K,2M,8M \
       timeout 560 bash scripts/nccl_bench_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -45; el ;;
