@@ -121,9 +121,10 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   EPCHECK(dev_->allocDevice(sizeof(GpuRemote), reinterpret_cast<void**>(&table_dev_)));
   EPCHECK(dev_->upload(table_dev_, &table, sizeof(table)));
 
-  // The bridge's inboxes: a region of this process only (created, then unlinked at once).
-  EPCHECK(inbox_.create(shmRegionName(bs->secret(), rank_) + "-gpu-proxy", rank_, nranks_, 1, inbox_bytes_));
-  inbox_.unlink();
+  // The bridge's inboxes: memory of this process only, not /dev/shm. A ring per rank of the communicator is 8 MiB x R,
+  // past a container's default 64 MiB /dev/shm from R = 8: there the socket backend's receives into the last rings
+  // failed with "Bad address" (proxy_bench --ranks 8 under a 64 MiB /dev/shm, s36).
+  EPCHECK(inbox_.createPrivate(rank_, nranks_, 1, inbox_bytes_));
   bridge_ = std::make_unique<NetBridge>(rank_, nranks_, 1, ring_bytes_,  // the outbox is the ring
                                         static_cast<size_t>(std::max<int64_t>(epParamGpuProxyMsgBytes(), 4096)),
                                         remote_, &inbox_);

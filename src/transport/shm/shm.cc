@@ -59,7 +59,30 @@ epResult_t ShmRegion::create(const std::string& name, int rank, int nranks, int 
     base_ = nullptr;
     EP_FAIL(epSystemError, "mmap of shared memory %s (%zu bytes) failed: %s", name.c_str(), bytes_, strerror(e));
   }
-  // Fresh pages are zero, so the ring counters start at 0; touch them so a short /dev/shm fails here.
+  initHeader(rank, nranks, nchannels, ring_bytes);  // touched: a short /dev/shm fails here
+  EP_INFO(kSubsysShm, "created shared region %s: %zu bytes, %d x %d rings of %zu bytes", name.c_str(), bytes_,
+          nranks, nchannels, ring_bytes);
+  return epSuccess;
+}
+
+epResult_t ShmRegion::createPrivate(int rank, int nranks, int nchannels, size_t ring_bytes) {
+  bytes_ = bytesFor(nranks, nchannels, ring_bytes);
+  ring_bytes_ = ring_bytes;
+  nchannels_ = nchannels;
+  name_.clear();
+  base_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base_ == MAP_FAILED) {
+    const int e = errno;
+    base_ = nullptr;
+    EP_FAIL(epSystemError, "mmap of %zu bytes of private ring memory failed: %s", bytes_, strerror(e));
+  }
+  owner_ = true;
+  initHeader(rank, nranks, nchannels, ring_bytes);
+  return epSuccess;
+}
+
+void ShmRegion::initHeader(int rank, int nranks, int nchannels, size_t ring_bytes) {
+  // Fresh pages are zero, so the ring counters start at 0.
   RegionHeader* h = header();
   h->magic = kRegionMagic;
   h->version = EPCOMM_VERSION_CODE;
@@ -69,9 +92,6 @@ epResult_t ShmRegion::create(const std::string& name, int rank, int nranks, int 
   h->pid = getpid();
   h->ring_bytes = ring_bytes;
   h->ready.store(1, std::memory_order_release);
-  EP_INFO(kSubsysShm, "created shared region %s: %zu bytes, %d x %d rings of %zu bytes", name.c_str(), bytes_,
-          nranks, nchannels, ring_bytes);
-  return epSuccess;
 }
 
 epResult_t ShmRegion::open(const std::string& name, int expect_rank, int nranks, int nchannels,

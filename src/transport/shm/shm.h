@@ -71,6 +71,10 @@ class ShmRegion {
   static size_t bytesFor(int nranks, int nchannels, size_t ring_bytes);
   // Creates (O_EXCL) and maps the region named name, initialises header and rings.
   epResult_t create(const std::string& name, int rank, int nranks, int nchannels, size_t ring_bytes);
+  // The same layout in anonymous memory of this process alone, not in /dev/shm (which containers cap, 64 MiB by
+  // default): for rings no other process maps (the GPU proxy's inboxes, a ring per rank). Pages are backed only as
+  // they are written.
+  epResult_t createPrivate(int rank, int nranks, int nchannels, size_t ring_bytes);
   // Maps a peer's region and checks its header.
   epResult_t open(const std::string& name, int expect_rank, int nranks, int nchannels, size_t ring_bytes);
   epResult_t unlink();  // removes the name; mappings stay valid
@@ -84,6 +88,7 @@ class ShmRegion {
   size_t mappedBytes() const { return bytes_; }
 
  private:
+  void initHeader(int rank, int nranks, int nchannels, size_t ring_bytes);
   void* base_ = nullptr;
   size_t bytes_ = 0;
   size_t ring_bytes_ = 0;
