@@ -373,6 +373,19 @@ TEST(GpuProxy, StopWithFlushDeliversWhatTheRingsHold) {
   unsetenv("EPCOMM_GPU_PROXY_RING_BYTES");
 }
 
+// The default ring size shrinks with the communicator so that a rank's rings and inboxes (one each per rank of
+// another host) stay near 1 GiB at 256 ranks, and never below the 1 MiB every record fits in.
+TEST(GpuProxy, DefaultRingsShrinkPastSixtyFourRanks) {
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(2), size_t{8} << 20);
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(64), size_t{8} << 20);
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(65), size_t{4} << 20);
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(128), size_t{4} << 20);
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(256), size_t{2} << 20);
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(512), size_t{1} << 20);
+  EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(4096), size_t{1} << 20);
+  for (int r = 2; r <= 4096; r *= 2) EXPECT_EQ(epcomm::gpuProxyDefaultRingBytes(r) % epcomm::kRemoteRecordAlign, 0u);
+}
+
 // Ranks whose rings differ in size (EPCOMM_GPU_PROXY_RING_BYTES) cannot carry each other's records (a payload lands
 // at its offset in the sender's ring): the connection is refused at set-up with that reason instead of a stream
 // that breaks later. The rank that reads the other's greeting first says so; the other may only time out.

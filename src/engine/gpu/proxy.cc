@@ -15,8 +15,15 @@
 namespace epcomm {
 
 // Bytes of each outbound ring (one per rank of another host, pinned host memory) and of each inbox the bridge
-// fills (one per such rank). Both hold several of the largest records (an HT queue slot, an LL slot's row).
-EP_PARAM(GpuProxyRingBytes, "GPU_PROXY_RING_BYTES", 8 << 20);
+// fills (one per such rank). Both hold several of the largest records (an HT queue slot, an LL slot's row). 0 (the
+// default): gpuProxyDefaultRingBytes of the communicator's size.
+EP_PARAM(GpuProxyRingBytes, "GPU_PROXY_RING_BYTES", 0);
+
+size_t gpuProxyDefaultRingBytes(int nranks) {
+  size_t ring = size_t{8} << 20;
+  while (ring > (size_t{1} << 20) && ring * static_cast<size_t>(std::max(nranks, 1)) > (size_t{512} << 20)) ring /= 2;
+  return ring;
+}
 // 1: the proxy prints where every stream stands once a second, and where its thread's time went (diagnostics).
 EP_PARAM(GpuProxyTrace, "GPU_PROXY_TRACE", 0);
 // Largest message the proxy's net bridge sends a run of records in (at most an eighth of the ring). Above the socket
@@ -89,7 +96,9 @@ GpuProxy::~GpuProxy() {
 epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers], int timeout_ms) {
   EP_REQUIRE(dev_ != nullptr, epNotSupported, "GPU proxy: this build has no CUDA device support");
   for (int b = 0; b < static_cast<int>(kRemoteNumBuffers); ++b) buf_bytes_[b] = bytes[b];
-  ring_bytes_ = static_cast<size_t>(std::max<int64_t>(epParamGpuProxyRingBytes(), 1 << 20)) &
+  const int64_t ring_set = epParamGpuProxyRingBytes();
+  ring_bytes_ = (ring_set > 0 ? static_cast<size_t>(std::max<int64_t>(ring_set, 1 << 20))
+                              : gpuProxyDefaultRingBytes(nranks_)) &
                 ~size_t{kRemoteRecordAlign - 1};
   inbox_bytes_ = ring_bytes_;
   stream_stores_ = epParamGpuProxyStreamStores() != 0;

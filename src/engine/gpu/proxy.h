@@ -75,6 +75,13 @@ std::unique_ptr<ProxyDevice> cudaProxyDevice(int device);
 // Plain host memory for both sides: the CPU tests' device.
 std::unique_ptr<ProxyDevice> hostProxyDevice();
 
+// The rings' and inboxes' size where EPCOMM_GPU_PROXY_RING_BYTES is unset: 8 MiB up to 64 ranks, then halved as
+// the communicator doubles, down to 1 MiB (4 MiB at 128 ranks, 2 MiB at 256). A rank holds a ring (pinned) and an
+// inbox per rank of another host: at 256 ranks 8 MiB each would be about 4 GiB of host memory per rank, half of it
+// pinned, 32 GiB on an 8-GPU host; 2 MiB makes it about 1 GiB. Every rank derives the same size (the bridge refuses
+// rings of different sizes).
+size_t gpuProxyDefaultRingBytes(int nranks);
+
 class GpuProxy final : private NetBridge::Placement {
  public:
   // remote[r] != 0: rank r is on another host.
