@@ -11,7 +11,7 @@
 #       2 and 8 helper threads per connection instead of 4, a bridge thread of its own, 512 KiB chunks, 4 MiB proxy
 #       messages with 32 MiB rings, a raw stream with 1 message in flight); the engine at -n 4 across 2 hosts with
 #       and without --blocking-sync, alternating (the bench's raw reference is now before + after the operations)
-# nccl: NCCL through the plugin (built here: carry build-nccl-net or not), worlds 2 and 4, test_gpu_ll at R = 4
+# nccl: NCCL through the plugin (built there by the script: do not carry build-nccl-net, whose build.ninja holds this checkout's absolute paths), worlds 2 and 4, test_gpu_ll at R = 4
 #       across 2 hosts, then the small-message sweep against NCCL's own Socket transport (world 2, 8 KiB .. 8 MiB, 3 interleaved rounds)
 cd "$(dirname "$0")/../.."
 part=${1:-diag}
