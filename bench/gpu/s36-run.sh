@@ -2,17 +2,19 @@
 # s36's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
 # build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
 #   bash bench/gpu/s36-run.sh PART
-# one:  the owed checks and the main diagnostics in one call (HT and LL suites across hosts, proxy_bench with 4
-#       settings and the proxy's trace, the engine across hosts by default / --blocking-sync / 2 helper threads, NCCL
-#       through the plugin at world 2 with what is left)
+# one:  the owed checks and the main diagnostics in one call, most needed first, each part only while BUDGET (570 s)
+#       lasts: test_gpu_ht at R = 4 across 2 hosts, NCCL through the plugin at world 2, test_gpu_ll at R = 4 across
+#       2 hosts, proxy_bench (default, 2 helper threads) and the proxy's trace, the engine at -n 4 across 2 hosts by
+#       default / --blocking-sync / 2 helper threads, proxy_bench with 64 KiB records and with 4 MiB messages)
 # sweep: the small-message sweep alone (below)
 # diag: what main owes on the GPU (test_gpu_ht at R = 4 across 2 virtual hosts); where the proxy's
 #       gap to the raw stream comes from (proxy_bench R = 2 with one knob at a time: 64 KiB records instead of 14,
 #       2 and 8 helper threads per connection instead of 4, a bridge thread of its own, 512 KiB chunks, 4 MiB proxy
 #       messages with 32 MiB rings, a raw stream with 1 message in flight); the engine at -n 4 across 2 hosts with
 #       and without --blocking-sync, alternating (the bench's raw reference is now before + after the operations)
-# nccl: NCCL through the plugin (built there by the script: do not carry build-nccl-net, whose build.ninja holds this checkout's absolute paths), worlds 2 and 4, test_gpu_ll at R = 4
-#       across 2 hosts, then the small-message sweep against NCCL's own Socket transport (world 2, 8 KiB .. 8 MiB, 3 interleaved rounds)
+# nccl: NCCL through the plugin, worlds 2 and 4, test_gpu_ll at R = 4 across 2 hosts, then the small-message sweep
+#       against NCCL's own Socket transport (world 2, 8 KiB .. 8 MiB, 3 interleaved rounds)
+# The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-diag}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s36 $part
