@@ -104,13 +104,16 @@ constexpr int kMaxDataSocks = 64;
 constexpr size_t kStage = 16 << 10;  // receiver's control-stream read-ahead (see SockComm::stage)
 
 // Data sockets of a connection the caller makes (its Hello tells the peer): NTHREADS x NSOCKS, at most max_streams
-// where that is positive (NetBackend::connectStreams). Each side then runs min(NTHREADS, sockets) helper threads.
+// where that is positive (NetBackend::connectStreams). Each side then runs helpersFor(sockets) helper threads.
 int dataSockets(int max_streams) {
   const int64_t T = std::clamp<int64_t>(helperThreads(), 1, kMaxDataSocks);
   int64_t S = std::clamp<int64_t>(T * std::max<int64_t>(1, epParamNetNsocks()), 1, kMaxDataSocks);
   if (max_streams > 0) S = std::min<int64_t>(S, max_streams);
   return static_cast<int>(S);
 }
+
+// Helper threads of a connection of `sockets` data sockets, on either side: NTHREADS, at most one per socket.
+int helpersFor(int sockets) { return static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, sockets)); }
 
 struct SockConnectStage;
 
@@ -482,7 +485,7 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
   // turns an idle connection to a vanished peer into an error.
   unsigned int none = 0;
   for (int fd : fds) setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &none, sizeof(none));
-  int T = static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, S));
+  const int T = helpersFor(S);
   if (!isSend) c->stage.reset(new char[kStage]);
   c->pool.reset(new SockRequest[kNetRequestPool]);
   for (int i = kNetRequestPool - 1; i >= 0; --i) {
@@ -771,7 +774,7 @@ class SocketBackend final : public NetBackend {
 
   int descriptorsPerConnection(int max_streams) const override {
     const int S = dataSockets(max_streams);
-    return S + 2 + static_cast<int>(std::clamp<int64_t>(helperThreads(), 1, S));  // + control, liveness; eventfds
+    return S + 2 + helpersFor(S);  // + control, liveness; an eventfd per helper
   }
 
   epResult_t connectStreams(int dev, void* handle, int max_streams, void** sendComm) override {
