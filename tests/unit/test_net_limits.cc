@@ -2,7 +2,6 @@
 // data sockets (and so its helper threads) on both ends, descriptorsPerConnection says what one end holds, and
 // ensureDescriptors makes room under RLIMIT_NOFILE before the net bridge opens a connection per rank of other hosts
 // (hundreds at 32 hosts), or says which limit to raise.
-#include <dirent.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,50 +15,16 @@
 #include <gtest/gtest.h>
 
 #include "common/time.h"
+#include "net_pair.h"
 #include "transport/net/net.h"
 
 namespace {
 
 using epcomm::net::NetBackend;
-
-int openDescriptors() {
-  int n = -1;  // the directory's own
-  if (DIR* d = opendir("/proc/self/fd")) {
-    while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
-    closedir(d);
-  }
-  return n;
-}
-
-struct Pair {
-  NetBackend* net = nullptr;
-  void *listen = nullptr, *send = nullptr, *recv = nullptr;
-  ~Pair() {
-    if (send) net->closeSend(send);
-    if (recv) net->closeRecv(recv);
-    if (listen) net->closeListen(listen);
-  }
-};
-
-// A send comm of at most max_streams streams, connected to a receive comm of this very process.
-bool connectPair(Pair* p, int max_streams, int* fds_added) {
-  std::string why;
-  p->net = epcomm::net::netSocketBackend(&why);
-  if (p->net == nullptr) return false;
-  uint8_t handle[epcomm::net::kNetHandleSize] = {};
-  if (p->net->listen(0, handle, &p->listen) != epSuccess) return false;
-  const int before = openDescriptors();
-  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
-  while ((p->send == nullptr || p->recv == nullptr) && !deadline.expired()) {
-    if (p->send == nullptr && p->net->connectStreams(0, handle, max_streams, &p->send) != epSuccess) return false;
-    if (p->recv == nullptr && p->net->accept(p->listen, &p->recv) != epSuccess) return false;
-  }
-  *fds_added = openDescriptors() - before;
-  return p->send != nullptr && p->recv != nullptr;
-}
+using epcomm::net::openDescriptors;
 
 // A message of `bytes` random bytes, through the pair, arrives whole.
-void roundTrip(Pair* p, size_t bytes) {
+void roundTrip(NetPair* p, size_t bytes) {
   std::mt19937_64 rng(std::random_device{}());
   std::vector<uint8_t> out(bytes), in(bytes + 64, 0xEE);
   for (auto& b : out) b = static_cast<uint8_t>(rng());
@@ -75,17 +40,8 @@ void roundTrip(Pair* p, size_t bytes) {
     ASSERT_EQ(p->net->isend(p->send, out.data(), out.size(), 7, smh, &sreq), epSuccess);
   ASSERT_NE(rreq, nullptr);
   ASSERT_NE(sreq, nullptr);
-  int sdone = 0, rdone = 0;
   size_t got = 0;
-  while ((!sdone || !rdone) && !deadline.expired()) {
-    if (!sdone) {
-      ASSERT_EQ(p->net->test(sreq, &sdone, nullptr), epSuccess) << epcomm::net::netLastError();
-    }
-    if (!rdone) {
-      ASSERT_EQ(p->net->test(rreq, &rdone, &got), epSuccess) << epcomm::net::netLastError();
-    }
-  }
-  ASSERT_TRUE(sdone && rdone) << "the message did not complete in 20 s";
+  ASSERT_TRUE(completeBoth(p->net, sreq, rreq, &got)) << epcomm::net::netLastError();
   EXPECT_EQ(got, bytes);
   EXPECT_EQ(memcmp(in.data(), out.data(), bytes), 0);
   for (size_t i = bytes; i < in.size(); ++i) ASSERT_EQ(in[i], 0xEE) << "a byte past the message's end at " << i;
@@ -98,10 +54,11 @@ void roundTrip(Pair* p, size_t bytes) {
 TEST(NetLimits, ConnectStreamsCapsTheConnectionOnBothEnds) {
   for (int streams : {0, 1, 2}) {
     SCOPED_TRACE("max_streams " + std::to_string(streams));
-    Pair p;
-    int added = 0;
-    ASSERT_TRUE(connectPair(&p, streams, &added)) << epcomm::net::netLastError();
-    EXPECT_EQ(added, 2 * p.net->descriptorsPerConnection(streams));
+    NetPair p;
+    const size_t before = openDescriptors();
+    ASSERT_TRUE(connectNetPair(&p, streams)) << epcomm::net::netLastError();
+    const size_t added = openDescriptors() - before - 1;  // the listening socket is one
+    EXPECT_EQ(added, 2u * p.net->descriptorsPerConnection(streams));
     EXPECT_LE(p.net->descriptorsPerConnection(streams), p.net->descriptorsPerConnection(0));
     roundTrip(&p, (3u << 20) + 12345);
   }
@@ -126,7 +83,7 @@ int inChild(void (*body)()) {
 // Under a low soft limit and a higher hard one, room is made by raising the soft limit; past the hard limit the call
 // fails with a message naming both limits and what to change.
 void ensureDescriptorsInChild() {
-  const rlim_t open_now = static_cast<rlim_t>(openDescriptors());
+  const rlim_t open_now = openDescriptors();
   rlimit lim{open_now + 100, open_now + 3000};
   ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lim), 0) << strerror(errno);
   EXPECT_EQ(epcomm::net::ensureDescriptors(20, "the test"), epSuccess);  // 20 and the margin (64) fit in 100

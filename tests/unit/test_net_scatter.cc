@@ -11,53 +11,14 @@
 #include <string>
 #include <vector>
 
-#include "common/time.h"
+#include "net_pair.h"
 #include "transport/net/net.h"
 
 namespace {
 
-using epcomm::net::NetBackend;
-
-struct Pair {
-  NetBackend* net = nullptr;
-  void *listen = nullptr, *send = nullptr, *recv = nullptr;
-  ~Pair() {
-    if (send) net->closeSend(send);
-    if (recv) net->closeRecv(recv);
-    if (listen) net->closeListen(listen);
-  }
-};
-
-// Connects a send comm to a receive comm of this very process (connect and accept are non-blocking: both are
-// called until each gives its comm).
-bool connectPair(Pair* p) {
-  std::string why;
-  p->net = epcomm::net::netSocketBackend(&why);
-  if (p->net == nullptr) return false;
-  uint8_t handle[epcomm::net::kNetHandleSize] = {};
-  if (p->net->listen(0, handle, &p->listen) != epSuccess) return false;
-  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
-  while ((p->send == nullptr || p->recv == nullptr) && !deadline.expired()) {
-    if (p->send == nullptr && p->net->connect(0, handle, &p->send) != epSuccess) return false;
-    if (p->recv == nullptr && p->net->accept(p->listen, &p->recv) != epSuccess) return false;
-  }
-  return p->send != nullptr && p->recv != nullptr;
-}
-
-// Tests both requests until both are done (or one fails, or 20 s pass).
-bool complete(NetBackend* net, void* sreq, void* rreq, size_t* got) {
-  int sdone = 0, rdone = 0;
-  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
-  while ((!sdone || !rdone) && !deadline.expired()) {
-    if (!sdone && net->test(sreq, &sdone, nullptr) != epSuccess) return false;
-    if (!rdone && net->test(rreq, &rdone, got) != epSuccess) return false;
-  }
-  return sdone && rdone;
-}
-
 TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
-  Pair p;
-  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  NetPair p;
+  ASSERT_TRUE(connectNetPair(&p)) << epcomm::net::netLastError();
   ASSERT_TRUE(p.net->scatters());
   std::mt19937 rng(20261206);
   // Inline (up to the backend's 64 KiB default), exactly that, and chunked over the data sockets (512 KiB chunks);
@@ -95,7 +56,7 @@ TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
     ASSERT_EQ(p.net->isend(p.send, src.data(), size, 0, mh_s, &sreq), epSuccess);
     ASSERT_NE(sreq, nullptr);
     size_t got = 0;
-    ASSERT_TRUE(complete(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
+    ASSERT_TRUE(completeBoth(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
     EXPECT_EQ(got, size);
     for (size_t i = 0; i < pieces.size(); ++i) {
       ASSERT_EQ(memcmp(dst.data() + place[i], src.data() + pieces[i].first, pieces[i].second), 0)
@@ -109,8 +70,8 @@ TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
 // A message shorter than the pieces together (as NCCL allows a receive larger than the send) fills them in order up to
 // its end, leaves the rest untouched and reports its own size; inline and chunked alike.
 TEST(NetSocketScatter, ShorterMessageFillsThePiecesUpToItsEnd) {
-  Pair p;
-  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  NetPair p;
+  ASSERT_TRUE(connectNetPair(&p)) << epcomm::net::netLastError();
   std::mt19937 rng(20261207);
   for (const size_t size : {size_t{100}, size_t{65536}, size_t{(1u << 20) + 3}}) {
     std::vector<uint8_t> src(size);
@@ -124,7 +85,7 @@ TEST(NetSocketScatter, ShorterMessageFillsThePiecesUpToItsEnd) {
     ASSERT_EQ(p.net->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), &rreq), epSuccess);
     ASSERT_EQ(p.net->isend(p.send, src.data(), size, 0, mh_s, &sreq), epSuccess);
     size_t got = 0;
-    ASSERT_TRUE(complete(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
+    ASSERT_TRUE(completeBoth(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
     EXPECT_EQ(got, size);
     EXPECT_EQ(memcmp(dst.data(), src.data(), size), 0) << "size " << size;
     EXPECT_EQ(std::count(dst.begin() + size, dst.end(), 0xAB), static_cast<long>(dst.size() - size))
@@ -138,8 +99,8 @@ TEST(NetSocketScatter, ShorterMessageFillsThePiecesUpToItsEnd) {
 // payload. 120 messages of every kind (empty, a byte, inline up to the 64 KiB limit, chunked over the data sockets),
 // 3.9 MB of inline payloads in all, more than the socket takes at once: all arrive in order, byte-exact.
 TEST(NetSocketScatter, CorkedMessagesArriveInOrder) {
-  Pair p;
-  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  NetPair p;
+  ASSERT_TRUE(connectNetPair(&p)) << epcomm::net::netLastError();
   std::mt19937 rng(20261208);
   constexpr int kMsgs = 120;
   const size_t kinds[] = {0, 1, 100, 65535, 65536, 64000, 65537, 300000, 65536, 4096};
@@ -164,7 +125,7 @@ TEST(NetSocketScatter, CorkedMessagesArriveInOrder) {
   p.net->cork(p.send, false);
   for (int i = 0; i < kMsgs; ++i) {
     size_t got = 0;
-    ASSERT_TRUE(complete(p.net, sreq[i], rreq[i], &got)) << "message " << i << ": " << epcomm::net::netLastError();
+    ASSERT_TRUE(completeBoth(p.net, sreq[i], rreq[i], &got)) << "message " << i << ": " << epcomm::net::netLastError();
     ASSERT_EQ(got, src[i].size()) << "message " << i;
     ASSERT_EQ(memcmp(dst[i].data(), src[i].data(), got), 0) << "message " << i;
     ASSERT_EQ(dst[i][got], 0xAB) << "message " << i << ": a byte past its end";
@@ -173,8 +134,8 @@ TEST(NetSocketScatter, CorkedMessagesArriveInOrder) {
 }
 
 TEST(NetSocketScatter, TooManyPiecesIsAnError) {
-  Pair p;
-  ASSERT_TRUE(connectPair(&p)) << epcomm::net::netLastError();
+  NetPair p;
+  ASSERT_TRUE(connectNetPair(&p)) << epcomm::net::netLastError();
   uint8_t b[8];
   std::vector<iovec> iov(epcomm::net::kNetMaxScatter + 1, iovec{b, 1});
   void* req = nullptr;

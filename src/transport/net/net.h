@@ -108,6 +108,8 @@ NetBackend* netOfiBackend(std::string* why);
 // toward the hard one where needed (logged at INFO), else fails with epSystemError naming both limits and `what`
 // (the connections that need them), before a socket() or accept() deep in connection set-up would fail with EMFILE.
 epResult_t ensureDescriptors(size_t more, const char* what);
+// File descriptors this process has open now (/proc/self/fd; 0 where that cannot be read).
+size_t openDescriptors();
 
 // ---- logging: through NCCL's logger when the plugin was loaded by NCCL, else epcomm's own log ----------------
 enum NetLogLevel : int { kNetLogWarn = 1, kNetLogInfo = 2, kNetLogTrace = 3 };

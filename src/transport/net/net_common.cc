@@ -61,14 +61,19 @@ epResult_t netQuietError(epResult_t code, const char* msg) {
   return code;
 }
 
+size_t openDescriptors() {
+  size_t n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+    if (n > 0) --n;  // the directory's own descriptor
+  }
+  return n;
+}
+
 epResult_t ensureDescriptors(size_t more, const char* what) {
   constexpr size_t kMargin = 64;  // for what else the process opens meanwhile (files, pipes, the bootstrap)
-  size_t open_now = 0;
-  if (DIR* d = opendir("/proc/self/fd")) {
-    while (const dirent* e = readdir(d)) open_now += e->d_name[0] != '.';
-    closedir(d);
-    if (open_now > 0) --open_now;  // the directory's own descriptor
-  }
+  const size_t open_now = openDescriptors();
   rlimit lim{};
   if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return epSuccess;  // cannot tell: let socket() say
   const size_t need = open_now + more + kMargin;
