@@ -65,6 +65,7 @@ EP_PARAM(NetChunk, "NET_CHUNK", 512 << 10);         // largest piece of a messag
 EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut finer than this
 EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
 EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller (-1: by CPUs)
+EP_PARAM(NetHelperSpinUs, "NET_HELPER_SPIN_US", -1);  // a helper that moved bytes looks again before it sleeps (-1: by CPUs)
 
 // CPUs this process may run on (its affinity mask: a container's cpuset, taskset), else the online ones.
 int64_t usableCpus() {
@@ -92,6 +93,20 @@ int64_t assistMax() {
     const int64_t set = epParamNetAssistMax();
     if (set >= 0) return set;
     return usableCpus() <= 4 ? int64_t{512} << 10 : int64_t{0};
+  }();
+  return v;
+}
+
+// How long a helper that just moved bytes keeps looking at its queues before it sleeps: EPCOMM_NET_HELPER_SPIN_US
+// when it is 0 or more, else 0 where this process may use at most 4 CPUs and 50 us otherwise. Messages that follow
+// each other (a stream: the GPU proxy's payloads, each posted once its frame is in; NCCL's steps) then find their
+// helper awake instead of paying its wake-up (an eventfd write, then a scheduling turn) per message, while the
+// next message is posted. With few cores a spinning helper takes the core the poster needs (see assistMax).
+int64_t helperSpinNs() {
+  static const int64_t v = [] {
+    const int64_t set = epParamNetHelperSpinUs();
+    if (set >= 0) return std::min<int64_t>(set, 1000000) * 1000;
+    return usableCpus() <= 4 ? int64_t{0} : int64_t{50000};
   }();
   return v;
 }
@@ -344,7 +359,8 @@ void helperLoop(SockComm* c, Helper* h) {
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
   const int64_t beatNs = netHeartbeatMs() * 1000000LL;
-  int64_t nextBeatNs = 0;
+  const int64_t spinNs = helperSpinNs();
+  int64_t nextBeatNs = 0, spinUntilNs = 0;
   while (!c->stop.load(std::memory_order_acquire)) {
     bool progressed = false;
     int timeoutMs = 1000;
@@ -371,7 +387,16 @@ void helperLoop(SockComm* c, Helper* h) {
       watched[i] = m == 0 && c->data[si]->queued.load(std::memory_order_acquire) > 0;
       if (watched[i]) pfds.push_back({c->data[si]->fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
     }
-    if (progressed) continue;
+    if (progressed) {
+      if (spinNs > 0) spinUntilNs = nowNs() + spinNs;
+      continue;
+    }
+    // Nothing moved. Just after bytes moved, and with no socket to wait for (that wait is poll()'s), look again
+    // for a while before sleeping (helperSpinNs): the next message's chunks then need no wake-up.
+    if (spinNs > 0 && pfds.empty() && nowNs() < spinUntilNs) {
+      __builtin_ia32_pause();
+      continue;
+    }
     // Nothing moved: sleep until a socket is ready, new chunks are queued (eventfd) or a heartbeat is due/comes.
     // Chunks queued on an idle socket since the pass above came without a wake-up if `sleeping` was still false.
     h->sleeping.store(true, std::memory_order_seq_cst);

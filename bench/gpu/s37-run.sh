@@ -1,0 +1,49 @@
+#!/bin/bash
+# s37's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
+# build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
+#   bash bench/gpu/s37-run.sh PART
+# perf:  where the proxy's gap to the raw stream goes, one knob at a time against the default, alternating:
+#        socket helpers that look again for EPCOMM_NET_HELPER_SPIN_US before sleeping (default 50 on > 4 CPUs)
+#        against 0 (the old behaviour), the proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), 4 MiB messages
+#        with 32 MiB rings, a raw stream with 1 message in flight; the proxy's trace; then the engine at -n 4
+#        across 2 virtual hosts with and without the spin, alternating, and with --blocking-sync
+# check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
+#        (world 2)
+# sweep: NCCL through the plugin against NCCL's own Socket transport, world 2, 8 KiB .. 8 MiB, 3 rounds
+# The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
+cd "$(dirname "$0")/../.."
+part=${1:-perf}
+T0=$(date +%s); source bench/gpu/common.sh; gpu_log s37 $part
+for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
+D=${D:-.gpupack/m}
+left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
+pb() { local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
+  echo -n "pb [${a[*]} $*]: "
+  env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 60 $D/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \
+    "${a[@]}" 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1; }
+suite1() { local t=$1 r=$2 h=$3 to=$4
+  LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
+  echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
+case $part in
+  perf)
+    echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
+    for i in 1 2 3; do pb; pb EPCOMM_NET_HELPER_SPIN_US=0; done
+    pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; pb EPCOMM_NET_HELPER_SPIN_US=0 EPCOMM_BACKOFF_YIELDS=100000000
+    pb EPCOMM_NET_NTHREADS=2; pb EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; pb --raw-window 1; el
+    echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
+    EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 30 $D/proxy_bench --ranks 2 --mb 2048 \
+      --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
+    ( mps_start
+      for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 EPCOMM_NET_HELPER_SPIN_US=0; done
+      [ $(left) -gt 60 ] && XT=60 xhost $D 4 EPCOMM_BACKOFF_YIELDS=100000000
+      [ $(left) -gt 60 ] && XT=60 BENCH_ARGS=--blocking-sync xhost $D 4
+      el ) ;;
+  check)
+    ( mps_start; suite1 ht 4 2 70 )
+    echo "### NCCL through the plugin, world 2, $(left) s left"
+    WORLDS=2 timeout 170 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14; el
+    ( mps_start; [ $(left) -gt 60 ] && suite1 ll 4 2 $(( $(left) < 200 ? $(left) - 10 : 190 )) ) ;;
+  sweep)
+    ROUNDS=3 REPS=3 ITERS_SCALE=3 WORLDS=2 OPS=broadcast,all_gather,all_reduce,all_to_all SIZES=8K,32K,128K,512K,2M,8M \
+      timeout 560 bash scripts/nccl_bench_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -45; el ;;
+esac
