@@ -4,7 +4,8 @@
 #   bash bench/gpu/s37-run.sh PART
 # perf:  where the proxy's gap to the raw stream goes, one knob at a time against the default, alternating:
 #        socket helpers that look again for EPCOMM_NET_HELPER_SPIN_US before sleeping (default 50 on > 4 CPUs)
-#        against 0 (the old behaviour), the proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), 4 MiB messages
+#        and polling threads with 1 us of timer slack (EPCOMM_POLL_TIMER_SLACK_NS), each against 0 and both against
+#        $OLD (main before them), the proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), 4 MiB messages
 #        with 32 MiB rings, a raw stream with 1 message in flight; the proxy's trace; then the engine at -n 4
 #        across 2 virtual hosts with and without the spin, alternating, and with --blocking-sync
 # check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
@@ -16,6 +17,7 @@ part=${1:-perf}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s37 $part
 for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
 D=${D:-.gpupack/m}
+OLD="EPCOMM_NET_HELPER_SPIN_US=0 EPCOMM_POLL_TIMER_SLACK_NS=0"  # main before s37 (a042452)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
 pb() { local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
   echo -n "pb [${a[*]} $*]: "
@@ -27,14 +29,15 @@ suite1() { local t=$1 r=$2 h=$3 to=$4
 case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-    for i in 1 2 3; do pb; pb EPCOMM_NET_HELPER_SPIN_US=0; done
-    pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; pb EPCOMM_NET_HELPER_SPIN_US=0 EPCOMM_BACKOFF_YIELDS=100000000
+    for i in 1 2 3; do pb; pb $OLD; pb EPCOMM_NET_HELPER_SPIN_US=0; pb EPCOMM_POLL_TIMER_SLACK_NS=0; done
+    pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; pb $OLD EPCOMM_BACKOFF_YIELDS=100000000
     pb EPCOMM_NET_NTHREADS=2; pb EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; pb --raw-window 1; el
     echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
     EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 30 $D/proxy_bench --ranks 2 --mb 2048 \
       --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
     ( mps_start
-      for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 EPCOMM_NET_HELPER_SPIN_US=0; done
+      for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 $OLD; done
+      XT=60 xhost $D 4 EPCOMM_NET_HELPER_SPIN_US=0; XT=60 xhost $D 4 EPCOMM_POLL_TIMER_SLACK_NS=0
       [ $(left) -gt 60 ] && XT=60 xhost $D 4 EPCOMM_BACKOFF_YIELDS=100000000
       [ $(left) -gt 60 ] && XT=60 BENCH_ARGS=--blocking-sync xhost $D 4
       el ) ;;

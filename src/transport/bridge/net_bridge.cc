@@ -1019,6 +1019,7 @@ bool NetBridge::assist() {
 
 void NetBridge::progressLoop() {
   nameThisThread("epcomm-bridge");
+  useShortTimerSlack();
   Backoff backoff;
   for (;;) {
     bool moved = false;
