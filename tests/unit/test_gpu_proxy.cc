@@ -272,10 +272,12 @@ INSTANTIATE_TEST_SUITE_P(Net, GpuProxyNet,
 // for a buffer it lacks (rank 1 checks both and refuses the stream: failed() says why), of an unknown type (rank
 // 0's proxy refuses to forward its own ring past it), or past its buffer's end with a payload that is placed (rank
 // 0's proxy names it to the bridge, EPCOMM_GPU_PROXY_PLACE; rank 1's place() refuses it, so it lands in the inbox
-// and rank 1's proxy refuses the stream there, in order). Nothing after the bad record is stored.
+// and rank 1's proxy refuses the stream there, in order), or within its buffer but marked PLACED by the writer
+// (kernels never write that type: rank 0's proxy sends it unplaced, through the inbox, and rank 1's proxy finds no
+// receipt of a placement where its payload stands). Nothing after the bad record is stored.
 TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
   setenv("EPCOMM_GPU_PROXY_PLACE", "4096", 1);
-  onTwoRanks(4, [](int rank, int kind, Rank& me) -> int {
+  onTwoRanks(5, [](int rank, int kind, Rank& me) -> int {
     if (rank == 0) {
       const uint8_t good[64] = {1, 2, 3};
       CK(me.to[1].data(epcomm::kRemoteHtBuffer, 4096, good, sizeof(good)), "good record");
@@ -291,8 +293,12 @@ TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
       constexpr uint32_t kPlaced = 8192;  // >= the proxy's kMinPlacedBytes
       if (kind == 3)
         h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, kHtBytes - 64, kPlaced, &pos);
+      if (kind == 4) {
+        h = me.to[1].reserve(epcomm::kRemoteData, epcomm::kRemoteHtBuffer, 16384, kPlaced, &pos);
+        if (h) h->type = epcomm::kRemotePlaced;
+      }
       CK(h != nullptr, "reserving the bad record");
-      memset(h + 1, 0xEE, kind == 3 ? kPlaced : 64);
+      memset(h + 1, 0xEE, kind >= 3 ? kPlaced : 64);
       RingWriter::stamp(h, pos);
       CK(me.to[1].flag(epcomm::kRemoteHtBuffer, 8, 2), "a flag after it");
       std::string why;
@@ -306,8 +312,9 @@ TEST(GpuProxy, MalformedRecordsEndThePeersStream) {
       CK(kind == 2 || me.proxy->failed(0, &why), "the bad record (kind %d) was not refused", kind);
       usleep(100000);
       CK(loadAcquire(me.htFar(), 8) == 0, "a flag after a refused record was stored");
-      CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[kHtBytes - 64] == 0 && me.htFar()[0] == 1,
-         "a refused record was stored");
+      CK(me.htFar()[kHtBytes - 8] == 0 && me.htFar()[kHtBytes - 64] == 0 && me.htFar()[16384] == 0 &&
+         me.htFar()[0] == 1, "a refused record was stored");
+      CK(kind != 4 || why.find("not placed as it says") != std::string::npos, "kind 4 refused for '%s'", why.c_str());
     }
     CK(me.bs->barrier(20000) == epSuccess, "final barrier");
     return 0;

@@ -1,7 +1,8 @@
 // The net bridge's DATA_PLACED frames from a peer that lies (R5): a frame whose pieces overlap, reach past their
 // payload or are empty ends the connection, and nothing of its payload lands, neither where the receiver's owner
 // placed the pieces before the bad one nor in the inbox. The honest case, in the same harness, shows the pieces do
-// land where the receiver says and the rest in the inbox, so the refusals are not the harness failing.
+// land where the receiver says, the rest in the inbox, and a receipt in the inbox where each placed piece would
+// stand, so the refusals are not the harness failing.
 //
 // Two ranks on hosts of their own over the socket backend (the one that scatters): rank 0 pushes a run of stream
 // bytes whose pieces its Placement names (honestly or not), rank 1 places every piece into a buffer of its own.
@@ -95,6 +96,13 @@ int runRank(int rank, const epUniqueId& id, Lie lie) {
                     receiver.placed.load());
       std::vector<uint8_t> got(kRun);
       in.copyOut(got.data(), 0, kRun);
+      for (size_t i = 0; i < kRun; i += 2 * kPiece) {  // the receipt where each placed piece would stand
+        NetBridge::Placement::Receipt rc;
+        memcpy(&rc, got.data() + i, sizeof(rc));
+        EP_RANK_CHECK(rank, rc.magic == NetBridge::Placement::Receipt::kMagic && rc.key == i && rc.len == kPiece,
+                      "receipt at %zu: magic %x key %llu len %u", i, rc.magic, static_cast<unsigned long long>(rc.key),
+                      rc.len);
+      }
       for (size_t i = 0; i < kRun; ++i) {
         const bool placed = i % (2 * kPiece) < kPiece;
         const uint8_t b = placed ? receiver.far[i] : got[i];

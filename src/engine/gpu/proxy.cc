@@ -329,6 +329,15 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
     }
     const uint64_t size = remoteRecordBytes(len);
     if (avail - parsed < size) break;  // the rest is still on its way
+    if (h.type == kRemotePlaced) {  // the bridge's receipt where its payload would stand: it was placed, as said
+      NetBridge::Placement::Receipt rc{};
+      if (len >= sizeof(rc)) inbox.copyOut(&rc, parsed + sizeof(h), sizeof(rc));
+      if (rc.magic != NetBridge::Placement::Receipt::kMagic || rc.len != len ||
+          rc.key != (static_cast<uint64_t>(h.buf) << kPlaceKeyShift | h.off)) {
+        refuse(q, "a PLACED record whose payload was not placed as it says");
+        break;
+      }
+    }
     uint8_t* at = far_host_[h.buf] + h.off;
     if (h.type == kRemoteFlag) {
       uint64_t v;

@@ -12,7 +12,8 @@
 //        inbox: the sending proxy names them to its bridge (NetBridge::Placement), which sends their run as one
 //        message that the receiving net transport scatters as it lands, those payloads straight into the far copy
 //        at offsets the receiving proxy checked; their headers (PLACED) still pass through the inbox in order, so
-//        the FLAGs after them keep their meaning
+//        the FLAGs after them keep their meaning, and each must find the bridge's receipt of its placement where
+//        its payload would stand in the inbox (a PLACED header whose payload was not placed ends the stream)
 //
 // Placed payloads are stored as they land, ahead of the in-order checks of the records before them: a record the
 // proxy refuses ends what is placed from that rank after it only from the runs that arrive once it has refused it

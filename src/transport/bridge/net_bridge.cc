@@ -743,8 +743,9 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
 
 // A DATA_PLACED frame's pieces (`bytes` of PlacedSeg for the payload of `len` bytes at stream offset `off` of
 // channel ch), checked, into p.payload_iov: the payload's bytes in order, each piece where Placement::place says and
-// the bytes between them in the inbox where they stand in the ring. A piece place() refuses lands there too: the
-// owner's checks of the stream, in order, refuse it after everything before it (as for any record it finds bad).
+// the bytes between them in the inbox where they stand in the ring, and a Receipt where each placed piece would
+// stand there. A piece place() refuses lands there too: the owner's checks of the stream, in order, refuse it after
+// everything before it (as for any record it finds bad).
 // False (the connection ended) for a malformed frame.
 bool NetBridge::placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint8_t* segs, size_t bytes) {
   const size_t nseg = bytes / sizeof(PlacedSeg);
@@ -765,6 +766,10 @@ bool NetBridge::placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint
     if (sg.off > at) p.payload_iov.push_back(iovec{inbox + at, sg.off - at});
     uint8_t* dst = placement_->place(p.rank, sg.key, sg.len);
     p.payload_iov.push_back(iovec{dst ? dst : inbox + sg.off, sg.len});
+    if (dst != nullptr && sg.len >= sizeof(Placement::Receipt)) {  // the piece's inbox bytes stay free: say so there
+      const Placement::Receipt rc{sg.key, sg.len, Placement::Receipt::kMagic};
+      memcpy(inbox + sg.off, &rc, sizeof(rc));
+    }
     at = static_cast<uint64_t>(sg.off) + sg.len;
   }
   if (at < len) p.payload_iov.push_back(iovec{inbox + at, len - at});

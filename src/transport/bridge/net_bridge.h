@@ -126,6 +126,16 @@ class NetBridge {
     // any stream bytes, for the owner's checks to refuse in stream order (R5). Called as the frame comes in, before
     // the owner has checked the stream bytes ahead of it.
     virtual uint8_t* place(int peer, uint64_t key, uint32_t len) = 0;
+    // What the receiving bridge writes into the inbox bytes of a piece it placed (one of Receipt's size or more;
+    // nothing else writes them) before the message lands, so that the owner can match what the stream says was
+    // placed against what was (R5): a header that claims a placed payload where the bytes came into the inbox
+    // (sent unplaced, or refused by place()) finds no receipt of its key and size.
+    struct Receipt {
+      static constexpr uint32_t kMagic = 0x45505243;  // "EPRC"
+      uint64_t key;
+      uint32_t len;
+      uint32_t magic;
+    };
   };
   void usePlacement(Placement* hook);
   RingCtl* outCtl(int ch, int p) const;
