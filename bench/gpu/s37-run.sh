@@ -30,17 +30,18 @@ case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
     for i in 1 2 3; do pb; pb $OLD; pb EPCOMM_NET_HELPER_SPIN_US=0; pb EPCOMM_POLL_TIMER_SLACK_NS=0; done
-    pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; pb $OLD EPCOMM_BACKOFF_YIELDS=100000000
-    pb EPCOMM_NET_NTHREADS=2; pb EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432; pb --raw-window 1; el
+    pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; el
     echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
-    EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 30 $D/proxy_bench --ranks 2 --mb 2048 \
+    EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 20 $D/proxy_bench --ranks 2 --mb 2048 \
       --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
     ( mps_start
       for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 $OLD; done
       XT=60 xhost $D 4 EPCOMM_NET_HELPER_SPIN_US=0; XT=60 xhost $D 4 EPCOMM_POLL_TIMER_SLACK_NS=0
       [ $(left) -gt 60 ] && XT=60 xhost $D 4 EPCOMM_BACKOFF_YIELDS=100000000
       [ $(left) -gt 60 ] && XT=60 BENCH_ARGS=--blocking-sync xhost $D 4
-      el ) ;;
+      el )
+    [ $(left) -gt 30 ] && { pb EPCOMM_NET_NTHREADS=2; pb EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432
+      pb --raw-window 1; pb $OLD EPCOMM_BACKOFF_YIELDS=100000000; el; } ;;
   check)
     ( mps_start; suite1 ht 4 2 70 )
     echo "### NCCL through the plugin, world 2, $(left) s left"
