@@ -50,6 +50,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cpus.h"
 #include "common/param.h"
 #include "common/thread_name.h"
 #include "common/time.h"
@@ -66,14 +67,6 @@ EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut fine
 EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
 EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller (-1: by CPUs)
 EP_PARAM(NetHelperSpinUs, "NET_HELPER_SPIN_US", -1);  // a helper that moved bytes looks again before it sleeps (-1: by CPUs)
-
-// CPUs this process may run on (its affinity mask: a container's cpuset, taskset), else the online ones.
-int64_t usableCpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  return cpus > 0 ? cpus : 1;
-}
 
 // Helper threads per connection: EPCOMM_NET_NTHREADS, or by default 4 capped at the usable CPUs — more threads
 // than cores only contend with the proxy thread and the kernel's own TCP work (measured on a 2-core VM).
