@@ -94,14 +94,15 @@ int64_t assistMax() {
 // when it is 0 or more, else 0 where this process may use at most 4 CPUs and 50 us otherwise. Messages that follow
 // each other (a stream: the GPU proxy's payloads, each posted once its frame is in; NCCL's steps) then find their
 // helper awake instead of paying its wake-up (an eventfd write, then a scheduling turn) per message, while the
-// next message is posted. With few cores a spinning helper takes the core the poster needs (see assistMax).
+// next message is posted. With few cores a spinning helper takes the core the poster needs (see assistMax), and so
+// it does where this process runs more helper threads than it has CPUs (a rank that reaches hundreds of ranks of
+// other hosts): by default a helper spins only while the process's helpers fit its CPUs (liveHelpers).
+std::atomic<int64_t> liveHelpers{0};
 int64_t helperSpinNs() {
-  static const int64_t v = [] {
-    const int64_t set = epParamNetHelperSpinUs();
-    if (set >= 0) return std::min<int64_t>(set, 1000000) * 1000;
-    return usableCpus() <= 4 ? int64_t{0} : int64_t{50000};
-  }();
-  return v;
+  static const int64_t set = epParamNetHelperSpinUs();
+  static const int64_t cpus = usableCpus();
+  if (set >= 0) return std::min<int64_t>(set, 1000000) * 1000;
+  return cpus > 4 && liveHelpers.load(std::memory_order_relaxed) <= cpus ? int64_t{50000} : int64_t{0};
 }
 
 constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
@@ -352,7 +353,10 @@ void helperLoop(SockComm* c, Helper* h) {
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
   const int64_t beatNs = netHeartbeatMs() * 1000000LL;
-  const int64_t spinNs = helperSpinNs();
+  liveHelpers.fetch_add(1, std::memory_order_relaxed);
+  struct Gone {
+    ~Gone() { liveHelpers.fetch_sub(1, std::memory_order_relaxed); }
+  } gone;
   int64_t nextBeatNs = 0, spinUntilNs = 0;
   while (!c->stop.load(std::memory_order_acquire)) {
     bool progressed = false;
@@ -381,12 +385,13 @@ void helperLoop(SockComm* c, Helper* h) {
       if (watched[i]) pfds.push_back({c->data[si]->fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
     }
     if (progressed) {
-      if (spinNs > 0) spinUntilNs = nowNs() + spinNs;
+      const int64_t spinNs = helperSpinNs();
+      spinUntilNs = spinNs > 0 ? nowNs() + spinNs : 0;
       continue;
     }
     // Nothing moved. Just after bytes moved, and with no socket to wait for (that wait is poll()'s), look again
     // for a while before sleeping (helperSpinNs): the next message's chunks then need no wake-up.
-    if (spinNs > 0 && pfds.empty() && nowNs() < spinUntilNs) {
+    if (spinUntilNs != 0 && pfds.empty() && nowNs() < spinUntilNs) {
       __builtin_ia32_pause();
       continue;
     }
