@@ -2,12 +2,11 @@
 # s37's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
 # build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
 #   bash bench/gpu/s37-run.sh PART
-# perf:  where the proxy's gap to the raw stream goes, one knob at a time against the default, alternating:
-#        socket helpers that look again for EPCOMM_NET_HELPER_SPIN_US before sleeping (default 50 on > 4 CPUs)
-#        and polling threads with 1 us of timer slack (EPCOMM_POLL_TIMER_SLACK_NS), each against 0 and both against
-#        $OLD (main before them), the proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), 4 MiB messages
-#        with 32 MiB rings, a raw stream with 1 message in flight; the proxy's trace; then the engine at -n 4
-#        across 2 virtual hosts with and without the spin, alternating, and with --blocking-sync
+# perf:  where the proxy's gap to the raw stream goes, alternating: main as it is (polling threads with 1 us of
+#        timer slack on > 4 CPUs), $SPIN (socket helpers that look again for 50 us before sleeping; off by default)
+#        and $OLD (main before s37); proxy_bench, the proxy's trace, the engine at -n 4 across 2 virtual hosts; then
+#        single knobs while time lasts: a proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), --blocking-sync,
+#        2 helper threads, 4 MiB messages with 32 MiB rings, a raw stream with 1 message in flight
 # check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
 #        (world 2)
 # sweep: NCCL through the plugin against NCCL's own Socket transport, world 2, 8 KiB .. 8 MiB, 3 rounds
@@ -17,7 +16,8 @@ part=${1:-perf}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s37 $part
 for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
 D=${D:-.gpupack/m}
-OLD="EPCOMM_NET_HELPER_SPIN_US=0 EPCOMM_POLL_TIMER_SLACK_NS=0"  # main before s37 (a042452)
+OLD="EPCOMM_POLL_TIMER_SLACK_NS=0"  # main before s37 (a042452): the system's timer slack, no helper spin
+SPIN="EPCOMM_NET_HELPER_SPIN_US=50"  # helpers that look again before they sleep (off by default)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
 pb() { local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
   echo -n "pb [${a[*]} $*]: "
@@ -29,14 +29,13 @@ suite1() { local t=$1 r=$2 h=$3 to=$4
 case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-    for i in 1 2 3; do pb; pb $OLD; pb EPCOMM_NET_HELPER_SPIN_US=0; pb EPCOMM_POLL_TIMER_SLACK_NS=0; done
+    for i in 1 2 3; do pb; pb $SPIN; pb $OLD; done
     pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; el
     echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
     EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 20 $D/proxy_bench --ranks 2 --mb 2048 \
       --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
     ( mps_start
-      for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 $OLD; done
-      XT=60 xhost $D 4 EPCOMM_NET_HELPER_SPIN_US=0; XT=60 xhost $D 4 EPCOMM_POLL_TIMER_SLACK_NS=0
+      for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 $SPIN; XT=60 xhost $D 4 $OLD; done
       [ $(left) -gt 60 ] && XT=60 xhost $D 4 EPCOMM_BACKOFF_YIELDS=100000000
       [ $(left) -gt 60 ] && XT=60 BENCH_ARGS=--blocking-sync xhost $D 4
       el )

@@ -66,7 +66,7 @@ EP_PARAM(NetChunk, "NET_CHUNK", 512 << 10);         // largest piece of a messag
 EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut finer than this
 EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
 EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller (-1: by CPUs)
-EP_PARAM(NetHelperSpinUs, "NET_HELPER_SPIN_US", -1);  // a helper that moved bytes looks again before it sleeps (-1: by CPUs)
+EP_PARAM(NetHelperSpinUs, "NET_HELPER_SPIN_US", 0);  // a helper that moved bytes looks again before it sleeps
 
 // Helper threads per connection: EPCOMM_NET_NTHREADS, or by default 4 capped at the usable CPUs — more threads
 // than cores only contend with the proxy thread and the kernel's own TCP work (measured on a 2-core VM).
@@ -90,19 +90,15 @@ int64_t assistMax() {
   return v;
 }
 
-// How long a helper that just moved bytes keeps looking at its queues before it sleeps: EPCOMM_NET_HELPER_SPIN_US
-// when it is 0 or more, else 0 where this process may use at most 4 CPUs and 50 us otherwise. Messages that follow
-// each other (a stream: the GPU proxy's payloads, each posted once its frame is in; NCCL's steps) then find their
-// helper awake instead of paying its wake-up (an eventfd write, then a scheduling turn) per message, while the
-// next message is posted. With few cores a spinning helper takes the core the poster needs (see assistMax), and so
-// it does where this process runs more helper threads than it has CPUs (a rank that reaches hundreds of ranks of
-// other hosts): by default a helper spins only while the process's helpers fit its CPUs (liveHelpers).
-std::atomic<int64_t> liveHelpers{0};
+// How long a helper that just moved bytes keeps looking at its queues before it sleeps (EPCOMM_NET_HELPER_SPIN_US,
+// 0: not at all). Messages that follow each other (a stream: the GPU proxy's payloads, each posted once its frame is
+// in; NCCL's steps) then find their helper awake instead of paying its wake-up (an eventfd write, then a scheduling
+// turn) per message. Off by default: wherever helpers outnumber the free cores a spinning one takes the core that
+// the poster or another helper needs (2-core VM, 4 helpers a side: a 128 KiB ping-pong 3x slower with 50 us); what
+// it gains on a many-core host is for the GPU host's A/B (bench/gpu/s37-run.sh perf) to show.
 int64_t helperSpinNs() {
-  static const int64_t set = epParamNetHelperSpinUs();
-  static const int64_t cpus = usableCpus();
-  if (set >= 0) return std::min<int64_t>(set, 1000000) * 1000;
-  return cpus > 4 && liveHelpers.load(std::memory_order_relaxed) <= cpus ? int64_t{50000} : int64_t{0};
+  static const int64_t v = std::clamp<int64_t>(epParamNetHelperSpinUs(), 0, 1000000) * 1000;
+  return v;
 }
 
 constexpr uint32_t kHandleMagic = 0x45504e48;  // "EPNH"
@@ -353,10 +349,7 @@ void helperLoop(SockComm* c, Helper* h) {
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
   const int64_t beatNs = netHeartbeatMs() * 1000000LL;
-  liveHelpers.fetch_add(1, std::memory_order_relaxed);
-  struct Gone {
-    ~Gone() { liveHelpers.fetch_sub(1, std::memory_order_relaxed); }
-  } gone;
+  const int64_t spinNs = helperSpinNs();
   int64_t nextBeatNs = 0, spinUntilNs = 0;
   while (!c->stop.load(std::memory_order_acquire)) {
     bool progressed = false;
@@ -385,13 +378,12 @@ void helperLoop(SockComm* c, Helper* h) {
       if (watched[i]) pfds.push_back({c->data[si]->fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
     }
     if (progressed) {
-      const int64_t spinNs = helperSpinNs();
-      spinUntilNs = spinNs > 0 ? nowNs() + spinNs : 0;
+      if (spinNs > 0) spinUntilNs = nowNs() + spinNs;
       continue;
     }
     // Nothing moved. Just after bytes moved, and with no socket to wait for (that wait is poll()'s), look again
     // for a while before sleeping (helperSpinNs): the next message's chunks then need no wake-up.
-    if (spinUntilNs != 0 && pfds.empty() && nowNs() < spinUntilNs) {
+    if (spinNs > 0 && pfds.empty() && nowNs() < spinUntilNs) {
       __builtin_ia32_pause();
       continue;
     }
