@@ -7,6 +7,7 @@
 #        and $OLD (main before s37); proxy_bench, the proxy's trace, the engine at -n 4 across 2 virtual hosts; then
 #        single knobs while time lasts: a proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), --blocking-sync,
 #        2 helper threads, 4 MiB messages with 32 MiB rings, a raw stream with 1 message in flight
+# mini:  perf's A/B alone (proxy_bench twice, the engine once each), for a call with little device time left
 # check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
 #        (world 2)
 # sweep: NCCL through the plugin against NCCL's own Socket transport, world 2, 8 KiB .. 8 MiB, 3 rounds
@@ -41,6 +42,10 @@ case $part in
       el )
     [ $(left) -gt 30 ] && { pb EPCOMM_NET_NTHREADS=2; pb EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432
       pb --raw-window 1; pb $OLD EPCOMM_BACKOFF_YIELDS=100000000; el; } ;;
+  mini)  # perf's A/B alone, for a call with little device time left
+    echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
+    for i in 1 2; do pb; pb $SPIN; pb $OLD; done; el
+    ( mps_start; XT=40 xhost $D 4; XT=40 xhost $D 4 $SPIN; XT=40 xhost $D 4 $OLD; el ) ;;
   check)
     ( mps_start; suite1 ht 4 2 70 )
     echo "### NCCL through the plugin, world 2, $(left) s left"
