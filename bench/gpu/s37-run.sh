@@ -11,6 +11,9 @@
 # check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
 #        (world 2)
 # sweep: NCCL through the plugin against NCCL's own Socket transport, world 2, 8 KiB .. 8 MiB, 3 rounds
+# After the H200 run (bench/results/h200-s37.log) both knobs were removed (the spin cost 10-25 %, the slack changed
+# nothing): $SPIN and $OLD are now ignored by main, so perf and mini measure main against itself (a noise check);
+# check and sweep still stand as they are.
 # The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-perf}

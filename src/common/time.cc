@@ -1,12 +1,10 @@
 #include "common/time.h"
 
 #include <sched.h>
-#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <algorithm>
 
-#include "common/cpus.h"
 #include "common/param.h"
 
 namespace epcomm {
@@ -14,13 +12,6 @@ namespace epcomm {
 // Idle rounds a wait yields its core (sched_yield) before it starts sleeping: a diagnostic knob for many-core
 // hosts, where a waiter that sleeps may come back later than the data it waits for.
 EP_PARAM(BackoffYields, "BACKOFF_YIELDS", 192);
-EP_PARAM(PollTimerSlackNs, "POLL_TIMER_SLACK_NS", -1);
-
-void useShortTimerSlack() {
-  int64_t ns = epParamPollTimerSlackNs();
-  if (ns < 0) ns = usableCpus() <= 4 ? 0 : 1000;  // few cores: shorter sleeps only take them from the workers
-  if (ns > 0) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(std::min<int64_t>(ns, 50000)));
-}
 
 void Backoff::pause() {
   ++n_;

@@ -36,13 +36,6 @@ class Deadline {
   int64_t end_ns_;
 };
 
-// For epcomm's own polling threads (the GPU proxy, the net bridge's progress thread), at their start: their Backoff
-// sleeps then last about what they ask for. Linux stretches a thread's timed sleeps by its timer slack (50 us by
-// default), so usleep(20) took about 96 us on the 2-core VM (47 us with 1 us of slack): a pipeline stage that fell
-// asleep came back a whole 1 MiB message late. EPCOMM_POLL_TIMER_SLACK_NS: by default 1000 where more than 4 CPUs
-// are usable, else the system's (on 2 cores the host engine across hosts showed no gain either way, within noise).
-void useShortTimerSlack();
-
 // Spin politely: busy for the first iterations, then yield, then sleep briefly, so that many ranks on few
 // cores still make progress.
 class Backoff {

@@ -387,7 +387,6 @@ void GpuProxy::trace() {
 
 void GpuProxy::loop() {
   nameThisThread("epcomm-proxy");
-  useShortTimerSlack();
   const bool tracing = epParamGpuProxyTrace() != 0;
   int64_t next_trace = nowNs();
   busy_since_ = next_trace;

@@ -1024,7 +1024,6 @@ bool NetBridge::assist() {
 
 void NetBridge::progressLoop() {
   nameThisThread("epcomm-bridge");
-  useShortTimerSlack();
   Backoff backoff;
   for (;;) {
     bool moved = false;

@@ -50,7 +50,6 @@
 #include <thread>
 #include <vector>
 
-#include "common/cpus.h"
 #include "common/param.h"
 #include "common/thread_name.h"
 #include "common/time.h"
@@ -66,7 +65,14 @@ EP_PARAM(NetChunk, "NET_CHUNK", 512 << 10);         // largest piece of a messag
 EP_PARAM(NetMinChunk, "NET_MIN_CHUNK", 64 << 10);   // a message is not cut finer than this
 EP_PARAM(NetInline, "NET_INLINE", 64 << 10);        // payloads up to this go on the control socket
 EP_PARAM(NetAssistMax, "NET_ASSIST_MAX", -1);       // lone messages up to this move in the caller (-1: by CPUs)
-EP_PARAM(NetHelperSpinUs, "NET_HELPER_SPIN_US", 0);  // a helper that moved bytes looks again before it sleeps
+
+// CPUs this process may run on (its affinity mask: a container's cpuset, taskset), else the online ones.
+int64_t usableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  return cpus > 0 ? cpus : 1;
+}
 
 // Helper threads per connection: EPCOMM_NET_NTHREADS, or by default 4 capped at the usable CPUs — more threads
 // than cores only contend with the proxy thread and the kernel's own TCP work (measured on a 2-core VM).
@@ -87,17 +93,6 @@ int64_t assistMax() {
     if (set >= 0) return set;
     return usableCpus() <= 4 ? int64_t{512} << 10 : int64_t{0};
   }();
-  return v;
-}
-
-// How long a helper that just moved bytes keeps looking at its queues before it sleeps (EPCOMM_NET_HELPER_SPIN_US,
-// 0: not at all). Messages that follow each other (a stream: the GPU proxy's payloads, each posted once its frame is
-// in; NCCL's steps) then find their helper awake instead of paying its wake-up (an eventfd write, then a scheduling
-// turn) per message. Off by default: wherever helpers outnumber the free cores a spinning one takes the core that
-// the poster or another helper needs (2-core VM, 4 helpers a side: a 128 KiB ping-pong 3x slower with 50 us); what
-// it gains on a many-core host is for the GPU host's A/B (bench/gpu/s37-run.sh perf) to show.
-int64_t helperSpinNs() {
-  static const int64_t v = std::clamp<int64_t>(epParamNetHelperSpinUs(), 0, 1000000) * 1000;
   return v;
 }
 
@@ -349,8 +344,7 @@ void helperLoop(SockComm* c, Helper* h) {
   // Helper 0 keeps the liveness socket: beats, and listens for the peer's.
   const bool live = h == c->helpers[0].get();
   const int64_t beatNs = netHeartbeatMs() * 1000000LL;
-  const int64_t spinNs = helperSpinNs();
-  int64_t nextBeatNs = 0, spinUntilNs = 0;
+  int64_t nextBeatNs = 0;
   while (!c->stop.load(std::memory_order_acquire)) {
     bool progressed = false;
     int timeoutMs = 1000;
@@ -377,16 +371,7 @@ void helperLoop(SockComm* c, Helper* h) {
       watched[i] = m == 0 && c->data[si]->queued.load(std::memory_order_acquire) > 0;
       if (watched[i]) pfds.push_back({c->data[si]->fd, static_cast<short>(c->isSend ? POLLOUT : POLLIN), 0});
     }
-    if (progressed) {
-      if (spinNs > 0) spinUntilNs = nowNs() + spinNs;
-      continue;
-    }
-    // Nothing moved. Just after bytes moved, and with no socket to wait for (that wait is poll()'s), look again
-    // for a while before sleeping (helperSpinNs): the next message's chunks then need no wake-up.
-    if (spinNs > 0 && pfds.empty() && nowNs() < spinUntilNs) {
-      __builtin_ia32_pause();
-      continue;
-    }
+    if (progressed) continue;
     // Nothing moved: sleep until a socket is ready, new chunks are queued (eventfd) or a heartbeat is due/comes.
     // Chunks queued on an idle socket since the pass above came without a wake-up if `sleeping` was still false.
     h->sleeping.store(true, std::memory_order_seq_cst);
