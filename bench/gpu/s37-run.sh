@@ -2,26 +2,23 @@
 # s37's device calls (issue 12), on a pack built here and carried as .gpupack/m.tar.xz (scripts/gpu_stage.sh of
 # build-gpu plus bench/net/proxy_bench; unpacked here when its folder is missing):
 #   bash bench/gpu/s37-run.sh PART
-# perf:  where the proxy's gap to the raw stream goes, alternating: main as it is (polling threads with 1 us of
-#        timer slack on > 4 CPUs), $SPIN (socket helpers that look again for 50 us before sleeping; off by default)
-#        and $OLD (main before s37); proxy_bench, the proxy's trace, the engine at -n 4 across 2 virtual hosts; then
-#        single knobs while time lasts: a proxy thread that never sleeps (EPCOMM_BACKOFF_YIELDS), --blocking-sync,
-#        2 helper threads, 4 MiB messages with 32 MiB rings, a raw stream with 1 message in flight
-# mini:  perf's A/B alone (proxy_bench twice, the engine once each), for a call with little device time left
+# perf:  where the proxy's gap to the raw stream goes, one knob at a time against main, alternating while BUDGET
+#        (560 s) lasts: proxy_bench and the engine at -n 4 across 2 virtual hosts with 2 helper threads per
+#        connection (64 threads of 4 ranks on 16 cores now), 4 MiB messages with 32 MiB rings, a proxy thread that
+#        never sleeps (EPCOMM_BACKOFF_YIELDS), --blocking-sync; a raw stream with 1 message in flight; the trace.
+#        (s37's A/B of helper spin and timer slack, bench/results/h200-s37.log, removed both knobs.)
 # check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
 #        (world 2)
 # sweep: NCCL through the plugin against NCCL's own Socket transport, world 2, 8 KiB .. 8 MiB, 3 rounds
-# After the H200 run (bench/results/h200-s37.log) both knobs were removed (the spin cost 10-25 %, the slack changed
-# nothing): $SPIN and $OLD are now ignored by main, so perf and mini measure main against itself (a noise check);
-# check and sweep still stand as they are.
 # The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-perf}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s37 $part
 for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
 D=${D:-.gpupack/m}
-OLD="EPCOMM_POLL_TIMER_SLACK_NS=0"  # main before s37 (a042452): the system's timer slack, no helper spin
-SPIN="EPCOMM_NET_HELPER_SPIN_US=50"  # helpers that look again before they sleep (off by default)
+N2="EPCOMM_NET_NTHREADS=2"
+BIG="EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"
+NOSLEEP="EPCOMM_BACKOFF_YIELDS=100000000"
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
 pb() { local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
   echo -n "pb [${a[*]} $*]: "
@@ -33,22 +30,14 @@ suite1() { local t=$1 r=$2 h=$3 to=$4
 case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-    for i in 1 2 3; do pb; pb $SPIN; pb $OLD; done
-    pb EPCOMM_NET_HELPER_SPIN_US=200; pb EPCOMM_BACKOFF_YIELDS=100000000; el
+    for i in 1 2; do pb; pb $N2; pb $BIG; pb $NOSLEEP; done; pb --raw-window 1; el
     echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
     EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 20 $D/proxy_bench --ranks 2 --mb 2048 \
       --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
     ( mps_start
-      for i in 1 2; do XT=60 xhost $D 4; XT=60 xhost $D 4 $SPIN; XT=60 xhost $D 4 $OLD; done
-      [ $(left) -gt 60 ] && XT=60 xhost $D 4 EPCOMM_BACKOFF_YIELDS=100000000
-      [ $(left) -gt 60 ] && XT=60 BENCH_ARGS=--blocking-sync xhost $D 4
-      el )
-    [ $(left) -gt 30 ] && { pb EPCOMM_NET_NTHREADS=2; pb EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432
-      pb --raw-window 1; pb $OLD EPCOMM_BACKOFF_YIELDS=100000000; el; } ;;
-  mini)  # perf's A/B alone, for a call with little device time left
-    echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-    for i in 1 2; do pb; pb $SPIN; pb $OLD; done; el
-    ( mps_start; XT=40 xhost $D 4; XT=40 xhost $D 4 $SPIN; XT=40 xhost $D 4 $OLD; el ) ;;
+      for i in 1 2; do for v in "" "$N2" "$BIG" "$NOSLEEP"; do [ $(left) -gt 45 ] && XT=45 xhost $D 4 $v; done; done
+      [ $(left) -gt 45 ] && XT=45 BENCH_ARGS=--blocking-sync xhost $D 4
+      el ) ;;
   check)
     ( mps_start; suite1 ht 4 2 70 )
     echo "### NCCL through the plugin, world 2, $(left) s left"
