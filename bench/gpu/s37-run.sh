@@ -5,7 +5,9 @@
 # perf:  where the proxy's gap to the raw stream goes, one knob at a time against main, alternating while BUDGET
 #        (560 s) lasts: proxy_bench and the engine at -n 4 across 2 virtual hosts with 2 helper threads per
 #        connection (64 threads of 4 ranks on 16 cores now), 4 MiB messages with 32 MiB rings, a proxy thread that
-#        never sleeps (EPCOMM_BACKOFF_YIELDS), --blocking-sync; a raw stream with 1 message in flight; the trace.
+#        never sleeps (EPCOMM_BACKOFF_YIELDS), --blocking-sync; proxy_bench with 4 and 8 writer threads instead of 2
+#        (are 2 host writers, standing in for the kernels, what bounds it?); a raw stream with 1 message in flight;
+#        the trace.
 #        (s37's A/B of helper spin and timer slack, bench/results/h200-s37.log, removed both knobs.)
 # check: what main owes on the GPU: test_gpu_ht and test_gpu_ll at R = 4 across 2 hosts, NCCL through the plugin
 #        (world 2)
@@ -30,7 +32,7 @@ suite1() { local t=$1 r=$2 h=$3 to=$4
 case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-    for i in 1 2; do pb; pb $N2; pb $BIG; pb $NOSLEEP; done; pb --raw-window 1; el
+    for i in 1 2; do pb; pb $N2; pb $BIG; pb $NOSLEEP; pb --writers 4; done; pb --raw-window 1; pb --writers 8; el
     echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
     EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 20 $D/proxy_bench --ranks 2 --mb 2048 \
       --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
