@@ -11,6 +11,10 @@
 #   xhost DIR N [VAR=VALUE ...]
 #                        DIR's bench across 2 virtual hosts at -n N (OPS, XT), rows with xhost/raw
 #   gpu_log NAME PART    output also into $OUT/NAME-PART.log (OUT defaults to /tmp/NAME), and the GPU's name
+#   pb DIR [--ARG VALUE ...] [VAR=VALUE ...]
+#                        DIR's proxy_bench at R = 2 over net/socket (2048 MiB a peer, 2 writers, 5 reps, then the
+#                        --ARGs), its result line
+#   suite1 T R H TIMEOUT $D's test_gpu_T at R ranks over H virtual hosts (under MPS), log in $OUT, its verdict
 #   san_ll DIR           compute-sanitizer on DIR's test_gpu_ll at R = 2 (the proof, memcheck, synccheck, then
 #                        racecheck within the call's 560 s)
 #   suite DIR [LABEL]    DIR's test_gpu_ll at R = 8 and at R = 4 across 2 virtual hosts, test_gpu_ht at R = 2, each
@@ -44,6 +48,13 @@ goal() { echo "## (a) goal shape, chain 2, $2 rounds"; BARGS=(--ll-tokens 64 --e
 xhost() { local d=$1 n=$2; shift 2; echo "### $d -n $n --hosts 2 $*"
   env "$@" LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout ${XT:-150} $d/epcomm-run -n $n --hosts 2 -- \
     $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 $BENCH_ARGS 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; }
+pb() { local d=$1; shift; local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
+  echo -n "pb [$d ${a[*]} $*]: "
+  env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$d timeout 60 $d/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \
+    "${a[@]}" 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1; }
+suite1() { local t=$1 r=$2 h=$3 to=$4
+  LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
+  echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
 gpu_log() {
   OUT=${OUT:-/tmp/$1}; mkdir -p "$OUT"
   exec > >(tee -a "$OUT/$1-$2.log") 2>&1

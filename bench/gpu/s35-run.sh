@@ -18,10 +18,6 @@ cd "$(dirname "$0")/../.."
 part=${1:-first}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s35 $part
 for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
-pb() { local d=$1; shift; local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
-  echo -n "proxy_bench R=2 [$d ${a[*]} $*]: "
-  env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$d timeout 60 $d/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \
-    "${a[@]}" 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1; }
 case $part in
   first) D=.gpupack/new
     ( mps_start

@@ -20,13 +20,6 @@ part=${1:-diag}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s36 $part
 for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
 D=${D:-.gpupack/m}
-pb() { local d=$1; shift; local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
-  echo -n "proxy_bench R=2 [${a[*]} $*]: "
-  env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$d timeout 60 $d/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \
-    "${a[@]}" 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1; }
-suite1() { local t=$1 r=$2 h=$3 to=$4
-  LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
-  echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
 case $part in
   one)  # everything owed in one call, most needed first, each part only while BUDGET (default 570 s) lasts
     left() { echo $(( ${BUDGET:-570} - ($(date +%s) - T0) )); }

@@ -22,17 +22,10 @@ N2="EPCOMM_NET_NTHREADS=2"
 BIG="EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"
 NOSLEEP="EPCOMM_BACKOFF_YIELDS=100000000"
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
-pb() { local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
-  echo -n "pb [${a[*]} $*]: "
-  env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 60 $D/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \
-    "${a[@]}" 2>&1 | grep -E "^2 +[0-9.]+ |rror" | tail -1; }
-suite1() { local t=$1 r=$2 h=$3 to=$4
-  LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
-  echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
 case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"
-    for i in 1 2; do pb; pb $N2; pb $BIG; pb $NOSLEEP; pb --writers 4; done; pb --raw-window 1; pb --writers 8; el
+    for i in 1 2; do pb $D; pb $D $N2; pb $D $BIG; pb $D $NOSLEEP; pb $D --writers 4; done; pb $D --raw-window 1; pb $D --writers 8; el
     echo "## proxy trace (once a second: busy share by part, outbox free bytes)"
     EPCOMM_GPU_PROXY_TRACE=1 EPCOMM_NET=socket LD_LIBRARY_PATH=$D timeout 20 $D/proxy_bench --ranks 2 --mb 2048 \
       --writers 2 --reps 3 2>&1 | grep -E "busy|outbox|^2 +[0-9.]+ " | head -16; el
