@@ -58,6 +58,8 @@ constexpr int kOutPerTurn = 1024;  // records moved from one ring per turn of th
 // about what copying them does.
 constexpr uint32_t kMinPlacedBytes = 2048;
 constexpr int kPlaceKeyShift = 56;  // a placement key: buffer << kPlaceKeyShift | offset
+// The key a record's payload is placed by (nextPayload names it, storeIn matches the bridge's receipt against it).
+uint64_t placeKey(const GpuRemoteRecord& h) { return static_cast<uint64_t>(h.buf) << kPlaceKeyShift | h.off; }
 std::mutex g_why_mutex;            // guards GpuProxy::why_ (diagnostics only)
 
 // A record's ring bytes from its header (0 for a type no kernel writes).
@@ -261,7 +263,7 @@ bool GpuProxy::nextPayload(int peer, uint64_t from, uint64_t to, uint64_t* at, u
       h->type = kRemotePlaced;
       *at = rec + sizeof(GpuRemoteRecord);
       *len = h->len;
-      *key = static_cast<uint64_t>(h->buf) << kPlaceKeyShift | h->off;
+      *key = placeKey(*h);
       return true;
     }
   }
@@ -333,7 +335,7 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
       NetBridge::Placement::Receipt rc{};
       if (len >= sizeof(rc)) inbox.copyOut(&rc, parsed + sizeof(h), sizeof(rc));
       if (rc.magic != NetBridge::Placement::Receipt::kMagic || rc.len != len ||
-          rc.key != (static_cast<uint64_t>(h.buf) << kPlaceKeyShift | h.off)) {
+          rc.key != placeKey(h)) {
         refuse(q, "a PLACED record whose payload was not placed as it says");
         break;
       }
