@@ -217,6 +217,7 @@ class NetBridge {
   ShmRegion* own_;
   net::NetBackend* backend_ = nullptr;
   void* listen_ = nullptr;
+  void* poller_ = nullptr;  // readiness of the peers' receive comms (NET_READINESS), or null
   uint8_t secret_[kSecretBytes] = {};
   std::vector<std::unique_ptr<Peer>> peers_;         // [R], null for ranks of this host
   std::vector<std::unique_ptr<RegionHeader>> mirrors_;

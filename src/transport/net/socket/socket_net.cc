@@ -34,6 +34,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -217,6 +218,8 @@ struct Helper {
   std::atomic<bool> sleeping{false};
 };
 
+struct SockPoller;
+
 struct SockComm {
   bool isSend = false;
   std::string peer;
@@ -247,6 +250,12 @@ struct SockComm {
   // of two; remainders of kStage or more go straight into the posted buffer (no extra copy for big payloads).
   std::unique_ptr<char[]> stage;
   size_t stageBeg = 0, stageEnd = 0;
+  // Readiness (NetBackend::watchRecv): the poller watching ctrlFd, edge-triggered, or null. pollReady raises
+  // ctrlReady when bytes or an error arrive; ctrlRead lowers it just before its recv() and raises it again when
+  // that recv() filled what it asked for (more may wait). A recv() that took less drained the socket, so whatever
+  // lands after it raises a new edge: no byte waits for a test that never reads.
+  SockPoller* poller = nullptr;
+  std::atomic<bool> ctrlReady{true};
   std::unique_ptr<SockRequest[]> pool;
   std::vector<SockRequest*> freeList;
 
@@ -287,6 +296,12 @@ bool drainLiveness(SockComm* c) {
     return false;
   }
 }
+
+// An epoll set of receive comms' control sockets (NetBackend::openPoller).
+struct SockPoller {
+  int epfd = -1;
+  std::atomic<bool> broken{false};  // epoll_wait failed: every watched comm reads for itself again
+};
 
 // Moves the queued chunks of data socket si, front first, until the socket would block or the queue is empty
 // (for the caller: until the front chunk is not a lone message's). Both the socket's helper and the thread
@@ -455,6 +470,7 @@ epResult_t assist(SockComm* c) {
 
 void destroyComm(SockComm* c) {
   c->stop.store(true, std::memory_order_release);
+  if (c->poller != nullptr) epoll_ctl(c->poller->epfd, EPOLL_CTL_DEL, c->ctrlFd, nullptr);
   for (auto& h : c->helpers) {
     if (h->th.joinable()) {
       wake(h.get());
@@ -593,9 +609,12 @@ ssize_t ctrlRead(SockComm* c, char* dst, size_t n, std::string* err) {
     c->stageBeg += k;
     return static_cast<ssize_t>(k);
   }
-  if (n >= kStage) return recvSome(c->ctrlFd, dst, n, err);
-  ssize_t k = recvSome(c->ctrlFd, c->stage.get(), kStage, err);
-  if (k <= 0) return k;
+  const bool watched = c->poller != nullptr && !c->poller->broken.load(std::memory_order_relaxed);
+  if (watched && !c->ctrlReady.exchange(false, std::memory_order_acq_rel)) return 0;  // nothing arrived since
+  const size_t want = n >= kStage ? n : kStage;
+  ssize_t k = recvSome(c->ctrlFd, n >= kStage ? dst : c->stage.get(), want, err);
+  if (watched && k == static_cast<ssize_t>(want)) c->ctrlReady.store(true, std::memory_order_release);
+  if (n >= kStage || k <= 0) return k;
   size_t m = std::min(n, static_cast<size_t>(k));
   memcpy(dst, c->stage.get(), m);
   c->stageBeg = m;
@@ -1062,6 +1081,58 @@ class SocketBackend final : public NetBackend {
             static_cast<long long>(tmo),
             c->liveOpen.load(std::memory_order_relaxed) ? "" : ", and it closed its liveness socket");
     return c->error();
+  }
+
+  void* openPoller() override {
+    const int fd = epoll_create1(EPOLL_CLOEXEC);
+    if (fd < 0) {
+      NET_INFO("NET/epcomm: epoll_create1: %s; every receive test reads its socket", strerror(errno));
+      return nullptr;
+    }
+    auto* p = new SockPoller();
+    p->epfd = fd;
+    return p;
+  }
+
+  epResult_t watchRecv(void* poller, void* recvComm) override {
+    auto* p = static_cast<SockPoller*>(poller);
+    auto* c = static_cast<SockComm*>(recvComm);
+    if (p == nullptr || c == nullptr || c->isSend || c->poller != nullptr)
+      NET_FAIL(epInvalidUsage, "NET/epcomm: watchRecv() needs a poller and a receive comm not watched yet");
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;  // (errors and hang-ups are always reported)
+    ev.data.ptr = c;
+    if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, c->ctrlFd, &ev) != 0)
+      NET_FAIL(epSystemError, "NET/epcomm: epoll_ctl(ADD) for the connection with peer %s: %s", c->peer.c_str(),
+               strerror(errno));
+    c->ctrlReady.store(true, std::memory_order_release);  // bytes may have come before it was watched
+    c->poller = p;
+    return epSuccess;
+  }
+
+  void pollReady(void* poller) override {
+    auto* p = static_cast<SockPoller*>(poller);
+    if (p == nullptr || p->broken.load(std::memory_order_relaxed)) return;
+    epoll_event ev[256];
+    for (;;) {
+      const int n = epoll_wait(p->epfd, ev, 256, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {  // not expected; never leave a byte unread for it
+        NET_WARN("NET/epcomm: epoll_wait: %s; every receive test reads its socket from now on", strerror(errno));
+        p->broken.store(true, std::memory_order_relaxed);
+        return;
+      }
+      for (int i = 0; i < n; ++i)
+        static_cast<SockComm*>(ev[i].data.ptr)->ctrlReady.store(true, std::memory_order_release);
+      if (n < 256) return;
+    }
+  }
+
+  void closePoller(void* poller) override {
+    auto* p = static_cast<SockPoller*>(poller);
+    if (p == nullptr) return;
+    close(p->epfd);
+    delete p;
   }
 
   epResult_t closeSend(void* comm) override {

@@ -1,0 +1,186 @@
+// Readiness (NetBackend::openPoller / watchRecv / pollReady): a watched receive comm reads its socket only after a
+// poll saw bytes arrive, so no message, and no end of a connection, may ever wait for a test that never reads.
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/time.h"
+#include "net_pair.h"
+#include "transport/net/net.h"
+
+namespace {
+
+using epcomm::net::kNetPtrHost;
+
+struct Poller {
+  epcomm::net::NetBackend* net;
+  void* p;
+  explicit Poller(epcomm::net::NetBackend* n) : net(n), p(n->openPoller()) {}
+  ~Poller() { net->closePoller(p); }
+};
+
+// Messages of every size class (empty, inline, several in one read-ahead, more than the read-ahead, chunked over
+// the data sockets), sent in bursts while the receiver posts one receive at a time and polls before each pass of
+// tests, as the net bridge does: each arrives whole and in order.
+TEST(NetReadiness, WatchedReceivesGetEveryMessage) {
+  for (int streams : {0, 1}) {
+    SCOPED_TRACE("max_streams " + std::to_string(streams));
+    auto* pair = new NetPair;  // closed before the poller (net.h)
+    ASSERT_TRUE(connectNetPair(pair, streams)) << epcomm::net::netLastError();
+    Poller poller(pair->net);
+    ASSERT_NE(poller.p, nullptr);
+    ASSERT_EQ(pair->net->watchRecv(poller.p, pair->recv), epSuccess) << epcomm::net::netLastError();
+    EXPECT_NE(pair->net->watchRecv(poller.p, pair->recv), epSuccess) << "watched twice";
+    EXPECT_NE(pair->net->watchRecv(poller.p, pair->send), epSuccess) << "a send comm watched";
+
+    std::mt19937_64 rng(std::random_device{}());
+    const size_t sizes[] = {0, 1, 32, 100, 4096, 20000, 70000, 1 << 20, 3 << 20};
+    std::vector<size_t> plan;
+    for (int round = 0; round < 6; ++round)
+      for (size_t s : sizes) plan.push_back(s);
+    std::shuffle(plan.begin(), plan.end(), rng);
+    const size_t cap = 3 << 20;
+    std::vector<std::vector<uint8_t>> out(plan.size());
+    for (size_t i = 0; i < plan.size(); ++i) {
+      out[i].resize(plan[i]);
+      for (auto& b : out[i]) b = static_cast<uint8_t>(rng());
+    }
+    std::vector<uint8_t> in(cap);
+    void* rmh = nullptr;
+    ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), cap, kNetPtrHost, &rmh), epSuccess);
+    std::vector<void*> smh(plan.size(), nullptr), sreq(plan.size(), nullptr);
+    size_t posted = 0, received = 0;
+    void* rreq = nullptr;
+    const epcomm::Deadline deadline = epcomm::Deadline::afterMs(30000);
+    while (received < plan.size() && !deadline.expired()) {
+      // Sends in bursts: up to 8 messages ahead of the receiver.
+      while (posted < plan.size() && posted < received + 8) {
+        if (smh[posted] == nullptr)
+          ASSERT_EQ(pair->net->regMr(pair->send, out[posted].data(), out[posted].size(), kNetPtrHost, &smh[posted]),
+                    epSuccess);
+        ASSERT_EQ(pair->net->isend(pair->send, out[posted].data(), out[posted].size(), 0, smh[posted], &sreq[posted]),
+                  epSuccess);
+        if (sreq[posted] == nullptr) break;
+        ++posted;
+      }
+      for (size_t i = 0; i < posted; ++i) {
+        if (sreq[i] == nullptr) continue;  // completed
+        int done = 0;
+        ASSERT_EQ(pair->net->test(sreq[i], &done, nullptr), epSuccess) << epcomm::net::netLastError();
+        if (done) sreq[i] = nullptr;
+      }
+      if (rreq == nullptr) {
+        std::memset(in.data(), 0xEE, cap);
+        void* data = in.data();
+        size_t c = cap;
+        int tag = 0;
+        ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &rreq), epSuccess);
+        if (rreq == nullptr) continue;
+      }
+      pair->net->pollReady(poller.p);
+      int done = 0;
+      size_t got = 0;
+      ASSERT_EQ(pair->net->test(rreq, &done, &got), epSuccess) << epcomm::net::netLastError();
+      if (!done) continue;
+      rreq = nullptr;
+      ASSERT_EQ(got, plan[received]) << "message " << received;
+      ASSERT_EQ(memcmp(in.data(), out[received].data(), got), 0) << "message " << received;
+      ++received;
+    }
+    ASSERT_EQ(received, plan.size()) << "messages stuck: " << received << " of " << plan.size() << " arrived";
+    for (size_t i = 0; i < plan.size(); ++i) pair->net->deregMr(pair->send, smh[i]);
+    pair->net->deregMr(pair->recv, rmh);
+    delete pair;
+  }
+}
+
+// Everything is sent before the receiver posts anything: far more control-stream bytes than one read takes, and
+// nothing arrives after them to raise the poll again, so the receiver must know on its own to read on.
+TEST(NetReadiness, ABacklogLargerThanOneReadIsDrained) {
+  auto* pair = new NetPair;
+  ASSERT_TRUE(connectNetPair(pair, 1)) << epcomm::net::netLastError();
+  Poller poller(pair->net);
+  ASSERT_EQ(pair->net->watchRecv(poller.p, pair->recv), epSuccess);
+  constexpr int kMsgs = 200;
+  constexpr size_t kBytes = 1000;  // inline: the bytes travel on the control socket
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<uint8_t> out(kMsgs * kBytes), in(kBytes);
+  for (auto& b : out) b = static_cast<uint8_t>(rng());
+  void *smh = nullptr, *rmh = nullptr;
+  ASSERT_EQ(pair->net->regMr(pair->send, out.data(), out.size(), kNetPtrHost, &smh), epSuccess);
+  ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), in.size(), kNetPtrHost, &rmh), epSuccess);
+  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
+  for (int i = 0; i < kMsgs; i += 8) {  // 8 at a time (the requests a comm takes are bounded), each batch complete
+    void* sreq[8] = {};
+    for (int j = 0; j < 8 && i + j < kMsgs; ++j)
+      while (sreq[j] == nullptr && !deadline.expired())
+        ASSERT_EQ(pair->net->isend(pair->send, out.data() + (i + j) * kBytes, kBytes, 0, smh, &sreq[j]), epSuccess);
+    for (void* r : sreq) {
+      int done = 0;
+      while (r != nullptr && !done && !deadline.expired()) ASSERT_EQ(pair->net->test(r, &done, nullptr), epSuccess);
+    }
+  }
+  for (int i = 0; i < kMsgs; ++i) {
+    std::memset(in.data(), 0xEE, in.size());
+    void* data = in.data();
+    size_t c = in.size();
+    int tag = 0;
+    void* rreq = nullptr;
+    ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &rreq), epSuccess);
+    ASSERT_NE(rreq, nullptr);
+    int done = 0;
+    size_t got = 0;
+    while (!done && !deadline.expired()) {
+      pair->net->pollReady(poller.p);
+      ASSERT_EQ(pair->net->test(rreq, &done, &got), epSuccess);
+    }
+    ASSERT_TRUE(done) << "message " << i << " of " << kMsgs << " never read";
+    ASSERT_EQ(got, kBytes);
+    ASSERT_EQ(memcmp(in.data(), out.data() + i * kBytes, kBytes), 0) << "message " << i;
+  }
+  pair->net->deregMr(pair->send, smh);
+  pair->net->deregMr(pair->recv, rmh);
+  delete pair;
+}
+
+// A peer that closes its end while the receiver waits on a watched, idle connection: the poll sees the end, and
+// the receive fails (not waits) within the deadline.
+TEST(NetReadiness, AClosedPeerFailsTheWatchedReceive) {
+  auto* pair = new NetPair;
+  ASSERT_TRUE(connectNetPair(pair, 1)) << epcomm::net::netLastError();
+  Poller poller(pair->net);
+  ASSERT_EQ(pair->net->watchRecv(poller.p, pair->recv), epSuccess);
+  std::vector<uint8_t> in(4096);
+  void* rmh = nullptr;
+  ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), in.size(), kNetPtrHost, &rmh), epSuccess);
+  void* data = in.data();
+  size_t c = in.size();
+  int tag = 0;
+  void* rreq = nullptr;
+  ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &rreq), epSuccess);
+  ASSERT_NE(rreq, nullptr);
+  for (int i = 0; i < 100; ++i) {  // idle: nothing arrives, nothing fails
+    pair->net->pollReady(poller.p);
+    int done = 0;
+    ASSERT_EQ(pair->net->test(rreq, &done, nullptr), epSuccess);
+    ASSERT_EQ(done, 0);
+  }
+  pair->net->closeSend(pair->send);
+  pair->send = nullptr;
+  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(10000);
+  epResult_t r = epSuccess;
+  while (r == epSuccess && !deadline.expired()) {
+    pair->net->pollReady(poller.p);
+    int done = 0;
+    r = pair->net->test(rreq, &done, nullptr);
+    ASSERT_EQ(done, 0);
+  }
+  EXPECT_NE(r, epSuccess) << "the end of the connection was never seen";
+  pair->net->deregMr(pair->recv, rmh);
+  delete pair;
+}
+
+}  // namespace
