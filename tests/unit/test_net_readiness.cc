@@ -1,5 +1,7 @@
 // Readiness (NetBackend::openPoller / watchRecv / pollReady): a watched receive comm reads its socket only after a
 // poll saw bytes arrive, so no message, and no end of a connection, may ever wait for a test that never reads.
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -181,6 +183,58 @@ TEST(NetReadiness, AClosedPeerFailsTheWatchedReceive) {
   EXPECT_NE(r, epSuccess) << "the end of the connection was never seen";
   pair->net->deregMr(pair->recv, rmh);
   delete pair;
+}
+
+// The last bytes and the end of the connection arrive together (the peer sent a message and exited): one recv()
+// returns the bytes and takes the end with them, and the next would return 0. The receive after that message must
+// still fail (the poll keeps reporting what waits on the socket), not wait forever.
+TEST(NetReadiness, AnEndThatCameWithTheLastBytesIsSeen) {
+  for (int round = 0; round < 5; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    auto* pair = new NetPair;
+    ASSERT_TRUE(connectNetPair(pair, 1)) << epcomm::net::netLastError();
+    Poller poller(pair->net);
+    ASSERT_EQ(pair->net->watchRecv(poller.p, pair->recv), epSuccess);
+    std::vector<uint8_t> out(100, 0x5A), in(4096);
+    void *smh = nullptr, *rmh = nullptr, *sreq = nullptr;
+    ASSERT_EQ(pair->net->regMr(pair->send, out.data(), out.size(), kNetPtrHost, &smh), epSuccess);
+    ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), in.size(), kNetPtrHost, &rmh), epSuccess);
+    // Nothing to read yet: a pass that reads finds nothing, and the flag is down before the bytes come.
+    void* data = in.data();
+    size_t c = in.size();
+    int tag = 0, done = 0;
+    void* first = nullptr;
+    ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &first), epSuccess);
+    pair->net->pollReady(poller.p);
+    ASSERT_EQ(pair->net->test(first, &done, nullptr), epSuccess);
+    ASSERT_EQ(done, 0);
+    const epcomm::Deadline deadline = epcomm::Deadline::afterMs(10000);
+    while (sreq == nullptr && !deadline.expired())
+      ASSERT_EQ(pair->net->isend(pair->send, out.data(), out.size(), 0, smh, &sreq), epSuccess);
+    for (int sdone = 0; !sdone && !deadline.expired();) ASSERT_EQ(pair->net->test(sreq, &sdone, nullptr), epSuccess);
+    pair->net->closeSend(pair->send);  // the end right behind the message
+    pair->send = nullptr;
+    usleep(20000);                     // both are in this socket before the receiver looks again
+    size_t got = 0;
+    while (!done && !deadline.expired()) {
+      pair->net->pollReady(poller.p);
+      ASSERT_EQ(pair->net->test(first, &done, &got), epSuccess);
+    }
+    ASSERT_TRUE(done);
+    ASSERT_EQ(got, out.size());
+    void* second = nullptr;
+    ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &second), epSuccess);
+    epResult_t r = epSuccess;
+    while (r == epSuccess && !deadline.expired()) {
+      pair->net->pollReady(poller.p);
+      done = 0;
+      r = pair->net->test(second, &done, nullptr);
+      ASSERT_EQ(done, 0);
+    }
+    EXPECT_NE(r, epSuccess) << "the end that came with the last bytes was never seen";
+    pair->net->deregMr(pair->recv, rmh);
+    delete pair;
+  }
 }
 
 }  // namespace

@@ -95,10 +95,10 @@ class NetBackend {
   // Readiness, for a caller that keeps receives posted on many connections and tests every one of them in each pass
   // (the net bridge, up to hundreds of peers): a test() of an idle socket receive costs a recv() that finds nothing
   // (0.6-0.8 us), one per peer and pass. After watchRecv(poller, recvComm), test() of that comm's requests reads
-  // its control stream only once pollReady(poller) has seen bytes (or an error) arrive on it since it last found
-  // none: a pass over idle peers then costs one syscall. pollReady may be called from several threads at once;
-  // tests see what any of them saw. Close the watched comms before closePoller. openPoller: nullptr where the
-  // backend has no readiness (every test() then looks for itself, as without a poller).
+  // its control stream only while pollReady(poller) last saw bytes, an end or an error waiting on it (or its last
+  // read filled what it asked for): a pass over idle peers then costs one syscall. pollReady may be called from
+  // several threads at once; tests see what any of them saw. Close the watched comms before closePoller.
+  // openPoller: nullptr where the backend has no readiness (every test() then looks for itself).
   virtual void* openPoller() { return nullptr; }
   virtual epResult_t watchRecv(void* poller, void* recvComm) {
     (void)poller, (void)recvComm;

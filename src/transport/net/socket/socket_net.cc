@@ -250,10 +250,12 @@ struct SockComm {
   // of two; remainders of kStage or more go straight into the posted buffer (no extra copy for big payloads).
   std::unique_ptr<char[]> stage;
   size_t stageBeg = 0, stageEnd = 0;
-  // Readiness (NetBackend::watchRecv): the poller watching ctrlFd, edge-triggered, or null. pollReady raises
-  // ctrlReady when bytes or an error arrive; ctrlRead lowers it just before its recv() and raises it again when
-  // that recv() filled what it asked for (more may wait). A recv() that took less drained the socket, so whatever
-  // lands after it raises a new edge: no byte waits for a test that never reads.
+  // Readiness (NetBackend::watchRecv): the poller watching ctrlFd, level-triggered, or null. pollReady raises
+  // ctrlReady while bytes, an end or an error wait on the socket; ctrlRead lowers it just before its recv() and
+  // raises it again when that recv() filled what it asked for (more may wait: the next read of this test goes on
+  // at once). A recv() that took less leaves it lowered until the next poll, which reports whatever still waits.
+  // (Edge-triggered would lose an end that arrived with the last bytes: one recv() returns those bytes and takes
+  // the FIN, the next would return 0, and no new edge ever comes; a dead peer would then never be noticed.)
   SockPoller* poller = nullptr;
   std::atomic<bool> ctrlReady{true};
   std::unique_ptr<SockRequest[]> pool;
@@ -1100,7 +1102,7 @@ class SocketBackend final : public NetBackend {
     if (p == nullptr || c == nullptr || c->isSend || c->poller != nullptr)
       NET_FAIL(epInvalidUsage, "NET/epcomm: watchRecv() needs a poller and a receive comm not watched yet");
     epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLET;  // (errors and hang-ups are always reported)
+    ev.events = EPOLLIN | EPOLLRDHUP;  // level-triggered (see SockComm::ctrlReady); errors, hang-ups always
     ev.data.ptr = c;
     if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, c->ctrlFd, &ev) != 0)
       NET_FAIL(epSystemError, "NET/epcomm: epoll_ctl(ADD) for the connection with peer %s: %s", c->peer.c_str(),
