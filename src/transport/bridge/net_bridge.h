@@ -55,9 +55,9 @@
 // peer has a lock that the one making its calls holds, so the engine's waiting threads move frames the moment
 // there is something to move instead of handing every step to the progress thread (a wake-up, and on a loaded
 // machine a scheduling turn, per hop), and threads waiting on different peers move them at once. Otherwise the
-// engine touches only ring ends and mirror headers (atomics), and dead(). A pass polls the backend's readiness first
-// (NetBackend::openPoller, where it has it; EPCOMM_NET_READINESS): tests of a peer with nothing new then cost no
-// syscall, which at hundreds of peers is most of a pass.
+// engine touches only ring ends and mirror headers (atomics), and dead(). Where a rank reaches many ranks of other
+// hosts (EPCOMM_NET_READINESS, 4 by default), a pass polls the backend's readiness first (NetBackend::openPoller):
+// tests of a peer with nothing new then cost no syscall, which at hundreds of peers is most of a pass.
 #pragma once
 #include <atomic>
 #include <cstdint>
