@@ -2,9 +2,13 @@
 // poll saw bytes arrive, so no message, and no end of a connection, may ever wait for a test that never reads.
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -99,8 +103,8 @@ TEST(NetReadiness, WatchedReceivesGetEveryMessage) {
   }
 }
 
-// Everything is sent before the receiver posts anything: far more control-stream bytes than one read takes, and
-// nothing arrives after them to raise the poll again, so the receiver must know on its own to read on.
+// Everything is sent before the receiver posts anything: far more control-stream bytes than one read takes. One poll
+// only, then tests alone: the receiver must know on its own to read on while its reads come back full.
 TEST(NetReadiness, ABacklogLargerThanOneReadIsDrained) {
   auto* pair = new NetPair;
   ASSERT_TRUE(connectNetPair(pair, 1)) << epcomm::net::netLastError();
@@ -125,6 +129,7 @@ TEST(NetReadiness, ABacklogLargerThanOneReadIsDrained) {
       while (r != nullptr && !done && !deadline.expired()) ASSERT_EQ(pair->net->test(r, &done, nullptr), epSuccess);
     }
   }
+  pair->net->pollReady(poller.p);  // once: from here on the receiver reads on because each read came back full
   for (int i = 0; i < kMsgs; ++i) {
     std::memset(in.data(), 0xEE, in.size());
     void* data = in.data();
@@ -135,10 +140,7 @@ TEST(NetReadiness, ABacklogLargerThanOneReadIsDrained) {
     ASSERT_NE(rreq, nullptr);
     int done = 0;
     size_t got = 0;
-    while (!done && !deadline.expired()) {
-      pair->net->pollReady(poller.p);
-      ASSERT_EQ(pair->net->test(rreq, &done, &got), epSuccess);
-    }
+    while (!done && !deadline.expired()) ASSERT_EQ(pair->net->test(rreq, &done, &got), epSuccess);
     ASSERT_TRUE(done) << "message " << i << " of " << kMsgs << " never read";
     ASSERT_EQ(got, kBytes);
     ASSERT_EQ(memcmp(in.data(), out.data() + i * kBytes, kBytes), 0) << "message " << i;
@@ -146,6 +148,78 @@ TEST(NetReadiness, ABacklogLargerThanOneReadIsDrained) {
   pair->net->deregMr(pair->send, smh);
   pair->net->deregMr(pair->recv, rmh);
   delete pair;
+}
+
+// More watched comms with bytes waiting than one epoll_wait buffer of 256 (a rank with hundreds of peers of other
+// hosts): a poll returns (level-triggered, a readable socket is reported by every call, so a poll that looped while
+// its buffer came back full would never end) and every comm gets its message.
+TEST(NetReadiness, MoreReadyCommsThanOneBufferOfEvents) {
+  constexpr int kComms = 260;
+  std::string why;
+  epcomm::net::NetBackend* net = epcomm::net::netSocketBackend(&why);
+  ASSERT_NE(net, nullptr) << why;
+  if (epcomm::net::ensureDescriptors(kComms * (2 * net->descriptorsPerConnection(1) + 1), "the test's connections") !=
+      epSuccess)
+    GTEST_SKIP() << epcomm::net::netLastError();
+  std::vector<std::unique_ptr<NetPair>> pairs;
+  for (int i = 0; i < kComms; ++i) {
+    pairs.push_back(std::make_unique<NetPair>());
+    ASSERT_TRUE(connectNetPair(pairs.back().get(), 1)) << "pair " << i << ": " << epcomm::net::netLastError();
+  }
+  void* poller = net->openPoller();
+  ASSERT_NE(poller, nullptr);
+  for (auto& p : pairs) ASSERT_EQ(net->watchRecv(poller, p->recv), epSuccess);
+  std::vector<uint64_t> out(kComms), in(kComms, ~0ull);
+  std::vector<void*> sreq(kComms, nullptr), rreq(kComms, nullptr), smh(kComms), rmh(kComms);
+  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(30000);
+  for (int i = 0; i < kComms; ++i) {
+    out[i] = 0x1000u + i;
+    ASSERT_EQ(net->regMr(pairs[i]->send, &out[i], 8, kNetPtrHost, &smh[i]), epSuccess);
+    ASSERT_EQ(net->regMr(pairs[i]->recv, &in[i], 8, kNetPtrHost, &rmh[i]), epSuccess);
+    while (sreq[i] == nullptr && !deadline.expired())
+      ASSERT_EQ(net->isend(pairs[i]->send, &out[i], 8, 0, smh[i], &sreq[i]), epSuccess);
+    for (int done = 0; !done && !deadline.expired();) ASSERT_EQ(net->test(sreq[i], &done, nullptr), epSuccess);
+  }
+  usleep(20000);  // every message in its receiver's socket
+  // A poll in another thread, so that one that never returns fails the test instead of hanging it.
+  std::atomic<bool> returned{false};
+  std::thread t([&] {
+    net->pollReady(poller);
+    returned = true;
+  });
+  for (int i = 0; i < 500 && !returned; ++i) usleep(10000);
+  if (!returned) {
+    ADD_FAILURE() << "pollReady never returned with " << kComms << " readable comms";
+    fflush(stdout);
+    _exit(1);  // (the thread cannot be stopped)
+  }
+  t.join();
+  int got = 0;
+  for (int i = 0; i < kComms; ++i) {
+    void* data = &in[i];
+    size_t cap = 8;
+    int tag = 0;
+    ASSERT_EQ(net->irecv(pairs[i]->recv, 1, &data, &cap, &tag, &rmh[i], &rreq[i]), epSuccess);
+  }
+  for (bool all = false; !all && !deadline.expired();) {
+    net->pollReady(poller);
+    all = true;
+    for (int i = 0; i < kComms; ++i) {
+      if (rreq[i] == nullptr) continue;
+      int done = 0;
+      ASSERT_EQ(net->test(rreq[i], &done, nullptr), epSuccess);
+      if (done) {
+        rreq[i] = nullptr;
+        ++got;
+        EXPECT_EQ(in[i], out[i]) << "comm " << i;
+      } else {
+        all = false;
+      }
+    }
+  }
+  EXPECT_EQ(got, kComms);
+  pairs.clear();  // the comms before their poller (net.h)
+  net->closePoller(poller);
 }
 
 // A peer that closes its end while the receiver waits on a watched, idle connection: the poll sees the end, and

@@ -302,8 +302,18 @@ bool drainLiveness(SockComm* c) {
 // An epoll set of receive comms' control sockets (NetBackend::openPoller).
 struct SockPoller {
   int epfd = -1;
+  std::atomic<int> watched{0};      // comms in the set (a poll asks for that many events at once)
   std::atomic<bool> broken{false};  // epoll_wait failed: every watched comm reads for itself again
 };
+
+// Takes c out of its poller's set: at its end (it is being destroyed) or once its control stream failed (an end or
+// an error stays readable for good, and nobody reads it any more: it would be reported by every poll).
+void unwatch(SockComm* c) {
+  if (c->poller == nullptr) return;
+  epoll_ctl(c->poller->epfd, EPOLL_CTL_DEL, c->ctrlFd, nullptr);
+  c->poller->watched.fetch_sub(1, std::memory_order_relaxed);
+  c->poller = nullptr;
+}
 
 // Moves the queued chunks of data socket si, front first, until the socket would block or the queue is empty
 // (for the caller: until the front chunk is not a lone message's). Both the socket's helper and the thread
@@ -472,7 +482,7 @@ epResult_t assist(SockComm* c) {
 
 void destroyComm(SockComm* c) {
   c->stop.store(true, std::memory_order_release);
-  if (c->poller != nullptr) epoll_ctl(c->poller->epfd, EPOLL_CTL_DEL, c->ctrlFd, nullptr);
+  unwatch(c);
   for (auto& h : c->helpers) {
     if (h->th.joinable()) {
       wake(h.get());
@@ -616,6 +626,7 @@ ssize_t ctrlRead(SockComm* c, char* dst, size_t n, std::string* err) {
   const size_t want = n >= kStage ? n : kStage;
   ssize_t k = recvSome(c->ctrlFd, n >= kStage ? dst : c->stage.get(), want, err);
   if (watched && k == static_cast<ssize_t>(want)) c->ctrlReady.store(true, std::memory_order_release);
+  if (k < 0) unwatch(c);  // (the caller records the failure: this comm is done)
   if (n >= kStage || k <= 0) return k;
   size_t m = std::min(n, static_cast<size_t>(k));
   memcpy(dst, c->stage.get(), m);
@@ -1109,25 +1120,29 @@ class SocketBackend final : public NetBackend {
                strerror(errno));
     c->ctrlReady.store(true, std::memory_order_release);  // bytes may have come before it was watched
     c->poller = p;
+    p->watched.fetch_add(1, std::memory_order_relaxed);
     return epSuccess;
   }
 
+  // One epoll_wait asking for as many events as there are watched comms: level-triggered, a socket that stays
+  // readable is reported by every call, so a loop "while the buffer came back full" would never end once that many
+  // sockets wait to be read (by the caller, after this returns).
   void pollReady(void* poller) override {
     auto* p = static_cast<SockPoller*>(poller);
     if (p == nullptr || p->broken.load(std::memory_order_relaxed)) return;
-    epoll_event ev[256];
-    for (;;) {
-      const int n = epoll_wait(p->epfd, ev, 256, 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {  // not expected; never leave a byte unread for it
-        NET_WARN("NET/epcomm: epoll_wait: %s; every receive test reads its socket from now on", strerror(errno));
-        p->broken.store(true, std::memory_order_relaxed);
-        return;
-      }
-      for (int i = 0; i < n; ++i)
-        static_cast<SockComm*>(ev[i].data.ptr)->ctrlReady.store(true, std::memory_order_release);
-      if (n < 256) return;
+    thread_local std::vector<epoll_event> ev;
+    const int want = std::max(1, p->watched.load(std::memory_order_relaxed));
+    if (static_cast<int>(ev.size()) < want) ev.resize(want);
+    int n;
+    do n = epoll_wait(p->epfd, ev.data(), want, 0);
+    while (n < 0 && errno == EINTR);
+    if (n < 0) {  // not expected; never leave a byte unread for it
+      NET_WARN("NET/epcomm: epoll_wait: %s; every receive test reads its socket from now on", strerror(errno));
+      p->broken.store(true, std::memory_order_relaxed);
+      return;
     }
+    for (int i = 0; i < n; ++i)
+      static_cast<SockComm*>(ev[i].data.ptr)->ctrlReady.store(true, std::memory_order_release);
   }
 
   void closePoller(void* poller) override {
