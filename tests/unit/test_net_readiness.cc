@@ -21,6 +21,13 @@ namespace {
 
 using epcomm::net::kNetPtrHost;
 
+// Posts a receive of up to `cap` bytes into `buf` (tag 0, registered as `mh`); *req stays null when the comm takes
+// no more receives now.
+epResult_t postRecv(epcomm::net::NetBackend* net, void* comm, void* buf, size_t cap, void* mh, void** req) {
+  int tag = 0;
+  return net->irecv(comm, 1, &buf, &cap, &tag, &mh, req);
+}
+
 struct Poller {
   epcomm::net::NetBackend* net;
   void* p;
@@ -64,9 +71,10 @@ TEST(NetReadiness, WatchedReceivesGetEveryMessage) {
     while (received < plan.size() && !deadline.expired()) {
       // Sends in bursts: up to 8 messages ahead of the receiver.
       while (posted < plan.size() && posted < received + 8) {
-        if (smh[posted] == nullptr)
+        if (smh[posted] == nullptr) {
           ASSERT_EQ(pair->net->regMr(pair->send, out[posted].data(), out[posted].size(), kNetPtrHost, &smh[posted]),
                     epSuccess);
+        }
         ASSERT_EQ(pair->net->isend(pair->send, out[posted].data(), out[posted].size(), 0, smh[posted], &sreq[posted]),
                   epSuccess);
         if (sreq[posted] == nullptr) break;
@@ -80,10 +88,7 @@ TEST(NetReadiness, WatchedReceivesGetEveryMessage) {
       }
       if (rreq == nullptr) {
         std::memset(in.data(), 0xEE, cap);
-        void* data = in.data();
-        size_t c = cap;
-        int tag = 0;
-        ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &rreq), epSuccess);
+        ASSERT_EQ(postRecv(pair->net, pair->recv, in.data(), cap, rmh, &rreq), epSuccess);
         if (rreq == nullptr) continue;
       }
       pair->net->pollReady(poller.p);
@@ -132,11 +137,8 @@ TEST(NetReadiness, ABacklogLargerThanOneReadIsDrained) {
   pair->net->pollReady(poller.p);  // once: from here on the receiver reads on because each read came back full
   for (int i = 0; i < kMsgs; ++i) {
     std::memset(in.data(), 0xEE, in.size());
-    void* data = in.data();
-    size_t c = in.size();
-    int tag = 0;
     void* rreq = nullptr;
-    ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &rreq), epSuccess);
+    ASSERT_EQ(postRecv(pair->net, pair->recv, in.data(), in.size(), rmh, &rreq), epSuccess);
     ASSERT_NE(rreq, nullptr);
     int done = 0;
     size_t got = 0;
@@ -196,10 +198,7 @@ TEST(NetReadiness, MoreReadyCommsThanOneBufferOfEvents) {
   t.join();
   int got = 0;
   for (int i = 0; i < kComms; ++i) {
-    void* data = &in[i];
-    size_t cap = 8;
-    int tag = 0;
-    ASSERT_EQ(net->irecv(pairs[i]->recv, 1, &data, &cap, &tag, &rmh[i], &rreq[i]), epSuccess);
+    ASSERT_EQ(postRecv(net, pairs[i]->recv, &in[i], 8, rmh[i], &rreq[i]), epSuccess);
   }
   for (bool all = false; !all && !deadline.expired();) {
     net->pollReady(poller);
@@ -232,11 +231,8 @@ TEST(NetReadiness, AClosedPeerFailsTheWatchedReceive) {
   std::vector<uint8_t> in(4096);
   void* rmh = nullptr;
   ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), in.size(), kNetPtrHost, &rmh), epSuccess);
-  void* data = in.data();
-  size_t c = in.size();
-  int tag = 0;
   void* rreq = nullptr;
-  ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &rreq), epSuccess);
+  ASSERT_EQ(postRecv(pair->net, pair->recv, in.data(), in.size(), rmh, &rreq), epSuccess);
   ASSERT_NE(rreq, nullptr);
   for (int i = 0; i < 100; ++i) {  // idle: nothing arrives, nothing fails
     pair->net->pollReady(poller.p);
@@ -274,11 +270,9 @@ TEST(NetReadiness, AnEndThatCameWithTheLastBytesIsSeen) {
     ASSERT_EQ(pair->net->regMr(pair->send, out.data(), out.size(), kNetPtrHost, &smh), epSuccess);
     ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), in.size(), kNetPtrHost, &rmh), epSuccess);
     // Nothing to read yet: a pass that reads finds nothing, and the flag is down before the bytes come.
-    void* data = in.data();
-    size_t c = in.size();
-    int tag = 0, done = 0;
+    int done = 0;
     void* first = nullptr;
-    ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &first), epSuccess);
+    ASSERT_EQ(postRecv(pair->net, pair->recv, in.data(), in.size(), rmh, &first), epSuccess);
     pair->net->pollReady(poller.p);
     ASSERT_EQ(pair->net->test(first, &done, nullptr), epSuccess);
     ASSERT_EQ(done, 0);
@@ -297,7 +291,7 @@ TEST(NetReadiness, AnEndThatCameWithTheLastBytesIsSeen) {
     ASSERT_TRUE(done);
     ASSERT_EQ(got, out.size());
     void* second = nullptr;
-    ASSERT_EQ(pair->net->irecv(pair->recv, 1, &data, &c, &tag, &rmh, &second), epSuccess);
+    ASSERT_EQ(postRecv(pair->net, pair->recv, in.data(), in.size(), rmh, &second), epSuccess);
     epResult_t r = epSuccess;
     while (r == epSuccess && !deadline.expired()) {
       pair->net->pollReady(poller.p);
