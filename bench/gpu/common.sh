@@ -23,7 +23,17 @@
 #                        goal shape 3 rounds, the LL standard shape at R = 2, 4, 8, issue 11's HT shapes (R = 8 at
 #                        14 and 16 SMs, R = 2 and 4 at 24), the GPU engine across 2 virtual hosts (HT and LL,
 #                        xhost/raw), then bench/net/host_xhost_diag.sh if under 330 s have passed
+#   unpack_packs         untars each carried .gpupack/NAME.tar.xz whose folder is missing
+#   left                 seconds left of the call's BUDGET (560 by default) since the script started
+#   N2 BIG NOSLEEP R0    the settings the A/B parts name: 2 helper threads per connection, 4 MiB proxy messages
+#                        with 32 MiB rings, a proxy thread that never sleeps, no readiness poll
 T0=${T0:-$(date +%s)}
+unpack_packs() { for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done; }
+left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
+N2="EPCOMM_NET_NTHREADS=2"
+BIG="EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"
+NOSLEEP="EPCOMM_BACKOFF_YIELDS=100000000"
+R0="EPCOMM_NET_READINESS=0"
 el() { echo "## elapsed $(( $(date +%s) - T0 )) s"; }
 gpu_build() {
   local d=$1

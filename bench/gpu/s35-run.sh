@@ -17,7 +17,7 @@
 cd "$(dirname "$0")/../.."
 part=${1:-first}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s35 $part
-for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
+unpack_packs
 case $part in
   first) D=.gpupack/new
     ( mps_start

@@ -18,7 +18,7 @@
 cd "$(dirname "$0")/../.."
 part=${1:-diag}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s36 $part
-for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
+unpack_packs
 D=${D:-.gpupack/m}
 case $part in
   one)  # everything owed in one call, most needed first, each part only while BUDGET (default 570 s) lasts

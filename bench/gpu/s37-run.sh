@@ -16,12 +16,8 @@
 cd "$(dirname "$0")/../.."
 part=${1:-perf}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s37 $part
-for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
+unpack_packs
 D=${D:-.gpupack/m}
-N2="EPCOMM_NET_NTHREADS=2"
-BIG="EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"
-NOSLEEP="EPCOMM_BACKOFF_YIELDS=100000000"
-left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
 case $part in
   perf)
     echo "## proxy_bench R=2, columns: raw_GB/s proxy_GB/s proxy/raw raw_cpu_ns/B proxy_cpu_ns/B"

@@ -14,13 +14,8 @@
 cd "$(dirname "$0")/../.."
 part=${1:-check}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s38 $part
-for x in .gpupack/*.tar.xz; do [ -f "$x" ] && [ ! -d "${x%.tar.xz}" ] && tar xJf "$x" -C .gpupack; done
+unpack_packs
 D=${D:-.gpupack/m}
-R0="EPCOMM_NET_READINESS=0"
-N2="EPCOMM_NET_NTHREADS=2"
-BIG="EPCOMM_GPU_PROXY_MSG_BYTES=4194304 EPCOMM_GPU_PROXY_RING_BYTES=33554432"
-NOSLEEP="EPCOMM_BACKOFF_YIELDS=100000000"
-left() { echo $(( ${BUDGET:-560} - ($(date +%s) - T0) )); }
 case $part in
   check)
     ( mps_start; suite1 ht 4 2 70 )
