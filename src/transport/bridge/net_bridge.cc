@@ -1022,13 +1022,19 @@ void NetBridge::readWords(uint64_t* word, uint64_t* words) const {
 
 bool NetBridge::assist() {
   if (closed_.load(std::memory_order_acquire)) return false;
+  return pass(false);
+}
+
+bool NetBridge::pass(bool after_close) {
   bool moved = false;
   bool polled = poller_ == nullptr;
+  // A peer another thread is serving right now is skipped, not waited for (it is being moved).
   for (auto& pp : peers_) {
     if (!pp || !pp->tryLock()) continue;
+    const bool serve = after_close || !closed_.load(std::memory_order_acquire);
     // Readiness once per pass, under the first peer lock this thread takes: shutdown waits for every such lock
     // before it closes the comms and the poller, and a thread that serves no peer has nothing to poll for.
-    if (!polled && !closed_.load(std::memory_order_acquire)) {
+    if (!polled && serve) {
       backend_->pollReady(poller_);
       polled = true;
     }
@@ -1036,7 +1042,7 @@ bool NetBridge::assist() {
     // framed newer ones would otherwise go out after them, and the peer's mirror would step back.
     uint64_t word, words[4];
     readWords(&word, words);
-    if (!closed_.load(std::memory_order_acquire)) moved = progressPeer(*pp, word, words) || moved;
+    if (serve) moved = progressPeer(*pp, word, words) || moved;
     pp->unlock();
   }
   return moved;
@@ -1046,16 +1052,7 @@ void NetBridge::progressLoop() {
   nameThisThread("epcomm-bridge");
   Backoff backoff;
   for (;;) {
-    bool moved = false;
-    if (poller_) backend_->pollReady(poller_);
-    // A peer an engine thread is serving right now is skipped, not waited for (it is being moved).
-    for (auto& pp : peers_) {
-      if (!pp || !pp->tryLock()) continue;
-      uint64_t word, words[4];  // under the lock, before the outboxes (see assist)
-      readWords(&word, words);
-      moved = progressPeer(*pp, word, words) || moved;
-      pp->unlock();
-    }
+    bool moved = pass(true);
     if (stop_.load(std::memory_order_acquire)) {
       // Every engine thread is out of assist() by now (shutdown took every peer's lock after closed_), so this
       // thread (the progress thread, or shutdown's caller where the owner drives the bridge) alone touches the

@@ -196,6 +196,9 @@ class NetBridge {
   epResult_t establish(const std::vector<uint8_t>& to, uint64_t gen, std::vector<void*>& send,
                        std::vector<void*>& recv, int timeout_ms);
   void progressLoop();
+  // One pass over the peers whose lock is free (assist(), progressLoop()); after_close: also once shutdown has begun
+  // (the progress thread's last pass and flush).
+  bool pass(bool after_close);
   // The resynchronization words of this rank's region header, in the order net_bridge.h "Order" needs.
   void readWords(uint64_t* word, uint64_t* words) const;  // words: rs hash, epoch, status|ok, rc_gen
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
