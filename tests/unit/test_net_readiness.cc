@@ -255,6 +255,40 @@ TEST(NetReadiness, AClosedPeerFailsTheWatchedReceive) {
   delete pair;
 }
 
+// A comm taken out of the set reads for itself again: a message that arrives after unwatchRecv completes its receive
+// with no poll at all (one that stayed watched would wait for a poll forever).
+TEST(NetReadiness, AnUnwatchedCommReadsForItself) {
+  auto* pair = new NetPair;
+  ASSERT_TRUE(connectNetPair(pair, 1)) << epcomm::net::netLastError();
+  Poller poller(pair->net);
+  ASSERT_EQ(pair->net->watchRecv(poller.p, pair->recv), epSuccess);
+  std::vector<uint8_t> out(100, 0x3C), in(4096);
+  void *smh = nullptr, *rmh = nullptr, *sreq = nullptr, *rreq = nullptr;
+  ASSERT_EQ(pair->net->regMr(pair->send, out.data(), out.size(), kNetPtrHost, &smh), epSuccess);
+  ASSERT_EQ(pair->net->regMr(pair->recv, in.data(), in.size(), kNetPtrHost, &rmh), epSuccess);
+  ASSERT_EQ(postRecv(pair->net, pair->recv, in.data(), in.size(), rmh, &rreq), epSuccess);
+  ASSERT_NE(rreq, nullptr);
+  int done = 0;
+  pair->net->pollReady(poller.p);  // nothing waits: the next test reads and lowers the flag
+  ASSERT_EQ(pair->net->test(rreq, &done, nullptr), epSuccess);
+  ASSERT_EQ(done, 0);
+  pair->net->unwatchRecv(poller.p, pair->send);  // not watched: nothing happens
+  pair->net->unwatchRecv(poller.p, pair->recv);
+  const epcomm::Deadline deadline = epcomm::Deadline::afterMs(5000);
+  while (sreq == nullptr && !deadline.expired())
+    ASSERT_EQ(pair->net->isend(pair->send, out.data(), out.size(), 0, smh, &sreq), epSuccess);
+  size_t got = 0;
+  while (!done && !deadline.expired()) ASSERT_EQ(pair->net->test(rreq, &done, &got), epSuccess);
+  ASSERT_TRUE(done) << "the unwatched comm waited for a poll";
+  EXPECT_EQ(got, out.size());
+  for (int sdone = 0; !sdone && !deadline.expired();) ASSERT_EQ(pair->net->test(sreq, &sdone, nullptr), epSuccess);
+  // Watched again: the poll has it back.
+  EXPECT_EQ(pair->net->watchRecv(poller.p, pair->recv), epSuccess);
+  pair->net->deregMr(pair->send, smh);
+  pair->net->deregMr(pair->recv, rmh);
+  delete pair;
+}
+
 // The last bytes and the end of the connection arrive together (the peer sent a message and exited): one recv()
 // returns the bytes and takes the end with them, and the next would return 0. The receive after that message must
 // still fail (the poll keeps reporting what waits on the socket), not wait forever.

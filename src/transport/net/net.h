@@ -105,6 +105,10 @@ class NetBackend {
     return epNotSupported;
   }
   virtual void pollReady(void* poller) { (void)poller; }
+  // Takes a watched comm out of the poller's set: its tests read for themselves again. For a comm the caller stops
+  // testing while it stays open (a peer that said goodbye and closed its end, which would be reported by every poll).
+  // Not concurrently with tests of that comm; a no-op for a comm the poller does not watch.
+  virtual void unwatchRecv(void* poller, void* recvComm) { (void)poller, (void)recvComm; }
   virtual void closePoller(void* poller) { (void)poller; }
   virtual epResult_t closeSend(void* sendComm) = 0;
   virtual epResult_t closeRecv(void* recvComm) = 0;

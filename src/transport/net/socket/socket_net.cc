@@ -1145,6 +1145,11 @@ class SocketBackend final : public NetBackend {
       static_cast<SockComm*>(ev[i].data.ptr)->ctrlReady.store(true, std::memory_order_release);
   }
 
+  void unwatchRecv(void* poller, void* recvComm) override {
+    auto* c = static_cast<SockComm*>(recvComm);
+    if (c != nullptr && poller != nullptr && c->poller == poller) unwatch(c);
+  }
+
   void closePoller(void* poller) override {
     auto* p = static_cast<SockPoller*>(poller);
     if (p == nullptr) return;
