@@ -385,6 +385,18 @@ void GpuProxy::trace() {
           100.0 * busy_ns_[1] / span, 100.0 * busy_ns_[2] / span);
   busy_ns_[0] = busy_ns_[1] = busy_ns_[2] = 0;
   busy_since_ = now;
+  // How this rank's records went out since the start: message counts and mean sizes by kind, and how many were no
+  // larger than a frame (those the socket backend moves on the control stream, on this thread).
+  const NetBridge::SendStats st = bridge_->sendStats();
+  static const char* const kKind[NetBridge::kSendKinds] = {"frames", "next", "placed"};
+  char line[384];
+  int n = 0;
+  for (int k = 0; k < NetBridge::kSendKinds; ++k)
+    n += snprintf(line + n, sizeof(line) - n, "%s %s %llu (mean %.1f KiB; %llu of at most 64 KiB, %.0f%% of the bytes)", k ? "," : "",
+                  kKind[k], static_cast<unsigned long long>(st.msgs[k]),
+                  st.msgs[k] ? st.bytes[k] / 1024.0 / st.msgs[k] : 0.0, static_cast<unsigned long long>(st.small[k]),
+                  st.bytes[k] ? 100.0 * st.small_bytes[k] / st.bytes[k] : 0.0);
+  fprintf(stderr, "epcomm proxy rank %d sent:%s\n", rank_, line);
 }
 
 void GpuProxy::loop() {

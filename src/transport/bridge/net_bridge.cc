@@ -829,6 +829,8 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
     }
     case kBye:  // everything it sent is in; the acknowledgement tells it that it may close
       p.bye = true;
+      // Nothing more is read from it; its end, once it closes, would be reported by every poll.
+      if (poller_ != nullptr && p.recv != nullptr) backend_->unwatchRecv(poller_, p.recv);
       p.said_bye.store(true, std::memory_order_release);
       // (Not needed when this rank said goodbye too: that ends the peer's wait as well.)
       if (!p.send_failed && !p.bye_queued) queueFrame(p, kByeAck, 0, nullptr, 0);
@@ -836,6 +838,17 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
     case kByeAck: p.bye_acked = true; return;
     default: return markDead(p, "a frame of an unknown type");
   }
+}
+
+NetBridge::SendStats NetBridge::sendStats() const {
+  SendStats st{};
+  for (int k = 0; k < kSendKinds; ++k) {
+    st.msgs[k] = sent_msgs_[k].load(std::memory_order_relaxed);
+    st.bytes[k] = sent_bytes_[k].load(std::memory_order_relaxed);
+    st.small[k] = sent_small_[k].load(std::memory_order_relaxed);
+    st.small_bytes[k] = sent_small_bytes_[k].load(std::memory_order_relaxed);
+  }
+  return st;
 }
 
 // Frames what changed since the last pass: outbox bytes, the inbox's consumption (credit), read_done, and this
@@ -880,6 +893,7 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
           if (!segs.empty()) n = pn;
         }
         const uint64_t v[4] = {p.sent[c], n, 0, 0};
+        const int kind = !segs.empty() ? kSendPlaced : next ? kSendNext : kSendFrame;
         if (!segs.empty())
           queueFrame(p, kDataPlaced, static_cast<uint16_t>(c), v, static_cast<uint32_t>(segs.size()), &segs);
         else
@@ -887,6 +901,12 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
         p.sent[c] += n;
         if (min_run > 0) placement_->framed(p.rank, p.sent[c]);
         data_sent_.fetch_add(n, std::memory_order_relaxed);
+        sent_msgs_[kind].fetch_add(1, std::memory_order_relaxed);
+        sent_bytes_[kind].fetch_add(n, std::memory_order_relaxed);
+        if (n <= kFramePayload) {
+          sent_small_[kind].fetch_add(1, std::memory_order_relaxed);
+          sent_small_bytes_[kind].fetch_add(n, std::memory_order_relaxed);
+        }
         moved = true;
       }
       RingCtl* in = own_->ringCtl(p.rank, c);

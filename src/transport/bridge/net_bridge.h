@@ -172,6 +172,15 @@ class NetBridge {
   std::string describe(int r);
   // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits).
   uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
+  // How the outbox bytes went out so far, by message kind (diagnostics: EPCOMM_GPU_PROXY_TRACE prints them): DATA
+  // frames (payload inside the frame, moved on the control stream by the thread making the net calls), DATA_NEXT and
+  // DATA_PLACED payload messages; for each, messages, bytes, and the messages (and their bytes) of at most a frame's
+  // payload (64 KiB), which the socket backend also moves on the control stream.
+  enum SendKind { kSendFrame, kSendNext, kSendPlaced, kSendKinds };
+  struct SendStats {
+    uint64_t msgs[kSendKinds], bytes[kSendKinds], small[kSendKinds], small_bytes[kSendKinds];
+  };
+  SendStats sendStats() const;
 
   // Raw throughput of the net transport toward the ranks r with to[r] (epCommNetRawBandwidth), for benchmarks:
   // collective among those ranks, from the thread that runs the engine's operations, none in flight. Runs `sync`
@@ -232,6 +241,8 @@ class NetBridge {
   std::atomic<bool> closed_{true};  // not connected yet, or shutdown has begun: assist() does nothing
   bool driven_ = false;             // connected, not yet shut down (the progress thread runs, or the owner drives)
   std::atomic<uint64_t> data_sent_{0};
+  std::atomic<uint64_t> sent_msgs_[kSendKinds] = {}, sent_bytes_[kSendKinds] = {}, sent_small_[kSendKinds] = {},
+                        sent_small_bytes_[kSendKinds] = {};
   std::vector<uint8_t> flush_live_;
   int64_t flush_deadline_ns_ = 0;
   int64_t stuck_ns_ = 15000000000LL;  // watch(): half of EPCOMM_TIMEOUT_MS
