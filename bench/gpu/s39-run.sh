@@ -6,6 +6,10 @@
 #        records went out (EPCOMM_GPU_PROXY_TRACE=1: busy shares, message kinds and sizes), the engine at -n 4 across
 #        2 hosts with the socket backend's inline size at 64 KiB (main), 16 KiB and 4 KiB alternating, then
 #        test_gpu_ll R = 4 across 2 hosts with what BUDGET leaves
+# two:   where the net calls' time goes (EPCOMM_GPU_PROXY_TRACE=1 now times each kind of backend call) in HT at -n 4,
+#        main and with 256 KiB smallest chunks; then the engine at -n 4 across 2 hosts alternating main, smallest
+#        chunk 256 KiB and 1 MiB (a message of the proxy's on fewer sockets: fewer helpers woken per message), and 2
+#        helper threads per connection
 # The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-one}
@@ -17,7 +21,8 @@ trace() { local d=$1 ops=$2; shift 2; echo "### trace $ops $*"
   env "$@" EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout 60 $d/epcomm-run -n 4 --hosts 2 -- \
     $d/epcomm-bench --ops $ops --iters ${TITERS:-40} > $OUT/trace_$ops.log 2>&1
   grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/trace_$ops.log
-  for r in 0 1 2 3; do grep -E "proxy rank $r(:| sent:)" $OUT/trace_$ops.log | grep -v "busy 0%" | tail -4; done; }
+  for r in 0 1 2 3; do grep -E "proxy rank $r(:| sent:| net calls:)" $OUT/trace_$ops.log | grep -v "busy 0%" | tail -6; done; }
+C256="EPCOMM_NET_MIN_CHUNK=262144"; C1M="EPCOMM_NET_MIN_CHUNK=1048576"
 case $part in
   one)
     ( mps_start; suite1 ht 4 2 70
@@ -25,4 +30,7 @@ case $part in
       for i in 1 2; do for v in "" "EPCOMM_NET_INLINE=16384" "EPCOMM_NET_INLINE=4096"; do
         [ $(left) -gt 200 ] && XT=45 xhost $D 4 $v; done; done; el
       [ $(left) -gt 60 ] && suite1 ll 4 2 $(( $(left) - 10 )) ) ;;
+  two)
+    ( mps_start; TITERS=20 trace $D ht; el; TITERS=20 trace $D ht $C256; el
+      for i in 1 2; do for v in "" "$C256" "$C1M" "$N2"; do [ $(left) -gt 30 ] && XT=45 xhost $D 4 $v; done; done; el ) ;;
 esac

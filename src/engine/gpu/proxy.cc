@@ -142,6 +142,7 @@ epResult_t GpuProxy::start(Bootstrap* bs, const size_t bytes[kRemoteNumBuffers],
   for (int r = 0; r < nranks_; ++r)
     if (remote_[r]) bridge_->useOutboxMemory(0, r, out_[r].ring);  // sent from where the kernels wrote it
   bridge_->usePlacement(this);  // payloads into the far copies
+  if (epParamGpuProxyTrace() != 0) bridge_->enableCallTiming();
   const int64_t net_thread = epParamGpuProxyNetThread();
   const int npeers = static_cast<int>(std::count(remote_.begin(), remote_.end(), 1));
   drives_bridge_ = net_thread == 0 || (net_thread < 0 && npeers <= kDriveMaxPeers);
@@ -392,11 +393,23 @@ void GpuProxy::trace() {
   char line[384];
   int n = 0;
   for (int k = 0; k < NetBridge::kSendKinds; ++k)
-    n += snprintf(line + n, sizeof(line) - n, "%s %s %llu (mean %.1f KiB; %llu of at most 64 KiB, %.0f%% of the bytes)", k ? "," : "",
-                  kKind[k], static_cast<unsigned long long>(st.msgs[k]),
+    n += snprintf(line + n, sizeof(line) - n, "%s %s %llu (mean %.1f KiB; %llu of at most 64 KiB, %.0f%% of the bytes)",
+                  k ? "," : "", kKind[k], static_cast<unsigned long long>(st.msgs[k]),
                   st.msgs[k] ? st.bytes[k] / 1024.0 / st.msgs[k] : 0.0, static_cast<unsigned long long>(st.small[k]),
                   st.bytes[k] ? 100.0 * st.small_bytes[k] / st.bytes[k] : 0.0);
   fprintf(stderr, "epcomm proxy rank %d sent:%s\n", rank_, line);
+  // The backend's calls since the last line: how many, and the mean time of each.
+  const NetBridge::CallStats cs = bridge_->callStats();
+  static const char* const kCall[NetBridge::kNetCalls] = {"isend", "test send", "irecv", "test recv", "poll"};
+  n = 0;
+  for (int k = 0; k < NetBridge::kNetCalls; ++k) {
+    const uint64_t calls = cs.calls[k] - calls_seen_.calls[k];
+    const int64_t ns = cs.ns[k] - calls_seen_.ns[k];
+    n += snprintf(line + n, sizeof(line) - n, "%s %s %llu x %.2f us", k ? "," : "", kCall[k],
+                  static_cast<unsigned long long>(calls), calls ? ns / 1e3 / calls : 0.0);
+  }
+  calls_seen_ = cs;
+  fprintf(stderr, "epcomm proxy rank %d net calls:%s\n", rank_, line);
 }
 
 void GpuProxy::loop() {

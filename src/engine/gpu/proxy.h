@@ -164,6 +164,7 @@ class GpuProxy final : private NetBridge::Placement {
   int64_t busy_ns_[3] = {}, busy_since_ = 0;  // time in turns that moved: rings, net calls, inboxes (this thread's)
   std::atomic<uint64_t> forwarded_{0};  // record bytes pushed into the bridge's outboxes
   std::atomic<uint64_t> placed_{0};     // see placedBytes()
+  NetBridge::CallStats calls_seen_{};  // the bridge's call times at the last trace line
   void trace();
   std::thread thread_;
   std::atomic<bool> stop_{false};

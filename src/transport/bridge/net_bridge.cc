@@ -548,7 +548,7 @@ bool NetBridge::pumpSends(Peer& p) {
   bool moved = false;
   while (!p.send_failed && !p.inflight.empty()) {
     int done = 0;
-    const epResult_t r = backend_->test(p.inflight.front().req, &done, nullptr);
+    const epResult_t r = timed(kCallTestSend, [&] { return backend_->test(p.inflight.front().req, &done, nullptr); });
     if (r != epSuccess) {
       p.send_failed = true;  // the peer closed its end, or stopped taking frames: nothing more goes to it
       if (r == epTimeout) markDead(p, net::netLastError());  // stalled (the backend's deadline), if still open
@@ -563,7 +563,7 @@ bool NetBridge::pumpSends(Peer& p) {
   }
   auto post = [&](void* buf, size_t n, void* mh, int slot, int ch, uint64_t end) -> bool {
     void* req = nullptr;
-    const epResult_t r = backend_->isend(p.send, buf, n, 0, mh, &req);
+    const epResult_t r = timed(kCallIsend, [&] { return backend_->isend(p.send, buf, n, 0, mh, &req); });
     if (r != epSuccess) {
       p.send_failed = true;
       if (r == epTimeout) markDead(p, net::netLastError());
@@ -631,7 +631,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
   auto test = [&](Peer::Rx& e) -> int {
     int done = 0;
     size_t got = 0;
-    if (backend_->test(e.req, &done, &got) != epSuccess) {
+    if (timed(kCallTestRecv, [&] { return backend_->test(e.req, &done, &got); }) != epSuccess) {
       if (p.bye_in) p.recv_failed = true;  // it said goodbye: everything it sent is in
       else markDead(p, net::netLastError());
       return -1;
@@ -678,10 +678,11 @@ bool NetBridge::pumpRecvs(Peer& p) {
       size_t size = p.payload_len;
       int tag = 0;
       void* req = nullptr;
-      const epResult_t res =
-          p.payload_iov.empty()
-              ? backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[p.payload_ch], &req)
-              : backend_->irecvScatter(p.recv, p.payload_iov.data(), static_cast<int>(p.payload_iov.size()), &req);
+      const epResult_t res = timed(kCallIrecv, [&] {
+        return p.payload_iov.empty()
+                   ? backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[p.payload_ch], &req)
+                   : backend_->irecvScatter(p.recv, p.payload_iov.data(), static_cast<int>(p.payload_iov.size()), &req);
+      });
       if (res != epSuccess) {
         markDead(p, net::netLastError());
         return moved;
@@ -698,7 +699,8 @@ bool NetBridge::pumpRecvs(Peer& p) {
       size_t size = kFrameBytes;
       int tag = 0;
       void* req = nullptr;
-      if (backend_->irecv(p.recv, 1, &data, &size, &tag, &p.recv_mh[slot], &req) != epSuccess) {
+      if (timed(kCallIrecv, [&] { return backend_->irecv(p.recv, 1, &data, &size, &tag, &p.recv_mh[slot], &req); }) !=
+          epSuccess) {
         markDead(p, net::netLastError());
         return moved;
       }
@@ -838,6 +840,17 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
     case kByeAck: p.bye_acked = true; return;
     default: return markDead(p, "a frame of an unknown type");
   }
+}
+
+int64_t NetBridge::clockNs() { return nowNs(); }
+
+NetBridge::CallStats NetBridge::callStats() const {
+  CallStats st{};
+  for (int k = 0; k < kNetCalls; ++k) {
+    st.calls[k] = call_n_[k].load(std::memory_order_relaxed);
+    st.ns[k] = call_ns_[k].load(std::memory_order_relaxed);
+  }
+  return st;
 }
 
 NetBridge::SendStats NetBridge::sendStats() const {
@@ -1055,7 +1068,10 @@ bool NetBridge::pass(bool after_close) {
     // Readiness once per pass, under the first peer lock this thread takes: shutdown waits for every such lock
     // before it closes the comms and the poller, and a thread that serves no peer has nothing to poll for.
     if (!polled && serve) {
-      backend_->pollReady(poller_);
+      timed(kCallPoll, [&] {
+        backend_->pollReady(poller_);
+        return epSuccess;
+      });
       polled = true;
     }
     // The words before the peer's outboxes (see "Order"), and under its lock: words read before another thread

@@ -181,6 +181,15 @@ class NetBridge {
     uint64_t msgs[kSendKinds], bytes[kSendKinds], small[kSendKinds], small_bytes[kSendKinds];
   };
   SendStats sendStats() const;
+  // Time in the backend's calls of the passes, by kind (diagnostics, off until enableCallTiming: a clock read around
+  // each call): sends posted, send tests, receives posted (frames and payloads), receive tests, readiness polls.
+  enum NetCall { kCallIsend, kCallTestSend, kCallIrecv, kCallTestRecv, kCallPoll, kNetCalls };
+  struct CallStats {
+    uint64_t calls[kNetCalls];
+    int64_t ns[kNetCalls];
+  };
+  void enableCallTiming() { timing_ = true; }
+  CallStats callStats() const;
 
   // Raw throughput of the net transport toward the ranks r with to[r] (epCommNetRawBandwidth), for benchmarks:
   // collective among those ranks, from the thread that runs the engine's operations, none in flight. Runs `sync`
@@ -241,6 +250,20 @@ class NetBridge {
   std::atomic<bool> closed_{true};  // not connected yet, or shutdown has begun: assist() does nothing
   bool driven_ = false;             // connected, not yet shut down (the progress thread runs, or the owner drives)
   std::atomic<uint64_t> data_sent_{0};
+  bool timing_ = false;  // enableCallTiming
+  std::atomic<uint64_t> call_n_[kNetCalls] = {};
+  std::atomic<int64_t> call_ns_[kNetCalls] = {};
+  // f() (a backend call of kind k), timed where enableCallTiming asked for it.
+  template <class F>
+  epResult_t timed(NetCall k, F&& f) {
+    if (!timing_) return f();
+    const int64_t t0 = clockNs();
+    const epResult_t r = f();
+    call_ns_[k].fetch_add(clockNs() - t0, std::memory_order_relaxed);
+    call_n_[k].fetch_add(1, std::memory_order_relaxed);
+    return r;
+  }
+  static int64_t clockNs();
   std::atomic<uint64_t> sent_msgs_[kSendKinds] = {}, sent_bytes_[kSendKinds] = {}, sent_small_[kSendKinds] = {},
                         sent_small_bytes_[kSendKinds] = {};
   std::vector<uint8_t> flush_live_;
