@@ -20,9 +20,10 @@ struct NetPair {
   }
 };
 
-// Listens, then connects (at most max_streams data streams, 0: the default; NetBackend::connectStreams) and accepts:
-// both are non-blocking, so both are called until each gives its comm (at most 20 s).
-inline bool connectNetPair(NetPair* p, int max_streams = 0) {
+// Listens, then connects (at most max_streams data streams, 0: the default; pieces of at least min_chunk bytes, 0: the
+// default; NetBackend::connectStreams) and accepts: both are non-blocking, so both are called until each gives its
+// comm (at most 20 s).
+inline bool connectNetPair(NetPair* p, int max_streams = 0, size_t min_chunk = 0) {
   std::string why;
   p->net = epcomm::net::netSocketBackend(&why);
   if (p->net == nullptr) return false;
@@ -30,7 +31,8 @@ inline bool connectNetPair(NetPair* p, int max_streams = 0) {
   if (p->net->listen(0, handle, &p->listen) != epSuccess) return false;
   const epcomm::Deadline deadline = epcomm::Deadline::afterMs(20000);
   while ((p->send == nullptr || p->recv == nullptr) && !deadline.expired()) {
-    if (p->send == nullptr && p->net->connectStreams(0, handle, max_streams, &p->send) != epSuccess) return false;
+    if (p->send == nullptr && p->net->connectStreams(0, handle, {max_streams, min_chunk}, &p->send) != epSuccess)
+      return false;
     if (p->recv == nullptr && p->net->accept(p->listen, &p->recv) != epSuccess) return false;
   }
   return p->send != nullptr && p->recv != nullptr;

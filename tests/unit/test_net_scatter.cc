@@ -16,54 +16,60 @@
 
 namespace {
 
+// With the backend's default smallest chunk (64 KiB) and with the net bridge's (256 KiB, a hint of the connecting
+// side that the accepting side must follow: both cut each message by the same plan).
 TEST(NetSocketScatter, EveryByteLandsInItsPiece) {
-  NetPair p;
-  ASSERT_TRUE(connectNetPair(&p)) << epcomm::net::netLastError();
-  ASSERT_TRUE(p.net->scatters());
-  std::mt19937 rng(20261206);
-  // Inline (up to the backend's 64 KiB default), exactly that, and chunked over the data sockets (512 KiB chunks);
-  // pieces of up to 40000 bytes, or of up to 400 so that a chunk spans far more pieces than one recvmsg takes (kIov).
-  const std::pair<size_t, size_t> cases[] = {{1, 40000},     {1000, 40000},  {65536, 40000},
-                                             {65537, 40000}, {70000, 400},   {(3u << 20) + 7, 40000}};
-  for (const auto& [size, max_piece] : cases) {
-    std::vector<uint8_t> src(size);
-    for (auto& b : src) b = static_cast<uint8_t>(rng());
-    // Pieces of random sizes (some of 1 byte) that together cover the message, each at a shuffled place of dst
-    // with a byte of gap after it, so a piece written past its end or into the wrong place shows.
-    std::vector<std::pair<size_t, size_t>> pieces;  // (offset in the message, length)
-    for (size_t at = 0; at < size;) {
-      const size_t n = std::min<size_t>(size - at, rng() % 3 == 0 ? 1 : 1 + rng() % max_piece);
-      pieces.emplace_back(at, n);
-      at += n;
+  for (size_t min_chunk : {size_t{0}, size_t{256} << 10}) {
+    SCOPED_TRACE("min_chunk " + std::to_string(min_chunk));
+    NetPair p;
+    ASSERT_TRUE(connectNetPair(&p, 0, min_chunk)) << epcomm::net::netLastError();
+    ASSERT_TRUE(p.net->scatters());
+    std::mt19937 rng(20261206);
+    // Inline (up to the backend's 64 KiB default), exactly that, and chunked over the data sockets (512 KiB chunks;
+    // 300000 bytes: 5 chunks of at least 64 KiB, or 2 of at least 256 KiB); pieces of up to 40000 bytes, or of up to
+    // 400 so that a chunk spans far more pieces than one recvmsg takes (kIov), or 4000.
+    const std::pair<size_t, size_t> cases[] = {{1, 40000},     {1000, 40000},  {65536, 40000},  {65537, 40000},
+                                               {70000, 400},   {300000, 4000}, {(3u << 20) + 7, 40000}};
+    for (const auto& [size, max_piece] : cases) {
+      std::vector<uint8_t> src(size);
+      for (auto& b : src) b = static_cast<uint8_t>(rng());
+      // Pieces of random sizes (some of 1 byte) that together cover the message, each at a shuffled place of dst
+      // with a byte of gap after it, so a piece written past its end or into the wrong place shows.
+      std::vector<std::pair<size_t, size_t>> pieces;  // (offset in the message, length)
+      for (size_t at = 0; at < size;) {
+        const size_t n = std::min<size_t>(size - at, rng() % 3 == 0 ? 1 : 1 + rng() % max_piece);
+        pieces.emplace_back(at, n);
+        at += n;
+      }
+      ASSERT_LE(pieces.size(), static_cast<size_t>(epcomm::net::kNetMaxScatter));
+      std::vector<size_t> order(pieces.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<uint8_t> dst(size + pieces.size(), 0xAB);
+      std::vector<size_t> place(pieces.size());
+      size_t at = 0;
+      for (size_t i : order) {
+        place[i] = at;
+        at += pieces[i].second + 1;
+      }
+      std::vector<iovec> iov(pieces.size());
+      for (size_t i = 0; i < pieces.size(); ++i) iov[i] = iovec{dst.data() + place[i], pieces[i].second};
+      void *mh_s = nullptr, *sreq = nullptr, *rreq = nullptr;
+      ASSERT_EQ(p.net->regMr(p.send, src.data(), size, epcomm::net::kNetPtrHost, &mh_s), epSuccess);
+      ASSERT_EQ(p.net->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), &rreq), epSuccess);
+      ASSERT_NE(rreq, nullptr);
+      ASSERT_EQ(p.net->isend(p.send, src.data(), size, 0, mh_s, &sreq), epSuccess);
+      ASSERT_NE(sreq, nullptr);
+      size_t got = 0;
+      ASSERT_TRUE(completeBoth(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
+      EXPECT_EQ(got, size);
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        ASSERT_EQ(memcmp(dst.data() + place[i], src.data() + pieces[i].first, pieces[i].second), 0)
+            << "size " << size << ": piece " << i << " of " << pieces.size();
+        ASSERT_EQ(dst[place[i] + pieces[i].second], 0xAB) << "size " << size << ": past piece " << i;
+      }
+      p.net->deregMr(p.send, mh_s);
     }
-    ASSERT_LE(pieces.size(), static_cast<size_t>(epcomm::net::kNetMaxScatter));
-    std::vector<size_t> order(pieces.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<uint8_t> dst(size + pieces.size(), 0xAB);
-    std::vector<size_t> place(pieces.size());
-    size_t at = 0;
-    for (size_t i : order) {
-      place[i] = at;
-      at += pieces[i].second + 1;
-    }
-    std::vector<iovec> iov(pieces.size());
-    for (size_t i = 0; i < pieces.size(); ++i) iov[i] = iovec{dst.data() + place[i], pieces[i].second};
-    void *mh_s = nullptr, *sreq = nullptr, *rreq = nullptr;
-    ASSERT_EQ(p.net->regMr(p.send, src.data(), size, epcomm::net::kNetPtrHost, &mh_s), epSuccess);
-    ASSERT_EQ(p.net->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), &rreq), epSuccess);
-    ASSERT_NE(rreq, nullptr);
-    ASSERT_EQ(p.net->isend(p.send, src.data(), size, 0, mh_s, &sreq), epSuccess);
-    ASSERT_NE(sreq, nullptr);
-    size_t got = 0;
-    ASSERT_TRUE(completeBoth(p.net, sreq, rreq, &got)) << "size " << size << ": " << epcomm::net::netLastError();
-    EXPECT_EQ(got, size);
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      ASSERT_EQ(memcmp(dst.data() + place[i], src.data() + pieces[i].first, pieces[i].second), 0)
-          << "size " << size << ": piece " << i << " of " << pieces.size();
-      ASSERT_EQ(dst[place[i] + pieces[i].second], 0xAB) << "size " << size << ": past piece " << i;
-    }
-    p.net->deregMr(p.send, mh_s);
   }
 }
 

@@ -67,6 +67,14 @@ constexpr size_t kMaxPlacedSegs = std::min<size_t>(kFramePayload / sizeof(Placed
 // sockets and 4 helper threads per connection and direction for each (about 7000 descriptors and 2000 threads per
 // process at 248 peers). 64 leaves that default alone up to 8 peers; 0 or less: no cap.
 EP_PARAM(NetStreamBudget, "NET_STREAM_BUDGET", 64);
+// The smallest piece of a message the bridge's connections cut for their streams (NetBackend::StreamHints; the
+// socket backend's own default is 64 KiB, EPCOMM_NET_MIN_CHUNK overrides both). The GPU proxy's payload messages are
+// 100 KiB - 1 MiB (mean about 220 KiB in HT at -n 4 across 2 hosts): at 64 KiB each went over about 4 data sockets,
+// a helper woken per piece on each side, and the proxy's thread spent 6-11 us per isend (H100, 16 cores, 4 ranks:
+// 64 helper threads). At 256 KiB: 3.3-4.5 us, and HT dispatch 16.1-16.7 against 14.0-14.8 GB/s across hosts in
+// three alternating pairs (LL dispatch +6 %; the raw reference 32.1-32.8 against 27.2-30.0 GB/s: its 1 MiB messages
+// gain too), bench/results/h100-s39.log. Frames (at most 64 KiB) are not cut either way.
+constexpr size_t kBridgeMinChunk = 256u << 10;
 // Every pass tests each peer's posted receives. Where a rank reaches at least this many ranks of other hosts, a pass
 // polls readiness once first (NetBackend::openPoller), so that a peer with nothing new costs no syscall: an idle
 // socket receive's test is a recv() of 0.6-0.8 us, a pass over 248 peers about 0.15 ms of them. With few peers
@@ -385,7 +393,7 @@ epResult_t NetBridge::establish(const std::vector<uint8_t>& to, uint64_t gen, st
     for (int r = 0; r < nranks_ && res == epSuccess; ++r) {
       if (!to[r]) continue;
       if (!send[r]) {
-        if (backend_->connectStreams(0, handle[r].data(), streams, &send[r]) != epSuccess) {
+        if (backend_->connectStreams(0, handle[r].data(), {streams, kBridgeMinChunk}, &send[r]) != epSuccess) {
           res = EP_ERROR(epRemoteError, "rank %d: connecting to rank %d over the net transport: %s", rank_, r,
                          net::netLastError());
           break;

@@ -58,11 +58,20 @@ class NetBackend {
   virtual epResult_t getProperties(int dev, NetProperties* props) = 0;
   virtual epResult_t listen(int dev, void* handle, void** listenComm) = 0;
   virtual epResult_t connect(int dev, void* handle, void** sendComm) = 0;
-  // connect() for a caller that opens many connections at once (the net bridge: one per rank of other hosts, which
-  // may be hundreds): at most max_streams parallel data streams on this one (the socket backend: data sockets, and
-  // helper threads on each side), 0 for the backend's default. Both ends use what the connecting side chose.
-  virtual epResult_t connectStreams(int dev, void* handle, int max_streams, void** sendComm) {
-    (void)max_streams;
+  // connect() with hints on how the connection carries its messages, for a caller that knows its traffic (the net
+  // bridge). Both ends use what the connecting side chose; a backend without streams ignores them.
+  struct StreamHints {
+    // At most this many parallel data streams (the socket backend: data sockets, and helper threads on each side),
+    // 0 for the backend's default: for a caller that opens many connections at once (the bridge, one per rank of
+    // other hosts, which may be hundreds).
+    int max_streams = 0;
+    // A message is not cut into pieces smaller than this for its streams (the socket backend's EPCOMM_NET_MIN_CHUNK,
+    // which wins where set), 0 for the backend's default: for a caller whose messages are many and mid-sized, where
+    // every piece costs a helper's wake-up on each side.
+    size_t min_chunk = 0;
+  };
+  virtual epResult_t connectStreams(int dev, void* handle, const StreamHints& hints, void** sendComm) {
+    (void)hints;
     return connect(dev, handle, sendComm);
   }
   // File descriptors one end of a connection made with connectStreams(max_streams) holds (0: none that grow with

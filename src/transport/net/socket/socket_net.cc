@@ -536,8 +536,8 @@ SockComm* makeComm(bool isSend, const std::vector<int>& fds, const Hello& h, con
   c->lastHeardNs.store(nowNs());
   c->turns.start(nowNs());
   for (auto& hp : c->helpers) hp->th = std::thread(helperLoop, c, hp.get());
-  NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu, inline %zu",
-           c->side(), peer.c_str(), S, T, c->chunk, c->inlineMax);
+  NET_INFO("NET/epcomm: %s comm with %s: %d data sockets, %d threads, chunk %zu (at least %zu), inline %zu",
+           c->side(), peer.c_str(), S, T, c->chunk, c->minChunk, c->inlineMax);
   return c;
 }
 
@@ -801,7 +801,7 @@ class SocketBackend final : public NetBackend {
   }
 
   epResult_t connect(int dev, void* handle, void** sendComm) override {
-    return connectStreams(dev, handle, 0, sendComm);
+    return connectStreams(dev, handle, StreamHints{}, sendComm);
   }
 
   int descriptorsPerConnection(int max_streams) const override {
@@ -809,7 +809,7 @@ class SocketBackend final : public NetBackend {
     return S + 2 + helpersFor(S);  // + control, liveness; an eventfd per helper
   }
 
-  epResult_t connectStreams(int dev, void* handle, int max_streams, void** sendComm) override {
+  epResult_t connectStreams(int dev, void* handle, const StreamHints& hints, void** sendComm) override {
     (void)dev;
     *sendComm = nullptr;
     auto* h = static_cast<SocketHandle*>(handle);
@@ -818,10 +818,13 @@ class SocketBackend final : public NetBackend {
     SockConnectStage* st = h->stage;
     if (st == nullptr) {
       st = new SockConnectStage();
-      const int64_t S = dataSockets(max_streams);
+      const int64_t S = dataSockets(hints.max_streams);
+      const int64_t min_chunk = paramString("EPCOMM_NET_MIN_CHUNK") || hints.min_chunk == 0
+                                    ? epParamNetMinChunk()
+                                    : static_cast<int64_t>(std::min<size_t>(hints.min_chunk, size_t{1} << 30));
       st->hello = Hello{kHelloMagic, kVersion, h->secret, randomU64(), 0, static_cast<uint32_t>(S),
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetChunk(), 4096, 1 << 30)),
-                        static_cast<uint32_t>(std::clamp<int64_t>(epParamNetMinChunk(), 4096, 1 << 30)),
+                        static_cast<uint32_t>(std::clamp<int64_t>(min_chunk, 4096, 1 << 30)),
                         static_cast<uint32_t>(std::clamp<int64_t>(epParamNetInline(), 0, 1 << 30)), 0};
       st->peer = h->addr;
       st->conns.resize(S + 2);  // control, S data, liveness
