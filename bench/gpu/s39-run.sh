@@ -10,6 +10,9 @@
 #        main and with 256 KiB smallest chunks; then the engine at -n 4 across 2 hosts alternating main, smallest
 #        chunk 256 KiB and 1 MiB (a message of the proxy's on fewer sockets: fewer helpers woken per message), and 2
 #        helper threads per connection
+# three: after the bridge's 256 KiB chunks (StreamHints): test_gpu_ht R = 4 across 2 hosts, a trace of HT, the engine
+#        at -n 4 across 2 hosts alternating main, the old 64 KiB chunks and main with the readiness poll at 2 peers,
+#        NCCL through the plugin (world 2), test_gpu_ll R = 4 across 2 hosts with what BUDGET leaves
 # The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-one}
@@ -33,4 +36,11 @@ case $part in
   two)
     ( mps_start; TITERS=20 trace $D ht; el; TITERS=20 trace $D ht $C256; el
       for i in 1 2; do for v in "" "$C256" "$C1M" "$N2"; do [ $(left) -gt 30 ] && XT=45 xhost $D 4 $v; done; done; el ) ;;
+  three)
+    ( mps_start; suite1 ht 4 2 70; TITERS=20 trace $D ht; el
+      for i in 1 2; do for v in "" "EPCOMM_NET_MIN_CHUNK=65536" "EPCOMM_NET_READINESS=1"; do
+        [ $(left) -gt 200 ] && XT=45 xhost $D 4 $v; done; done; el )
+    echo "### NCCL through the plugin, world 2, $(left) s left"
+    WORLDS=2 timeout 120 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14; el
+    ( mps_start; [ $(left) -gt 60 ] && suite1 ll 4 2 $(( $(left) - 10 )) ) ;;
 esac
