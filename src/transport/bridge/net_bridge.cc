@@ -73,7 +73,9 @@ EP_PARAM(NetStreamBudget, "NET_STREAM_BUDGET", 64);
 // a helper woken per piece on each side, and the proxy's thread spent 6-11 us per isend (H100, 16 cores, 4 ranks:
 // 64 helper threads). At 256 KiB: 3.3-4.5 us, and HT dispatch 16.1-16.7 against 14.0-14.8 GB/s across hosts in
 // three alternating pairs (LL dispatch +6 %; the raw reference 32.1-32.8 against 27.2-30.0 GB/s: its 1 MiB messages
-// gain too), bench/results/h100-s39.log. Frames (at most 64 KiB) are not cut either way.
+// gain too); with this hint against EPCOMM_NET_MIN_CHUNK=65536, two more pairs: HT dispatch 16.7/18.7 against
+// 15.4/17.3, LL dispatch 10.0/10.2 against 9.3/9.6, the combines within noise (bench/results/h100-s39.log). Frames
+// (at most 64 KiB) are not cut either way.
 constexpr size_t kBridgeMinChunk = 256u << 10;
 // Every pass tests each peer's posted receives. Where a rank reaches at least this many ranks of other hosts, a pass
 // polls readiness once first (NetBackend::openPoller), so that a peer with nothing new costs no syscall: an idle
