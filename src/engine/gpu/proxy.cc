@@ -390,26 +390,29 @@ void GpuProxy::trace() {
   // larger than a frame (those the socket backend moves on the control stream, on this thread).
   const NetBridge::SendStats st = bridge_->sendStats();
   static const char* const kKind[NetBridge::kSendKinds] = {"frames", "next", "placed"};
-  char line[384];
-  int n = 0;
-  for (int k = 0; k < NetBridge::kSendKinds; ++k)
-    n += snprintf(line + n, sizeof(line) - n, "%s %s %llu (mean %.1f KiB; %llu of at most 64 KiB, %.0f%% of the bytes)",
-                  k ? "," : "", kKind[k], static_cast<unsigned long long>(st.msgs[k]),
-                  st.msgs[k] ? st.bytes[k] / 1024.0 / st.msgs[k] : 0.0, static_cast<unsigned long long>(st.small[k]),
-                  st.bytes[k] ? 100.0 * st.small_bytes[k] / st.bytes[k] : 0.0);
-  fprintf(stderr, "epcomm proxy rank %d sent:%s\n", rank_, line);
+  std::string line;
+  char part[160];
+  for (int k = 0; k < NetBridge::kSendKinds; ++k) {
+    snprintf(part, sizeof(part), "%s %s %llu (mean %.1f KiB; %llu of at most 64 KiB, %.0f%% of the bytes)",
+             k ? "," : "", kKind[k], static_cast<unsigned long long>(st.msgs[k]),
+             st.msgs[k] ? st.bytes[k] / 1024.0 / st.msgs[k] : 0.0, static_cast<unsigned long long>(st.small[k]),
+             st.bytes[k] ? 100.0 * st.small_bytes[k] / st.bytes[k] : 0.0);
+    line += part;
+  }
+  fprintf(stderr, "epcomm proxy rank %d sent:%s\n", rank_, line.c_str());
   // The backend's calls since the last line: how many, and the mean time of each.
   const NetBridge::CallStats cs = bridge_->callStats();
   static const char* const kCall[NetBridge::kNetCalls] = {"isend", "test send", "irecv", "test recv", "poll"};
-  n = 0;
+  line.clear();
   for (int k = 0; k < NetBridge::kNetCalls; ++k) {
     const uint64_t calls = cs.calls[k] - calls_seen_.calls[k];
     const int64_t ns = cs.ns[k] - calls_seen_.ns[k];
-    n += snprintf(line + n, sizeof(line) - n, "%s %s %llu x %.2f us", k ? "," : "", kCall[k],
-                  static_cast<unsigned long long>(calls), calls ? ns / 1e3 / calls : 0.0);
+    snprintf(part, sizeof(part), "%s %s %llu x %.2f us", k ? "," : "", kCall[k], static_cast<unsigned long long>(calls),
+             calls ? ns / 1e3 / calls : 0.0);
+    line += part;
   }
   calls_seen_ = cs;
-  fprintf(stderr, "epcomm proxy rank %d net calls:%s\n", rank_, line);
+  fprintf(stderr, "epcomm proxy rank %d net calls:%s\n", rank_, line.c_str());
 }
 
 void GpuProxy::loop() {
