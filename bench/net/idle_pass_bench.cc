@@ -78,8 +78,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (epcomm::net::ensureDescriptors(static_cast<size_t>(n) * (2 * sock->descriptorsPerConnection(1) + 1),
-                                       "idle_pass_bench's connections") != epSuccess)
+                                       "idle_pass_bench's connections") != epSuccess) {
+      fprintf(stderr, "idle_pass_bench: %s\n", epcomm::net::netLastError());
       return 1;
+    }
     std::vector<std::unique_ptr<NetPair>> pairs;
     std::vector<void*> reqs, mhs;
     std::vector<char> buf(static_cast<size_t>(n) * 4096);

@@ -134,6 +134,7 @@ NetBackend* netOfiBackend(std::string* why);
 // Makes room under RLIMIT_NOFILE for `more` descriptors beyond those open now (and a margin): raises the soft limit
 // toward the hard one where needed (logged at INFO), else fails with epSystemError naming both limits and `what`
 // (the connections that need them), before a socket() or accept() deep in connection set-up would fail with EMFILE.
+// The failure is not logged here (netLastError has it): the caller reports it, so it is logged once.
 epResult_t ensureDescriptors(size_t more, const char* what);
 // File descriptors this process has open now (/proc/self/fd; 0 where that cannot be read).
 size_t openDescriptors();

@@ -90,11 +90,14 @@ epResult_t ensureDescriptors(size_t more, const char* what) {
     }
     lim.rlim_cur = old;
   }
-  NET_FAIL(epSystemError,
+  // Not logged here: the caller reports it with its own context (the bridge's set-up error), once.
+  char msg[512];
+  snprintf(msg, sizeof(msg),
            "NET/epcomm: %s need about %zu more file descriptors, %zu are open, and RLIMIT_NOFILE allows %llu (hard "
            "limit %llu): raise the limit (ulimit -n) or lower EPCOMM_NET_STREAM_BUDGET (data streams per peer)",
            what, more, open_now, static_cast<unsigned long long>(lim.rlim_cur),
            lim.rlim_max == RLIM_INFINITY ? ~0ull : static_cast<unsigned long long>(lim.rlim_max));
+  return netQuietError(epSystemError, msg);
 }
 
 NetBackend* netBackend(std::string* why) {
