@@ -852,8 +852,6 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
   }
 }
 
-int64_t NetBridge::clockNs() { return nowNs(); }
-
 NetBridge::CallStats NetBridge::callStats() const {
   CallStats st{};
   for (int k = 0; k < kNetCalls; ++k) {
@@ -861,6 +859,12 @@ NetBridge::CallStats NetBridge::callStats() const {
     st.ns[k] = call_ns_[k].load(std::memory_order_relaxed);
   }
   return st;
+}
+
+uint64_t NetBridge::bytesSent() const {
+  uint64_t n = 0;
+  for (const auto& b : sent_bytes_) n += b.load(std::memory_order_relaxed);
+  return n;
 }
 
 NetBridge::SendStats NetBridge::sendStats() const {
@@ -923,7 +927,6 @@ bool NetBridge::progressPeer(Peer& p, uint64_t word, const uint64_t* words) {
           queueFrame(p, next ? kDataNext : kData, static_cast<uint16_t>(c), v, next ? 0 : static_cast<uint32_t>(n));
         p.sent[c] += n;
         if (min_run > 0) placement_->framed(p.rank, p.sent[c]);
-        data_sent_.fetch_add(n, std::memory_order_relaxed);
         sent_msgs_[kind].fetch_add(1, std::memory_order_relaxed);
         sent_bytes_[kind].fetch_add(n, std::memory_order_relaxed);
         if (n <= kFramePayload) {

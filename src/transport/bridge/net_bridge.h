@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "bootstrap/bootstrap.h"
+#include "common/time.h"
 #include "epcomm/epcomm.h"
 #include "transport/shm/shm.h"
 
@@ -170,8 +171,9 @@ class NetBridge {
   // channel, frames queued, requests in flight and the age of the oldest): for a caller whose wait failed. Waits at
   // most 200 ms for the thread making r's net calls, and says so if it is held longer.
   std::string describe(int r);
-  // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits).
-  uint64_t bytesSent() const { return data_sent_.load(std::memory_order_relaxed); }
+  // Ring bytes this rank has sent to ranks of other hosts (DATA frame payloads, not frame headers or credits): the
+  // sum of sendStats().bytes.
+  uint64_t bytesSent() const;
   // How the outbox bytes went out so far, by message kind (diagnostics: EPCOMM_GPU_PROXY_TRACE prints them): DATA
   // frames (payload inside the frame, moved on the control stream by the thread making the net calls), DATA_NEXT and
   // DATA_PLACED payload messages; for each, messages, bytes, and the messages (and their bytes) of at most a frame's
@@ -249,7 +251,6 @@ class NetBridge {
   std::atomic<bool> flush_{false};
   std::atomic<bool> closed_{true};  // not connected yet, or shutdown has begun: assist() does nothing
   bool driven_ = false;             // connected, not yet shut down (the progress thread runs, or the owner drives)
-  std::atomic<uint64_t> data_sent_{0};
   bool timing_ = false;  // enableCallTiming
   std::atomic<uint64_t> call_n_[kNetCalls] = {};
   std::atomic<int64_t> call_ns_[kNetCalls] = {};
@@ -257,13 +258,12 @@ class NetBridge {
   template <class F>
   epResult_t timed(NetCall k, F&& f) {
     if (!timing_) return f();
-    const int64_t t0 = clockNs();
+    const int64_t t0 = nowNs();
     const epResult_t r = f();
-    call_ns_[k].fetch_add(clockNs() - t0, std::memory_order_relaxed);
+    call_ns_[k].fetch_add(nowNs() - t0, std::memory_order_relaxed);
     call_n_[k].fetch_add(1, std::memory_order_relaxed);
     return r;
   }
-  static int64_t clockNs();
   std::atomic<uint64_t> sent_msgs_[kSendKinds] = {}, sent_bytes_[kSendKinds] = {}, sent_small_[kSendKinds] = {},
                         sent_small_bytes_[kSendKinds] = {};
   std::vector<uint8_t> flush_live_;
