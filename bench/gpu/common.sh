@@ -9,7 +9,8 @@
 #   goal DIR ROUNDS      issue 9's goal shape (R = 2, 64 tokens, 64 experts, hidden 7168, chain 2, --iters 100),
 #                        ROUNDS times (leaves BARGS set to it)
 #   xhost DIR N [VAR=VALUE ...]
-#                        DIR's bench across 2 virtual hosts at -n N (OPS, XT), rows with xhost/raw
+#                        DIR's bench across XH (2) virtual hosts at -n N (OPS, XT), rows with xhost/raw
+#   threads              top's view of every thread, once a second until killed: CPU% summed by thread name
 #   gpu_log NAME PART    output also into $OUT/NAME-PART.log (OUT defaults to /tmp/NAME), and the GPU's name
 #   pb DIR [--ARG VALUE ...] [VAR=VALUE ...]
 #                        DIR's proxy_bench at R = 2 over net/socket (2048 MiB a peer, 2 writers, 5 reps, then the
@@ -53,11 +54,17 @@ b() { local d=$1 ch=$2 n=$3; shift 3; echo "### $d chain=$ch -n $n $*"
     | grep -E "^dispatch|^combine|rror"; }
 goal() { echo "## (a) goal shape, chain 2, $2 rounds"; BARGS=(--ll-tokens 64 --experts 64 --iters 100)
   for i in $(seq $2); do b $1 2 2; done; el; }
-# xhost DIR N [VAR=VALUE ...]: DIR's epcomm-bench across 2 virtual hosts at -n N over net/socket, the rows with
-# xhost/raw (OPS: the bench's --ops, default ht,ll; XT: the timeout, default 150 s)
-xhost() { local d=$1 n=$2; shift 2; echo "### $d -n $n --hosts 2 $*"
-  env "$@" LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout ${XT:-150} $d/epcomm-run -n $n --hosts 2 -- \
+# xhost DIR N [VAR=VALUE ...]: DIR's epcomm-bench across XH (default 2) virtual hosts at -n N over net/socket, the
+# rows with xhost/raw (OPS: the bench's --ops, default ht,ll; XT: the timeout, default 150 s; BENCH_ARGS: more)
+xhost() { local d=$1 n=$2; shift 2; echo "### $d -n $n --hosts ${XH:-2} $BENCH_ARGS $*"
+  env "$@" LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout ${XT:-150} $d/epcomm-run -n $n --hosts ${XH:-2} -- \
     $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 $BENCH_ARGS 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; }
+# threads: one line per sample where the threads used more than half a core: CPU% summed by thread name (threads,
+# busiest one's %): the proxy, the socket helpers (epcomm-sock), the ranks' own (epcomm-bench), MPS
+threads() { top -b -H -d 1 -w 200 | awk '/^top -/{ if (n) out(); n++; delete s; delete c; delete m; next }
+  $1 ~ /^[0-9]+$/ && $9+0 > 0 { k=$12; s[k]+=$9; c[k]++; if ($9+0 > m[k]) m[k]=$9+0 }
+  function out(  t, k, l) { t=0; l=""; for (k in s) { t+=s[k]; l=l sprintf(" %s %.0f (%d, max %.0f)", k, s[k], c[k], m[k]) }
+    if (n > 1 && t > 50) print "t=" n " total " t l; fflush() }'; }
 pb() { local d=$1; shift; local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$1" "$2"); shift 2; done
   echo -n "pb [$d ${a[*]} $*]: "
   env "$@" EPCOMM_NET=socket LD_LIBRARY_PATH=$d timeout 60 $d/proxy_bench --ranks 2 --mb 2048 --writers 2 --reps 5 \

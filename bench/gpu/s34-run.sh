@@ -25,12 +25,7 @@ part=${1:-where}; D=.gpupack/new
 #      R = 2 only), NCCL through the plugin at 2 ranks with what is left
 source bench/gpu/common.sh
 gpu_log s34 $part
-# top's view of the threads, once a second until killed: one line per sample where they used more than half a core,
-# CPU% summed by thread name (threads, busiest one's %): proxy, socket helpers (epcomm-sock), bridge, the ranks' own
-threads() { top -b -H -d 1 -w 200 | awk '/^top -/{ if (n) out(); n++; delete s; delete c; delete m; next }
-  $1 ~ /^[0-9]+$/ && $9+0 > 0 { k=$12; s[k]+=$9; c[k]++; if ($9+0 > m[k]) m[k]=$9+0 }
-  function out(  t, k, l) { t=0; l=""; for (k in s) { t+=s[k]; l=l sprintf(" %s %.0f (%d, max %.0f)", k, s[k], c[k], m[k]) }
-    if (n > 1 && t > 50) print "t=" n l; fflush() }'; }
+# threads (top's view, CPU% by thread name) comes from common.sh
 case $part in
   knobs)  # where's answer (net calls are most of the proxy thread's busy time): the socket backend's message shape
     # A/B, ROUNDS (2) rounds, alternating: main's build (.gpupack/new) and the one with a helper woken once per
