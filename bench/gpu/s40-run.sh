@@ -7,6 +7,10 @@
 #        them (epcomm-bench --blocking-sync), 3 alternating rounds, top's view of the threads in the first; the
 #        readiness threshold: LL at -n 8 on 8 hosts (7 peers, poll on) against EPCOMM_NET_READINESS=0 and at -n 4 on 4
 #        hosts (3 peers, poll off) against =1; NCCL through the plugin (world 2); test_gpu_ll R = 4 across 2 hosts
+# ab:    AB_ROUNDS (2) alternating rounds of the engine at -n 4 across 2 hosts (OPS), one run per variant in AB
+#        (variants separated by '|', each VAR=VALUE ... for the run's environment; BA=1 in a variant passes
+#        --blocking-sync), with top's view of the threads in the first round; then test_gpu_ht R = 4 across 2 hosts
+#        with what BUDGET leaves
 # The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-one}
@@ -32,4 +36,14 @@ case $part in
     echo "### NCCL through the plugin, world 2, $(left) s left"
     WORLDS=2 timeout 120 bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14; el
     ( mps_start; [ $(left) -gt 60 ] && suite1 ll 4 2 $(( $(left) - 10 )) ) ;;
+  ab)
+    ( mps_start; IFS='|' read -ra vs <<< "$AB"
+      for i in $(seq ${AB_ROUNDS:-2}); do for k in "${!vs[@]}"; do
+        [ $(left) -gt 80 ] || continue
+        v=${vs[$k]}; a=""; [ "${v#*BA=1}" != "$v" ] && a=$BS; v=${v//BA=1/}
+        [ $i = 1 ] && { threads > $OUT/top-v$k.txt & tp=$!; }
+        XT=45 BENCH_ARGS=$a xhost $D 4 $v
+        [ $i = 1 ] && { kill $tp; pkill -x top; seen v$k; }
+      done; done; el
+      [ $(left) -gt 60 ] && suite1 ht 4 2 60 ) ;;
 esac
