@@ -6,7 +6,8 @@
 #        main; the ranks' own threads sleeping in CUDA's waits instead of spinning (epcomm-bench --blocking-sync: is
 #        the engine short of CPU?); HT queue rounds of half a queue (EPCOMM_GPU_QUEUE_ROUND=32: under MPS a round is
 #        one row per warp, 8 at -n 4, each a FLAG record, a system fence and a poll of host memory across hosts) and
-#        128-row queues in rounds of 64; top's view of the threads in the first round; the readiness threshold: LL at
+#        128-row queues in rounds of 64; device waits across hosts sleeping up to 2 us between polls
+#        (EPCOMM_GPU_FAR_POLL_NS=2048: fewer reads of host memory beside the bulk ones); top's view of the threads in the first round; the readiness threshold: LL at
 #        -n 8 on 8 hosts (7 peers, poll on) against EPCOMM_NET_READINESS=0 and at -n 4 on 4 hosts (3 peers, poll off)
 #        against =1; NCCL through the plugin (world 2); test_gpu_ll R = 4 across 2 hosts
 # ab:    AB_ROUNDS (2) alternating rounds of the engine at -n 4 across 2 hosts (OPS), one run per variant in AB
@@ -25,8 +26,8 @@ BS=--blocking-sync; k=0
 case $part in
   one)
     ( mps_start; suite1 ht 4 2 70
-      for i in 1 2; do for v in "" "BA=1" "EPCOMM_GPU_QUEUE_ROUND=32" "EPCOMM_GPU_QUEUE_ROWS=128 EPCOMM_GPU_QUEUE_ROUND=64"; do
-        [ $(left) -gt 280 ] || continue
+      for i in 1 2; do for v in "" "BA=1" "EPCOMM_GPU_QUEUE_ROUND=32" "EPCOMM_GPU_QUEUE_ROWS=128 EPCOMM_GPU_QUEUE_ROUND=64" "EPCOMM_GPU_FAR_POLL_NS=2048"; do
+        [ $(left) -gt 270 ] || continue
         a=""; [ "${v#BA=1}" != "$v" ] && { a=$BS; v=""; }
         [ $i = 1 ] && { threads > $OUT/top-r$i-$k.txt & tp=$!; }
         XT=45 BENCH_ARGS=$a xhost $D 4 $v
