@@ -111,9 +111,7 @@ struct WaitClock {
 };
 
 // Waits until *flag >= want, with the communicator's deadline (%globaltimer). False on timeout or abort.
-// Acquires at the scope of the operation's ranks (P::gpu_scope). Between polls it sleeps 64 ns, doubling every 16
-// polls up to p.poll_ns: a flag in mapped host memory (the far copy, across hosts) costs a PCIe read per poll, and
-// many waiters polling host memory slow the bulk loads of it beside them (bench/gpu/host_path_probe.cu (f)).
+// Acquires at the scope of the operation's ranks (P::gpu_scope).
 template <class P>
 __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int peer, int phase, uint64_t epoch) {
   const bool gpu_scope = p.gpu_scope != 0;
@@ -129,8 +127,7 @@ __device__ bool waitAtLeast(const P& p, const uint64_t* flag, uint64_t want, int
         return false;
       }
     }
-    const uint32_t cap = p.poll_ns > 64 ? p.poll_ns : 64, step = it < 16 * 8 ? 64u << (it >> 4) : cap;
-    __nanosleep(step < cap ? step : cap);
+    __nanosleep(64);
   }
 }
 

@@ -447,7 +447,6 @@ struct HtParams {
   GpuErrorClaims* claims;
   GpuElastic* el;
   uint64_t timeout_ns;
-  uint32_t poll_ns;                  // longest sleep between two polls of a wait (device_common.cuh waitAtLeast)
   int gpu_scope;                     // every rank runs on this GPU (ranks under MPS): GPU-scope fences suffice
   int C, Q, G;                       // channels, queue rows, warps per peer in a block
   int round;                         // queue rows moved between two publications of a counter (<= Q / 2)
@@ -491,7 +490,6 @@ struct LlParams {
   GpuErrorClaims* claims;
   GpuElastic* el;
   uint64_t timeout_ns;
-  uint32_t poll_ns;             // as in HtParams
   int T, M, H, K, E, L, dtype, use_fp8, layout;
   size_t xrow;  // bytes of a row of x / y / out (H * dtype size)
   size_t srow;  // bytes of a row's fp8 scales (0 without fp8)

@@ -30,9 +30,6 @@ EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 1);
 EP_PARAM(GpuWarpsPerPeer, "GPU_WARPS_PER_PEER", 0);
 // Queue rows a sender moves before it publishes them (0 = by the in-flight budget below, at most half a queue).
 EP_PARAM(GpuQueueRound, "GPU_QUEUE_ROUND", 0);
-// With ranks of other hosts: the longest sleep (ns) of a device wait between two polls of its flag, which may lie in
-// mapped host memory (waitAtLeast: 64 ns, doubling every 16 polls up to this). One host: 64 ns, always.
-EP_PARAM(GpuFarPollNs, "GPU_FAR_POLL_NS", 64);
 
 int gpuDeviceCount() {
   int n = 0;
@@ -130,7 +127,6 @@ epResult_t GpuEngine::init() {
     // Bus ids repeat across machines; ranks of virtual hosts on this machine share this GPU's SMs all the same.
     sharing += strcmp(ids[r].machine, ids[comm_->rank].machine) == 0 && strcmp(ids[r].bus, ids[comm_->rank].bus) == 0;
   }
-  if (remote_mask_ != 0) poll_ns_ = static_cast<uint32_t>(std::clamp<int64_t>(epParamGpuFarPollNs(), 64, 1000000));
   const int cap = sms / (sharing + 1);
   if (sharing > 1 && blocks_ > cap) {
     EP_INFO(kSubsysInit, "%d ranks share GPU %s: %d blocks per kernel instead of %d", sharing,
@@ -226,7 +222,6 @@ HtParams GpuEngine::baseParams(int op) const {
   p.regions = regions_dev_;
   p.x_region = -1;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
-  p.poll_ns = poll_ns_;
   // Words in the far copy (host memory the proxy's thread writes) need system-scope loads and fences.
   p.gpu_scope = gpu_sharing_ == comm_->nranks && remote_mask_ == 0;
   p.far_in = proxy_ ? proxy_->farCopy(kRemoteHtBuffer) : nullptr;

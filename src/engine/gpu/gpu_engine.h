@@ -95,7 +95,6 @@ class GpuEngine final : public Engine {
   // and as the kernels' mask. Without any, no proxy exists.
   std::vector<uint8_t> remote_;
   uint64_t remote_mask_ = 0;
-  uint32_t poll_ns_ = 64;  // the kernels' longest sleep between polls (EPCOMM_GPU_FAR_POLL_NS across hosts)
   std::unique_ptr<GpuProxy> proxy_;
   bool aborted_ = false;
   int device_ = 0;

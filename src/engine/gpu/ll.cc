@@ -117,7 +117,6 @@ LlParams GpuEngine::llParams(int op) const {
   p.claims = claims_;
   p.el = el_dev_;
   p.timeout_ns = static_cast<uint64_t>(comm_->config.timeout_ms) * 1000000ull;
-  p.poll_ns = poll_ns_;
   p.pdl = ll_pdl_;
   // Words in the far copy (host memory the proxy's thread writes) need system-scope loads and fences.
   p.gpu_scope = gpu_sharing_ == comm_->nranks && remote_mask_ == 0;
