@@ -12,7 +12,9 @@
 #        against =1; NCCL through the plugin (world 2); test_gpu_ll R = 4 across 2 hosts
 # two:   HT alone at -n 4 across 2 hosts: 128-row queues (their call-one run, in rounds of 64, printed nothing within
 #        45 s: here with 100 s and every line of its output), 256-row queues, the raw reference in 256 KiB messages (the
-#        proxy's size) beside main's 1 MiB, 32 MiB rings with 4 MiB messages; main first and last
+#        proxy's size) beside main's 1 MiB, 32 MiB rings with 4 MiB messages, lone messages up to 512 KiB moved by the
+#        proxy's own thread (EPCOMM_NET_ASSIST_MAX: no helper wake-up between a payload's frame and its receive);
+#        main first and last
 # ab:    AB_ROUNDS (2) alternating rounds of the engine at -n 4 across 2 hosts (OPS), one run per variant in AB
 #        (variants separated by '|', each VAR=VALUE ... for the run's environment; BA=1 in a variant passes
 #        --blocking-sync), with top's view of the threads in the first round; then test_gpu_ht R = 4 across 2 hosts
@@ -52,6 +54,7 @@ case $part in
       OPS=ht XT=60 xhost $D 4 EPCOMM_GPU_QUEUE_ROWS=256
       OPS=ht XT=45 BENCH_ARGS="--net-raw-msg-kb 256" xhost $D 4
       OPS=ht XT=45 xhost $D 4 $BIG
+      OPS=ht XT=45 xhost $D 4 EPCOMM_NET_ASSIST_MAX=524288
       OPS=ht XT=45 xhost $D 4; el ) ;;
   ab)
     ( mps_start; IFS='|' read -ra vs <<< "$AB"
