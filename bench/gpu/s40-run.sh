@@ -10,11 +10,11 @@
 #        (EPCOMM_GPU_FAR_POLL_NS=2048: fewer reads of host memory beside the bulk ones); top's view of the threads in the first round; the readiness threshold: LL at
 #        -n 8 on 8 hosts (7 peers, poll on) against EPCOMM_NET_READINESS=0 and at -n 4 on 4 hosts (3 peers, poll off)
 #        against =1; NCCL through the plugin (world 2); test_gpu_ll R = 4 across 2 hosts
-# two:   HT alone at -n 4 across 2 hosts, while BUDGET lasts: main; lone messages up to 512 KiB moved by the proxy's
-#        own thread (EPCOMM_NET_ASSIST_MAX: no helper wake-up between a payload's frame and its receive); 128-row
-#        queues (their call-one run, in rounds of 64, printed nothing within 45 s: here every line of its output); the
-#        raw reference in 256 KiB messages (the proxy's size) beside main's 1 MiB; 32 MiB rings with 4 MiB messages;
-#        the assist and main again
+# two:   HT alone at -n 4 across 2 hosts, while BUDGET lasts: main; 32 MiB rings with 4 MiB messages (is the ring's
+#        credit loop the bound?); lone messages up to 512 KiB moved by the proxy's own thread (EPCOMM_NET_ASSIST_MAX:
+#        no helper wake-up between a payload's frame and its receive); the raw reference in 256 KiB messages (the
+#        proxy's size) beside main's 1 MiB; 128-row queues (their call-one run, in rounds of 64, printed nothing
+#        within 45 s: here every line of its output); the big rings and main again
 # ab:    AB_ROUNDS (2) alternating rounds of the engine at -n 4 across 2 hosts (OPS), one run per variant in AB
 #        (variants separated by '|', each VAR=VALUE ... for the run's environment; BA=1 in a variant passes
 #        --blocking-sync), with top's view of the threads in the first round; then test_gpu_ht R = 4 across 2 hosts
@@ -48,13 +48,13 @@ case $part in
   two)
     ( mps_start
       OPS=ht XT=40 xhost $D 4
-      OPS=ht XT=40 xhost $D 4 EPCOMM_NET_ASSIST_MAX=524288
+      OPS=ht XT=40 xhost $D 4 $BIG
+      [ $(left) -gt 40 ] && OPS=ht XT=40 xhost $D 4 EPCOMM_NET_ASSIST_MAX=524288
+      [ $(left) -gt 40 ] && OPS=ht XT=40 BENCH_ARGS="--net-raw-msg-kb 256" xhost $D 4
       [ $(left) -gt 70 ] && { echo "### HT -n 4 --hosts 2 EPCOMM_GPU_QUEUE_ROWS=128, every line"
         EPCOMM_GPU_QUEUE_ROWS=128 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 60 $D/epcomm-run -n 4 --hosts 2 -- \
           $D/epcomm-bench --ops ht --iters 10 > $OUT/q128.log 2>&1; echo "rc $?"; grep -v "^net raw:" $OUT/q128.log | tail -30; el; }
-      [ $(left) -gt 40 ] && OPS=ht XT=40 BENCH_ARGS="--net-raw-msg-kb 256" xhost $D 4
       [ $(left) -gt 40 ] && OPS=ht XT=40 xhost $D 4 $BIG
-      [ $(left) -gt 40 ] && OPS=ht XT=40 xhost $D 4 EPCOMM_NET_ASSIST_MAX=524288
       [ $(left) -gt 40 ] && OPS=ht XT=40 xhost $D 4; el ) ;;
   ab)
     ( mps_start; IFS='|' read -ra vs <<< "$AB"
