@@ -56,9 +56,11 @@ goal() { echo "## (a) goal shape, chain 2, $2 rounds"; BARGS=(--ll-tokens 64 --e
   for i in $(seq $2); do b $1 2 2; done; el; }
 # xhost DIR N [VAR=VALUE ...]: DIR's epcomm-bench across XH (default 2) virtual hosts at -n N over net/socket, the
 # rows with xhost/raw (OPS: the bench's --ops, default ht,ll; XT: the timeout, default 150 s; BENCH_ARGS: more)
-xhost() { local d=$1 n=$2; shift 2; echo "### $d -n $n --hosts ${XH:-2} $BENCH_ARGS $*"
+# A run that prints no row shows its exit status and last lines (a timeout is rc 124).
+xhost() { local d=$1 n=$2 log=${OUT:-/tmp}/xhost.log; shift 2; echo "### $d -n $n --hosts ${XH:-2} $BENCH_ARGS $*"
   env "$@" LD_LIBRARY_PATH=$d EPCOMM_NET=socket timeout ${XT:-150} $d/epcomm-run -n $n --hosts ${XH:-2} -- \
-    $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 $BENCH_ARGS 2>&1 | grep -E "^(HT|LL|dispatch|combine|net raw)|rror"; }
+    $d/epcomm-bench --ops ${OPS:-ht,ll} --iters 10 $BENCH_ARGS > $log 2>&1; local rc=$?
+  grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $log || { echo "rc $rc, no rows; its last lines:"; tail -8 $log; }; }
 # threads: one line per sample where the threads used more than half a core: CPU% summed by thread name (threads,
 # busiest one's %): the proxy, the socket helpers (epcomm-sock), the ranks' own (epcomm-bench), MPS
 threads() { top -b -H -d 1 -w 200 | awk '/^top -/{ if (n) out(); n++; delete s; delete c; delete m; next }
