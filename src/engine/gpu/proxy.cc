@@ -363,20 +363,42 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
 
 // One line per remote rank: the ring (taken, the stamp and type at that position), the outbox toward it and the
 // inbox from it, and what the proxy moved so far.
+void GpuProxy::sampleOccupancy() {
+  if (occ_.size() != static_cast<size_t>(nranks_)) occ_.assign(nranks_, Occupancy{});
+  for (int r = 0; r < nranks_; ++r) {
+    if (!remote_[r]) continue;
+    const size_t free = bridge_->outEnd(0, r).freeBytes();
+    Occupancy& o = occ_[r];
+    ++o.turns;
+    o.near_full += free < ring_bytes_ / 8;
+    o.out_used += static_cast<double>(ring_bytes_ - free);
+    o.in_avail += static_cast<double>(RingEnd(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_).available());
+  }
+}
+
 void GpuProxy::trace() {
+  if (occ_.size() != static_cast<size_t>(nranks_)) occ_.assign(nranks_, Occupancy{});
   for (int r = 0; r < nranks_; ++r) {
     if (!remote_[r]) continue;
     const Out& o = out_[r];
     const GpuRemoteRecord* h = reinterpret_cast<const GpuRemoteRecord*>(o.ring + o.pos % ring_bytes_);
     RingEnd ob = bridge_->outEnd(0, r);
     RingEnd ib(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_);
+    // Over the turns since the last line: near full most of the time, the credit loop (ring size over its round
+    // trip) bounds the stream toward r; a large inbox backlog, this thread's stores do.
+    Occupancy& oc = occ_[r];
+    const double turns = static_cast<double>(std::max<uint64_t>(oc.turns, 1));
     fprintf(stderr, "epcomm proxy rank %d -> %d: ring at %llu (stamp there %llu, type %u%s), outbox %zu bytes free; "
-            "inbox from %d: %zu available%s; records out %llu in %llu\n", rank_, r,
+            "inbox from %d: %zu available%s; records out %llu in %llu; over %llu turns: outbox in use %.2f MiB mean "
+            "(of %.2f), within an eighth of full %.0f%% of them, inbox backlog %.1f KiB mean\n", rank_, r,
             static_cast<unsigned long long>(o.pos),
             static_cast<unsigned long long>(__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE)),
             h->type, o.broken ? ", broken" : "", ob.freeBytes(), r, ib.available(),
             in_bad_[r].load(std::memory_order_relaxed) ? ", refused" : "",
-            static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_));
+            static_cast<unsigned long long>(recs_out_), static_cast<unsigned long long>(recs_in_),
+            static_cast<unsigned long long>(oc.turns), oc.out_used / turns / 1048576.0, ring_bytes_ / 1048576.0,
+            100.0 * oc.near_full / turns, oc.in_avail / turns / 1024.0);
+    oc = Occupancy{};
   }
   // The share of the last period this thread spent in turns that moved something, by part: near 100% in all, the
   // thread is what limits the streams.
@@ -445,6 +467,7 @@ void GpuProxy::loop() {
       if (remote_[q]) moved |= storeIn(q, &budget);
     }
     in_first_ = (in_first_ + 1) % nranks_;
+    if (tracing) sampleOccupancy();
     if (tracing && moved) {  // where a busy turn's time goes (a turn that moved nothing is idle time)
       const int64_t t3 = nowNs();
       busy_ns_[0] += t1 - t0, busy_ns_[1] += t2 - t1, busy_ns_[2] += t3 - t2;

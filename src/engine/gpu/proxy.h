@@ -165,6 +165,15 @@ class GpuProxy final : private NetBridge::Placement {
   std::atomic<uint64_t> forwarded_{0};  // record bytes pushed into the bridge's outboxes
   std::atomic<uint64_t> placed_{0};     // see placedBytes()
   NetBridge::CallStats calls_seen_{};  // the bridge's call times at the last trace line
+  // Per rank of another host, sampled once a turn while tracing: outbox bytes taken and not yet credited by the
+  // receiver (the credit loop's window in use), turns it was within an eighth of full, inbox bytes landed and not
+  // yet stored (this side's backlog).
+  struct Occupancy {
+    uint64_t turns = 0, near_full = 0;
+    double out_used = 0, in_avail = 0;
+  };
+  std::vector<Occupancy> occ_;
+  void sampleOccupancy();
   void trace();
   std::thread thread_;
   std::atomic<bool> stop_{false};
