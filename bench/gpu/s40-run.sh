@@ -10,7 +10,8 @@
 #        (EPCOMM_GPU_FAR_POLL_NS=2048: fewer reads of host memory beside the bulk ones); top's view of the threads in the first round; the readiness threshold: LL at
 #        -n 8 on 8 hosts (7 peers, poll on) against EPCOMM_NET_READINESS=0 and at -n 4 on 4 hosts (3 peers, poll off)
 #        against =1; NCCL through the plugin (world 2); test_gpu_ll R = 4 across 2 hosts
-# two:   HT alone at -n 4 across 2 hosts, while BUDGET lasts: main; 32 MiB rings with 4 MiB messages (is the ring's
+# two:   HT alone at -n 4 across 2 hosts, while BUDGET lasts: a trace (is the outbox near full most of the time, i.e. is
+#        the credit loop the bound, or does the producer not keep it full?); main; 32 MiB rings with 4 MiB messages (is the ring's
 #        credit loop the bound?); lone messages up to 512 KiB moved by the proxy's own thread (EPCOMM_NET_ASSIST_MAX:
 #        no helper wake-up between a payload's frame and its receive); the raw reference in 256 KiB messages (the
 #        proxy's size) beside main's 1 MiB; 128-row queues (their call-one run, in rounds of 64, printed nothing
@@ -28,6 +29,14 @@ D=${D:-.gpupack/m}
 # seen NAME: the busiest seconds of a threads log (the 6 with the highest total)
 seen() { echo "--- top -H $1, CPU% by thread name (threads, busiest), 6 busiest seconds"; sort -t' ' -k3 -n -r $OUT/top-$1.txt | head -6; }
 BS=--blocking-sync; k=0
+# trace OPS [VAR=VALUE ...]: the bench at -n 4 across 2 hosts with the proxy's trace; per rank the last lines of its
+# occupancy (outbox in use, near-full share, inbox backlog), busy shares and net calls
+trace() { local ops=$1; shift; echo "### trace $ops $*"
+  env "$@" EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 60 $D/epcomm-run -n 4 --hosts 2 -- \
+    $D/epcomm-bench --ops $ops --iters ${TITERS:-20} > $OUT/trace_$ops.log 2>&1; echo "rc $?"
+  grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/trace_$ops.log
+  for r in 0 1 2 3; do grep -E "proxy rank $r( ->|:| net calls:)" $OUT/trace_$ops.log | grep -v "busy 0%" | tail -5 \
+    | sed -E 's/ring at [0-9]+ \(stamp there [0-9]+, type [0-9]+\), //'; done; }
 case $part in
   one)
     ( mps_start; suite1 ht 4 2 70
@@ -47,6 +56,7 @@ case $part in
     ( mps_start; [ $(left) -gt 60 ] && suite1 ll 4 2 $(( $(left) - 10 )) ) ;;
   two)
     ( mps_start
+      trace ht; el
       OPS=ht XT=40 xhost $D 4
       OPS=ht XT=40 xhost $D 4 $BIG
       [ $(left) -gt 40 ] && OPS=ht XT=40 xhost $D 4 EPCOMM_NET_ASSIST_MAX=524288
