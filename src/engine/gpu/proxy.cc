@@ -78,6 +78,7 @@ uint64_t recordSize(const GpuRemoteRecord& h) {
 GpuProxy::GpuProxy(int rank, int nranks, std::vector<uint8_t> remote, std::unique_ptr<ProxyDevice> device)
     : rank_(rank), nranks_(nranks), remote_(std::move(remote)), dev_(std::move(device)) {
   out_.resize(nranks_);
+  occ_.resize(nranks_);
   in_bad_ = std::make_unique<std::atomic<bool>[]>(nranks_);
   for (int r = 0; r < nranks_; ++r) in_bad_[r].store(false, std::memory_order_relaxed);
   why_.resize(nranks_);
@@ -361,10 +362,8 @@ bool GpuProxy::storeIn(int q, size_t* budget) {
   return parsed > 0;
 }
 
-// One line per remote rank: the ring (taken, the stamp and type at that position), the outbox toward it and the
-// inbox from it, and what the proxy moved so far.
+// Once a turn while tracing: how full each outbox and inbox is (trace() prints the means).
 void GpuProxy::sampleOccupancy() {
-  if (occ_.size() != static_cast<size_t>(nranks_)) occ_.assign(nranks_, Occupancy{});
   for (int r = 0; r < nranks_; ++r) {
     if (!remote_[r]) continue;
     const size_t free = bridge_->outEnd(0, r).freeBytes();
@@ -376,8 +375,9 @@ void GpuProxy::sampleOccupancy() {
   }
 }
 
+// One line per remote rank: the ring (taken, the stamp and type at that position), the outbox toward it and the
+// inbox from it, what the proxy moved so far, and the occupancy since the last line.
 void GpuProxy::trace() {
-  if (occ_.size() != static_cast<size_t>(nranks_)) occ_.assign(nranks_, Occupancy{});
   for (int r = 0; r < nranks_; ++r) {
     if (!remote_[r]) continue;
     const Out& o = out_[r];
