@@ -435,6 +435,19 @@ void GpuProxy::trace() {
   }
   calls_seen_ = cs;
   fprintf(stderr, "epcomm proxy rank %d net calls:%s\n", rank_, line.c_str());
+  // Payload messages in flight since the last line: mean time from posting to completion, and how many were in
+  // flight at once on average (their summed time over the period).
+  const NetBridge::FlightStats fs = bridge_->flightStats();
+  line.clear();
+  for (int d = 0; d < 2; ++d) {
+    const uint64_t n = fs.done[d] - flights_seen_.done[d];
+    const int64_t ns = fs.ns[d] - flights_seen_.ns[d];
+    snprintf(part, sizeof(part), "%s %s %llu x %.1f us (%.1f at once)", d ? "," : "", d ? "receives" : "sends",
+             static_cast<unsigned long long>(n), n ? ns / 1e3 / n : 0.0, static_cast<double>(ns) / span);
+    line += part;
+  }
+  flights_seen_ = fs;
+  fprintf(stderr, "epcomm proxy rank %d payloads in flight:%s\n", rank_, line.c_str());
 }
 
 void GpuProxy::loop() {

@@ -165,6 +165,7 @@ class GpuProxy final : private NetBridge::Placement {
   std::atomic<uint64_t> forwarded_{0};  // record bytes pushed into the bridge's outboxes
   std::atomic<uint64_t> placed_{0};     // see placedBytes()
   NetBridge::CallStats calls_seen_{};  // the bridge's call times at the last trace line
+  NetBridge::FlightStats flights_seen_{};  // and its payloads' times in flight
   // Per rank of another host, sampled once a turn while tracing: outbox bytes taken and not yet credited by the
   // receiver (the credit loop's window in use), turns it was within an eighth of full, inbox bytes landed and not
   // yet stored (this side's backlog).

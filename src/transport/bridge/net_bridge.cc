@@ -567,6 +567,7 @@ bool NetBridge::pumpSends(Peer& p) {
     if (!done) break;
     const Peer::Sent& s = p.inflight.front();
     if (s.slot >= 0) p.free_send.push_back(s.slot);
+    else flown(0, s.t_ns);  // a payload (frames have slots)
     if (s.ch >= 0) p.out_read[s.ch].store(s.end, std::memory_order_release);
     p.inflight.pop_front();
     moved = true;
@@ -655,6 +656,8 @@ bool NetBridge::pumpRecvs(Peer& p) {
       checkFrame(p, p.recv_buf[e.slot].data(), got);
     } else if (got != e.len) {
       markDead(p, "a payload of another size than its frame announced");
+    } else {
+      flown(1, e.t_ns);
     }
     return 1;
   };
@@ -857,6 +860,15 @@ NetBridge::CallStats NetBridge::callStats() const {
   for (int k = 0; k < kNetCalls; ++k) {
     st.calls[k] = call_n_[k].load(std::memory_order_relaxed);
     st.ns[k] = call_ns_[k].load(std::memory_order_relaxed);
+  }
+  return st;
+}
+
+NetBridge::FlightStats NetBridge::flightStats() const {
+  FlightStats st{};
+  for (int d = 0; d < 2; ++d) {
+    st.done[d] = flight_n_[d].load(std::memory_order_relaxed);
+    st.ns[d] = flight_ns_[d].load(std::memory_order_relaxed);
   }
   return st;
 }

@@ -192,6 +192,15 @@ class NetBridge {
   };
   void enableCallTiming() { timing_ = true; }
   CallStats callStats() const;
+  // Payload messages (DATA_NEXT, DATA_PLACED), while call timing is on: how many completed and their summed time
+  // from posting to the pass that saw them complete, sends [0] and receives [1]. Over an interval, the time summed
+  // over the interval is the mean number in flight (Little's law): one, and the transport waits for this side;
+  // many, each slow, and this side waits for the transport.
+  struct FlightStats {
+    uint64_t done[2];
+    int64_t ns[2];
+  };
+  FlightStats flightStats() const;
 
   // Raw throughput of the net transport toward the ranks r with to[r] (epCommNetRawBandwidth), for benchmarks:
   // collective among those ranks, from the thread that runs the engine's operations, none in flight. Runs `sync`
@@ -254,6 +263,13 @@ class NetBridge {
   bool timing_ = false;  // enableCallTiming
   std::atomic<uint64_t> call_n_[kNetCalls] = {};
   std::atomic<int64_t> call_ns_[kNetCalls] = {};
+  std::atomic<uint64_t> flight_n_[2] = {};  // flightStats
+  std::atomic<int64_t> flight_ns_[2] = {};
+  void flown(int dir, int64_t posted_ns) {  // a payload send (0) or receive (1) posted at posted_ns completed
+    if (!timing_) return;
+    flight_ns_[dir].fetch_add(nowNs() - posted_ns, std::memory_order_relaxed);
+    flight_n_[dir].fetch_add(1, std::memory_order_relaxed);
+  }
   // f() (a backend call of kind k), timed where enableCallTiming asked for it.
   template <class F>
   epResult_t timed(NetCall k, F&& f) {
