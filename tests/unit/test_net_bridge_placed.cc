@@ -2,7 +2,8 @@
 // payload or are empty ends the connection, and nothing of its payload lands, neither where the receiver's owner
 // placed the pieces before the bad one nor in the inbox. The honest case, in the same harness, shows the pieces do
 // land where the receiver says, the rest in the inbox, and a receipt in the inbox where each placed piece would
-// stand, so the refusals are not the harness failing.
+// stand, so the refusals are not the harness failing; it also checks the diagnostics the GPU proxy's trace prints
+// (what went, by kind; the payload's send and receive timed in flight; the calls that carried it).
 //
 // Two ranks on hosts of their own over the socket backend (the one that scatters): rank 0 pushes a run of stream
 // bytes whose pieces its Placement names (honestly or not), rank 1 places every piece into a buffer of its own.
@@ -79,12 +80,32 @@ int runRank(int rank, const epUniqueId& id, Lie lie) {
   Sender sender(lie);
   Receiver receiver;
   bridge->usePlacement(rank == 0 ? static_cast<NetBridge::Placement*>(&sender) : &receiver);
+  bridge->enableCallTiming();  // the diagnostics the honest case checks below (EPCOMM_GPU_PROXY_TRACE prints them)
   EP_RANK_CHECK(rank, bridge->connect(bs.get(), kTimeoutMs) == epSuccess, "connect");
   const epcomm::Deadline deadline = epcomm::Deadline::afterMs(kTimeoutMs);
   if (rank == 0) {
     std::vector<uint8_t> run(kRun);
     for (size_t i = 0; i < kRun; ++i) run[i] = streamByte(i);
     EP_RANK_CHECK(rank, bridge->outEnd(0, 1).push(run.data(), kRun) == kRun, "push");
+    if (lie == Lie::kNone) {
+      // The diagnostics count what went: one placed message of the run (its frame is not a payload), its send
+      // timed in flight once it completed, and the backend calls that carried it.
+      while (bridge->flightStats().done[0] == 0 && !deadline.expired())
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      const NetBridge::SendStats st = bridge->sendStats();
+      const NetBridge::FlightStats fs = bridge->flightStats();
+      EP_RANK_CHECK(rank, st.msgs[NetBridge::kSendPlaced] == 1 && st.bytes[NetBridge::kSendPlaced] == kRun,
+                    "placed messages %llu of %llu bytes, not 1 of %zu",
+                    static_cast<unsigned long long>(st.msgs[NetBridge::kSendPlaced]),
+                    static_cast<unsigned long long>(st.bytes[NetBridge::kSendPlaced]), kRun);
+      EP_RANK_CHECK(rank, bridge->bytesSent() == kRun, "bytesSent %llu, not %zu",
+                    static_cast<unsigned long long>(bridge->bytesSent()), kRun);
+      EP_RANK_CHECK(rank, fs.done[0] == 1 && fs.ns[0] > 0 && fs.done[1] == 0, "payloads in flight: %llu sends (%lld ns), "
+                    "%llu receives", static_cast<unsigned long long>(fs.done[0]), static_cast<long long>(fs.ns[0]),
+                    static_cast<unsigned long long>(fs.done[1]));
+      EP_RANK_CHECK(rank, bridge->callStats().calls[NetBridge::kCallIsend] >= 2, "isend calls %llu",
+                    static_cast<unsigned long long>(bridge->callStats().calls[NetBridge::kCallIsend]));
+    }
     // Until the receiver has its verdict (it sends nothing back but credits and the barrier's bytes).
   } else {
     epcomm::RingEnd in(own.ringCtl(0, 0), own.ringData(0, 0), kRing);
@@ -110,6 +131,9 @@ int runRank(int rank, const epUniqueId& id, Lie lie) {
                       b, streamByte(i));
       }
       EP_RANK_CHECK(rank, !bridge->dead(0, &why), "peer dead: %s", why.c_str());
+      // Its tail moved once the payload's receive completed, which counted it first.
+      EP_RANK_CHECK(rank, bridge->flightStats().done[1] == 1, "payload receives timed: %llu, not 1",
+                    static_cast<unsigned long long>(bridge->flightStats().done[1]));
     } else {
       while (!bridge->dead(0, &why) && !deadline.expired()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       EP_RANK_CHECK(rank, why.find("a DATA_PLACED piece out of order or past its payload") != std::string::npos,
