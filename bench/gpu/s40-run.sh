@@ -7,15 +7,16 @@
 #        the engine short of CPU?); HT queue rounds of half a queue (EPCOMM_GPU_QUEUE_ROUND=32: under MPS a round is
 #        one row per warp, 8 at -n 4, each a FLAG record, a system fence and a poll of host memory across hosts) and
 #        128-row queues in rounds of 64; device waits across hosts sleeping up to 2 us between polls
-#        (EPCOMM_GPU_FAR_POLL_NS=2048: fewer reads of host memory beside the bulk ones); top's view of the threads in the first round; the readiness threshold: LL at
-#        -n 8 on 8 hosts (7 peers, poll on) against EPCOMM_NET_READINESS=0 and at -n 4 on 4 hosts (3 peers, poll off)
-#        against =1; NCCL through the plugin (world 2); test_gpu_ll R = 4 across 2 hosts
-# two:   HT alone at -n 4 across 2 hosts, while BUDGET lasts: a trace (is the outbox near full most of the time, i.e. is
-#        the credit loop the bound, or does the producer not keep it full?); main; 32 MiB rings with 4 MiB messages (is the ring's
-#        credit loop the bound?); lone messages up to 512 KiB moved by the proxy's own thread (EPCOMM_NET_ASSIST_MAX:
-#        no helper wake-up between a payload's frame and its receive); the raw reference in 256 KiB messages (the
-#        proxy's size) beside main's 1 MiB; 128-row queues (their call-one run, in rounds of 64, printed nothing
-#        within 45 s: here every line of its output); the big rings and main again
+#        (EPCOMM_GPU_FAR_POLL_NS=2048, reverted since: fewer reads of host memory beside the bulk ones); top's view of
+#        the threads in the first round; the readiness threshold: LL at -n 8 on 8 hosts (7 peers, poll on) against
+#        EPCOMM_NET_READINESS=0 and at -n 4 on 4 hosts (3 peers, poll off) against =1; NCCL through the plugin
+#        (world 2); test_gpu_ll R = 4 across 2 hosts
+# two:   HT alone at -n 4 across 2 hosts, while BUDGET lasts: a trace (outbox occupancy and payloads in flight: is the
+#        stream credit-bound, waiting for the transport, or producer-bound?); main; 32 MiB rings with 4 MiB messages;
+#        lone messages up to 512 KiB moved by the proxy's own thread (EPCOMM_NET_ASSIST_MAX: no helper wake-up
+#        between a payload's frame and its receive); the raw reference in 256 KiB messages (the proxy's size) beside
+#        main's 1 MiB; 128-row queues with every line of output (call one's second round of them printed no row);
+#        the big rings and main again
 # ab:    AB_ROUNDS (2) alternating rounds of the engine at -n 4 across 2 hosts (OPS), one run per variant in AB
 #        (variants separated by '|', each VAR=VALUE ... for the run's environment; BA=1 in a variant passes
 #        --blocking-sync), with top's view of the threads in the first round; then test_gpu_ht R = 4 across 2 hosts
