@@ -298,7 +298,7 @@ uint8_t* GpuProxy::place(int peer, uint64_t key, uint32_t len) {
 // after everything before it), then released from the inbox. Stops once it has parsed *budget bytes (at least one
 // record), and takes what it parsed off *budget.
 bool GpuProxy::storeIn(int q, size_t* budget) {
-  RingEnd inbox(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_);
+  RingEnd inbox = inEnd(q);
   const size_t avail = inbox.available();
   if (in_bad_[q].load(std::memory_order_relaxed)) {  // keep the bridge flowing, store nothing
     if (avail > 0) inbox.release(avail);
@@ -371,7 +371,7 @@ void GpuProxy::sampleOccupancy() {
     ++o.turns;
     o.near_full += free < ring_bytes_ / 8;
     o.out_used += static_cast<double>(ring_bytes_ - free);
-    o.in_avail += static_cast<double>(RingEnd(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_).available());
+    o.in_avail += static_cast<double>(inEnd(r).available());
   }
 }
 
@@ -383,7 +383,7 @@ void GpuProxy::trace() {
     const Out& o = out_[r];
     const GpuRemoteRecord* h = reinterpret_cast<const GpuRemoteRecord*>(o.ring + o.pos % ring_bytes_);
     RingEnd ob = bridge_->outEnd(0, r);
-    RingEnd ib(inbox_.ringCtl(r, 0), inbox_.ringData(r, 0), inbox_bytes_);
+    RingEnd ib = inEnd(r);
     // Over the turns since the last line: near full most of the time, the credit loop (ring size over its round
     // trip) bounds the stream toward r; a large inbox backlog, this thread's stores do.
     Occupancy& oc = occ_[r];

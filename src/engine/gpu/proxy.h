@@ -136,6 +136,8 @@ class GpuProxy final : private NetBridge::Placement {
   uint8_t* place(int peer, uint64_t key, uint32_t len) override;
   size_t minRunBytes() const override { return place_min_run_; }
   void framed(int peer, uint64_t to) override;
+  // Consumer end of the bridge's inbox from rank q (channel 0), as bridge_->outEnd(0, r) is the outbox's.
+  RingEnd inEnd(int q) const { return RingEnd(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_); }
   bool pumpOut(int r);
   bool storeIn(int q, size_t* budget);
   void refuse(int q, const char* what);
