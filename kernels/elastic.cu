@@ -86,6 +86,8 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
     const uint64_t dt = ldAcquire(qCounterIn(p, kDispTail, s, c)), ct = ldAcquire(qCounterIn(p, kCombTail, s, c));
     stRelaxed(qCounter(p, p.rank, kDispHead, s, c), dt);
     stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ct);
+    // Hierarchical dispatch: the rows forwarders wrote here for s (the next forwarder of s starts from this tail).
+    stRelaxed(qCounter(p, p.rank, kDispFwdHead, s, c), ldAcquire(qCounter(p, p.rank, kDispFwdTail, s, c)));
     // A source on another host reads these heads in its own buffer. Everything it sent before its entry of the
     // first meeting is in (its records arrive in order), so the tails here are all it published.
     if (isRemote(p.remote, s) && ((mask >> s) & 1)) {

@@ -89,12 +89,19 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   __shared__ int s_warp[32];
   __shared__ int s_total;
   __shared__ int s_chan[kGpuMaxRanks * kGpuMaxChannels];  // tokens to r in channel c (r * C + c)
+  // Hierarchical dispatch: the same per host h (tokens this rank forwards there), after the ranks' in s_count
+  // (s_count[R + h]) and in s_hchan (h * C + c).
+  __shared__ int s_hchan[kX ? kGpuMaxRanks * kGpuMaxChannels : 1];
+  __shared__ int s_hcount[kX ? kGpuMaxRanks : 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int R = p.nranks, L = p.L, K = p.K, C = p.C;
+  const int NH = kX && p.hier ? p.nhosts : 0;  // hosts this rank may forward to
   if (tid == 0) s_epoch = bumpEpoch(p.ctrl);
   for (int i = tid; i < p.E; i += blockDim.x) s_expert[i] = 0;
   for (int r = tid; r < R; r += blockDim.x) s_count[r] = s_masked[r] = 0;
   for (int i = tid; i < R * C; i += blockDim.x) s_chan[i] = 0;
+  for (int i = tid; i < NH * C; i += blockDim.x) s_hchan[i] = 0;
+  for (int h = tid; h < NH; h += blockDim.x) s_hcount[h] = 0;
   __syncthreads();
   const uint64_t e = s_epoch;
   const uint64_t act = p.el->active;  // masked ranks: no rows, no mailbox entries, no waits
@@ -120,9 +127,12 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
       mask &= act;
       for (int r = 0; r < R; ++r) p.h.in_rank[static_cast<size_t>(t) * R + r] = (mask >> r) & 1;
     }
-    // Position of t among this chunk's tokens that go to r: warp ballots, then a scan of the warp totals.
-    for (int r = 0; r < R; ++r) {
-      const int bit = static_cast<int>((mask >> r) & 1);
+    // Position of t among this chunk's tokens that go to r: warp ballots, then a scan of the warp totals. With
+    // hierarchical dispatch also among those this rank forwards to host h (j = R + h), for every other host.
+    for (int j = 0; j < R + NH; ++j) {
+      const int r = j, h = j - R;
+      const int bit = j < R ? static_cast<int>((mask >> r) & 1)
+                            : static_cast<int>(h != p.my_host && (mask & p.host_ranks[h]) != 0);
       const unsigned ballot = __ballot_sync(kFull, bit);
       const int in_warp = __popc(ballot & ((1u << lane) - 1));
       if (lane == 0) s_warp[warp] = __popc(ballot);
@@ -138,12 +148,15 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
         if (lane == 31) s_total = incl;
       }
       __syncthreads();
-      if (bit) {
+      if (bit && j < R) {
         p.h.pos[static_cast<size_t>(t) * R + r] = s_count[r] + s_warp[warp] + in_warp;
         atomicAdd(&s_chan[r * C + chanOf(t, p.T, C)], 1);
+      } else if (bit) {
+        p.h.fpos[static_cast<size_t>(t) * R + h] = s_hcount[h] + s_warp[warp] + in_warp;
+        atomicAdd(&s_hchan[h * C + chanOf(t, p.T, C)], 1);
       }
       __syncthreads();
-      if (tid == 0) s_count[r] += s_total;
+      if (tid == 0) (j < R ? s_count[r] : s_hcount[h]) += s_total;
       __syncthreads();
     }
   }
@@ -154,6 +167,13 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
     for (int c = 0; c < C; ++c) {
       p.h.send_chan_base[r * C + c] = acc;
       acc += s_chan[r * C + c];
+    }
+  }
+  for (int h = tid; h < NH; h += blockDim.x) {
+    int acc = 0;
+    for (int c = 0; c < C; ++c) {
+      p.h.fchan_base[h * C + c] = acc;
+      acc += s_hchan[h * C + c];
     }
   }
   __syncthreads();
@@ -169,8 +189,8 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
     RemoteSlot rec{nullptr, 0};
     if (far) {
       if (tid == 0)
-        s_rec = remoteReserve(p, r, kRemoteData, kRemoteHtBuffer, remoteOff(ent), 4 * static_cast<uint32_t>(R + L + C),
-                              e);
+        s_rec = remoteReserve(p, r, kRemoteData, kRemoteHtBuffer, remoteOff(ent),
+                              4 * static_cast<uint32_t>(R + L + 2 * C), e);
       __syncthreads();
       rec = s_rec;
       __syncthreads();  // every thread has read s_rec before thread 0 reserves the next
@@ -182,6 +202,9 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
     for (int c = tid; c < C; c += blockDim.x) {
       const int next = c + 1 < C ? p.h.send_chan_base[r * C + c + 1] : s_count[r];
       ent[R + L + c] = next - p.h.send_chan_base[r * C + c];
+      // What r forwards if it is this rank's forwarder on its host (hierarchical dispatch): the channel's tokens
+      // bound for that host.
+      ent[R + L + C + c] = NH > 0 && p.host_of[r] != p.my_host ? s_hchan[p.host_of[r] * C + c] : 0;
     }
     if (far) {
       __threadfence_system();
@@ -223,6 +246,13 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
   }
   for (int i = tid; i < R * C; i += blockDim.x)
     p.h.recv_chan[i] = ((act >> (i / C)) & 1) ? countsOf(i / C)[R + L + i % C] : 0;
+  if (kX && p.hier)  // rows this rank forwards for each source of another host it is the forwarder of
+    for (int i = tid; i < R * C; i += blockDim.x) {
+      const int s = i / C;
+      const bool fwd = ((act >> s) & 1) && isRemote(p.remote, s) &&
+                       hierForwarder(p.host_ranks[p.my_host], act, p.local_of[s]) == p.rank;
+      p.h.fwd_chan[i] = fwd ? countsOf(s)[R + L + C + i % C] : 0;
+    }
   // Where this rank's rows start in r's receive order: the rows of the active sources before it (pull combine).
   for (int r = tid; r < R; r += blockDim.x) {
     int b = 0;
@@ -361,6 +391,124 @@ __global__ void __launch_bounds__(1024) htDispatchPullKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Hierarchical dispatch, the forwarder's side (HtParams::hier; the G warps of source s's group in block 2c+1):
+// source s of another host sends this rank, its forwarder on this host, one slot per channel-c token that any rank
+// here receives, in token order, with global expert ids and the token's place j_d among s's channel-c rows for each
+// rank d here (-1: none). Per round of RT slots, warp g takes slots k + g, k + g + G, ...: it reads each once and
+// writes it to this rank's receive row (as the direct path would) and into the queue for s of every other rank d
+// that receives it, at d's slot j_d (the slot s would have sent d: x, scales, d's local expert ids and weights),
+// after d has room; then the group publishes to each d how many of its rows are in (kDispFwdTail) and the head of
+// its own queue back to s. Lane j of every warp keeps the state of the host's j-th rank.
+// ---------------------------------------------------------------------------------------------------------
+__device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, uint64_t e, volatile int* s_ok) {
+  const int lane = threadIdx.x & 31, K = p.K, C = p.C, Q = p.Q, G = p.G, RT = p.round;
+  __shared__ int s_fcnt[32][kGpuHierMaxLocal];  // [group][j]: rows of the host's j-th rank forwarded so far
+  __shared__ uint8_t* s_dst[32][kGpuHierMaxLocal];  // [warp][...]: where the warp's current slot goes
+  const int warp = threadIdx.x >> 5;
+  const int n = p.h.fwd_chan[s * C + c];
+  int dst = p.h.prefix[s];
+  for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
+  const uint64_t* tail = qCounterIn(p, kDispTail, s, c);
+  uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
+  const uint64_t base = ldAcquire(head, p.gpu_scope);
+  const uint8_t* q = inBase(p, s) + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
+  // Lane j: the host's j-th rank dj (-1 past them; this rank or a masked one: no queue) and the tail of its queue
+  // for s when the operation started (only forwarders of s write it, and a finished operation leaves it drained).
+  uint64_t m = p.host_ranks[p.my_host];
+  for (int j = 0; j < lane && m; ++j) m &= m - 1;
+  const int dj = lane < p.lay.fwd_idx && m ? __ffsll(static_cast<long long>(m)) - 1 : -1;
+  const bool other = dj >= 0 && dj != p.rank && rankActive(p.el, dj);
+  const uint64_t fbase = other ? ldAcquire(qCounter(p, dj, kDispFwdTail, s, c), p.gpu_scope) : 0;
+  uint8_t* const dq = other ? p.base[dj] + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot
+                            : nullptr;
+  if (g == 0 && lane < kGpuHierMaxLocal) s_fcnt[s][lane] = 0;  // read after the group's first barrier
+  int published = 0;  // warp 0, lane j: the count dj last saw
+  bool alive = true;
+  for (int k = 0; k < n; k += RT) {
+    const int kend = min(k + RT, n);
+    alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok);
+    int most = 0;  // lane j: rows of dj among the slots this warp forwarded
+    for (int i = k + g; alive && i < kend; i += G) {
+      const uint8_t* slot = q + ((base + i) % Q) * p.lay.disp_slot;
+      const int jd = dj >= 0 ? reinterpret_cast<const int32_t*>(slot + p.lay.disp_fwd)[lane] : -1;
+      // Room at dj for its row jd; this rank's own row where it receives the token.
+      bool ok = true;
+      if (other && jd >= 0 && fbase + jd + 1 > static_cast<uint64_t>(Q))
+        ok = waitAtLeast(p, qCounter(p, dj, kDispFwdHead, s, c), fbase + jd + 1 - Q, dj, epPhaseData, e);
+      if (!__all_sync(kFull, ok)) {
+        alive = false;
+        break;
+      }
+      uint8_t* to = nullptr;
+      if (other && jd >= 0) {
+        to = dq + ((fbase + jd) % Q) * p.lay.disp_slot;
+        most = max(most, jd + 1);
+      }
+      const bool mine = dj == p.rank && jd >= 0 && dst + jd < rows;  // past rows: worst-token overflow
+      if (mine) to = static_cast<uint8_t*>(p.recv_x) + static_cast<size_t>(dst + jd) * p.xrow;
+      const unsigned targets = __ballot_sync(kFull, to != nullptr);
+      const int own = __ffs(__ballot_sync(kFull, mine)) - 1;  // the lane of this rank's own row, or -1
+      const int own_row = __shfl_sync(kFull, dst + jd, own < 0 ? 0 : own);
+      if (lane < kGpuHierMaxLocal) s_dst[warp][lane] = to;
+      __syncwarp();
+      // x: each 16-byte piece read once (the slot may be in host memory), stored to every target.
+      const int4* src = reinterpret_cast<const int4*>(slot);
+      for (int x = lane; x < static_cast<int>(p.xrow / 16); x += 32) {
+        const int4 v = src[x];
+        for (unsigned t = targets; t; t &= t - 1) reinterpret_cast<int4*>(s_dst[warp][__ffs(t) - 1])[x] = v;
+      }
+      if (p.srow)
+        for (int x = lane; x < static_cast<int>(p.srow / 4); x += 32) {
+          const uint32_t v = reinterpret_cast<const uint32_t*>(slot + p.lay.x_stride)[x];
+          for (unsigned t = targets; t; t &= t - 1) {
+            const int j = __ffs(t) - 1;
+            uint8_t* sc = j == own ? reinterpret_cast<uint8_t*>(p.recv_x_scales) + static_cast<size_t>(own_row) * p.srow
+                                   : s_dst[warp][j] + p.lay.x_stride;
+            reinterpret_cast<uint32_t*>(sc)[x] = v;
+          }
+        }
+      // Expert ids and weights, localized for each target rank as the source would have for it (tokenMeta).
+      if (p.topk_idx != nullptr) {
+        const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+        const int64_t xg = lane < K ? reinterpret_cast<const int64_t*>(meta)[lane] : -1;
+        const float wg = lane < K ? reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane] : 0.0f;
+        for (unsigned t = targets; t; t &= t - 1) {
+          const int j = __ffs(t) - 1;
+          const int d = __shfl_sync(kFull, dj, j);
+          if (lane < K) {
+            const int64_t l = localExpert(p, xg, d);
+            const float w = l >= 0 ? wg : 0.0f;
+            if (j == own) {
+              if (p.recv_topk_idx) p.recv_topk_idx[static_cast<size_t>(own_row) * K + lane] = l;
+              if (p.recv_topk_weights && p.topk_weights)
+                p.recv_topk_weights[static_cast<size_t>(own_row) * K + lane] = w;
+            } else {
+              uint8_t* dm = s_dst[warp][j] + p.lay.x_stride + p.lay.scale_stride;
+              reinterpret_cast<int64_t*>(dm)[lane] = l;
+              reinterpret_cast<float*>(dm + kGpuMaxTopk * 8)[lane] = w;
+            }
+          }
+        }
+      }
+      __syncwarp();  // s_dst is rewritten for the next slot
+    }
+    // The round's rows are in: count them per rank (the largest place + 1: the stream is in token order, so the
+    // rows of dj among slots [0, kend) are its first ones), order them before the counts, publish.
+    if (lane < kGpuHierMaxLocal && most > 0) atomicMax(&s_fcnt[s][lane], most);
+    fenceForPeers(p.gpu_scope);
+    groupSync(G, s);
+    if (g == 0) {
+      const int cnt = lane < kGpuHierMaxLocal ? s_fcnt[s][lane] : 0;
+      if (other && alive && cnt > published && noFailure(p)) {
+        stRelease(qCounter(p, dj, kDispFwdTail, s, c), fbase + cnt, p.gpu_scope);
+        published = cnt;
+      }
+      if (lane == 0) publishHead(p, head, s, c, kDispHeadBack, base + kend, e, true);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Dispatch: block 2c sends channel c's tokens (G warps per destination, in token order, into the
 // destination's queue for this rank and channel; its own rows straight to their final receive rows); block
 // 2c+1 receives channel c (G warps per source) and copies each row to its final receive row: source rank
@@ -414,25 +562,44 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     // publishes the tail.
     // A rank of another host: this rank's own copy of the tail, the head the receiver sends back, and the slots as
     // records. The two cases are two instances of the loop, so that the mapped one keeps its registers.
+    // Hierarchical dispatch (p.hier): toward the host of r only r = this rank's forwarder there gets slots, one per
+    // token any rank of that host receives, with global expert ids and the token's place at each of its ranks (the
+    // forwarder hands each its slot); the other ranks of that host get nothing from here.
     auto rounds = [&](auto far_c) {
       constexpr bool kFar = decltype(far_c)::value;
       const QueueSend qs =
           queueSend<kFar>(p, r, c, kDispTail, kDispHead, kDispSent, kDispHeadBack, rankActive(p.el, r));
       const uint64_t base = qs.base;
       uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
+      // Forwarding (kFar only): host hh of r; lane j < fwd_idx names the host's j-th rank (dj; -1 past its ranks).
+      const bool fwd = kFar && p.hier;
+      const int hh = fwd ? p.host_of[r] : 0;
+      int dj = -1;
+      if (fwd) {
+        uint64_t m = p.host_ranks[hh];
+        for (int j = 0; j < lane && m; ++j) m &= m - 1;
+        dj = lane < p.lay.fwd_idx && m ? __ffsll(static_cast<long long>(m)) - 1 : -1;
+      }
+      const int fchan = fwd ? p.h.fchan_base[hh * C + c] : 0;
+      // Token t goes through this queue: to r, or (forwarding) to any rank of r's host.
+      auto goes = [&](int t) {
+        if (!fwd) return p.h.in_rank[static_cast<size_t>(t) * R + r] != 0;
+        return __any_sync(kFull, dj >= 0 && p.h.in_rank[static_cast<size_t>(t) * R + dj] != 0) != 0;
+      };
       uint64_t sent = 0;  // rows published so far (kept by lane 0 of warp 0, the group's publisher)
       bool alive = true;  // after a failed wait the group keeps meeting its barriers, doing nothing
       for (int k = tb; k < te; k += RT) {
         const int kend = min(k + RT, te);
         uint64_t want = 0;  // room for the round's rows
-        if (g == 0 && lane == 0) {
-          for (int u = k; u < kend; ++u) sent += p.h.in_rank[static_cast<size_t>(u) * R + r];
+        if (g == 0) {
+          for (int u = k; u < kend; ++u) sent += goes(u);
           want = base + sent > static_cast<uint64_t>(Q) ? base + sent - Q : 0;
         }
         alive = groupWait(p, G, r, g, qs.head, want, epPhaseData, e, alive, s_ok);
         for (int t = k + g; alive && t < kend; t += G) {
-          if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
-          const uint64_t idx = base + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
+          if (!goes(t)) continue;
+          const uint64_t idx = base + (fwd ? p.h.fpos[static_cast<size_t>(t) * R + hh] - fchan
+                                           : p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
           uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
           RemoteSlot rs{nullptr, 0};
           if constexpr (kFar) {  // the whole slot as one record
@@ -446,10 +613,20 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
           if (p.topk_idx != nullptr && lane < K) {
             int64_t idx_l;
             float w;
-            tokenMeta(p, t, r, lane, &idx_l, &w);
+            if (fwd) {  // as given: the forwarder localizes them for each rank
+              idx_l = p.topk_idx[static_cast<size_t>(t) * K + lane];
+              w = p.topk_weights != nullptr ? p.topk_weights[static_cast<size_t>(t) * K + lane] : 0.0f;
+            } else {
+              tokenMeta(p, t, r, lane, &idx_l, &w);
+            }
             uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
             reinterpret_cast<int64_t*>(meta)[lane] = idx_l;
             if (p.topk_weights != nullptr) reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = w;
+          }
+          if (fwd && lane < p.lay.fwd_idx) {
+            const size_t td = static_cast<size_t>(t) * R + dj;
+            reinterpret_cast<int32_t*>(slot + p.lay.disp_fwd)[lane] =
+                dj >= 0 && p.h.in_rank[td] ? p.h.pos[td] - p.h.send_chan_base[dj * C + c] : -1;
           }
           if constexpr (kFar) remoteCommitWarp(rs);
         }
@@ -458,45 +635,60 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
         if (g == 0 && lane == 0 && noFailure(p)) publishTail<kFar>(p, qs, r, base + sent, e);
       }
     };
-    if (isRemote(farMask<kX>(p), r)) rounds(FarTag<kX>{});
-    else rounds(FarTag<false>{});
+    if (isRemote(farMask<kX>(p), r)) {
+      // Hierarchical: only this rank's forwarder on r's host; the other ranks there get nothing from here.
+      if (kX && p.hier && hierForwarder(p.host_ranks[p.host_of[r]], p.el->active, p.local_of[p.rank]) != r) return;
+      rounds(FarTag<kX>{});
+    } else {
+      rounds(FarTag<false>{});
+    }
     return;
   }
   // Receive: rows of source s in rounds of RT; warp g copies rows k + g, k + g + G, ... to their final receive
   // rows, then the group publishes the head (room for the sender). This rank's own rows were written directly.
+  // Hierarchical dispatch, s of another host: this rank's forwarder there writes s's rows into this rank's own
+  // queue for s (counters kDispFwdTail / kDispFwdHead), or this rank is that forwarder (forwardFrom).
   if (peer != p.rank) {
     const int s = peer;
-    const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
-    int dst = p.h.prefix[s];
-    for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
-    uint64_t* tail = qCounterIn(p, kDispTail, s, c);
-    uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
-    const uint64_t base = ldAcquire(head, p.gpu_scope);
-    const uint8_t* q = inBase(p, s) + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
-    bool alive = true;
-    for (int k = 0; k < n; k += RT) {
-      const int kend = min(k + RT, n);
-      alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok);  // the round's rows are in
-      for (int i = k + g; alive && i < kend; i += G) {
-        const uint64_t idx = base + i;
-        const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
-        const int row = dst + i;
-        if (row < rows) {  // worst-token overflow: never written past the capacity (recorded by notify)
-          warpCopy16(static_cast<uint8_t*>(p.recv_x) + row * p.xrow, slot, p.xrow, lane);
-          if (p.srow)
-            warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow, lane);
-          const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
-          if (lane < K && p.topk_idx != nullptr) {
-            if (p.recv_topk_idx)
-              p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const int64_t*>(meta)[lane];
-            if (p.recv_topk_weights && p.topk_weights)
-              p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
-                  reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane];
+    const bool far = isRemote(farMask<kX>(p), s);
+    const bool hier = kX && p.hier && far;
+    if (hier && hierForwarder(p.host_ranks[p.my_host], p.el->active, p.local_of[s]) == p.rank) {
+      forwardFrom(p, s, c, g, rows, e, s_ok);
+    } else {
+      const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
+      int dst = p.h.prefix[s];
+      for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
+      uint64_t* tail = hier ? qCounter(p, p.rank, kDispFwdTail, s, c) : qCounterIn(p, kDispTail, s, c);
+      uint64_t* head = qCounter(p, p.rank, hier ? kDispFwdHead : kDispHead, s, c);
+      const uint64_t base = ldAcquire(head, p.gpu_scope);
+      const uint8_t* q = (hier ? p.base[p.rank] : inBase(p, s)) + p.lay.disp_q +
+                         (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
+      bool alive = true;
+      for (int k = 0; k < n; k += RT) {
+        const int kend = min(k + RT, n);
+        alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok);  // the round's rows are in
+        for (int i = k + g; alive && i < kend; i += G) {
+          const uint64_t idx = base + i;
+          const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
+          const int row = dst + i;
+          if (row < rows) {  // worst-token overflow: never written past the capacity (recorded by notify)
+            warpCopy16(static_cast<uint8_t*>(p.recv_x) + row * p.xrow, slot, p.xrow, lane);
+            if (p.srow)
+              warpCopy4(reinterpret_cast<uint8_t*>(p.recv_x_scales) + row * p.srow, slot + p.lay.x_stride, p.srow,
+                        lane);
+            const uint8_t* meta = slot + p.lay.x_stride + p.lay.scale_stride;
+            if (lane < K && p.topk_idx != nullptr) {
+              if (p.recv_topk_idx)
+                p.recv_topk_idx[static_cast<size_t>(row) * K + lane] = reinterpret_cast<const int64_t*>(meta)[lane];
+              if (p.recv_topk_weights && p.topk_weights)
+                p.recv_topk_weights[static_cast<size_t>(row) * K + lane] =
+                    reinterpret_cast<const float*>(meta + kGpuMaxTopk * 8)[lane];
+            }
           }
         }
+        groupSync(G, s);
+        if (g == 0 && lane == 0) publishHead(p, head, s, c, kDispHeadBack, base + kend, e, far && !hier);
       }
-      groupSync(G, s);
-      if (g == 0 && lane == 0) publishHead(p, head, s, c, kDispHeadBack, base + kend, e, isRemote(farMask<kX>(p), s));
     }
   }
   if (blockIdx.x == 1) dispatchTail(p, num_recv, rows);

@@ -304,9 +304,10 @@ EPCOMM_API epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx
  *
  * Combine: combined_x[t] = sum over the ranks r that received t, in ascending r, of x_r[row(t, r)],
  * accumulated in fp32 and rounded once (bit-identical from run to run). Tokens no rank received get 0.
- * Across hosts (host engine, ranks on more than one host) HT runs hierarchically by default: dispatch sends
- * each token row once to every destination host (to one forwarding rank there, which passes it on to the
- * ranks of its host that need it); every dispatch output is bit-identical to one host's. Combine reduces
+ * Across hosts (ranks on more than one host) HT dispatch runs hierarchically by default in both engines (the GPU
+ * engine's for hosts of up to 16 ranks): it sends each token row once to every destination host (to one forwarding
+ * rank there, which passes it on to the ranks of its host that need it); every dispatch output is bit-identical to
+ * one host's. The GPU engine's combine stays flat (the one-host order below). The host engine's combine reduces
  * inside each host first, so its order is, exactly:
  *   hosts are numbered in the order of their lowest rank; for each host h that holds token t, in ascending h,
  *     P_h = fp32 sum, starting from +0.0f, of x_r[row(t, r)] over the ranks r of h that received t, ascending r;

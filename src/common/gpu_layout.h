@@ -15,7 +15,8 @@
 //   [queue counters: 14 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
 //                                  src), dispatch head (written here, read by src), combine tail, combine head —
 //                                  and the epochs of the pull combine and pull dispatch (GpuQueueCounter)
-//   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights
+//   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights (hierarchical dispatch
+//                                  across hosts: then where the token goes at each rank of the receiver's host)
 //   [combine queues: R x C x Q]    slots of one expert-output row
 //   [combine staging: R x max_tokens] push combine: where the receiving blocks move combine rows out of the
 //                                  queues, so that each source drains independently; the reduction reads them
@@ -69,6 +70,9 @@ static_assert(kGpuRemoteMaxRanks == kGpuMaxRanks, "one remote ring per rank");
 constexpr int kGpuMaxExperts = 4096;
 constexpr int kGpuMaxTopk = 32;
 constexpr int kGpuMaxChannels = 32;
+// Hierarchical HT dispatch across hosts (HtParams::hier): the widest host it serves. A forwarded slot names the
+// token's place at each rank of the destination host, one int32 per rank (GpuBufferLayout::fwd_idx).
+constexpr int kGpuHierMaxLocal = 16;
 
 // Where a rank's pull-combine rows are, published by its begin kernel for the owners: rows [0, have) of x at
 // byte `off` of registered region `region` (epCommRegister, or an implicit slot from kGpuMaxRegions on; -1: in
@@ -146,9 +150,15 @@ struct alignas(128) GpuRegEntry {
 // Toward a rank of another host (common/gpu_remote.h) a sender cannot read the receiver's counters: it keeps the
 // tail it last published itself (kDispSent / kCombSent [receiver][c], in its own buffer) and the receiver sends
 // its head back (kDispHeadBack / kCombHeadBack [receiver][c] in the sender's buffer, written by the receiver).
+// Hierarchical dispatch (HtParams::hier): a source's rows for a rank d of another host reach d through the
+// source's forwarder on d's host, which writes them into d's dispatch queue for that source as the source would
+// have and publishes kDispFwdTail[src][c] in d's buffer; d publishes kDispFwdHead[src][c] there (the forwarder
+// reads it for room). Their own pair of counters: the forwarder of a source changes with the active mask, and the
+// source's direct queue counters stay the source's.
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
                        kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kPullDReady1, kPullDAck1,
-                       kDispSent, kDispHeadBack, kCombSent, kCombHeadBack, kNumQueueCounters };
+                       kDispSent, kDispHeadBack, kCombSent, kCombHeadBack, kDispFwdTail, kDispFwdHead,
+                       kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
@@ -157,6 +167,8 @@ struct GpuBufferLayout {
   size_t mailbox, mailbox_entry;  // offset of mailbox[0][0], bytes per entry
   size_t qctrl, qctrl_stride;     // counters [kind][src][channel], one array of qctrl_stride bytes per kind
   size_t disp_q, disp_slot;       // dispatch queues and bytes per slot
+  size_t disp_fwd;                // hierarchical dispatch: offset in a slot of int32 [fwd_idx], the token's place
+  int fwd_idx;                    // among the source's channel rows for each rank of the receiving host (-1: none)
   size_t comb_q;                  // combine queues (slots of x_stride bytes)
   size_t comb_stage;              // push: combine rows moved out of the queues, [src][max_tokens][x_stride];
                                   // pull: x, rows of xrow bytes in receive order (the zero-copy region)
@@ -209,7 +221,9 @@ struct MailboxHead {
   uint64_t tag;  // mailboxTag(epoch, kind), written last
   int32_t status;
   int32_t pad;
-  // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C] follow
+  // int32_t counts_to[R]; int32_t per_expert[L]; int32_t per_channel[C]; int32_t to_host[C] follow
+  // (to_host: hierarchical dispatch, the tokens of each channel bound for the receiver's host when that is not the
+  // source's; what the receiver forwards when it is the source's forwarder there)
 };
 
 // The areas that hold rows start at multiples of 64 KiB. Where they started mattered more than anything the kernels
@@ -217,8 +231,9 @@ struct MailboxHead {
 // a multiple of 64 KiB, and as fast as before at 64 KiB and 2 MiB shifts (bench/results/h200-s10.log, run74).
 EP_HD size_t rowAreaAlign(size_t v) { return (v + 65535) & ~size_t{65535}; }
 
+// fwd_idx: hierarchical HT dispatch across hosts, the widest host (<= kGpuHierMaxLocal); 0 without it.
 EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens,
-                                      bool pull_dispatch) {
+                                      bool pull_dispatch, int fwd_idx = 0) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   GpuBufferLayout l{};
   l.nranks = nranks;
@@ -237,14 +252,17 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   l.auto_ack = off;
   off = up(off + static_cast<size_t>(nranks) * kGpuAutoRegions * sizeof(uint64_t));
   l.mailbox = off;
-  l.mailbox_entry = (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + kGpuMaxChannels) +
-                     15) & ~size_t{15};
+  l.mailbox_entry =
+      (sizeof(MailboxHead) + 4 * (static_cast<size_t>(nranks) + kGpuMaxExperts / nranks + 2 * kGpuMaxChannels) + 15) &
+      ~size_t{15};
   off = up(off + 2 * nranks * l.mailbox_entry);
   l.qctrl = off;
   l.qctrl_stride = up(static_cast<size_t>(nranks) * channels * 8);
   off = up(off + kNumQueueCounters * l.qctrl_stride);
   const size_t slots = static_cast<size_t>(nranks) * channels * queue_rows;
-  l.disp_slot = l.x_stride + l.scale_stride + kGpuMaxTopk * 12;
+  l.disp_fwd = l.x_stride + l.scale_stride + kGpuMaxTopk * 12;
+  l.fwd_idx = fwd_idx;
+  l.disp_slot = l.disp_fwd + ((4 * static_cast<size_t>(fwd_idx) + 15) & ~size_t{15});
   l.disp_q = off = rowAreaAlign(off);
   off = rowAreaAlign(off + slots * l.disp_slot);
   l.comb_q = off;
@@ -431,7 +449,27 @@ struct GpuHandleDev {
   int32_t* masked;          // [R] tokens of the layout not sent because r was masked (added to the drop
                             // counters by every dispatch that uses the layout)
   int32_t* peer_base;       // [R] receive row at rank r of this rank's first token there (pull combine)
+  // Hierarchical dispatch across hosts (HtParams::hier):
+  int32_t* fpos;            // [max_tokens, R] position of token t among the tokens this rank forwards to host h
+                            // (t * R + h; hosts of other ranks only)
+  int32_t* fchan_base;      // [R, C] tokens this rank forwards to host h before channel c's first token
+  int32_t* fwd_chan;        // [R, C] rows source s sends this rank on channel c to forward (s of another host,
+                            // this rank its forwarder here; 0 otherwise)
 };
+
+// Hierarchical HT dispatch: the rank of host h (its ranks: mask `host`) that forwards what rank s sends there: the
+// (local index of s mod n)-th of the host's n active ranks, as in the host engine; -1 when none is active. Every
+// rank computes it from the same active mask, so sources and forwarders agree.
+EP_HD int hierForwarder(uint64_t host, uint64_t active, int local_of_s) {
+  uint64_t m = host & active;
+  int n = 0;
+  for (uint64_t x = m; x; x &= x - 1) ++n;
+  if (n == 0) return -1;
+  for (int k = local_of_s % n; k > 0; --k) m &= m - 1;
+  int r = 0;
+  while (((m >> r) & 1) == 0) ++r;
+  return r;
+}
 
 // Everything an HT kernel needs, passed by value.
 struct HtParams {
@@ -458,6 +496,15 @@ struct HtParams {
   int zero_copy;                     // pull combine: x is this rank's combine staging (epHtCombineBuffer): no copy
   int zc_guard;                      // dispatch (pull combine): wait until the owners have read the last combine's
                                      // staging rows, which the caller may overwrite next (epHtCombineBuffer)
+  // Hierarchical HT dispatch across hosts (push dispatch, hier = 1): a token crosses to another host once, to the
+  // source's forwarder there (hierForwarder), which hands each rank of its host the slot the source would have
+  // sent it. Hosts are numbered in the order of their lowest rank; a rank's local index is its place among its
+  // host's ranks, ascending.
+  int hier;
+  int nhosts, my_host;
+  uint8_t host_of[kGpuMaxRanks];     // host number of each rank
+  uint8_t local_of[kGpuMaxRanks];    // local index of each rank
+  uint64_t host_ranks[kGpuMaxRanks];  // [host]: bit r set for the ranks of that host
   size_t xrow, srow;                 // bytes of a row of x and of its scales
   const GpuRegion* regions;          // [kGpuRegionSlots] registered memory (epCommRegister, then implicit slots)
   int x_region;                      // pull combine: x lies in registered region x_region, at byte x_off of this

@@ -14,6 +14,9 @@
 //    copying ranks), and graph B of the replay test;
 //  - a rank that stops participating: the others report a timeout within the deadline, exit cleanly, and a
 //    new communicator works afterwards.
+// Ranks over H virtual hosts (EPCOMM_GPU_TEST_HOSTS) run every test across hosts, dispatch hierarchically (a token
+// goes to a host once, through the source's forwarder there; the killed-rank test moves forwarders); one test runs
+// the flat dispatch across 2 hosts.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -639,14 +642,16 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
 // engine maps only the ranks of its own host and reaches the others through its proxy. HT (exact, cached and
 // worst-token dispatch, every combine type) is bit-exact against the host engine; the zero-copy combine region and
 // registration, which would need the peers' memory, are refused with epNotSupported (runCase checks both).
-TEST_P(GpuHt, RanksOnTwoHostsRunThroughTheProxy) {
-  const int R = GetParam();
+// Dispatch is hierarchical there by default (a token crosses to a host once, to the source's forwarder, which
+// hands it to the ranks of its host); `flat` runs the same cases with EPCOMM_HT_HIERARCHICAL=0.
+void ranksOnTwoHosts(int R, bool flat) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
   const uint64_t seed = g_seed;
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
+    if (flat) setenv("EPCOMM_HT_HIERARCHICAL", "0", 1);  // read once per process, at the first communicator
     CKC(selectDevice(rank));
     epComm_t g, h;
     if (initPair(rank, R, gid, hid, &g, &h, 0, 2)) return 1;
@@ -668,6 +673,8 @@ TEST_P(GpuHt, RanksOnTwoHostsRunThroughTheProxy) {
   }, 300000);
   expectAllRanksOk(codes, seed);
 }
+TEST_P(GpuHt, RanksOnTwoHostsRunThroughTheProxy) { ranksOnTwoHosts(GetParam(), false); }
+TEST_P(GpuHt, RanksOnTwoHostsFlatDispatch) { ranksOnTwoHosts(GetParam(), true); }
 
 // Elastic ranks: the last rank is killed (SIGKILL) while the others run an HT step; they get epTimeout once,
 // mask it on the GPU communicator (broken until then) and on a host-engine one, and every HT case afterwards

@@ -34,7 +34,7 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             EXPECT_EQ(l.auto_ack % 8, 0u);
             EXPECT_LE(l.auto_ack + static_cast<size_t>(R) * kGpuAutoRegions * sizeof(uint64_t), l.mailbox);
             // Each region holds what the kernels index in it.
-            EXPECT_GE(l.mailbox_entry, sizeof(MailboxHead) + 4 * (R + kGpuMaxExperts / R + kGpuMaxChannels));
+            EXPECT_GE(l.mailbox_entry, sizeof(MailboxHead) + 4 * (R + kGpuMaxExperts / R + 2 * kGpuMaxChannels));
             EXPECT_EQ(l.mailbox_entry % 16, 0u);
             EXPECT_LE(l.mailbox + 2 * R * l.mailbox_entry, l.qctrl);
             EXPECT_GE(l.qctrl_stride, static_cast<size_t>(R) * C * 8);
@@ -43,6 +43,18 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             EXPECT_EQ(l.x_stride % 16, 0u);                      // 16-byte copies
             EXPECT_GE(l.scale_stride, static_cast<size_t>(H) / 128 * 4);
             EXPECT_GE(l.disp_slot, l.x_stride + l.scale_stride + kGpuMaxTopk * 12);
+            // Hierarchical dispatch: a slot grows by the int32 places it names, 16-byte aligned after the metadata.
+            EXPECT_EQ(l.fwd_idx, 0);
+            EXPECT_EQ(l.disp_slot, l.disp_fwd);
+            for (int w : {1, 3, kGpuHierMaxLocal}) {
+              const GpuBufferLayout h = gpuBufferLayout(R, C, Q, H, T, false, w);
+              EXPECT_EQ(h.fwd_idx, w);
+              EXPECT_EQ(h.disp_fwd, l.disp_fwd);
+              EXPECT_EQ(h.disp_fwd % 16, 0u);
+              EXPECT_GE(h.disp_slot, h.disp_fwd + 4 * static_cast<size_t>(w));
+              EXPECT_EQ(h.disp_slot % 16, 0u);
+              EXPECT_LE(h.disp_q + static_cast<size_t>(R) * C * Q * h.disp_slot, h.comb_q);
+            }
             EXPECT_LE(l.disp_q + static_cast<size_t>(R) * C * Q * l.disp_slot, l.comb_q);
             EXPECT_LE(l.comb_q + static_cast<size_t>(R) * C * Q * l.x_stride, l.comb_stage);
             EXPECT_LE(l.comb_stage + static_cast<size_t>(R) * T * l.x_stride, l.total);
@@ -60,6 +72,29 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             for (size_t s : {p.disp_q, p.comb_q, p.comb_stage, p.disp_stage, p.disp_list, p.total})
               EXPECT_EQ(s % 65536, 0u);
           }
+}
+
+// Hierarchical HT dispatch: the forwarder of source s on a host is the (local index of s mod n)-th of its n active
+// ranks, ascending (the host engine's rule, HostEngine::forwarder), whatever ranks the host holds and the mask.
+TEST(GpuLayout, HierForwarderIsTheHostEnginesChoice) {
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  for (int i = 0; i < 2000; ++i) {
+    const uint64_t host = next() & next(), active = next() | next();
+    const int local = static_cast<int>(next() % 16);
+    std::vector<int> ranks;
+    for (int r = 0; r < 64; ++r)
+      if ((host >> r & 1) && (active >> r & 1)) ranks.push_back(r);
+    const int want = ranks.empty() ? -1 : ranks[local % ranks.size()];
+    EXPECT_EQ(hierForwarder(host, active, local), want) << std::hex << host << " " << active << " " << local;
+  }
+  EXPECT_EQ(hierForwarder(0b1100, 0b1111, 0), 2);
+  EXPECT_EQ(hierForwarder(0b1100, 0b1111, 1), 3);
+  EXPECT_EQ(hierForwarder(0b1100, 0b0111, 1), 2);  // one active rank forwards for everyone
+  EXPECT_EQ(hierForwarder(0b1100, 0b0011, 0), -1);
 }
 
 // The LL region: areas in order, 256-byte aligned, without overlap, slots large enough for a row of ll_max_hidden

@@ -30,6 +30,9 @@ EP_PARAM(GpuHtDispatchPull, "GPU_HT_DISPATCH_PULL", 1);
 EP_PARAM(GpuWarpsPerPeer, "GPU_WARPS_PER_PEER", 0);
 // Queue rows a sender moves before it publishes them (0 = by the in-flight budget below, at most half a queue).
 EP_PARAM(GpuQueueRound, "GPU_QUEUE_ROUND", 0);
+// HT across hosts hierarchical (1) or flat (0): the host engine's knob (host_engine.cc), read here for the GPU
+// engine's dispatch.
+EP_PARAM(HtHierarchical, "HT_HIERARCHICAL", 1);
 
 int gpuDeviceCount() {
   int n = 0;
@@ -127,6 +130,24 @@ epResult_t GpuEngine::init() {
     // Bus ids repeat across machines; ranks of virtual hosts on this machine share this GPU's SMs all the same.
     sharing += strcmp(ids[r].machine, ids[comm_->rank].machine) == 0 && strcmp(ids[r].bus, ids[comm_->rank].bus) == 0;
   }
+  // Hosts, numbered in the order of their lowest rank (the host engine's numbering), and each rank's place in its.
+  host_of_.assign(R, 0);
+  local_of_.assign(R, 0);
+  host_ranks_.clear();
+  for (int r = 0; r < R; ++r) {
+    int h = 0;
+    while (h < static_cast<int>(host_ranks_.size()) &&
+           strcmp(ids[__builtin_ctzll(host_ranks_[h])].host, ids[r].host) != 0)
+      ++h;
+    if (h == static_cast<int>(host_ranks_.size())) host_ranks_.push_back(0);
+    local_of_[r] = static_cast<uint8_t>(__builtin_popcountll(host_ranks_[h]));
+    host_ranks_[h] |= 1ull << r;
+    host_of_[r] = static_cast<uint8_t>(h);
+  }
+  nhosts_ = static_cast<int>(host_ranks_.size());
+  my_host_ = host_of_[comm_->rank];
+  int widest = 0;
+  for (uint64_t m : host_ranks_) widest = std::max(widest, __builtin_popcountll(m));
   const int cap = sms / (sharing + 1);
   if (sharing > 1 && blocks_ > cap) {
     EP_INFO(kSubsysInit, "%d ranks share GPU %s: %d blocks per kernel instead of %d", sharing,
@@ -150,7 +171,14 @@ epResult_t GpuEngine::init() {
     EP_INFO(kSubsysInit, "GPU engine: rank %d has %d ranks on other hosts: HT dispatch and combine push through the "
             "queues, a proxy carries the traffic between hosts", comm_->rank, __builtin_popcountll(remote_mask_));
   }
-  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_);
+  // Across hosts HT dispatch is hierarchical (a token crosses to a host once; kernels/ht.cu forwardFrom) unless
+  // EPCOMM_HT_HIERARCHICAL=0 (the host engine's knob) or a host is wider than a slot can name.
+  ht_hier_ = remote_mask_ != 0 && widest <= kGpuHierMaxLocal && epParamHtHierarchical() != 0;
+  if (remote_mask_ != 0)
+    EP_INFO(kSubsysInit, "GPU engine: %d hosts, HT dispatch across them %s", nhosts_,
+            ht_hier_ ? "hierarchical (once per host, then inside it)" : "flat");
+  lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_,
+                         ht_hier_ ? widest : 0);
   // Peers index each other's buffers with this layout and follow one protocol: every rank must have the same
   // (a different EPCOMM_NUM_SMS / GPU_QUEUE_ROWS / GPU_HT_*_PULL on one rank would hang or read out of bounds).
   struct Shape {
@@ -168,8 +196,8 @@ epResult_t GpuEngine::init() {
                epInvalidUsage,
                "rank %d's GPU engine differs from this rank's (channels %d / %d, queue rows %d / %d, pull combine "
                "%d / %d, pull dispatch %d / %d, buffer %llu / %llu bytes): EPCOMM_NUM_SMS (or config.num_sms), "
-               "EPCOMM_GPU_QUEUE_ROWS, EPCOMM_GPU_HT_COMBINE_PULL and EPCOMM_GPU_HT_DISPATCH_PULL must agree on "
-               "every rank",
+               "EPCOMM_GPU_QUEUE_ROWS, EPCOMM_GPU_HT_COMBINE_PULL, EPCOMM_GPU_HT_DISPATCH_PULL and "
+               "EPCOMM_HT_HIERARCHICAL must agree on every rank",
                r, a.channels, b.channels, a.queue_rows, b.queue_rows, a.pull, b.pull, a.pull_dispatch,
                b.pull_dispatch, static_cast<unsigned long long>(a.total), static_cast<unsigned long long>(b.total));
   }
@@ -225,6 +253,13 @@ HtParams GpuEngine::baseParams(int op) const {
   // Words in the far copy (host memory the proxy's thread writes) need system-scope loads and fences.
   p.gpu_scope = gpu_sharing_ == comm_->nranks && remote_mask_ == 0;
   p.far_in = proxy_ ? proxy_->farCopy(kRemoteHtBuffer) : nullptr;
+  p.nhosts = nhosts_;
+  p.my_host = my_host_;
+  for (int r = 0; r < comm_->nranks; ++r) {
+    p.host_of[r] = host_of_[r];
+    p.local_of[r] = local_of_[r];
+  }
+  for (int h = 0; h < nhosts_; ++h) p.host_ranks[h] = host_ranks_[h];
   p.C = lay_.channels;
   p.Q = lay_.queue_rows;
   // G warps per peer, R * G warps per block (at most 32); named barriers 1..15 need R < 16 when G > 1.

@@ -95,6 +95,12 @@ class GpuEngine final : public Engine {
   // and as the kernels' mask. Without any, no proxy exists.
   std::vector<uint8_t> remote_;
   uint64_t remote_mask_ = 0;
+  // Hierarchical HT dispatch across hosts (HtParams::hier): on when ranks span hosts of at most kGpuHierMaxLocal
+  // ranks each, unless EPCOMM_HT_HIERARCHICAL=0. Hosts numbered by their lowest rank.
+  bool ht_hier_ = false;
+  int nhosts_ = 1, my_host_ = 0;
+  std::vector<uint8_t> host_of_, local_of_;
+  std::vector<uint64_t> host_ranks_;
   std::unique_ptr<GpuProxy> proxy_;
   bool aborted_ = false;
   int device_ = 0;

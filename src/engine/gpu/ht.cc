@@ -43,6 +43,7 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_topk_weights = a->recv_topk_weights;
   p.recv_per_expert_out = a->recv_tokens_per_expert;
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
+  p.hier = ht_hier_ ? 1 : 0;  // only the push dispatch across hosts reads it
   // Every dispatch, not only those after an epHtCombineBuffer call: the region may be asked for after the dispatch
   // that precedes its first combine (the handle it sizes comes from that dispatch).
   p.zc_guard = ht_pull_ ? 1 : 0;
@@ -55,7 +56,7 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  const size_t ints = tr + (R + 1) + 2 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R;
+  const size_t ints = 2 * tr + (R + 1) + 4 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R;
   const size_t bytes = 4 * ints + tr + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
@@ -75,7 +76,10 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   g->dev.num_recv = g->dev.per_expert + kGpuMaxExperts;
   g->dev.masked = g->dev.num_recv + 1;
   g->dev.peer_base = g->dev.masked + R;
-  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.peer_base + R);
+  g->dev.fpos = g->dev.peer_base + R;
+  g->dev.fchan_base = g->dev.fpos + tr;
+  g->dev.fwd_chan = g->dev.fchan_base + R * C;
+  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.fwd_chan + R * C);
   h->gpu = g.release();
   return epSuccess;
 }
