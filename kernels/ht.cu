@@ -32,6 +32,13 @@ __device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, int
   }
 }
 
+// Hierarchical dispatch: the rank of host h that forwards source s's channel c there (common/gpu_layout.h
+// hierForwarder), the channel moving the choice along the host's ranks when p.fwd_spread is set, so that every
+// rank of h forwards some of s's channels and s streams to all of them.
+__device__ __forceinline__ int forwarderOf(const HtParams& p, int s, int h, int c, uint64_t active) {
+  return hierForwarder(p.host_ranks[h], active, p.local_of[s] + (p.fwd_spread ? c : 0));
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Begin: bumps the epoch (one block, so no other block of this launch reads it).
 // ---------------------------------------------------------------------------------------------------------
@@ -250,7 +257,7 @@ __global__ void __launch_bounds__(1024, 1) htNotifyKernel(HtParams p) {
     for (int i = tid; i < R * C; i += blockDim.x) {
       const int s = i / C;
       const bool fwd = ((act >> s) & 1) && isRemote(p.remote, s) &&
-                       hierForwarder(p.host_ranks[p.my_host], act, p.local_of[s]) == p.rank;
+                       forwarderOf(p, s, p.my_host, i % C, act) == p.rank;
       p.h.fwd_chan[i] = fwd ? countsOf(s)[R + L + C + i % C] : 0;
     }
   // Where this rank's rows start in r's receive order: the rows of the active sources before it (pull combine).
@@ -637,7 +644,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     };
     if (isRemote(farMask<kX>(p), r)) {
       // Hierarchical: only this rank's forwarder on r's host; the other ranks there get nothing from here.
-      if (kX && p.hier && hierForwarder(p.host_ranks[p.host_of[r]], p.el->active, p.local_of[p.rank]) != r) return;
+      if (kX && p.hier && forwarderOf(p, p.rank, p.host_of[r], c, p.el->active) != r) return;
       rounds(FarTag<kX>{});
     } else {
       rounds(FarTag<false>{});
@@ -652,7 +659,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     const int s = peer;
     const bool far = isRemote(farMask<kX>(p), s);
     const bool hier = kX && p.hier && far;
-    if (hier && hierForwarder(p.host_ranks[p.my_host], p.el->active, p.local_of[s]) == p.rank) {
+    if (hier && forwarderOf(p, s, p.my_host, c, p.el->active) == p.rank) {
       forwardFrom(p, s, c, g, rows, e, s_ok);
     } else {
       const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;

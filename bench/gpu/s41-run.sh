@@ -10,6 +10,12 @@
 #        (EPCOMM_HT_HIERARCHICAL=0); HT at -n 4 and -n 8 across 2 hosts, hierarchical and flat alternating (GB/s per
 #        rank is what a user feels; xhost MB/op says how many bytes crossed); test_gpu_ll R = 4 over 2 hosts; NCCL
 #        through the plugin at world 2 with what is left
+# two:   test_gpu_ht R = 4 over 2 hosts (with the flat-dispatch case added after call 1), the traced HT and LL runs
+#        at -n 4 across 2 hosts (where the time of the cross-host stream goes: outbox occupancy, payloads in flight),
+#        test_gpu_ll R = 4 over 2 hosts with the time it needs (call 1's 90 s was too short)
+# spread: the forwarder of a source's channel moving along the ranks of the host (EPCOMM_GPU_HT_FWD_SPREAD=1, every
+#        remote rank gets part of each source's stream) against one forwarder per source (=0) and flat: HT at -n 4
+#        and -n 8 across 2 hosts; test_gpu_ht R = 4 and 8 over 2 hosts first
 # The plugin is built there by the scripts: do not carry build-nccl-net (its build.ninja holds absolute paths).
 cd "$(dirname "$0")/../.."
 part=${1:-one}
@@ -30,6 +36,14 @@ case $part in
       [ $(left) -gt 150 ] && suite1 ll 4 2 90 )
     echo "### NCCL through the plugin, world 2, $(left) s left"
     WORLDS=2 timeout $(( $(left) > 150 ? 150 : $(left) )) bash scripts/nccl_plugin_gpu.sh 2>&1 | grep -vE "^\[[0-9]+/[0-9]+\]" | tail -14; el ;;
+  two)
+    ( mps_start; suite1 ht 4 2 60; trace ht; el; trace ll; el
+      suite1 ll 4 2 $(( $(left) - 5 )) ) ;;
+  spread)
+    F="EPCOMM_HT_HIERARCHICAL=0"; S0="EPCOMM_GPU_HT_FWD_SPREAD=0"
+    ( mps_start; suite1 ht 4 2 60; suite1 ht 8 2 100
+      for i in 1 2; do for n in 4 8; do [ $(left) -gt 120 ] || continue
+        OPS=ht XT=60 xhost $D $n; OPS=ht XT=60 xhost $D $n $S0; [ $i = 1 ] && OPS=ht XT=60 xhost $D $n $F; done; done; el ) ;;
   hier)
     F="EPCOMM_HT_HIERARCHICAL=0"
     ( mps_start; suite1 ht 4 2 60

@@ -497,10 +497,12 @@ struct HtParams {
   int zc_guard;                      // dispatch (pull combine): wait until the owners have read the last combine's
                                      // staging rows, which the caller may overwrite next (epHtCombineBuffer)
   // Hierarchical HT dispatch across hosts (push dispatch, hier = 1): a token crosses to another host once, to the
-  // source's forwarder there (hierForwarder), which hands each rank of its host the slot the source would have
-  // sent it. Hosts are numbered in the order of their lowest rank; a rank's local index is its place among its
+  // forwarder there of the source's channel (hierForwarder, through kernels/ht.cu forwarderOf), which hands each
+  // rank of its host the slot the source would have sent it. Hosts are numbered in the order of their lowest rank; a rank's local index is its place among its
   // host's ranks, ascending.
   int hier;
+  int fwd_spread;                    // the forwarder of (source, host) moves with the channel (kernels/ht.cu
+                                     // forwarderOf): each source streams to every rank of the host, not one
   int nhosts, my_host;
   uint8_t host_of[kGpuMaxRanks];     // host number of each rank
   uint8_t local_of[kGpuMaxRanks];    // local index of each rank

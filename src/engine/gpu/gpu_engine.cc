@@ -33,6 +33,9 @@ EP_PARAM(GpuQueueRound, "GPU_QUEUE_ROUND", 0);
 // HT across hosts hierarchical (1) or flat (0): the host engine's knob (host_engine.cc), read here for the GPU
 // engine's dispatch.
 EP_PARAM(HtHierarchical, "HT_HIERARCHICAL", 1);
+// Hierarchical HT dispatch: the forwarder of a source on another host moves with the channel (1), so the source
+// streams to every rank there and each forwards part of it, or is one rank per source (0, the host engine's choice).
+EP_PARAM(GpuHtFwdSpread, "GPU_HT_FWD_SPREAD", 1);
 
 int gpuDeviceCount() {
   int n = 0;
@@ -174,6 +177,7 @@ epResult_t GpuEngine::init() {
   // Across hosts HT dispatch is hierarchical (a token crosses to a host once; kernels/ht.cu forwardFrom) unless
   // EPCOMM_HT_HIERARCHICAL=0 (the host engine's knob) or a host is wider than a slot can name.
   ht_hier_ = remote_mask_ != 0 && widest <= kGpuHierMaxLocal && epParamHtHierarchical() != 0;
+  ht_fwd_spread_ = epParamGpuHtFwdSpread() != 0;
   if (remote_mask_ != 0)
     EP_INFO(kSubsysInit, "GPU engine: %d hosts, HT dispatch across them %s", nhosts_,
             ht_hier_ ? "hierarchical (once per host, then inside it)" : "flat");
@@ -183,23 +187,27 @@ epResult_t GpuEngine::init() {
   // (a different EPCOMM_NUM_SMS / GPU_QUEUE_ROWS / GPU_HT_*_PULL on one rank would hang or read out of bounds).
   struct Shape {
     uint64_t total;
-    int32_t channels, queue_rows, pull, pull_dispatch;
+    int32_t channels, queue_rows, pull, pull_dispatch, hier;
   };
+  // hier: 0 flat, 1 hierarchical dispatch with one forwarder per source and host, 2 with the channel moving it
+  const int32_t hier = ht_hier_ ? (ht_fwd_spread_ ? 2 : 1) : 0;
   std::vector<Shape> shapes(R);
-  shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0, ht_pull_dispatch_ ? 1 : 0};
+  shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0, ht_pull_dispatch_ ? 1 : 0, hier};
   EPCHECK(comm_->bootstrap->allgather(shapes.data(), sizeof(Shape), c.setup_timeout_ms));
   for (int r = 0; r < R; ++r) {
     const Shape& a = shapes[r];
     const Shape& b = shapes[comm_->rank];
     EP_REQUIRE(a.total == b.total && a.channels == b.channels && a.queue_rows == b.queue_rows && a.pull == b.pull &&
-                   a.pull_dispatch == b.pull_dispatch,
+                   a.pull_dispatch == b.pull_dispatch && a.hier == b.hier,
                epInvalidUsage,
                "rank %d's GPU engine differs from this rank's (channels %d / %d, queue rows %d / %d, pull combine "
-               "%d / %d, pull dispatch %d / %d, buffer %llu / %llu bytes): EPCOMM_NUM_SMS (or config.num_sms), "
-               "EPCOMM_GPU_QUEUE_ROWS, EPCOMM_GPU_HT_COMBINE_PULL, EPCOMM_GPU_HT_DISPATCH_PULL and "
-               "EPCOMM_HT_HIERARCHICAL must agree on every rank",
+               "%d / %d, pull dispatch %d / %d, hierarchical dispatch %d / %d, buffer %llu / %llu bytes): "
+               "EPCOMM_NUM_SMS (or config.num_sms), EPCOMM_GPU_QUEUE_ROWS, EPCOMM_GPU_HT_COMBINE_PULL, "
+               "EPCOMM_GPU_HT_DISPATCH_PULL, EPCOMM_HT_HIERARCHICAL and EPCOMM_GPU_HT_FWD_SPREAD must agree on every "
+               "rank",
                r, a.channels, b.channels, a.queue_rows, b.queue_rows, a.pull, b.pull, a.pull_dispatch,
-               b.pull_dispatch, static_cast<unsigned long long>(a.total), static_cast<unsigned long long>(b.total));
+               b.pull_dispatch, a.hier, b.hier, static_cast<unsigned long long>(a.total),
+               static_cast<unsigned long long>(b.total));
   }
   EPCHECK(bufs_.init(comm_->bootstrap.get(), lay_.total, c.setup_timeout_ms, remote_));
   e = cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(GpuErrorRecord), cudaHostAllocMapped);

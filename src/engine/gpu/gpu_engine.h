@@ -98,6 +98,7 @@ class GpuEngine final : public Engine {
   // Hierarchical HT dispatch across hosts (HtParams::hier): on when ranks span hosts of at most kGpuHierMaxLocal
   // ranks each, unless EPCOMM_HT_HIERARCHICAL=0. Hosts numbered by their lowest rank.
   bool ht_hier_ = false;
+  bool ht_fwd_spread_ = true;  // EPCOMM_GPU_HT_FWD_SPREAD: the forwarder moves with the channel
   int nhosts_ = 1, my_host_ = 0;
   std::vector<uint8_t> host_of_, local_of_;
   std::vector<uint64_t> host_ranks_;

@@ -44,6 +44,7 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_per_expert_out = a->recv_tokens_per_expert;
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
   p.hier = ht_hier_ ? 1 : 0;  // only the push dispatch across hosts reads it
+  p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   // Every dispatch, not only those after an epHtCombineBuffer call: the region may be asked for after the dispatch
   // that precedes its first combine (the handle it sizes comes from that dispatch).
   p.zc_guard = ht_pull_ ? 1 : 0;
