@@ -411,6 +411,7 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
   const int lane = threadIdx.x & 31, K = p.K, C = p.C, Q = p.Q, G = p.G, RT = p.round;
   __shared__ int s_fcnt[32][kGpuHierMaxLocal];  // [group][j]: rows of the host's j-th rank forwarded so far
   __shared__ uint8_t* s_dst[32][kGpuHierMaxLocal];  // [warp][...]: where the warp's current slot goes
+  __shared__ volatile int s_ffail[32];  // [group]: a warp's wait for room failed; the group then publishes nothing more
   const int warp = threadIdx.x >> 5;
   const int n = p.h.fwd_chan[s * C + c];
   int dst = p.h.prefix[s];
@@ -429,11 +430,12 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
   uint8_t* const dq = other ? p.base[dj] + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot
                             : nullptr;
   if (g == 0 && lane < kGpuHierMaxLocal) s_fcnt[s][lane] = 0;  // read after the group's first barrier
+  if (g == 0 && lane == 0) s_ffail[s] = 0;
   int published = 0;  // warp 0, lane j: the count dj last saw
   bool alive = true;
   for (int k = 0; k < n; k += RT) {
     const int kend = min(k + RT, n);
-    alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok);
+    alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok) && s_ffail[s] == 0;
     int most = 0;  // lane j: rows of dj among the slots this warp forwarded
     for (int i = k + g; alive && i < kend; i += G) {
       const uint8_t* slot = q + ((base + i) % Q) * p.lay.disp_slot;
@@ -442,8 +444,9 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
       bool ok = true;
       if (other && jd >= 0 && fbase + jd + 1 > static_cast<uint64_t>(Q))
         ok = waitAtLeast(p, qCounter(p, dj, kDispFwdHead, s, c), fbase + jd + 1 - Q, dj, epPhaseData, e);
-      if (!__all_sync(kFull, ok)) {
+      if (!__all_sync(kFull, ok)) {  // rows this warp leaves unwritten: no count may cover them
         alive = false;
+        if (lane == 0) s_ffail[s] = 1;
         break;
       }
       uint8_t* to = nullptr;
@@ -506,7 +509,7 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
     groupSync(G, s);
     if (g == 0) {
       const int cnt = lane < kGpuHierMaxLocal ? s_fcnt[s][lane] : 0;
-      if (other && alive && cnt > published && noFailure(p)) {
+      if (other && alive && s_ffail[s] == 0 && cnt > published && noFailure(p)) {
         stRelease(qCounter(p, dj, kDispFwdTail, s, c), fbase + cnt, p.gpu_scope);
         published = cnt;
       }
@@ -521,7 +524,8 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
 // 2c+1 receives channel c (G warps per source) and copies each row to its final receive row: source rank
 // order, then token order.
 // ---------------------------------------------------------------------------------------------------------
-template <bool kX>
+// kH: hierarchical across hosts (p.hier; kX only), an instance of its own so that the flat one keeps its registers.
+template <bool kX, bool kH>
 __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   const uint64_t e = currentEpoch(p);
   const int c = blockIdx.x >> 1, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -569,7 +573,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     // publishes the tail.
     // A rank of another host: this rank's own copy of the tail, the head the receiver sends back, and the slots as
     // records. The two cases are two instances of the loop, so that the mapped one keeps its registers.
-    // Hierarchical dispatch (p.hier): toward the host of r only r = this rank's forwarder there gets slots, one per
+    // Hierarchical dispatch (kH): toward the host of r only r = this rank's forwarder there gets slots, one per
     // token any rank of that host receives, with global expert ids and the token's place at each of its ranks (the
     // forwarder hands each its slot); the other ranks of that host get nothing from here.
     auto rounds = [&](auto far_c) {
@@ -579,7 +583,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       const uint64_t base = qs.base;
       uint8_t* q = p.base[r] + p.lay.disp_q + (static_cast<size_t>(p.rank) * C + c) * Q * p.lay.disp_slot;
       // Forwarding (kFar only): host hh of r; lane j < fwd_idx names the host's j-th rank (dj; -1 past its ranks).
-      const bool fwd = kFar && p.hier;
+      constexpr bool fwd = kFar && kH;
       const int hh = fwd ? p.host_of[r] : 0;
       int dj = -1;
       if (fwd) {
@@ -644,7 +648,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     };
     if (isRemote(farMask<kX>(p), r)) {
       // Hierarchical: only this rank's forwarder on r's host; the other ranks there get nothing from here.
-      if (kX && p.hier && forwarderOf(p, p.rank, p.host_of[r], c, p.el->active) != r) return;
+      if (kH && forwarderOf(p, p.rank, p.host_of[r], c, p.el->active) != r) return;
       rounds(FarTag<kX>{});
     } else {
       rounds(FarTag<false>{});
@@ -658,7 +662,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
   if (peer != p.rank) {
     const int s = peer;
     const bool far = isRemote(farMask<kX>(p), s);
-    const bool hier = kX && p.hier && far;
+    const bool hier = kX && kH && far;
     if (hier && forwarderOf(p, s, p.my_host, c, p.el->active) == p.rank) {
       forwardFrom(p, s, c, g, rows, e, s_ok);
     } else {
@@ -673,7 +677,9 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       bool alive = true;
       for (int k = 0; k < n; k += RT) {
         const int kend = min(k + RT, n);
-        alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok);  // the round's rows are in
+        // the round's rows are in (hierarchical: a timeout names the forwarder, who writes the tail)
+      alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok,
+                        hier ? forwarderOf(p, s, p.my_host, c, p.el->active) : -1);
         for (int i = k + g; alive && i < kend; i += G) {
           const uint64_t idx = base + i;
           const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
@@ -1015,10 +1021,12 @@ cudaError_t launchHtNotify(const HtParams& p, cudaStream_t s) {
 cudaError_t launchHtDispatch(const HtParams& p, cudaStream_t s) {
   if (p.pull_dispatch)
     htDispatchPullKernel<<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+  else if (p.remote && p.hier)
+    htDispatchKernel<true, true><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   else if (p.remote)
-    htDispatchKernel<true><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+    htDispatchKernel<true, false><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   else
-    htDispatchKernel<false><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
+    htDispatchKernel<false, false><<<2 * p.C, p.nranks * p.G * 32, 0, s>>>(p);
   return cudaGetLastError();
 }
 
@@ -1063,8 +1071,9 @@ cudaError_t preloadHtKernels() {
       reinterpret_cast<const void*>(htEndKernel),
       reinterpret_cast<const void*>(htNotifyKernel<false>),
       reinterpret_cast<const void*>(htNotifyKernel<true>),
-      reinterpret_cast<const void*>(htDispatchKernel<false>),
-      reinterpret_cast<const void*>(htDispatchKernel<true>),
+      reinterpret_cast<const void*>(htDispatchKernel<false, false>),
+      reinterpret_cast<const void*>(htDispatchKernel<true, false>),
+      reinterpret_cast<const void*>(htDispatchKernel<true, true>),
       reinterpret_cast<const void*>(htDispatchPullKernel),
       reinterpret_cast<const void*>(layoutKernel),
       reinterpret_cast<const void*>(htCombinePullKernel<epBfloat16>),

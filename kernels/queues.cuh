@@ -31,12 +31,14 @@ __device__ __forceinline__ void groupSync(int G, int peer) {
 // group's barrier: one poller per group instead of one per warp, since many warps polling neighbouring counters
 // delay the very stores they wait for. `s_ok` is a shared int per peer (read only when G > 1); false after a
 // failed wait, or when the group already failed (`alive` false), for the whole group. want = 0: no wait.
+// writer: the rank a timeout names, when another than `peer` writes the flag (-1: peer).
 __device__ __forceinline__ bool groupWait(const HtParams& p, int G, int peer, int g, const uint64_t* flag,
-                                          uint64_t want, int phase, uint64_t epoch, bool alive, volatile int* s_ok) {
+                                          uint64_t want, int phase, uint64_t epoch, bool alive, volatile int* s_ok,
+                                          int writer = -1) {
   const int lane = threadIdx.x & 31;
   int ok = alive;
   if (g == 0) {
-    if (lane == 0 && ok && want > 0) ok = waitAtLeast(p, flag, want, peer, phase, epoch);
+    if (lane == 0 && ok && want > 0) ok = waitAtLeast(p, flag, want, writer >= 0 ? writer : peer, phase, epoch);
     ok = __shfl_sync(kFull, ok, 0);
     if (G > 1 && lane == 0) s_ok[peer] = ok;
   }

@@ -12,9 +12,10 @@
 //   [implicit registration]        GpuAutoTable: the allocations this rank offers its peers without a collective
 //                                  call; then its acknowledgements [src][slot] of the peers' (uint64)
 //   [mailbox: 2 x R entries]       notify: entry [epoch & 1][src] = src's counts, tagged with the epoch
-//   [queue counters: 14 x R x C]   per (src, channel): cumulative rows of the queues — dispatch tail (written by
-//                                  src), dispatch head (written here, read by src), combine tail, combine head —
-//                                  and the epochs of the pull combine and pull dispatch (GpuQueueCounter)
+//   [queue counters: K x R x C]    per (src, channel), K = kNumQueueCounters: cumulative rows of the queues —
+//                                  dispatch tail (written by src), dispatch head (written here, read by src),
+//                                  combine tail, combine head, ... — and the epochs of the pull combine and pull
+//                                  dispatch (GpuQueueCounter)
 //   [dispatch queues: R x C x Q]   slots of one row: x, scales, local expert ids, weights (hierarchical dispatch
 //                                  across hosts: then where the token goes at each rank of the receiver's host)
 //   [combine queues: R x C x Q]    slots of one expert-output row
@@ -498,8 +499,8 @@ struct HtParams {
                                      // staging rows, which the caller may overwrite next (epHtCombineBuffer)
   // Hierarchical HT dispatch across hosts (push dispatch, hier = 1): a token crosses to another host once, to the
   // forwarder there of the source's channel (hierForwarder, through kernels/ht.cu forwarderOf), which hands each
-  // rank of its host the slot the source would have sent it. Hosts are numbered in the order of their lowest rank; a rank's local index is its place among its
-  // host's ranks, ascending.
+  // rank of its host the slot the source would have sent it. Hosts are numbered in the order of their lowest rank;
+  // a rank's local index is its place among its host's ranks, ascending.
   int hier;
   int fwd_spread;                    // the forwarder of (source, host) moves with the channel (kernels/ht.cu
                                      // forwarderOf): each source streams to every rank of the host, not one

@@ -133,7 +133,7 @@ epResult_t GpuEngine::init() {
     // Bus ids repeat across machines; ranks of virtual hosts on this machine share this GPU's SMs all the same.
     sharing += strcmp(ids[r].machine, ids[comm_->rank].machine) == 0 && strcmp(ids[r].bus, ids[comm_->rank].bus) == 0;
   }
-  // Hosts, numbered in the order of their lowest rank (the host engine's numbering), and each rank's place in its.
+  // Hosts, numbered in the order of their lowest rank (the host engine's numbering), and each rank's place in its host.
   host_of_.assign(R, 0);
   local_of_.assign(R, 0);
   host_ranks_.clear();

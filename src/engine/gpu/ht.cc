@@ -43,7 +43,7 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_topk_weights = a->recv_topk_weights;
   p.recv_per_expert_out = a->recv_tokens_per_expert;
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
-  p.hier = ht_hier_ ? 1 : 0;  // only the push dispatch across hosts reads it
+  p.hier = ht_hier_ ? 1 : 0;  // read by notify and the push dispatch across hosts
   p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   // Every dispatch, not only those after an epHtCombineBuffer call: the region may be asked for after the dispatch
   // that precedes its first combine (the handle it sizes comes from that dispatch).
