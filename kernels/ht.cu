@@ -33,8 +33,8 @@ __device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, int
 }
 
 // Hierarchical dispatch: the rank of host h that forwards source s's channel c there (common/gpu_layout.h
-// hierForwarder), the channel moving the choice along the host's ranks when p.fwd_spread is set, so that every
-// rank of h forwards some of s's channels and s streams to all of them.
+// hierForwarder), the channel moving the choice along the host's ranks when p.fwd_spread is set, so that s streams
+// to several ranks of h (to every one where the channels are at least h's active ranks).
 __device__ __forceinline__ int forwarderOf(const HtParams& p, int s, int h, int c, uint64_t active) {
   return hierForwarder(p.host_ranks[h], active, p.local_of[s] + (p.fwd_spread ? c : 0));
 }

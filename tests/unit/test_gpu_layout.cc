@@ -97,6 +97,27 @@ TEST(GpuLayout, HierForwarderIsTheHostEnginesChoice) {
   EXPECT_EQ(hierForwarder(0b1100, 0b0011, 0), -1);
 }
 
+// EPCOMM_GPU_HT_FWD_SPREAD: channel c of source s goes to hierForwarder(host, active, local(s) + c) (kernels/ht.cu
+// forwarderOf); with at least as many channels as the host's active ranks every one of them forwards a channel.
+TEST(GpuLayout, HierForwarderMovingWithTheChannelReachesEveryActiveRank) {
+  for (uint64_t host : {0x0full, 0xf0ull, 0x5aull, 0xff00ull})
+    for (uint64_t active : {~0ull, 0xfff5ull, 0x3cull})
+      for (int local = 0; local < 8; ++local) {
+        const int n = __builtin_popcountll(host & active);
+        if (n == 0) continue;
+        for (int C : {n, n + 3, 32}) {
+          uint64_t seen = 0;
+          for (int c = 0; c < C; ++c) {
+            const int f = hierForwarder(host, active, local + c);
+            ASSERT_GE(f, 0);
+            EXPECT_TRUE((host & active) >> f & 1);
+            seen |= 1ull << f;
+          }
+          EXPECT_EQ(seen, host & active) << std::hex << host << " " << active << " local " << local << " C " << C;
+        }
+      }
+}
+
 // The LL region: areas in order, 256-byte aligned, without overlap, slots large enough for a row of ll_max_hidden
 // bf16 values, its metadata and its fp8 scales, combine rows 16-byte aligned.
 TEST(GpuLayout, LlRegionAreasAreAlignedAndDisjoint) {
