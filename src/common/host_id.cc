@@ -28,4 +28,20 @@ void machineIdentity(char* out, size_t n) {
   snprintf(out, n, "%s/%s", host, boot);
 }
 
+HostMap mapHosts(const std::vector<const char*>& ids) {
+  HostMap m;
+  const int R = static_cast<int>(ids.size());
+  m.host_of.assign(R, 0);
+  m.local_idx.assign(R, 0);
+  for (int r = 0; r < R; ++r) {
+    int h = 0;  // the host whose lowest rank has r's identity, or a new one
+    while (h < static_cast<int>(m.ranks.size()) && strcmp(ids[m.ranks[h][0]], ids[r]) != 0) ++h;
+    if (h == static_cast<int>(m.ranks.size())) m.ranks.emplace_back();
+    m.host_of[r] = h;
+    m.local_idx[r] = static_cast<int>(m.ranks[h].size());
+    m.ranks[h].push_back(r);
+  }
+  return m;
+}
+
 }  // namespace epcomm

@@ -133,19 +133,19 @@ epResult_t GpuEngine::init() {
     // Bus ids repeat across machines; ranks of virtual hosts on this machine share this GPU's SMs all the same.
     sharing += strcmp(ids[r].machine, ids[comm_->rank].machine) == 0 && strcmp(ids[r].bus, ids[comm_->rank].bus) == 0;
   }
-  // Hosts, numbered in the order of their lowest rank (the host engine's numbering), and each rank's place in its host.
-  host_of_.assign(R, 0);
-  local_of_.assign(R, 0);
-  host_ranks_.clear();
-  for (int r = 0; r < R; ++r) {
-    int h = 0;
-    while (h < static_cast<int>(host_ranks_.size()) &&
-           strcmp(ids[__builtin_ctzll(host_ranks_[h])].host, ids[r].host) != 0)
-      ++h;
-    if (h == static_cast<int>(host_ranks_.size())) host_ranks_.push_back(0);
-    local_of_[r] = static_cast<uint8_t>(__builtin_popcountll(host_ranks_[h]));
-    host_ranks_[h] |= 1ull << r;
-    host_of_[r] = static_cast<uint8_t>(h);
+  // Hosts, numbered in the order of their lowest rank, as the host engine numbers them (common/host_id.h).
+  {
+    std::vector<const char*> hid(R);
+    for (int r = 0; r < R; ++r) hid[r] = ids[r].host;
+    const HostMap hosts = mapHosts(hid);
+    host_of_.assign(R, 0);
+    local_of_.assign(R, 0);
+    host_ranks_.assign(hosts.ranks.size(), 0);
+    for (int r = 0; r < R; ++r) {
+      host_of_[r] = static_cast<uint8_t>(hosts.host_of[r]);
+      local_of_[r] = static_cast<uint8_t>(hosts.local_idx[r]);
+      host_ranks_[hosts.host_of[r]] |= 1ull << r;
+    }
   }
   nhosts_ = static_cast<int>(host_ranks_.size());
   my_host_ = host_of_[comm_->rank];

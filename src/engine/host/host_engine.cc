@@ -231,34 +231,23 @@ epResult_t HostEngine::init() {
   all[rank_] = me;
   EPCHECK(bs->allgather(all.data(), sizeof(HostInfo), comm_->config.setup_timeout_ms));
   remote_.assign(nranks_, 0);
-  std::vector<int> first_of(nranks_);  // the lowest rank of each rank's host
   for (int r = 0; r < nranks_; ++r) {
     all[r].host[sizeof(all[r].host) - 1] = '\0';
     all[r].machine[sizeof(all[r].machine) - 1] = '\0';
     remote_[r] = strcmp(all[r].host, me.host) != 0;
-    first_of[r] = r;
-    for (int q = 0; q < r; ++q)
-      if (strcmp(all[q].host, all[r].host) == 0) {
-        first_of[r] = first_of[q];
-        break;
-      }
     if (all[r].ring_bytes != ring_bytes_)
       EP_FAIL(epInvalidArgument, "queue_bytes differs between ranks (%zu here, %llu on rank %d)", ring_bytes_,
               static_cast<unsigned long long>(all[r].ring_bytes), r);
     pids_.push_back(all[r].pid);
   }
-  nhosts_ = 0;
-  host_of_.assign(nranks_, 0);
-  local_idx_.assign(nranks_, 0);
-  host_ranks_.clear();
-  for (int r = 0; r < nranks_; ++r) {
-    if (first_of[r] == r) {
-      ++nhosts_;
-      host_ranks_.emplace_back();
-    }
-    host_of_[r] = first_of[r] == r ? nhosts_ - 1 : host_of_[first_of[r]];
-    local_idx_[r] = static_cast<int>(host_ranks_[host_of_[r]].size());
-    host_ranks_[host_of_[r]].push_back(r);
+  {
+    std::vector<const char*> ids(nranks_);
+    for (int r = 0; r < nranks_; ++r) ids[r] = all[r].host;
+    HostMap hosts = mapHosts(ids);
+    host_of_ = std::move(hosts.host_of);
+    local_idx_ = std::move(hosts.local_idx);
+    host_ranks_ = std::move(hosts.ranks);
+    nhosts_ = static_cast<int>(host_ranks_.size());
   }
   my_host_ = host_of_[rank_];
   // Hierarchical HT (ht.cc) with more than one host, unless EPCOMM_HT_HIERARCHICAL=0; a host's ranks are named
