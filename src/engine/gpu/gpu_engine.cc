@@ -34,7 +34,8 @@ EP_PARAM(GpuQueueRound, "GPU_QUEUE_ROUND", 0);
 // engine's dispatch.
 EP_PARAM(HtHierarchical, "HT_HIERARCHICAL", 1);
 // Hierarchical HT dispatch: the forwarder of a source on another host moves with the channel (1), so the source
-// streams to every rank there and each forwards part of it, or is one rank per source (0, the host engine's choice).
+// streams to several ranks there (every one when the channels are at least the host's ranks), each forwarding part
+// of it, or is one rank per source and host (0, the host engine's choice).
 EP_PARAM(GpuHtFwdSpread, "GPU_HT_FWD_SPREAD", 1);
 
 int gpuDeviceCount() {
@@ -192,7 +193,8 @@ epResult_t GpuEngine::init() {
   // hier: 0 flat, 1 hierarchical dispatch with one forwarder per source and host, 2 with the channel moving it
   const int32_t hier = ht_hier_ ? (ht_fwd_spread_ ? 2 : 1) : 0;
   std::vector<Shape> shapes(R);
-  shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0, ht_pull_dispatch_ ? 1 : 0, hier};
+  shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0,
+                         ht_pull_dispatch_ ? 1 : 0, hier};
   EPCHECK(comm_->bootstrap->allgather(shapes.data(), sizeof(Shape), c.setup_timeout_ms));
   for (int r = 0; r < R; ++r) {
     const Shape& a = shapes[r];
