@@ -16,6 +16,10 @@
 #                        DIR's proxy_bench at R = 2 over net/socket (2048 MiB a peer, 2 writers, 5 reps, then the
 #                        --ARGs), its result line
 #   suite1 T R H TIMEOUT $D's test_gpu_T at R ranks over H virtual hosts (under MPS), log in $OUT, its verdict
+#   trace OPS [VAR=VALUE ...]
+#                        $D's bench at -n 4 across 2 hosts with the proxy's trace (EPCOMM_GPU_PROXY_TRACE=1, TITERS
+#                        iterations, 20 by default): its rows, and per rank the last lines of its occupancy (outbox in
+#                        use, near-full share, inbox backlog), busy shares, net calls and payloads in flight
 #   san_ll DIR           compute-sanitizer on DIR's test_gpu_ll at R = 2 (the proof, memcheck, synccheck, then
 #                        racecheck within the call's 560 s)
 #   suite DIR [LABEL]    DIR's test_gpu_ll at R = 8 and at R = 4 across 2 virtual hosts, test_gpu_ht at R = 2, each
@@ -74,6 +78,12 @@ pb() { local d=$1; shift; local a=(); while [ "${1#--}" != "${1:-}" ]; do a+=("$
 suite1() { local t=$1 r=$2 h=$3 to=$4
   LD_LIBRARY_PATH=$D EPCOMM_GPU_TEST_RANKS=$r EPCOMM_GPU_TEST_HOSTS=$h timeout $to $D/test_gpu_$t > $OUT/${t}_r${r}_h$h.log 2>&1
   echo "### test_gpu_$t R=$r hosts=$h rc $?"; grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" $OUT/${t}_r${r}_h$h.log | tail -6; el; }
+trace() { local ops=$1; shift; echo "### trace $ops $*"
+  env "$@" EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 60 $D/epcomm-run -n 4 --hosts 2 -- \
+    $D/epcomm-bench --ops $ops --iters ${TITERS:-20} > $OUT/trace_$ops.log 2>&1; echo "rc $?"
+  grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/trace_$ops.log
+  for r in 0 1 2 3; do grep -E "proxy rank $r( ->|:| net calls:| payloads in flight:)" $OUT/trace_$ops.log | grep -v "busy 0%" | tail -6 \
+    | sed -E 's/ring at [0-9]+ \(stamp there [0-9]+, type [0-9]+\), //'; done; }
 gpu_log() {
   OUT=${OUT:-/tmp/$1}; mkdir -p "$OUT"
   exec > >(tee -a "$OUT/$1-$2.log") 2>&1

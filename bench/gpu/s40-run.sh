@@ -30,14 +30,6 @@ D=${D:-.gpupack/m}
 # seen NAME: the busiest seconds of a threads log (the 6 with the highest total)
 seen() { echo "--- top -H $1, CPU% by thread name (threads, busiest), 6 busiest seconds"; sort -t' ' -k3 -n -r $OUT/top-$1.txt | head -6; }
 BS=--blocking-sync; k=0
-# trace OPS [VAR=VALUE ...]: the bench at -n 4 across 2 hosts with the proxy's trace; per rank the last lines of its
-# occupancy (outbox in use, near-full share, inbox backlog), busy shares, net calls and payloads in flight
-trace() { local ops=$1; shift; echo "### trace $ops $*"
-  env "$@" EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 60 $D/epcomm-run -n 4 --hosts 2 -- \
-    $D/epcomm-bench --ops $ops --iters ${TITERS:-20} > $OUT/trace_$ops.log 2>&1; echo "rc $?"
-  grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/trace_$ops.log
-  for r in 0 1 2 3; do grep -E "proxy rank $r( ->|:| net calls:| payloads in flight:)" $OUT/trace_$ops.log | grep -v "busy 0%" | tail -6 \
-    | sed -E 's/ring at [0-9]+ \(stamp there [0-9]+, type [0-9]+\), //'; done; }
 case $part in
   one)
     ( mps_start; suite1 ht 4 2 70

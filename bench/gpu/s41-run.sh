@@ -22,13 +22,6 @@ part=${1:-one}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s41 $part
 unpack_packs
 D=${D:-.gpupack/m}
-# trace OPS [VAR=VALUE ...]: as s40-run.sh's (per rank the last lines of occupancy, busy shares, payloads in flight)
-trace() { local ops=$1; shift; echo "### trace $ops $*"
-  env "$@" EPCOMM_GPU_PROXY_TRACE=1 LD_LIBRARY_PATH=$D EPCOMM_NET=socket timeout 60 $D/epcomm-run -n 4 --hosts 2 -- \
-    $D/epcomm-bench --ops $ops --iters ${TITERS:-20} > $OUT/trace_$ops.log 2>&1; echo "rc $?"
-  grep -E "^(HT|LL|dispatch|combine|net raw)|rror" $OUT/trace_$ops.log
-  for r in 0 1 2 3; do grep -E "proxy rank $r( ->|:| net calls:| payloads in flight:)" $OUT/trace_$ops.log | grep -v "busy 0%" | tail -6 \
-    | sed -E 's/ring at [0-9]+ \(stamp there [0-9]+, type [0-9]+\), //'; done; }
 case $part in
   one)
     ( mps_start; suite1 ht 4 2 70; trace ht; el
