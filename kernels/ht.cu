@@ -32,6 +32,13 @@ __device__ void waitPullAcks(const HtParams& p, int sent_kind, int ack_kind, int
   }
 }
 
+// This rank's first receive row of source s's channel c: s's rows start at prefix[s], channel by channel.
+__device__ __forceinline__ int recvChanStart(const HtParams& p, int s, int c) {
+  int row = p.h.prefix[s];
+  for (int cc = 0; cc < c; ++cc) row += p.h.recv_chan[s * p.C + cc];
+  return row;
+}
+
 // Hierarchical dispatch: the rank of host h that forwards source s's channel c there (common/gpu_layout.h
 // hierForwarder), the channel moving the choice along the host's ranks when p.fwd_spread is set, so that s streams
 // to several ranks of h (to every one where the channels are at least h's active ranks).
@@ -414,17 +421,14 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
   __shared__ volatile int s_ffail[32];  // [group]: a warp's wait for room failed; the group then publishes nothing more
   const int warp = threadIdx.x >> 5;
   const int n = p.h.fwd_chan[s * C + c];
-  int dst = p.h.prefix[s];
-  for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
+  const int dst = recvChanStart(p, s, c);
   const uint64_t* tail = qCounterIn(p, kDispTail, s, c);
   uint64_t* head = qCounter(p, p.rank, kDispHead, s, c);
   const uint64_t base = ldAcquire(head, p.gpu_scope);
   const uint8_t* q = inBase(p, s) + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot;
   // Lane j: the host's j-th rank dj (-1 past them; this rank or a masked one: no queue) and the tail of its queue
   // for s when the operation started (only forwarders of s write it, and a finished operation leaves it drained).
-  uint64_t m = p.host_ranks[p.my_host];
-  for (int j = 0; j < lane && m; ++j) m &= m - 1;
-  const int dj = lane < p.lay.fwd_idx && m ? __ffsll(static_cast<long long>(m)) - 1 : -1;
+  const int dj = lane < p.lay.fwd_idx ? kthRank(p.host_ranks[p.my_host], lane) : -1;
   const bool other = dj >= 0 && dj != p.rank && rankActive(p.el, dj);
   const uint64_t fbase = other ? ldAcquire(qCounter(p, dj, kDispFwdTail, s, c), p.gpu_scope) : 0;
   uint8_t* const dq = other ? p.base[dj] + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot
@@ -547,8 +551,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       // before this one, the token's position in the channel), no queue. After a failure nothing is written, as
       // a receiver writes nothing the sender did not publish.
       if (!noFailure(p)) return;
-      int dst = p.h.prefix[r];
-      for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[r * C + cc];
+      const int dst = recvChanStart(p, r, c);
       for (int t = tb + g; t < te; t += G) {
         if (!p.h.in_rank[static_cast<size_t>(t) * R + r]) continue;
         const int row = dst + (p.h.pos[static_cast<size_t>(t) * R + r] - chan_base);
@@ -585,12 +588,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       // Forwarding (kFar only): host hh of r; lane j < fwd_idx names the host's j-th rank (dj; -1 past its ranks).
       constexpr bool fwd = kFar && kH;
       const int hh = fwd ? p.host_of[r] : 0;
-      int dj = -1;
-      if (fwd) {
-        uint64_t m = p.host_ranks[hh];
-        for (int j = 0; j < lane && m; ++j) m &= m - 1;
-        dj = lane < p.lay.fwd_idx && m ? __ffsll(static_cast<long long>(m)) - 1 : -1;
-      }
+      const int dj = fwd && lane < p.lay.fwd_idx ? kthRank(p.host_ranks[hh], lane) : -1;
       const int fchan = fwd ? p.h.fchan_base[hh * C + c] : 0;
       // Token t goes through this queue: to r, or (forwarding) to any rank of r's host.
       auto goes = [&](int t) {
@@ -634,10 +632,12 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
             reinterpret_cast<int64_t*>(meta)[lane] = idx_l;
             if (p.topk_weights != nullptr) reinterpret_cast<float*>(meta + kGpuMaxTopk * 8)[lane] = w;
           }
-          if (fwd && lane < p.lay.fwd_idx) {
-            const size_t td = static_cast<size_t>(t) * R + dj;
-            reinterpret_cast<int32_t*>(slot + p.lay.disp_fwd)[lane] =
-                dj >= 0 && p.h.in_rank[td] ? p.h.pos[td] - p.h.send_chan_base[dj * C + c] : -1;
+          if constexpr (fwd) {
+            if (lane < p.lay.fwd_idx) {
+              const size_t td = static_cast<size_t>(t) * R + dj;
+              reinterpret_cast<int32_t*>(slot + p.lay.disp_fwd)[lane] =
+                  dj >= 0 && p.h.in_rank[td] ? p.h.pos[td] - p.h.send_chan_base[dj * C + c] : -1;
+            }
           }
           if constexpr (kFar) remoteCommitWarp(rs);
         }
@@ -663,12 +663,12 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
     const int s = peer;
     const bool far = isRemote(farMask<kX>(p), s);
     const bool hier = kX && kH && far;
-    if (hier && forwarderOf(p, s, p.my_host, c, p.el->active) == p.rank) {
+    const int fwd = hier ? forwarderOf(p, s, p.my_host, c, p.el->active) : -1;  // s's forwarder on this host
+    if (hier && fwd == p.rank) {  // hier first: the flat instances compile no forwarder
       forwardFrom(p, s, c, g, rows, e, s_ok);
     } else {
       const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
-      int dst = p.h.prefix[s];
-      for (int cc = 0; cc < c; ++cc) dst += p.h.recv_chan[s * C + cc];
+      const int dst = recvChanStart(p, s, c);
       uint64_t* tail = hier ? qCounter(p, p.rank, kDispFwdTail, s, c) : qCounterIn(p, kDispTail, s, c);
       uint64_t* head = qCounter(p, p.rank, hier ? kDispFwdHead : kDispHead, s, c);
       const uint64_t base = ldAcquire(head, p.gpu_scope);
@@ -678,8 +678,7 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
       for (int k = 0; k < n; k += RT) {
         const int kend = min(k + RT, n);
         // the round's rows are in (hierarchical: a timeout names the forwarder, who writes the tail)
-      alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok,
-                        hier ? forwarderOf(p, s, p.my_host, c, p.el->active) : -1);
+        alive = groupWait(p, G, s, g, tail, base + kend, epPhaseData, e, alive, s_ok, fwd);
         for (int i = k + g; alive && i < kend; i += G) {
           const uint64_t idx = base + i;
           const uint8_t* slot = q + (idx % Q) * p.lay.disp_slot;
@@ -722,8 +721,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     // Send: the G warps of source s copy its rows in rounds of G, then publish the tail.
     const int s = warp / G, g = warp % G;
     const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
-    int src = p.h.prefix[s];
-    for (int cc = 0; cc < c; ++cc) src += p.h.recv_chan[s * C + cc];
+    const int src = recvChanStart(p, s, c);
     auto rounds = [&](auto far_c) {  // as in the push dispatch: two instances, mapped and across hosts
       constexpr bool kFar = decltype(far_c)::value;
       const QueueSend qs =

@@ -458,18 +458,23 @@ struct GpuHandleDev {
                             // this rank its forwarder here; 0 otherwise)
 };
 
+// The k-th rank (0-based, ascending) of the ranks in `mask`, or -1 when it holds k or fewer.
+EP_HD int kthRank(uint64_t mask, int k) {
+  for (; k > 0 && mask; --k) mask &= mask - 1;
+  if (mask == 0) return -1;
+  int r = 0;
+  while (((mask >> r) & 1) == 0) ++r;
+  return r;
+}
+
 // Hierarchical HT dispatch: the rank of host h (its ranks: mask `host`) that forwards what rank s sends there: the
 // (local index of s mod n)-th of the host's n active ranks, as in the host engine; -1 when none is active. Every
 // rank computes it from the same active mask, so sources and forwarders agree.
 EP_HD int hierForwarder(uint64_t host, uint64_t active, int local_of_s) {
-  uint64_t m = host & active;
+  const uint64_t m = host & active;
   int n = 0;
   for (uint64_t x = m; x; x &= x - 1) ++n;
-  if (n == 0) return -1;
-  for (int k = local_of_s % n; k > 0; --k) m &= m - 1;
-  int r = 0;
-  while (((m >> r) & 1) == 0) ++r;
-  return r;
+  return n == 0 ? -1 : kthRank(m, local_of_s % n);
 }
 
 // Everything an HT kernel needs, passed by value.

@@ -97,6 +97,17 @@ TEST(GpuLayout, HierForwarderIsTheHostEnginesChoice) {
   EXPECT_EQ(hierForwarder(0b1100, 0b0011, 0), -1);
 }
 
+// kthRank: the forwarder's choice, and each lane's rank of a host in the hierarchical dispatch kernels.
+TEST(GpuLayout, KthRankIsTheKthSetBitAscending) {
+  EXPECT_EQ(kthRank(0b101100, 0), 2);
+  EXPECT_EQ(kthRank(0b101100, 1), 3);
+  EXPECT_EQ(kthRank(0b101100, 2), 5);
+  EXPECT_EQ(kthRank(0b101100, 3), -1);
+  EXPECT_EQ(kthRank(0, 0), -1);
+  EXPECT_EQ(kthRank(1ull << 63, 0), 63);
+  EXPECT_EQ(kthRank(~0ull, 40), 40);
+}
+
 // EPCOMM_GPU_HT_FWD_SPREAD: channel c of source s goes to hierForwarder(host, active, local(s) + c) (kernels/ht.cu
 // forwarderOf); with at least as many channels as the host's active ranks every one of them forwards a channel.
 TEST(GpuLayout, HierForwarderMovingWithTheChannelReachesEveryActiveRank) {
