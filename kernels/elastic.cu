@@ -88,6 +88,8 @@ __global__ void __launch_bounds__(256) elasticResyncKernel(HtParams p, LlParams 
     stRelaxed(qCounter(p, p.rank, kCombHead, s, c), ct);
     // Hierarchical dispatch: the rows forwarders wrote here for s (the next forwarder of s starts from this tail).
     stRelaxed(qCounter(p, p.rank, kDispFwdHead, s, c), ldAcquire(qCounter(p, p.rank, kDispFwdTail, s, c)));
+    // Hierarchical combine: rows this rank staged for a combiner that never read them are free again.
+    stRelaxed(qCounter(p, p.rank, kCombOutAck, s, c), ldAcquire(qCounter(p, p.rank, kCombOutReady, s, c)));
     // A source on another host reads these heads in its own buffer. Everything it sent before its entry of the
     // first meeting is in (its records arrive in order), so the tails here are all it published.
     if (isRemote(p.remote, s) && ((mask >> s) & 1)) {

@@ -39,11 +39,42 @@ __device__ __forceinline__ int recvChanStart(const HtParams& p, int s, int c) {
   return row;
 }
 
+// Hierarchical dispatch and combine: source s's first forwarded row of channel c at its forwarder (this rank), in
+// the order of GpuHandleDev::fwd_place (s's rows, channel by channel).
+__device__ __forceinline__ int fwdChanStart(const HtParams& p, int s, int c) {
+  int row = 0;
+  for (int cc = 0; cc < c; ++cc) row += p.h.fwd_chan[s * p.C + cc];
+  return row;
+}
+
+// Hierarchical combine: where this rank's rows for owner s (of another host) on channel c start in its comb_out
+// region: their receive row less the rows of the sources of this host before s (comb_out holds rows from the ranks of
+// other hosts only, so far_ranks * max_tokens rows suffice).
+__device__ __forceinline__ int farRowStart(const HtParams& p, int s, int c) {
+  int row = recvChanStart(p, s, c);
+  for (int r = 0; r < s; ++r)
+    if (!isRemote(p.remote, r)) row -= p.h.prefix[r + 1] - p.h.prefix[r];
+  return row;
+}
+
 // Hierarchical dispatch: the rank of host h that forwards source s's channel c there (common/gpu_layout.h
 // hierForwarder), the channel moving the choice along the host's ranks when p.fwd_spread is set, so that s streams
 // to several ranks of h (to every one where the channels are at least h's active ranks).
 __device__ __forceinline__ int forwarderOf(const HtParams& p, int s, int h, int c, uint64_t active) {
   return hierForwarder(p.host_ranks[h], active, p.local_of[s] + (p.fwd_spread ? c : 0));
+}
+
+// Hierarchical combine: before this rank overwrites its comb_out region, the combiner of every (owner, channel) it
+// last staged rows for has acknowledged them (the acknowledgement names the epoch of the staging). A failed wait is
+// recorded, and the combine kernel then does nothing.
+__device__ void waitCombOutAcks(const HtParams& p, uint64_t e) {
+  for (int i = threadIdx.x; i < p.nranks * p.C; i += blockDim.x) {
+    const int s = i / p.C, c = i % p.C;
+    if (!isRemote(p.remote, s)) continue;
+    const uint64_t last = ldAcquire(qCounter(p, p.rank, kCombOutReady, s, c), p.gpu_scope);
+    const int f = forwarderOf(p, s, p.my_host, c, p.el->active);
+    if (!waitAtLeast(p, qCounter(p, p.rank, kCombOutAck, s, c), last, f, epPhaseData, e)) return;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -57,6 +88,8 @@ __global__ void __launch_bounds__(32, 1) htBeginKernel(HtParams p) {
   // x there: both need the owners done with the last combine's rows.
   if (p.pull || p.zc_guard) waitPullAcks(p, kPullSent, kPullAck, kPullAck1, s_epoch);
   if (p.pull_dispatch) waitPullAcks(p, kPullDSent, kPullDAck, kPullDAck1, s_epoch);
+  // Hierarchical combine: the combiners of this host have read what this rank last staged for them (comb_out).
+  if (p.op == epOpHtCombine && p.hier) waitCombOutAcks(p, s_epoch);
   // A pull combine tells the owners where its rows are; they read it once they see its ready counter. After the
   // waits above: an owner still reading the last combine reads the last source.
   __syncwarp();
@@ -433,6 +466,9 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
   const uint64_t fbase = other ? ldAcquire(qCounter(p, dj, kDispFwdTail, s, c), p.gpu_scope) : 0;
   uint8_t* const dq = other ? p.base[dj] + p.lay.disp_q + (static_cast<size_t>(s) * C + c) * Q * p.lay.disp_slot
                             : nullptr;
+  // What each slot names, kept for the combine (combineFor): s's forwarded rows, channel by channel.
+  int32_t* const place = p.h.fwd_place + (static_cast<size_t>(s) * p.lay.max_tokens + fwdChanStart(p, s, c)) *
+                                             p.lay.fwd_idx;
   if (g == 0 && lane < kGpuHierMaxLocal) s_fcnt[s][lane] = 0;  // read after the group's first barrier
   if (g == 0 && lane == 0) s_ffail[s] = 0;
   int published = 0;  // warp 0, lane j: the count dj last saw
@@ -444,6 +480,7 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
     for (int i = k + g; alive && i < kend; i += G) {
       const uint8_t* slot = q + ((base + i) % Q) * p.lay.disp_slot;
       const int jd = dj >= 0 ? reinterpret_cast<const int32_t*>(slot + p.lay.disp_fwd)[lane] : -1;
+      if (lane < p.lay.fwd_idx) place[static_cast<size_t>(i) * p.lay.fwd_idx + lane] = jd;
       // Room at dj for its row jd; this rank's own row where it receives the token.
       bool ok = true;
       if (other && jd >= 0 && fbase + jd + 1 > static_cast<uint64_t>(Q))
@@ -707,11 +744,181 @@ __global__ void __launch_bounds__(1024) htDispatchKernel(HtParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Hierarchical combine across hosts (HtParams::hier, the push combine): the expert outputs for a token of owner s
+// cross to s's host once, as one partial sum P_h per host h (epcomm.h states the order: P_h = +0 + the rows of h's
+// ranks in ascending rank order, in fp32; where one rank holds the token, P_h is that row in its dtype). The rank
+// of h that forwarded s's channel c in the dispatch (forwarderOf) combines it: it knows, for each row it forwarded,
+// the token's place at each rank of h (GpuHandleDev::fwd_place).
+// ---------------------------------------------------------------------------------------------------------
+// Bytes of a partial sum in fp32 (4 per element) and where its byte o lies in a partial's two queue slots: fp32
+// partials of 2-byte types span two slots (o < xrow in the first, the rest from the second's start).
+__device__ __forceinline__ size_t partialBytes(const HtParams& p) { return 4 * static_cast<size_t>(p.H); }
+__device__ __forceinline__ size_t partialOff(const HtParams& p, size_t o) {
+  return o < p.xrow ? o : p.lay.x_stride + (o - p.xrow);
+}
+
+// A rank of s's host's peer host h that is not s's combiner on channel c (group of s in block 2c, G warps): copies
+// its rows for s's channel-c tokens into its comb_out region, where the combiner reads them, and publishes where they
+// start and that they are in (kCombOutStart, kCombOutReady = epoch, in its own buffer). htBeginKernel saw the last
+// combine's rows acknowledged before this launch.
+__device__ void stageForCombiner(const HtParams& p, int s, int c, int g, uint64_t e) {
+  const int lane = threadIdx.x & 31, G = p.G;
+  const int n = p.h.recv_chan[s * p.C + c], src = recvChanStart(p, s, c), start = farRowStart(p, s, c);
+  const int have = min(*p.h.num_recv, p.recv_rows);
+  uint8_t* out = p.base[p.rank] + p.lay.comb_out + static_cast<size_t>(start) * p.lay.x_stride;
+  if (noFailure(p))
+    for (int i = g; i < n; i += G) {
+      if (src + i < have)
+        warpCopy16(out + i * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
+      else  // worst-token overflow (recorded by notify): x has no such row; the combiner adds zeros
+        warpZero16(out + i * p.lay.x_stride, p.xrow, lane);
+    }
+  fenceForPeers(p.gpu_scope);
+  groupSync(G, s);
+  if (g == 0 && lane == 0 && noFailure(p)) {
+    stRelaxed(qCounter(p, p.rank, kCombOutStart, s, c), static_cast<uint64_t>(start));
+    stRelease(qCounter(p, p.rank, kCombOutReady, s, c), e, p.gpu_scope);
+  }
+}
+
+// s's combiner on this host for channel c (group of s in block 2c): for each row it forwarded to this host in the
+// dispatch, in order, the token's partial sum over the ranks here that hold it (its own rows from x, the others'
+// from their comb_out once they published them), written as one record into s's combine queue for this rank (two
+// slots per partial, so that an fp32 partial of a 2-byte type fits), in rounds of RT; then it acknowledges the
+// other ranks' rows. Lane j of every warp keeps the state of the host's j-th rank.
+template <int kDtype>
+__device__ void combineFor(const HtParams& p, int s, int c, int g, uint64_t e, volatile int* s_ok) {
+  using V = Vec8<kDtype>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, C = p.C, G = p.G, RT = p.round;
+  __shared__ const uint8_t* s_src[32][kGpuHierMaxLocal];  // [warp][j]: the host's j-th rank's row of the slot
+  __shared__ volatile int s_cfail[32];                     // [group]: a rank's rows never came
+  const int n = p.h.fwd_chan[s * C + c];
+  const int32_t* place =
+      p.h.fwd_place + (static_cast<size_t>(s) * p.lay.max_tokens + fwdChanStart(p, s, c)) * p.lay.fwd_idx;
+  const int dj = lane < p.lay.fwd_idx ? kthRank(p.host_ranks[p.my_host], lane) : -1;
+  const bool other = dj >= 0 && dj != p.rank && rankActive(p.el, dj);
+  const int mine = recvChanStart(p, s, c), have = min(*p.h.num_recv, p.recv_rows);
+  bool ok = true;
+  if (g == 0 && other) ok = waitAtLeast(p, qCounter(p, dj, kCombOutReady, s, c), e, dj, epPhaseData, e);
+  ok = __all_sync(kFull, ok);
+  if (g == 0 && lane == 0) s_cfail[s] = !ok;
+  groupSync(G, s);
+  bool alive = s_cfail[s] == 0;
+  const uint8_t* rows =
+      other && alive ? p.base[dj] + p.lay.comb_out +
+                           ldAcquire(qCounter(p, dj, kCombOutStart, s, c), p.gpu_scope) * p.lay.x_stride
+                     : nullptr;
+  const QueueSend qs = queueSend<true>(p, s, c, kCombTail, kCombHead, kCombSent, kCombHeadBack, rankActive(p.el, s));
+  const uint64_t base = qs.base, pairs = static_cast<uint64_t>(p.Q / 2);
+  uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * p.Q * p.lay.x_stride;
+  const size_t pbytes = partialBytes(p);
+  const uint32_t sum_len = static_cast<uint32_t>(pbytes > p.xrow ? p.lay.x_stride + pbytes - p.xrow : pbytes);
+  const int chunks = static_cast<int>(p.xrow / 16);
+  for (int k = 0; k < n; k += RT) {
+    const int kend = min(k + RT, n);
+    const uint64_t end = base + 2 * static_cast<uint64_t>(kend);
+    alive = groupWait(p, G, s, g, qs.head, end > 2 * pairs ? end - 2 * pairs : 0, epPhaseData, e, alive, s_ok);
+    for (int i = k + g; alive && i < kend; i += G) {
+      const int jd = lane < p.lay.fwd_idx ? place[static_cast<size_t>(i) * p.lay.fwd_idx + lane] : -1;
+      const bool holds = jd >= 0 && (dj == p.rank || other);
+      const unsigned holders = __ballot_sync(kFull, holds);
+      const uint8_t* row = nullptr;  // nullptr: a worst-token overflow row of this rank, zeros
+      if (holds && dj != p.rank) row = rows + static_cast<size_t>(jd) * p.lay.x_stride;
+      else if (holds && mine + jd < have) row = static_cast<const uint8_t*>(p.x) + (mine + jd) * p.xrow;
+      if (lane < kGpuHierMaxLocal) s_src[warp][lane] = row;
+      __syncwarp();
+      const bool single = __popc(holders) == 1;
+      uint8_t* slot = q + ((base / 2 + i) % pairs) * 2 * p.lay.x_stride;
+      const RemoteSlot rs = remoteDataWarp(p, s, kRemoteHtBuffer, remoteOff(slot),
+                                           single ? static_cast<uint32_t>(p.xrow) : sum_len, e);
+      if (rs.hdr != nullptr) {
+        uint8_t* out = rs.payload();
+        if (single) {  // the row itself, in its dtype
+          const uint8_t* r0 = s_src[warp][__ffs(holders) - 1];
+          if (r0 != nullptr) warpCopy16(out, r0, p.xrow, lane);
+          else warpZero16(out, p.xrow, lane);
+        } else {
+          for (int ch = lane; ch < chunks; ch += 32) {
+            float acc[V::kN];
+#pragma unroll
+            for (int x = 0; x < V::kN; ++x) acc[x] = 0.0f;
+            for (unsigned t = holders; t; t &= t - 1) {
+              const uint8_t* r = s_src[warp][__ffs(t) - 1];
+              V::add(acc, r != nullptr ? reinterpret_cast<const int4*>(r)[ch] : make_int4(0, 0, 0, 0));
+            }
+#pragma unroll
+            for (int x = 0; x < V::kN / 4; ++x)
+              *reinterpret_cast<float4*>(out + partialOff(p, 16 * (static_cast<size_t>(ch) * (V::kN / 4) + x))) =
+                  make_float4(acc[4 * x], acc[4 * x + 1], acc[4 * x + 2], acc[4 * x + 3]);
+          }
+        }
+      }
+      __syncwarp();  // s_src is rewritten for the next slot
+      remoteCommitWarp(rs);
+    }
+    fenceForPeers(p.gpu_scope);
+    groupSync(G, s);
+    if (g == 0 && lane == 0 && noFailure(p)) publishTail<true>(p, qs, s, end, e);
+  }
+  // Every row read (the group's last barrier ordered the reads before this): the other ranks may reuse comb_out.
+  groupSync(G, s);
+  if (g == 0 && other && alive && noFailure(p)) stRelease(qCounter(p, dj, kCombOutAck, s, c), e, p.gpu_scope);
+}
+
+// The owner's side (block 2c+1, group of r): r of another host is this rank's combiner there for channel c, and
+// streams one partial per channel-c token that a rank of r's host holds, in token order. The G warps move them,
+// in rounds of G, into the combine staging rows of that host's first two ranks (unused otherwise: the rest of that
+// host sends nothing here) at the token's place among those forwarded there (fpos), the fp32 partial's second slot
+// into the second rank's row. False after a failed wait.
+__device__ bool drainPartials(const HtParams& p, int r, int c, int g, uint64_t e, uint8_t* stage) {
+  const int lane = threadIdx.x & 31, R = p.nranks, C = p.C, G = p.G;
+  const int h = p.host_of[r];
+  const uint64_t hm = p.host_ranks[h];
+  if (!rankActive(p.el, r) || forwarderOf(p, p.rank, h, c, p.el->active) != r) return true;
+  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
+  int n = 0;  // this channel's tokens that some rank of h holds
+  for (int t = tb + lane; t < te; t += 32) {
+    int any = 0;
+    for (uint64_t m = hm; m; m &= m - 1) any |= p.h.in_rank[static_cast<size_t>(t) * R + __ffsll(m) - 1];
+    n += any != 0;
+  }
+  n = warpSum(n);
+  const int fb = p.h.fchan_base[h * C + c], ra = kthRank(hm, 0), rb = kthRank(hm, 1);
+  const bool split = partialBytes(p) > p.xrow && rb >= 0;
+  const size_t plane = static_cast<size_t>(p.lay.max_tokens) * p.lay.x_stride;
+  uint8_t* A = stage + ra * plane + static_cast<size_t>(fb) * p.lay.x_stride;
+  uint8_t* B = split ? stage + rb * plane + static_cast<size_t>(fb) * p.lay.x_stride : nullptr;
+  const uint64_t* tail = qCounterIn(p, kCombTail, r, c);
+  uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
+  const uint64_t base = ldAcquire(head, p.gpu_scope), pairs = static_cast<uint64_t>(p.Q / 2);
+  const uint8_t* q = inBase(p, r) + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * p.Q * p.lay.x_stride;
+  bool alive = true;
+  for (int k = 0; k < n; k += G) {
+    const int i = k + g;
+    if (alive && i < n) {
+      bool ok = true;
+      if (lane == 0) ok = waitAtLeast(p, tail, base + 2 * static_cast<uint64_t>(i) + 2, r, epPhaseData, e);
+      alive = __shfl_sync(kFull, ok, 0);
+    }
+    if (alive && i < n) {
+      const uint8_t* slot = q + ((base / 2 + i) % pairs) * 2 * p.lay.x_stride;
+      warpCopy16(A + i * p.lay.x_stride, slot, p.xrow, lane);
+      if (split) warpCopy16(B + i * p.lay.x_stride, slot + p.lay.x_stride, partialBytes(p) - p.xrow, lane);
+    }
+    groupSync(G, r);
+    if (g == 0 && lane == 0) publishHead(p, head, r, c, kCombHeadBack, base + 2 * static_cast<uint64_t>(min(k + G, n)), e, true);
+  }
+  return alive;
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Combine: block 2c returns, for every source s, the rows of s's channel-c tokens (contiguous in this rank's
 // receive order) into s's combine queue for this rank and channel; block 2c+1 reduces this rank's channel-c
 // tokens, a warp per token: rows of the ranks that received it, in ascending rank order, in fp32, rounded once.
+// kH: hierarchical across hosts (p.hier; kX only): toward an owner of another host this rank either combines for it
+// (combineFor) or stages its rows for the rank that does; from there it receives one partial per host.
 // ---------------------------------------------------------------------------------------------------------
-template <int kDtype, bool kX>
+template <int kDtype, bool kX, bool kH>
 __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   using V = Vec8<kDtype>;
   const uint64_t e = currentEpoch(p);
@@ -720,6 +927,15 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   if ((blockIdx.x & 1) == 0) {
     // Send: the G warps of source s copy its rows in rounds of G, then publish the tail.
     const int s = warp / G, g = warp % G;
+    if constexpr (kH) {
+      __shared__ int s_okc[32];  // per owner group (groupWait)
+      if (isRemote(p.remote, s)) {
+        if (!rankActive(p.el, s)) return;
+        if (forwarderOf(p, s, p.my_host, c, p.el->active) == p.rank) combineFor<kDtype>(p, s, c, g, e, s_okc);
+        else stageForCombiner(p, s, c, g, e);
+        return;
+      }
+    }
     const int n = rankActive(p.el, s) ? p.h.recv_chan[s * C + c] : 0;
     const int src = recvChanStart(p, s, c);
     auto rounds = [&](auto far_c) {  // as in the push dispatch: two instances, mapped and across hosts
@@ -771,8 +987,10 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) s_ok = 1;
   __syncthreads();
-  {
-    const int r = warp / G, g = warp % G;
+  const int r = warp / G, g = warp % G;
+  if (kH && isRemote(p.remote, r)) {
+    if (!drainPartials(p, r, c, g, e, stage) && lane == 0) s_ok = 0;
+  } else {
     const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
     // Rows from r on this channel: its tokens in [tb, te) that went to r.
     int n = 0;
@@ -803,16 +1021,60 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   __syncthreads();
   if (!s_ok) return;
   const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1), chunks = static_cast<int>(p.xrow / 16);
+  const size_t plane = static_cast<size_t>(p.lay.max_tokens) * p.lay.x_stride;  // staging rows of one source
   for (int t = tb + warp; t < te; t += nwarps) {
     for (int ch = lane; ch < chunks; ch += 32) {
       float acc[V::kN];
 #pragma unroll
       for (int i = 0; i < V::kN; ++i) acc[i] = 0.0f;
-      for (int r = 0; r < R; ++r) {
-        const size_t tr = static_cast<size_t>(t) * R + r;
-        if (!p.h.in_rank[tr] || !rankActive(p.el, r)) continue;
-        V::add(acc, reinterpret_cast<const int4*>(
-                        stage + (static_cast<size_t>(r) * p.lay.max_tokens + p.h.pos[tr]) * p.lay.x_stride)[ch]);
+      if constexpr (kH) {
+        // Hierarchical: acc = +0 + P_h over the hosts h that hold t, ascending (epcomm.h): this host's P_h from the
+        // staged rows of its ranks, another's from the partial its combiner sent.
+        for (int h = 0; h < p.nhosts; ++h) {
+          const uint64_t hm = p.host_ranks[h];
+          if (h == p.my_host) {
+            float part[V::kN];
+#pragma unroll
+            for (int i = 0; i < V::kN; ++i) part[i] = 0.0f;
+            bool any = false;
+            for (uint64_t m = hm; m; m &= m - 1) {
+              const int r = __ffsll(m) - 1;
+              const size_t tr = static_cast<size_t>(t) * R + r;
+              if (!p.h.in_rank[tr] || !rankActive(p.el, r)) continue;
+              V::add(part, reinterpret_cast<const int4*>(stage + r * plane + p.h.pos[tr] * p.lay.x_stride)[ch]);
+              any = true;
+            }
+            if (any)
+#pragma unroll
+              for (int i = 0; i < V::kN; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
+            continue;
+          }
+          int holders = 0;
+          for (uint64_t m = hm; m; m &= m - 1) holders += p.h.in_rank[static_cast<size_t>(t) * R + __ffsll(m) - 1];
+          if (holders == 0) continue;
+          const size_t row = static_cast<size_t>(p.h.fpos[static_cast<size_t>(t) * R + h]) * p.lay.x_stride;
+          const uint8_t* a = stage + kthRank(hm, 0) * plane + row;
+          if (holders == 1 || partialBytes(p) <= p.xrow) {  // the row itself, or an fp32 partial of an fp32 row
+            V::add(acc, reinterpret_cast<const int4*>(a)[ch]);
+          } else {  // fp32 partial: its bytes from xrow on (its second slot) in the host's second rank's row
+            const uint8_t* b = stage + kthRank(hm, 1) * plane + row;
+#pragma unroll
+            for (int x = 0; x < V::kN / 4; ++x) {
+              const size_t o = 16 * (static_cast<size_t>(ch) * (V::kN / 4) + x);
+              const float4 v = *reinterpret_cast<const float4*>(o < p.xrow ? a + o : b + (o - p.xrow));
+              acc[4 * x] = __fadd_rn(acc[4 * x], v.x);
+              acc[4 * x + 1] = __fadd_rn(acc[4 * x + 1], v.y);
+              acc[4 * x + 2] = __fadd_rn(acc[4 * x + 2], v.z);
+              acc[4 * x + 3] = __fadd_rn(acc[4 * x + 3], v.w);
+            }
+          }
+        }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          const size_t tr = static_cast<size_t>(t) * R + r;
+          if (!p.h.in_rank[tr] || !rankActive(p.el, r)) continue;
+          V::add(acc, reinterpret_cast<const int4*>(stage + r * plane + p.h.pos[tr] * p.lay.x_stride)[ch]);
+        }
       }
       reinterpret_cast<int4*>(static_cast<uint8_t*>(p.combined_x) + t * p.xrow)[ch] = V::pack(acc);
     }
@@ -1043,13 +1305,25 @@ cudaError_t launchHtCombine(const HtParams& p, cudaStream_t s) {
     return cudaGetLastError();
   }
   const dim3 grid(2 * p.C), block(p.nranks * p.G * 32);
-  switch (p.dtype * 2 + (p.remote ? 1 : 0)) {
-    case epBfloat16 * 2: htCombineKernel<epBfloat16, false><<<grid, block, 0, s>>>(p); break;
-    case epBfloat16 * 2 + 1: htCombineKernel<epBfloat16, true><<<grid, block, 0, s>>>(p); break;
-    case epFloat16 * 2: htCombineKernel<epFloat16, false><<<grid, block, 0, s>>>(p); break;
-    case epFloat16 * 2 + 1: htCombineKernel<epFloat16, true><<<grid, block, 0, s>>>(p); break;
-    case epFloat32 * 2 + 1: htCombineKernel<epFloat32, true><<<grid, block, 0, s>>>(p); break;
-    default: htCombineKernel<epFloat32, false><<<grid, block, 0, s>>>(p); break;
+  // Instances: one host; across hosts flat; across hosts hierarchical.
+  auto launch = [&](auto kernel_one, auto kernel_flat, auto kernel_hier) {
+    if (!p.remote) kernel_one<<<grid, block, 0, s>>>(p);
+    else if (p.hier) kernel_hier<<<grid, block, 0, s>>>(p);
+    else kernel_flat<<<grid, block, 0, s>>>(p);
+  };
+  switch (p.dtype) {
+    case epBfloat16:
+      launch(htCombineKernel<epBfloat16, false, false>, htCombineKernel<epBfloat16, true, false>,
+             htCombineKernel<epBfloat16, true, true>);
+      break;
+    case epFloat16:
+      launch(htCombineKernel<epFloat16, false, false>, htCombineKernel<epFloat16, true, false>,
+             htCombineKernel<epFloat16, true, true>);
+      break;
+    default:
+      launch(htCombineKernel<epFloat32, false, false>, htCombineKernel<epFloat32, true, false>,
+             htCombineKernel<epFloat32, true, true>);
+      break;
   }
   return cudaGetLastError();
 }
@@ -1075,14 +1349,17 @@ cudaError_t preloadHtKernels() {
       reinterpret_cast<const void*>(htDispatchPullKernel),
       reinterpret_cast<const void*>(layoutKernel),
       reinterpret_cast<const void*>(htCombinePullKernel<epBfloat16>),
-      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, false>),
-      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, true>),
+      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, false, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, true, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epBfloat16, true, true>),
       reinterpret_cast<const void*>(htCombinePullKernel<epFloat16>),
-      reinterpret_cast<const void*>(htCombineKernel<epFloat16, false>),
-      reinterpret_cast<const void*>(htCombineKernel<epFloat16, true>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat16, false, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat16, true, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat16, true, true>),
       reinterpret_cast<const void*>(htCombinePullKernel<epFloat32>),
-      reinterpret_cast<const void*>(htCombineKernel<epFloat32, false>),
-      reinterpret_cast<const void*>(htCombineKernel<epFloat32, true>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat32, false, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat32, true, false>),
+      reinterpret_cast<const void*>(htCombineKernel<epFloat32, true, true>),
   };
   return preloadKernels(kernels, sizeof(kernels) / sizeof(kernels[0]));
 }

@@ -156,10 +156,16 @@ struct alignas(128) GpuRegEntry {
 // have and publishes kDispFwdTail[src][c] in d's buffer; d publishes kDispFwdHead[src][c] there (the forwarder
 // reads it for room). Their own pair of counters: the forwarder of a source changes with the active mask, and the
 // source's direct queue counters stay the source's.
+// Hierarchical combine (the same forwarder, now the combiner of the owner's tokens on its host): every other rank d
+// of the host copies its rows for owner s's channel c into its comb_out region and publishes, in its own buffer,
+// kCombOutStart[s][c] (the first row there) and then kCombOutReady[s][c] = epoch; the combiner reads the rows from
+// there and, done, stores kCombOutAck[s][c] = epoch in d's buffer. d overwrites comb_out only once every ack has
+// caught up with its ready (htBeginKernel). The combiner streams one partial per token to s through the combine
+// queue (kComb* counters, two slots per partial).
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
                        kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kPullDReady1, kPullDAck1,
                        kDispSent, kDispHeadBack, kCombSent, kCombHeadBack, kDispFwdTail, kDispFwdHead,
-                       kNumQueueCounters };
+                       kCombOutStart, kCombOutReady, kCombOutAck, kNumQueueCounters };
 
 struct GpuBufferLayout {
   size_t sync;                    // elastic sync entries [kind][src]
@@ -173,6 +179,9 @@ struct GpuBufferLayout {
   size_t comb_q;                  // combine queues (slots of x_stride bytes)
   size_t comb_stage;              // push: combine rows moved out of the queues, [src][max_tokens][x_stride];
                                   // pull: x, rows of xrow bytes in receive order (the zero-copy region)
+  size_t comb_out;                // hierarchical combine: this rank's rows for owners on other hosts, which the
+                                  // combiner of its host reads, [far_ranks * max_tokens][x_stride] (0 bytes without)
+  int far_ranks;                  // ranks on other hosts than the rank's own, at most (R - the smallest host)
   size_t disp_stage, disp_list;   // pull dispatch: [max_tokens][disp_slot], [R][max_tokens] int32 (0 bytes
                                   // without pull dispatch: both offsets equal total)
   size_t x_stride, scale_stride;  // bytes of a row's x part and scale part in a slot
@@ -233,8 +242,9 @@ struct MailboxHead {
 EP_HD size_t rowAreaAlign(size_t v) { return (v + 65535) & ~size_t{65535}; }
 
 // fwd_idx: hierarchical HT dispatch across hosts, the widest host (<= kGpuHierMaxLocal); 0 without it.
+// far_ranks: hierarchical combine, the most ranks any rank has on other hosts (comb_out's rows: max_tokens each).
 EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, int max_hidden, int max_tokens,
-                                      bool pull_dispatch, int fwd_idx = 0) {
+                                      bool pull_dispatch, int fwd_idx = 0, int far_ranks = 0) {
   auto up = [](size_t v) { return (v + 255) & ~size_t{255}; };
   GpuBufferLayout l{};
   l.nranks = nranks;
@@ -270,6 +280,9 @@ EP_HD GpuBufferLayout gpuBufferLayout(int nranks, int channels, int queue_rows, 
   off = rowAreaAlign(off + slots * l.x_stride);
   l.comb_stage = off;
   off = rowAreaAlign(off + static_cast<size_t>(nranks) * max_tokens * l.x_stride);
+  l.comb_out = off;
+  l.far_ranks = far_ranks;
+  off = rowAreaAlign(off + static_cast<size_t>(far_ranks) * max_tokens * l.x_stride);
   l.disp_stage = off;
   if (pull_dispatch) off = rowAreaAlign(off + static_cast<size_t>(max_tokens) * l.disp_slot);
   l.disp_list = off;
@@ -456,6 +469,9 @@ struct GpuHandleDev {
   int32_t* fchan_base;      // [R, C] tokens this rank forwards to host h before channel c's first token
   int32_t* fwd_chan;        // [R, C] rows source s sends this rank on channel c to forward (s of another host,
                             // this rank its forwarder here; 0 otherwise)
+  int32_t* fwd_place;       // [R, max_tokens, fwd_idx] what the forwarder read in each slot it forwarded: for
+                            // source s's i-th forwarded row (channel by channel), the token's place among s's
+                            // channel rows at each rank of this host (-1: none); the combine reads it back
 };
 
 // The k-th rank (0-based, ascending) of the ranks in `mask`, or -1 when it holds k or fewer.

@@ -143,7 +143,8 @@ inline int shortDeadlineMs(int ms) {
 
 // Virtual hosts: EPCOMM_GPU_TEST_HOSTS = H > 1 puts the ranks of the GPU communicators the tests create on H hosts
 // (rank r of R on host r * H / R, through EPCOMM_HOSTID while the communicator is created), so that the GPU engine
-// reaches the ranks of other hosts through its proxy; the host-engine references stay on one host.
+// reaches the ranks of other hosts through its proxy. The HT tests' host-engine references run on the same hosts
+// (initOnHosts), since HT combine's order across hosts is the hierarchical one (epcomm.h); the LL ones on one host.
 inline int testHosts() {
   const char* s = getenv("EPCOMM_GPU_TEST_HOSTS");
   const int h = s ? atoi(s) : 1;
@@ -151,8 +152,9 @@ inline int testHosts() {
 }
 inline bool crossHosts() { return testHosts() > 1; }
 bool g_cross_hosts = false;  // the last GPU communicator this rank created spans several hosts
-inline epResult_t initGpuComm(epComm_t* comm, int R, const epUniqueId* id, int rank, const epConfig_t* cfg,
-                              int hosts = testHosts()) {
+// A communicator of either engine whose rank r of R is on host r * hosts / R.
+inline epResult_t initOnHosts(epComm_t* comm, int R, const epUniqueId* id, int rank, const epConfig_t* cfg,
+                              int hosts) {
   if (hosts > 1) {
     char v[64];
     snprintf(v, sizeof(v), "gpu-test-host-%d", rank * hosts / R);
@@ -160,8 +162,12 @@ inline epResult_t initGpuComm(epComm_t* comm, int R, const epUniqueId* id, int r
   }
   const epResult_t r = epCommInitRank(comm, R, id, rank, cfg);
   if (hosts > 1) unsetenv("EPCOMM_HOSTID");
-  g_cross_hosts = hosts > 1 && R > 1;
   return r;
+}
+inline epResult_t initGpuComm(epComm_t* comm, int R, const epUniqueId* id, int rank, const epConfig_t* cfg,
+                              int hosts = testHosts()) {
+  g_cross_hosts = hosts > 1 && R > 1;
+  return initOnHosts(comm, R, id, rank, cfg, hosts);
 }
 
 epConfig_t gpuConfig() {

@@ -14,9 +14,10 @@
 //    copying ranks), and graph B of the replay test;
 //  - a rank that stops participating: the others report a timeout within the deadline, exit cleanly, and a
 //    new communicator works afterwards.
-// Ranks over H virtual hosts (EPCOMM_GPU_TEST_HOSTS) run every test across hosts, dispatch hierarchically (a token
-// goes to a host once, through the source's forwarder there; the killed-rank test moves forwarders); one test runs
-// the flat dispatch across 2 hosts.
+// Ranks over H virtual hosts (EPCOMM_GPU_TEST_HOSTS) run every test across hosts, hierarchically (a token goes to a
+// host once, through the source's forwarder there, which also sums its host's expert outputs for it; the killed-rank
+// test moves forwarders), against a host-engine reference on the same hosts; one test runs the flat path across 2
+// hosts.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -279,7 +280,8 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
   return 0;
 }
 
-// The GPU communicator under test and its host-engine reference; timeout_ms 0 keeps gpuConfig()'s deadline.
+// The GPU communicator under test and its host-engine reference, on the same hosts (across hosts both combine
+// hierarchically, in the order epcomm.h states); timeout_ms 0 keeps gpuConfig()'s deadline.
 int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epComm_t* g, epComm_t* h,
              int timeout_ms = 0, int hosts = testHosts()) {
   epConfig_t cfg = gpuConfig();
@@ -288,7 +290,7 @@ int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epCo
   epConfig_t hc = EP_CONFIG_INIT;
   hc.engine = EP_ENGINE_HOST;
   hc.queue_bytes = 8 << 20;
-  CKE(epCommInitRank(h, R, &hid, rank, &hc), nullptr);
+  CKE(initOnHosts(h, R, &hid, rank, &hc, hosts), nullptr);
   return 0;
 }
 
@@ -642,8 +644,9 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
 // engine maps only the ranks of its own host and reaches the others through its proxy. HT (exact, cached and
 // worst-token dispatch, every combine type) is bit-exact against the host engine; the zero-copy combine region and
 // registration, which would need the peers' memory, are refused with epNotSupported (runCase checks both).
-// Dispatch is hierarchical there by default (a token crosses to a host once, to the source's forwarder, which
-// hands it to the ranks of its host); `flat` runs the same cases with EPCOMM_HT_HIERARCHICAL=0.
+// HT is hierarchical there by default (a token crosses to a host once, to the source's forwarder, which hands it to
+// the ranks of its host and sends back one partial sum of their expert outputs); `flat` runs the same cases with
+// EPCOMM_HT_HIERARCHICAL=0 (on both communicators: the host engine reads it too).
 void ranksOnTwoHosts(int R, bool flat) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);

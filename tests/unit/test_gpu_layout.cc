@@ -58,6 +58,18 @@ TEST(GpuLayout, RegionsAreAlignedOrderedAndLargeEnough) {
             EXPECT_LE(l.disp_q + static_cast<size_t>(R) * C * Q * l.disp_slot, l.comb_q);
             EXPECT_LE(l.comb_q + static_cast<size_t>(R) * C * Q * l.x_stride, l.comb_stage);
             EXPECT_LE(l.comb_stage + static_cast<size_t>(R) * T * l.x_stride, l.total);
+            // Hierarchical combine: comb_out (far_ranks * max_tokens rows) after the staging; empty without it.
+            EXPECT_EQ(l.far_ranks, 0);
+            EXPECT_EQ(l.comb_out, l.disp_stage);
+            for (int far : {1, R}) {
+              const GpuBufferLayout h = gpuBufferLayout(R, C, Q, H, T, true, 2, far);
+              EXPECT_EQ(h.far_ranks, far);
+              EXPECT_EQ(h.comb_out % 65536, 0u);
+              EXPECT_LE(h.comb_stage + static_cast<size_t>(R) * T * h.x_stride, h.comb_out);
+              EXPECT_LE(h.comb_out + static_cast<size_t>(far) * T * h.x_stride, h.disp_stage);
+              const GpuBufferLayout n = gpuBufferLayout(R, C, Q, H, T, true, 2);  // the same without comb_out
+              EXPECT_EQ(h.total - h.disp_stage, n.total - n.disp_stage);
+            }
             // Without pull dispatch its regions are empty; with it they follow, sized for every token.
             EXPECT_EQ(l.disp_stage, l.total);
             EXPECT_EQ(l.disp_list, l.total);

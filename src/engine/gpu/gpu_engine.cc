@@ -150,8 +150,11 @@ epResult_t GpuEngine::init() {
   }
   nhosts_ = static_cast<int>(host_ranks_.size());
   my_host_ = host_of_[comm_->rank];
-  int widest = 0;
-  for (uint64_t m : host_ranks_) widest = std::max(widest, __builtin_popcountll(m));
+  int widest = 0, narrowest = comm_->nranks;
+  for (uint64_t m : host_ranks_) {
+    widest = std::max(widest, __builtin_popcountll(m));
+    narrowest = std::min(narrowest, __builtin_popcountll(m));
+  }
   const int cap = sms / (sharing + 1);
   if (sharing > 1 && blocks_ > cap) {
     EP_INFO(kSubsysInit, "%d ranks share GPU %s: %d blocks per kernel instead of %d", sharing,
@@ -175,15 +178,16 @@ epResult_t GpuEngine::init() {
     EP_INFO(kSubsysInit, "GPU engine: rank %d has %d ranks on other hosts: HT dispatch and combine push through the "
             "queues, a proxy carries the traffic between hosts", comm_->rank, __builtin_popcountll(remote_mask_));
   }
-  // Across hosts HT dispatch is hierarchical (a token crosses to a host once; kernels/ht.cu forwardFrom) unless
-  // EPCOMM_HT_HIERARCHICAL=0 (the host engine's knob) or a host is wider than a slot can name.
+  // Across hosts HT is hierarchical (a token crosses to a host once, kernels/ht.cu forwardFrom; its expert outputs
+  // come back as one partial sum per host, combineFor) unless EPCOMM_HT_HIERARCHICAL=0 (the host engine's knob) or a
+  // host is wider than a slot can name.
   ht_hier_ = remote_mask_ != 0 && widest <= kGpuHierMaxLocal && epParamHtHierarchical() != 0;
   ht_fwd_spread_ = epParamGpuHtFwdSpread() != 0;
   if (remote_mask_ != 0)
-    EP_INFO(kSubsysInit, "GPU engine: %d hosts, HT dispatch across them %s", nhosts_,
-            ht_hier_ ? "hierarchical (once per host, then inside it)" : "flat");
+    EP_INFO(kSubsysInit, "GPU engine: %d hosts, HT across them %s", nhosts_,
+            ht_hier_ ? "hierarchical (once per host, then inside it; combine: one partial sum per host)" : "flat");
   lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_,
-                         ht_hier_ ? widest : 0);
+                         ht_hier_ ? widest : 0, ht_hier_ ? R - narrowest : 0);
   // Peers index each other's buffers with this layout and follow one protocol: every rank must have the same
   // (a different EPCOMM_NUM_SMS / GPU_QUEUE_ROWS / GPU_HT_*_PULL on one rank would hang or read out of bounds).
   struct Shape {

@@ -57,7 +57,9 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  const size_t ints = 2 * tr + (R + 1) + 4 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R;
+  // Hierarchical combine: the forwarder's places, for every row a source may send it (lay_.max_tokens each).
+  const size_t places = static_cast<size_t>(R) * lay_.max_tokens * lay_.fwd_idx;
+  const size_t ints = 2 * tr + (R + 1) + 4 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R + places;
   const size_t bytes = 4 * ints + tr + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
   if (e != cudaSuccess) EP_FAIL(epCudaError, "cudaMalloc of a %zu-byte handle failed: %s", bytes, cudaGetErrorString(e));
@@ -80,7 +82,8 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   g->dev.fpos = g->dev.peer_base + R;
   g->dev.fchan_base = g->dev.fpos + tr;
   g->dev.fwd_chan = g->dev.fchan_base + R * C;
-  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.fwd_chan + R * C);
+  g->dev.fwd_place = g->dev.fwd_chan + R * C;
+  g->dev.in_rank = reinterpret_cast<uint8_t*>(g->dev.fwd_place + places);
   h->gpu = g.release();
   return epSuccess;
 }
@@ -204,6 +207,8 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.combined_x = a->combined_x;
   p.h = g->dev;
   p.pull = ht_pull_ ? 1 : 0;
+  p.hier = ht_hier_ ? 1 : 0;  // across hosts: the forwarders of the dispatch combine their host's rows
+  p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   p.recv_rows = h->recv_rows;
   // x at the start of the zero-copy region: the owners read it there. Overlapping it otherwise: a mistake (row i of
   // x must be row i of the region, which the combine rewrites while it reads x). combined_x must stay out of it:
