@@ -757,59 +757,71 @@ __device__ __forceinline__ size_t partialOff(const HtParams& p, size_t o) {
   return o < p.xrow ? o : p.lay.x_stride + (o - p.xrow);
 }
 
-// A rank of s's host's peer host h that is not s's combiner on channel c (group of s in block 2c, G warps): copies
-// its rows for s's channel-c tokens into its comb_out region, where the combiner reads them, and publishes where they
-// start and that they are in (kCombOutStart, kCombOutReady = epoch, in its own buffer). htBeginKernel saw the last
-// combine's rows acknowledged before this launch.
-__device__ void stageForCombiner(const HtParams& p, int s, int c, int g, uint64_t e) {
-  const int lane = threadIdx.x & 31, G = p.G;
+// The warps that serve the peers of one other host h work as one team in the hierarchical combine: a rank combines
+// for only some of h's ranks and receives one partial stream from h per channel, so per-peer groups would leave most
+// of those warps idle. W warps (this warp is number w), named barrier 1 + lead (h's first rank, never a rank of this
+// host), owners: the ranks of h the team serves. Named barriers stop at 15: from 16 ranks on, each peer's G warps
+// stay a team of their own.
+struct FarTeam {
+  int W, w, lead;
+  uint64_t owners;
+};
+__device__ __forceinline__ FarTeam farTeam(const HtParams& p, int peer, int g) {
+  const uint64_t hm = p.host_ranks[p.host_of[peer]];
+  if (p.nranks >= 16) return FarTeam{p.G, g, peer, 1ull << peer};
+  return FarTeam{__popcll(hm) * p.G, p.local_of[peer] * p.G + g, __ffsll(static_cast<long long>(hm)) - 1, hm};
+}
+
+// Owner s of another host, channel c, a rank of this host that is not s's combiner there: copies its rows for s's
+// channel-c tokens into its comb_out region, where the combiner reads them (warp w of W copies rows w, w + W, ...).
+// The team then publishes where they start and that they are in (stageDone).
+__device__ void stageForCombiner(const HtParams& p, int s, int c, const FarTeam& tm) {
+  const int lane = threadIdx.x & 31;
   const int n = p.h.recv_chan[s * p.C + c], src = recvChanStart(p, s, c), start = farRowStart(p, s, c);
   const int have = min(*p.h.num_recv, p.recv_rows);
   uint8_t* out = p.base[p.rank] + p.lay.comb_out + static_cast<size_t>(start) * p.lay.x_stride;
-  if (noFailure(p))
-    for (int i = g; i < n; i += G) {
-      if (src + i < have)
-        warpCopy16(out + i * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
-      else  // worst-token overflow (recorded by notify): x has no such row; the combiner adds zeros
-        warpZero16(out + i * p.lay.x_stride, p.xrow, lane);
-    }
-  fenceForPeers(p.gpu_scope);
-  groupSync(G, s);
-  if (g == 0 && lane == 0 && noFailure(p)) {
-    stRelaxed(qCounter(p, p.rank, kCombOutStart, s, c), static_cast<uint64_t>(start));
-    stRelease(qCounter(p, p.rank, kCombOutReady, s, c), e, p.gpu_scope);
+  for (int i = tm.w; i < n; i += tm.W) {
+    if (src + i < have)
+      warpCopy16(out + i * p.lay.x_stride, static_cast<const uint8_t*>(p.x) + (src + i) * p.xrow, p.xrow, lane);
+    else  // worst-token overflow (recorded by notify): x has no such row; the combiner adds zeros
+      warpZero16(out + i * p.lay.x_stride, p.xrow, lane);
   }
 }
+// One thread, after the team's rows are in and fenced: kCombOutStart, then kCombOutReady = epoch (own buffer).
+__device__ void stageDone(const HtParams& p, int s, int c, uint64_t e) {
+  stRelaxed(qCounter(p, p.rank, kCombOutStart, s, c), static_cast<uint64_t>(farRowStart(p, s, c)));
+  stRelease(qCounter(p, p.rank, kCombOutReady, s, c), e, p.gpu_scope);
+}
 
-// s's combiner on this host for channel c (group of s in block 2c): for each row it forwarded to this host in the
-// dispatch, in order, the token's partial sum over the ranks here that hold it (its own rows from x, the others'
-// from their comb_out once they published them), written as one record into s's combine queue for this rank (two
-// slots per partial, so that an fp32 partial of a 2-byte type fits), in rounds of RT; then it acknowledges the
-// other ranks' rows. Lane j of every warp keeps the state of the host's j-th rank.
+// s's combiner on this host for channel c: for each row it forwarded to this host in the dispatch, in order, the
+// token's partial sum over the ranks here that hold it (its own rows from x, the others' from their comb_out once
+// they published them), written as one record into s's combine queue for this rank (two slots per partial, so that
+// an fp32 partial of a 2-byte type fits), in rounds; then it acknowledges the other ranks' rows. Lane j of every
+// warp keeps the state of the host's j-th rank. False after a failed wait.
 template <int kDtype>
-__device__ void combineFor(const HtParams& p, int s, int c, int g, uint64_t e, volatile int* s_ok) {
+__device__ bool combineFor(const HtParams& p, int s, int c, const FarTeam& tm, uint64_t e, volatile int* s_ok) {
   using V = Vec8<kDtype>;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, C = p.C, G = p.G, RT = p.round;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, C = p.C;
   __shared__ const uint8_t* s_src[32][kGpuHierMaxLocal];  // [warp][j]: the host's j-th rank's row of the slot
-  __shared__ volatile int s_cfail[32];                     // [group]: a rank's rows never came
   const int n = p.h.fwd_chan[s * C + c];
   const int32_t* place =
       p.h.fwd_place + (static_cast<size_t>(s) * p.lay.max_tokens + fwdChanStart(p, s, c)) * p.lay.fwd_idx;
   const int dj = lane < p.lay.fwd_idx ? kthRank(p.host_ranks[p.my_host], lane) : -1;
   const bool other = dj >= 0 && dj != p.rank && rankActive(p.el, dj);
   const int mine = recvChanStart(p, s, c), have = min(*p.h.num_recv, p.recv_rows);
+  // The other ranks' rows are in: warp 0's lanes wait for one rank each.
   bool ok = true;
-  if (g == 0 && other) ok = waitAtLeast(p, qCounter(p, dj, kCombOutReady, s, c), e, dj, epPhaseData, e);
-  ok = __all_sync(kFull, ok);
-  if (g == 0 && lane == 0) s_cfail[s] = !ok;
-  groupSync(G, s);
-  bool alive = s_cfail[s] == 0;
+  if (tm.w == 0 && other) ok = waitAtLeast(p, qCounter(p, dj, kCombOutReady, s, c), e, dj, epPhaseData, e);
+  bool alive = groupWait(p, tm.W, tm.lead, tm.w, nullptr, 0, epPhaseData, e, __all_sync(kFull, ok), s_ok);
   const uint8_t* rows =
       other && alive ? p.base[dj] + p.lay.comb_out +
                            ldAcquire(qCounter(p, dj, kCombOutStart, s, c), p.gpu_scope) * p.lay.x_stride
                      : nullptr;
-  const QueueSend qs = queueSend<true>(p, s, c, kCombTail, kCombHead, kCombSent, kCombHeadBack, rankActive(p.el, s));
+  const QueueSend qs = queueSend<true>(p, s, c, kCombTail, kCombHead, kCombSent, kCombHeadBack, true);
   const uint64_t base = qs.base, pairs = static_cast<uint64_t>(p.Q / 2);
+  // Rounds of at least one partial per warp, at most half the queue's pairs (the owner drains one half while this
+  // rank fills the other; with the owner's rounds of at most half as well, neither end waits for the other for good).
+  const int RT = max(1, min(max(p.round, tm.W), static_cast<int>(pairs / 2)));
   uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * p.Q * p.lay.x_stride;
   const size_t pbytes = partialBytes(p);
   const uint32_t sum_len = static_cast<uint32_t>(pbytes > p.xrow ? p.lay.x_stride + pbytes - p.xrow : pbytes);
@@ -817,8 +829,9 @@ __device__ void combineFor(const HtParams& p, int s, int c, int g, uint64_t e, v
   for (int k = 0; k < n; k += RT) {
     const int kend = min(k + RT, n);
     const uint64_t end = base + 2 * static_cast<uint64_t>(kend);
-    alive = groupWait(p, G, s, g, qs.head, end > 2 * pairs ? end - 2 * pairs : 0, epPhaseData, e, alive, s_ok);
-    for (int i = k + g; alive && i < kend; i += G) {
+    alive = groupWait(p, tm.W, tm.lead, tm.w, qs.head, end > 2 * pairs ? end - 2 * pairs : 0, epPhaseData, e, alive,
+                      s_ok);
+    for (int i = k + tm.w; alive && i < kend; i += tm.W) {
       const int jd = lane < p.lay.fwd_idx ? place[static_cast<size_t>(i) * p.lay.fwd_idx + lane] : -1;
       const bool holds = jd >= 0 && (dj == p.rank || other);
       const unsigned holders = __ballot_sync(kFull, holds);
@@ -857,32 +870,50 @@ __device__ void combineFor(const HtParams& p, int s, int c, int g, uint64_t e, v
       remoteCommitWarp(rs);
     }
     fenceForPeers(p.gpu_scope);
-    groupSync(G, s);
-    if (g == 0 && lane == 0 && noFailure(p)) publishTail<true>(p, qs, s, end, e);
+    groupSync(tm.W, tm.lead);
+    if (tm.w == 0 && lane == 0 && noFailure(p)) publishTail<true>(p, qs, s, end, e);
   }
-  // Every row read (the group's last barrier ordered the reads before this): the other ranks may reuse comb_out.
-  groupSync(G, s);
-  if (g == 0 && other && alive && noFailure(p)) stRelease(qCounter(p, dj, kCombOutAck, s, c), e, p.gpu_scope);
+  // Every row read (ordered before this by the team's last barrier): the other ranks may reuse comb_out.
+  groupSync(tm.W, tm.lead);
+  if (tm.w == 0 && other && alive && noFailure(p)) stRelease(qCounter(p, dj, kCombOutAck, s, c), e, p.gpu_scope);
+  return alive;
 }
 
-// The owner's side (block 2c+1, group of r): r of another host is this rank's combiner there for channel c, and
-// streams one partial per channel-c token that a rank of r's host holds, in token order. The G warps move them,
-// in rounds of G, into the combine staging rows of that host's first two ranks (unused otherwise: the rest of that
-// host sends nothing here) at the token's place among those forwarded there (fpos), the fp32 partial's second slot
-// into the second rank's row. False after a failed wait.
-__device__ bool drainPartials(const HtParams& p, int r, int c, int g, uint64_t e, uint8_t* stage) {
-  const int lane = threadIdx.x & 31, R = p.nranks, C = p.C, G = p.G;
-  const int h = p.host_of[r];
-  const uint64_t hm = p.host_ranks[h];
-  if (!rankActive(p.el, r) || forwarderOf(p, p.rank, h, c, p.el->active) != r) return true;
-  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
-  int n = 0;  // this channel's tokens that some rank of h holds
-  for (int t = tb + lane; t < te; t += 32) {
-    int any = 0;
-    for (uint64_t m = hm; m; m &= m - 1) any |= p.h.in_rank[static_cast<size_t>(t) * R + __ffsll(m) - 1];
-    n += any != 0;
+// Send side of the hierarchical combine toward the owners of another host (one team, farTeam): first this rank's
+// rows for the owners it does not combine for, staged for their combiners (so those start early), then the owners it
+// combines for, one after another.
+template <int kDtype>
+__device__ void combineToHost(const HtParams& p, int c, const FarTeam& tm, uint64_t e, volatile int* s_ok) {
+  const uint64_t act = p.el->active;
+  const uint64_t owners = tm.owners & act;
+  uint64_t combined = 0;
+  for (uint64_t m = owners; m; m &= m - 1) {
+    const int s = __ffsll(static_cast<long long>(m)) - 1;
+    if (forwarderOf(p, s, p.my_host, c, act) == p.rank) combined |= 1ull << s;
+    else if (noFailure(p)) stageForCombiner(p, s, c, tm);
   }
-  n = warpSum(n);
+  fenceForPeers(p.gpu_scope);
+  groupSync(tm.W, tm.lead);
+  if (tm.w == 0 && (threadIdx.x & 31) == 0 && noFailure(p))
+    for (uint64_t m = owners & ~combined; m; m &= m - 1) stageDone(p, __ffsll(static_cast<long long>(m)) - 1, c, e);
+  bool alive = true;
+  for (uint64_t m = combined; m && alive; m &= m - 1)
+    alive = combineFor<kDtype>(p, __ffsll(static_cast<long long>(m)) - 1, c, tm, e, s_ok);
+}
+
+// The owner's side (block 2c+1, the team of host h): this rank's combiner on h for channel c streams one partial per
+// channel-c token that a rank of h holds, in token order. The team walks the channel's tokens W at a time (warp w
+// takes the w-th), moving the partial of each token that h holds into the combine staging rows of h's first two
+// ranks (unused otherwise: h's ranks send nothing else here) at the token's place among those forwarded there
+// (fpos); the fp32 partial's second slot (two or more holders, a 2-byte type) into the second rank's row. False after
+// a failed wait.
+__device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint64_t e, uint8_t* stage) {
+  const int lane = threadIdx.x & 31, R = p.nranks, C = p.C;
+  const int h = p.host_of[tm.lead];
+  const uint64_t hm = p.host_ranks[h];
+  const int r = forwarderOf(p, p.rank, h, c, p.el->active);
+  if (!rankActive(p.el, r) || ((tm.owners >> r) & 1) == 0) return true;  // no stream, or another team's
+  const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
   const int fb = p.h.fchan_base[h * C + c], ra = kthRank(hm, 0), rb = kthRank(hm, 1);
   const bool split = partialBytes(p) > p.xrow && rb >= 0;
   const size_t plane = static_cast<size_t>(p.lay.max_tokens) * p.lay.x_stride;
@@ -893,20 +924,38 @@ __device__ bool drainPartials(const HtParams& p, int r, int c, int g, uint64_t e
   const uint64_t base = ldAcquire(head, p.gpu_scope), pairs = static_cast<uint64_t>(p.Q / 2);
   const uint8_t* q = inBase(p, r) + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * p.Q * p.lay.x_stride;
   bool alive = true;
-  for (int k = 0; k < n; k += G) {
-    const int i = k + g;
-    if (alive && i < n) {
+  int done = 0;  // warp 0: partials drained (the round's largest index + 1)
+  // Rounds of at most W tokens and at most half the queue's pairs (as the combiner's rounds: combineFor).
+  const int step = max(1, min(tm.W, static_cast<int>(pairs / 2)));
+  for (int t0 = tb; t0 < te; t0 += step) {
+    const int t = t0 + tm.w;
+    int holders = 0;
+    if (tm.w < step && t < te)
+      for (uint64_t m = hm; m; m &= m - 1)
+        holders += p.h.in_rank[static_cast<size_t>(t) * R + __ffsll(static_cast<long long>(m)) - 1];
+    const int i = holders > 0 ? p.h.fpos[static_cast<size_t>(t) * R + h] - fb : -1;
+    if (alive && i >= 0) {
       bool ok = true;
       if (lane == 0) ok = waitAtLeast(p, tail, base + 2 * static_cast<uint64_t>(i) + 2, r, epPhaseData, e);
       alive = __shfl_sync(kFull, ok, 0);
+      if (alive) {
+        const uint8_t* slot = q + ((base / 2 + i) % pairs) * 2 * p.lay.x_stride;
+        warpCopy16(A + i * p.lay.x_stride, slot, p.xrow, lane);
+        if (split && holders > 1)
+          warpCopy16(B + i * p.lay.x_stride, slot + p.lay.x_stride, partialBytes(p) - p.xrow, lane);
+      }
     }
-    if (alive && i < n) {
-      const uint8_t* slot = q + ((base / 2 + i) % pairs) * 2 * p.lay.x_stride;
-      warpCopy16(A + i * p.lay.x_stride, slot, p.xrow, lane);
-      if (split) warpCopy16(B + i * p.lay.x_stride, slot + p.lay.x_stride, partialBytes(p) - p.xrow, lane);
+    if (tm.w == 0) {  // the round's last partial: lane l looks at the round's l-th token (step <= W <= 32)
+      const int tl = t0 + lane;
+      int hl = 0;
+      if (lane < step && tl < te)
+        for (uint64_t m = hm; m; m &= m - 1)
+          hl += p.h.in_rank[static_cast<size_t>(tl) * R + __ffsll(static_cast<long long>(m)) - 1];
+      const int il = hl > 0 ? p.h.fpos[static_cast<size_t>(tl) * R + h] - fb + 1 : 0;
+      done = max(done, static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(il))));
     }
-    groupSync(G, r);
-    if (g == 0 && lane == 0) publishHead(p, head, r, c, kCombHeadBack, base + 2 * static_cast<uint64_t>(min(k + G, n)), e, true);
+    groupSync(tm.W, tm.lead);
+    if (tm.w == 0 && lane == 0) publishHead(p, head, r, c, kCombHeadBack, base + 2 * static_cast<uint64_t>(done), e, true);
   }
   return alive;
 }
@@ -928,11 +977,9 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
     // Send: the G warps of source s copy its rows in rounds of G, then publish the tail.
     const int s = warp / G, g = warp % G;
     if constexpr (kH) {
-      __shared__ int s_okc[32];  // per owner group (groupWait)
+      __shared__ int s_okc[32];  // per team (groupWait)
       if (isRemote(p.remote, s)) {
-        if (!rankActive(p.el, s)) return;
-        if (forwarderOf(p, s, p.my_host, c, p.el->active) == p.rank) combineFor<kDtype>(p, s, c, g, e, s_okc);
-        else stageForCombiner(p, s, c, g, e);
+        combineToHost<kDtype>(p, c, farTeam(p, s, g), e, s_okc);
         return;
       }
     }
@@ -989,7 +1036,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
   __syncthreads();
   const int r = warp / G, g = warp % G;
   if (kH && isRemote(p.remote, r)) {
-    if (!drainPartials(p, r, c, g, e, stage) && lane == 0) s_ok = 0;
+    if (!drainPartials(p, c, farTeam(p, r, g), e, stage) && lane == 0) s_ok = 0;
   } else {
     const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
     // Rows from r on this channel: its tokens in [tb, te) that went to r.
