@@ -472,6 +472,7 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
   if (g == 0 && lane < kGpuHierMaxLocal) s_fcnt[s][lane] = 0;  // read after the group's first barrier
   if (g == 0 && lane == 0) s_ffail[s] = 0;
   int published = 0;  // warp 0, lane j: the count dj last saw
+  uint64_t room = 0;   // lane j: the largest head of dj's queue this warp read (its rows below room + Q are free)
   bool alive = true;
   for (int k = 0; k < n; k += RT) {
     const int kend = min(k + RT, n);
@@ -482,9 +483,14 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
       const int jd = dj >= 0 ? reinterpret_cast<const int32_t*>(slot + p.lay.disp_fwd)[lane] : -1;
       if (lane < p.lay.fwd_idx) place[static_cast<size_t>(i) * p.lay.fwd_idx + lane] = jd;
       // Room at dj for its row jd; this rank's own row where it receives the token.
+      // The head is read again only when the last value read leaves no room (the receiver drains far ahead of
+      // need mostly), so most slots cost no load across the link.
       bool ok = true;
-      if (other && jd >= 0 && fbase + jd + 1 > static_cast<uint64_t>(Q))
-        ok = waitAtLeast(p, qCounter(p, dj, kDispFwdHead, s, c), fbase + jd + 1 - Q, dj, epPhaseData, e);
+      if (other && jd >= 0 && fbase + jd + 1 > room + Q) {
+        const uint64_t* dh = qCounter(p, dj, kDispFwdHead, s, c);
+        ok = waitAtLeast(p, dh, fbase + jd + 1 - Q, dj, epPhaseData, e);
+        if (ok) room = ldAcquire(dh, p.gpu_scope);
+      }
       if (!__all_sync(kFull, ok)) {  // rows this warp leaves unwritten: no count may cover them
         alive = false;
         if (lane == 0) s_ffail[s] = 1;
