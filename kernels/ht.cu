@@ -763,6 +763,20 @@ __device__ __forceinline__ size_t partialOff(const HtParams& p, size_t o) {
   return o < p.xrow ? o : p.lay.x_stride + (o - p.xrow);
 }
 
+// The partial stream of one (combiner's host h, owner, channel c) runs through the owner's combine queues for every
+// rank of h on channel c in turn (in this mode only the combiner sends that owner anything from h), so it has
+// hosts' ranks x Q slots: a partial is two slots, and one rank carries what each rank of its host sent before; a
+// shallow queue bounds the bytes in flight, which set the speed across hosts. Offset in comb_q of pair k's first slot.
+__device__ __forceinline__ size_t partialSlot(const HtParams& p, uint64_t hm, int c, uint64_t k) {
+  const uint64_t per = static_cast<uint64_t>(p.Q / 2);  // pairs per queue
+  const uint64_t at = k % (per * __popcll(hm));
+  const int rr = kthRank(hm, static_cast<int>(at / per));
+  return ((static_cast<size_t>(rr) * p.C + c) * p.Q + 2 * (at % per)) * p.lay.x_stride;
+}
+__device__ __forceinline__ uint64_t partialPairs(const HtParams& p, uint64_t hm) {
+  return static_cast<uint64_t>(p.Q / 2) * __popcll(hm);
+}
+
 // The warps that serve the peers of one other host h work as one team in the hierarchical combine: a rank combines
 // for only some of h's ranks and receives one partial stream from h per channel, so per-peer groups would leave most
 // of those warps idle. W warps (this warp is number w), named barrier 1 + lead (h's first rank, never a rank of this
@@ -824,11 +838,11 @@ __device__ bool combineFor(const HtParams& p, int s, int c, const FarTeam& tm, u
                            ldAcquire(qCounter(p, dj, kCombOutStart, s, c), p.gpu_scope) * p.lay.x_stride
                      : nullptr;
   const QueueSend qs = queueSend<true>(p, s, c, kCombTail, kCombHead, kCombSent, kCombHeadBack, true);
-  const uint64_t base = qs.base, pairs = static_cast<uint64_t>(p.Q / 2);
-  // Rounds of at least one partial per warp, at most half the queue's pairs (the owner drains one half while this
-  // rank fills the other; with the owner's rounds of at most half as well, neither end waits for the other for good).
-  const int RT = max(1, min(max(p.round, tm.W), static_cast<int>(pairs / 2)));
-  uint8_t* q = p.base[s] + p.lay.comb_q + (static_cast<size_t>(p.rank) * C + c) * p.Q * p.lay.x_stride;
+  const uint64_t hm = p.host_ranks[p.my_host], base = qs.base, pairs = partialPairs(p, hm);
+  // Rounds of one partial per warp, at most a quarter of the stream's pairs (several rounds in flight; with the
+  // owner's rounds of at most a quarter as well, neither end waits for the other for good).
+  const int RT = max(1, min(tm.W, static_cast<int>(pairs / 4)));
+  uint8_t* q = p.base[s] + p.lay.comb_q;
   const size_t pbytes = partialBytes(p);
   const uint32_t sum_len = static_cast<uint32_t>(pbytes > p.xrow ? p.lay.x_stride + pbytes - p.xrow : pbytes);
   const int chunks = static_cast<int>(p.xrow / 16);
@@ -847,7 +861,7 @@ __device__ bool combineFor(const HtParams& p, int s, int c, const FarTeam& tm, u
       if (lane < kGpuHierMaxLocal) s_src[warp][lane] = row;
       __syncwarp();
       const bool single = __popc(holders) == 1;
-      uint8_t* slot = q + ((base / 2 + i) % pairs) * 2 * p.lay.x_stride;
+      uint8_t* slot = q + partialSlot(p, hm, c, base / 2 + i);
       const RemoteSlot rs = remoteDataWarp(p, s, kRemoteHtBuffer, remoteOff(slot),
                                            single ? static_cast<uint32_t>(p.xrow) : sum_len, e);
       if (rs.hdr != nullptr) {
@@ -927,12 +941,12 @@ __device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint6
   uint8_t* B = split ? stage + rb * plane + static_cast<size_t>(fb) * p.lay.x_stride : nullptr;
   const uint64_t* tail = qCounterIn(p, kCombTail, r, c);
   uint64_t* head = qCounter(p, p.rank, kCombHead, r, c);
-  const uint64_t base = ldAcquire(head, p.gpu_scope), pairs = static_cast<uint64_t>(p.Q / 2);
-  const uint8_t* q = inBase(p, r) + p.lay.comb_q + (static_cast<size_t>(r) * C + c) * p.Q * p.lay.x_stride;
+  const uint64_t base = ldAcquire(head, p.gpu_scope), pairs = partialPairs(p, hm);
+  const uint8_t* q = inBase(p, r) + p.lay.comb_q;
   bool alive = true;
   int done = 0;  // warp 0: partials drained (the round's largest index + 1)
-  // Rounds of at most W tokens and at most half the queue's pairs (as the combiner's rounds: combineFor).
-  const int step = max(1, min(tm.W, static_cast<int>(pairs / 2)));
+  // Rounds of at most W tokens and at most a quarter of the stream's pairs (as the combiner's rounds: combineFor).
+  const int step = max(1, min(tm.W, static_cast<int>(pairs / 4)));
   for (int t0 = tb; t0 < te; t0 += step) {
     const int t = t0 + tm.w;
     int holders = 0;
@@ -945,7 +959,7 @@ __device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint6
       if (lane == 0) ok = waitAtLeast(p, tail, base + 2 * static_cast<uint64_t>(i) + 2, r, epPhaseData, e);
       alive = __shfl_sync(kFull, ok, 0);
       if (alive) {
-        const uint8_t* slot = q + ((base / 2 + i) % pairs) * 2 * p.lay.x_stride;
+        const uint8_t* slot = q + partialSlot(p, hm, c, base / 2 + i);
         warpCopy16(A + i * p.lay.x_stride, slot, p.xrow, lane);
         if (split && holders > 1)
           warpCopy16(B + i * p.lay.x_stride, slot + p.lay.x_stride, partialBytes(p) - p.xrow, lane);

@@ -6,6 +6,9 @@
 #        hosts, hierarchical against flat (EPCOMM_HT_HIERARCHICAL=0)
 # hcomb: the hierarchical combine (pack n) against s41's HEAD (pack m, flat combine): test_gpu_ht of n at R = 4 and 8
 #        over 2 virtual hosts, then HT at -n 4 and -n 8 across 2 hosts, m and n alternating
+# team:  the same with pack n2 (the combine's warps of one far host as one team; the forwarder's cached head)
+# deep:  the same with pack n3 (a partial stream runs through the queues of every rank of the combiner's host), one
+#        round of the bench pairs
 cd "$(dirname "$0")/../.."
 part=${1:-head}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s42 $part
@@ -23,4 +26,17 @@ case $part in
       [ $(left) -gt 250 ] && D=$N suite1 ht 8 2 130
       for i in 1 2; do for n in 4 8; do [ $(left) -gt 100 ] || continue
         OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; done; el ) ;;
+  team)
+    N=.gpupack/n2
+    ( mps_start; D=$N suite1 ht 4 2 90
+      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log || grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+      [ $(left) -gt 250 ] && D=$N suite1 ht 8 2 130
+      for i in 1 2; do for n in 4 8; do [ $(left) -gt 100 ] || continue
+        OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; done; el ) ;;
+  deep)
+    N=.gpupack/n3
+    ( mps_start; D=$N suite1 ht 4 2 90
+      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log || grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+      for n in 4 8; do OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; el
+      [ $(left) -gt 150 ] && D=$N suite1 ht 8 2 130 ) ;;
 esac
