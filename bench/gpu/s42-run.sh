@@ -8,7 +8,7 @@
 #        over 2 virtual hosts, then HT at -n 4 and -n 8 across 2 hosts, m and n alternating
 # team:  the same with pack n2 (the combine's warps of one far host as one team; the forwarder's cached head)
 # deep:  the same with pack n3 (a partial stream runs through the queues of every rank of the combiner's host), one
-#        round of the bench pairs
+#        round of the bench: m, n3, n (per-peer groups, one queue) at -n 4 and -n 8
 cd "$(dirname "$0")/../.."
 part=${1:-head}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s42 $part
@@ -37,6 +37,6 @@ case $part in
     N=.gpupack/n3
     ( mps_start; D=$N suite1 ht 4 2 90
       grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log || grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
-      for n in 4 8; do OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; el
+      for n in 4 8; do OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; OPS=ht XT=45 xhost .gpupack/n $n; done; el
       [ $(left) -gt 150 ] && D=$N suite1 ht 8 2 130 ) ;;
 esac
