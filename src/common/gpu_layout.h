@@ -521,7 +521,8 @@ struct HtParams {
   // Hierarchical HT dispatch across hosts (push dispatch, hier = 1): a token crosses to another host once, to the
   // forwarder there of the source's channel (hierForwarder, through kernels/ht.cu forwarderOf), which hands each
   // rank of its host the slot the source would have sent it. Hosts are numbered in the order of their lowest rank;
-  // a rank's local index is its place among its host's ranks, ascending.
+  // a rank's local index is its place among its host's ranks, ascending. In a combine, hier = 1 is the
+  // hierarchical combine (EPCOMM_GPU_HT_COMBINE_HIER): that forwarder sums its host's rows for the owner.
   int hier;
   int fwd_spread;                    // the forwarder of (source, host) moves with the channel (kernels/ht.cu
                                      // forwarderOf): each source streams to every rank of the host, not one

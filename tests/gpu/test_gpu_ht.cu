@@ -14,10 +14,10 @@
 //    copying ranks), and graph B of the replay test;
 //  - a rank that stops participating: the others report a timeout within the deadline, exit cleanly, and a
 //    new communicator works afterwards.
-// Ranks over H virtual hosts (EPCOMM_GPU_TEST_HOSTS) run every test across hosts, hierarchically (a token goes to a
-// host once, through the source's forwarder there, which also sums its host's expert outputs for it; the killed-rank
-// test moves forwarders), against a host-engine reference on the same hosts; one test runs the flat path across 2
-// hosts.
+// Ranks over H virtual hosts (EPCOMM_GPU_TEST_HOSTS) run every test across hosts, dispatch hierarchically (a token
+// goes to a host once, through the source's forwarder there; the killed-rank test moves forwarders), combine flat
+// unless EPCOMM_GPU_HT_COMBINE_HIER=1 (then against a host-engine reference on the same hosts); across 2 hosts one
+// test runs the flat dispatch, one the hierarchical combine.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -280,8 +280,16 @@ int runCase(epComm_t g, epComm_t h, int rank, int R, const Case& c, uint64_t see
   return 0;
 }
 
-// The GPU communicator under test and its host-engine reference, on the same hosts (across hosts both combine
-// hierarchically, in the order epcomm.h states); timeout_ms 0 keeps gpuConfig()'s deadline.
+// EPCOMM_GPU_HT_COMBINE_HIER=1 (read once per process, at its first GPU communicator): across hosts the GPU engine
+// combines hierarchically, in the host engine's order across the same hosts; otherwise flat, in the one-host order.
+bool hierCombine() {
+  const char* v = getenv("EPCOMM_GPU_HT_COMBINE_HIER");
+  return v != nullptr && atoi(v) != 0;
+}
+
+// The GPU communicator under test and its host-engine reference: on the same hosts where the GPU combine is
+// hierarchical (both then sum per host first, in the order epcomm.h states), else on one host (the one-host order,
+// which the flat combine keeps); timeout_ms 0 keeps gpuConfig()'s deadline.
 int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epComm_t* g, epComm_t* h,
              int timeout_ms = 0, int hosts = testHosts()) {
   epConfig_t cfg = gpuConfig();
@@ -290,7 +298,7 @@ int initPair(int rank, int R, const epUniqueId& gid, const epUniqueId& hid, epCo
   epConfig_t hc = EP_CONFIG_INIT;
   hc.engine = EP_ENGINE_HOST;
   hc.queue_bytes = 8 << 20;
-  CKE(initOnHosts(h, R, &hid, rank, &hc, hosts), nullptr);
+  CKE(initOnHosts(h, R, &hid, rank, &hc, hierCombine() ? hosts : 1), nullptr);
   return 0;
 }
 
@@ -644,10 +652,11 @@ TEST_P(GpuHt, StoppedRankTimesOutAndANewCommWorks) {
 // engine maps only the ranks of its own host and reaches the others through its proxy. HT (exact, cached and
 // worst-token dispatch, every combine type) is bit-exact against the host engine; the zero-copy combine region and
 // registration, which would need the peers' memory, are refused with epNotSupported (runCase checks both).
-// HT is hierarchical there by default (a token crosses to a host once, to the source's forwarder, which hands it to
-// the ranks of its host and sends back one partial sum of their expert outputs); `flat` runs the same cases with
-// EPCOMM_HT_HIERARCHICAL=0 (on both communicators: the host engine reads it too).
-void ranksOnTwoHosts(int R, bool flat) {
+// Dispatch is hierarchical there by default (a token crosses to a host once, to the source's forwarder, which hands
+// it to the ranks of its host); `flat` runs the same cases with EPCOMM_HT_HIERARCHICAL=0, `hier_combine` with
+// EPCOMM_GPU_HT_COMBINE_HIER=1 (that forwarder also sends back one partial sum of its host's expert outputs, against
+// a host engine on the same hosts).
+void ranksOnTwoHosts(int R, bool flat, bool hier_combine = false) {
   epUniqueId gid, hid;
   ASSERT_EQ(epGetUniqueId(&gid), epSuccess);
   ASSERT_EQ(epGetUniqueId(&hid), epSuccess);
@@ -655,6 +664,7 @@ void ranksOnTwoHosts(int R, bool flat) {
   auto codes = epcomm::test::runRanks(R, [&](int rank) -> int {
     g_rank = rank;
     if (flat) setenv("EPCOMM_HT_HIERARCHICAL", "0", 1);  // read once per process, at the first communicator
+    if (hier_combine) setenv("EPCOMM_GPU_HT_COMBINE_HIER", "1", 1);
     CKC(selectDevice(rank));
     epComm_t g, h;
     if (initPair(rank, R, gid, hid, &g, &h, 0, 2)) return 1;
@@ -678,6 +688,7 @@ void ranksOnTwoHosts(int R, bool flat) {
 }
 TEST_P(GpuHt, RanksOnTwoHostsRunThroughTheProxy) { ranksOnTwoHosts(GetParam(), false); }
 TEST_P(GpuHt, RanksOnTwoHostsFlatDispatch) { ranksOnTwoHosts(GetParam(), true); }
+TEST_P(GpuHt, RanksOnTwoHostsHierarchicalCombine) { ranksOnTwoHosts(GetParam(), false, true); }
 
 // Elastic ranks: the last rank is killed (SIGKILL) while the others run an HT step; they get epTimeout once,
 // mask it on the GPU communicator (broken until then) and on a host-engine one, and every HT case afterwards

@@ -37,6 +37,12 @@ EP_PARAM(HtHierarchical, "HT_HIERARCHICAL", 1);
 // streams to several ranks there (every one when the channels are at least the host's ranks), each forwarding part
 // of it, or is one rank per source and host (0, the host engine's choice).
 EP_PARAM(GpuHtFwdSpread, "GPU_HT_FWD_SPREAD", 1);
+// Hierarchical HT combine across hosts (1; kernels/ht.cu combineFor: one partial sum per token and host, the host
+// engine's order) or flat (0: each rank sends its row back itself, the one-host order). 0 by default: on one H100
+// with virtual hosts it took 2.2x flat's time at 2 x 2 ranks and 1.3x at 2 x 4 (its first version, a group of warps
+// per owner and one queue per stream, 1.8x and 1.15x in the same run): the partials cross in fp32, and one rank per
+// host and channel sends what each of its host's ranks sent before (bench/results/s42.log, call 3).
+EP_PARAM(GpuHtCombineHier, "GPU_HT_COMBINE_HIER", 0);
 
 int gpuDeviceCount() {
   int n = 0;
@@ -178,24 +184,27 @@ epResult_t GpuEngine::init() {
     EP_INFO(kSubsysInit, "GPU engine: rank %d has %d ranks on other hosts: HT dispatch and combine push through the "
             "queues, a proxy carries the traffic between hosts", comm_->rank, __builtin_popcountll(remote_mask_));
   }
-  // Across hosts HT is hierarchical (a token crosses to a host once, kernels/ht.cu forwardFrom; its expert outputs
-  // come back as one partial sum per host, combineFor) unless EPCOMM_HT_HIERARCHICAL=0 (the host engine's knob) or a
-  // host is wider than a slot can name.
+  // Across hosts HT dispatch is hierarchical (a token crosses to a host once; kernels/ht.cu forwardFrom) unless
+  // EPCOMM_HT_HIERARCHICAL=0 (the host engine's knob) or a host is wider than a slot can name; the combine too with
+  // EPCOMM_GPU_HT_COMBINE_HIER=1 (its expert outputs come back as one partial sum per host: combineFor).
   ht_hier_ = remote_mask_ != 0 && widest <= kGpuHierMaxLocal && epParamHtHierarchical() != 0;
   ht_fwd_spread_ = epParamGpuHtFwdSpread() != 0;
+  ht_hier_combine_ = ht_hier_ && epParamGpuHtCombineHier() != 0;
   if (remote_mask_ != 0)
-    EP_INFO(kSubsysInit, "GPU engine: %d hosts, HT across them %s", nhosts_,
-            ht_hier_ ? "hierarchical (once per host, then inside it; combine: one partial sum per host)" : "flat");
+    EP_INFO(kSubsysInit, "GPU engine: %d hosts, HT dispatch across them %s, combine %s", nhosts_,
+            ht_hier_ ? "hierarchical (once per host, then inside it)" : "flat",
+            ht_hier_combine_ ? "hierarchical (one partial sum per token and host)" : "flat");
   lay_ = gpuBufferLayout(R, channels, queue_rows, c.ht_max_hidden, c.ht_max_tokens_per_rank, ht_pull_dispatch_,
-                         ht_hier_ ? widest : 0, ht_hier_ ? R - narrowest : 0);
+                         ht_hier_ ? widest : 0, ht_hier_combine_ ? R - narrowest : 0);
   // Peers index each other's buffers with this layout and follow one protocol: every rank must have the same
   // (a different EPCOMM_NUM_SMS / GPU_QUEUE_ROWS / GPU_HT_*_PULL on one rank would hang or read out of bounds).
   struct Shape {
     uint64_t total;
     int32_t channels, queue_rows, pull, pull_dispatch, hier;
   };
-  // hier: 0 flat, 1 hierarchical dispatch with one forwarder per source and host, 2 with the channel moving it
-  const int32_t hier = ht_hier_ ? (ht_fwd_spread_ ? 2 : 1) : 0;
+  // hier: 0 flat, 1 hierarchical dispatch with one forwarder per source and host, 2 with the channel moving it;
+  // + 4 with the hierarchical combine
+  const int32_t hier = (ht_hier_ ? (ht_fwd_spread_ ? 2 : 1) : 0) + (ht_hier_combine_ ? 4 : 0);
   std::vector<Shape> shapes(R);
   shapes[comm_->rank] = {lay_.total, lay_.channels, lay_.queue_rows, ht_pull_ ? 1 : 0,
                          ht_pull_dispatch_ ? 1 : 0, hier};
@@ -209,8 +218,8 @@ epResult_t GpuEngine::init() {
                "rank %d's GPU engine differs from this rank's (channels %d / %d, queue rows %d / %d, pull combine "
                "%d / %d, pull dispatch %d / %d, hierarchical dispatch %d / %d, buffer %llu / %llu bytes): "
                "EPCOMM_NUM_SMS (or config.num_sms), EPCOMM_GPU_QUEUE_ROWS, EPCOMM_GPU_HT_COMBINE_PULL, "
-               "EPCOMM_GPU_HT_DISPATCH_PULL, EPCOMM_HT_HIERARCHICAL and EPCOMM_GPU_HT_FWD_SPREAD must agree on every "
-               "rank",
+               "EPCOMM_GPU_HT_DISPATCH_PULL, EPCOMM_HT_HIERARCHICAL, EPCOMM_GPU_HT_FWD_SPREAD and "
+               "EPCOMM_GPU_HT_COMBINE_HIER must agree on every rank",
                r, a.channels, b.channels, a.queue_rows, b.queue_rows, a.pull, b.pull, a.pull_dispatch,
                b.pull_dispatch, a.hier, b.hier, static_cast<unsigned long long>(a.total),
                static_cast<unsigned long long>(b.total));

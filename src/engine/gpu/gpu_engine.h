@@ -99,6 +99,7 @@ class GpuEngine final : public Engine {
   // ranks each, unless EPCOMM_HT_HIERARCHICAL=0. Hosts numbered by their lowest rank.
   bool ht_hier_ = false;
   bool ht_fwd_spread_ = true;  // EPCOMM_GPU_HT_FWD_SPREAD: the forwarder moves with the channel
+  bool ht_hier_combine_ = false;  // EPCOMM_GPU_HT_COMBINE_HIER (with ht_hier_): one partial sum per token and host
   int nhosts_ = 1, my_host_ = 0;
   std::vector<uint8_t> host_of_, local_of_;
   std::vector<uint64_t> host_ranks_;

@@ -57,7 +57,8 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  // Hierarchical combine: the forwarder's places, for every row a source may send it (lay_.max_tokens each).
+  // Hierarchical dispatch: the forwarder's places, for every row a source may send it (lay_.max_tokens each),
+  // written by every such dispatch and read by the hierarchical combine.
   const size_t places = static_cast<size_t>(R) * lay_.max_tokens * lay_.fwd_idx;
   const size_t ints = 2 * tr + (R + 1) + 4 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R + places;
   const size_t bytes = 4 * ints + tr + 64;
@@ -207,7 +208,7 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.combined_x = a->combined_x;
   p.h = g->dev;
   p.pull = ht_pull_ ? 1 : 0;
-  p.hier = ht_hier_ ? 1 : 0;  // across hosts: the forwarders of the dispatch combine their host's rows
+  p.hier = ht_hier_combine_ ? 1 : 0;  // across hosts: the forwarders of the dispatch combine their host's rows
   p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   p.recv_rows = h->recv_rows;
   // x at the start of the zero-copy region: the owners read it there. Overlapping it otherwise: a mistake (row i of
