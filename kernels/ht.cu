@@ -481,7 +481,7 @@ __device__ void forwardFrom(const HtParams& p, int s, int c, int g, int rows, ui
     for (int i = k + g; alive && i < kend; i += G) {
       const uint8_t* slot = q + ((base + i) % Q) * p.lay.disp_slot;
       const int jd = dj >= 0 ? reinterpret_cast<const int32_t*>(slot + p.lay.disp_fwd)[lane] : -1;
-      if (lane < p.lay.fwd_idx) place[static_cast<size_t>(i) * p.lay.fwd_idx + lane] = jd;
+      if (p.hier_combine && lane < p.lay.fwd_idx) place[static_cast<size_t>(i) * p.lay.fwd_idx + lane] = jd;
       // Room at dj for its row jd; this rank's own row where it receives the token.
       // The head is read again only when the last value read leaves no room (the receiver drains far ahead of
       // need mostly), so most slots cost no load across the link.
@@ -815,9 +815,9 @@ __device__ void stageDone(const HtParams& p, int s, int c, uint64_t e) {
 
 // s's combiner on this host for channel c: for each row it forwarded to this host in the dispatch, in order, the
 // token's partial sum over the ranks here that hold it (its own rows from x, the others' from their comb_out once
-// they published them), written as one record into s's combine queue for this rank (two slots per partial, so that
-// an fp32 partial of a 2-byte type fits), in rounds; then it acknowledges the other ranks' rows. Lane j of every
-// warp keeps the state of the host's j-th rank. False after a failed wait.
+// they published them), written as one record into s's combine queues of this host's ranks (partialSlot: two slots
+// per partial, so that an fp32 partial of a 2-byte type fits), in rounds; then it acknowledges the other ranks' rows.
+// Lane j of every warp keeps the state of the host's j-th rank. False after a failed wait.
 template <int kDtype>
 __device__ bool combineFor(const HtParams& p, int s, int c, const FarTeam& tm, uint64_t e, volatile int* s_ok) {
   using V = Vec8<kDtype>;
@@ -932,7 +932,8 @@ __device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint6
   const int h = p.host_of[tm.lead];
   const uint64_t hm = p.host_ranks[h];
   const int r = forwarderOf(p, p.rank, h, c, p.el->active);
-  if (!rankActive(p.el, r) || ((tm.owners >> r) & 1) == 0) return true;  // no stream, or another team's
+  // No stream (no active rank on h), or another team's.
+  if (r < 0 || !rankActive(p.el, r) || ((tm.owners >> r) & 1) == 0) return true;
   const int tb = chanBegin(p.T, C, c), te = chanBegin(p.T, C, c + 1);
   const int fb = p.h.fchan_base[h * C + c], ra = kthRank(hm, 0), rb = kthRank(hm, 1);
   const bool split = partialBytes(p) > p.xrow && rb >= 0;

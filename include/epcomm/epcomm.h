@@ -42,8 +42,9 @@
  *   (EPCOMM_NET) and the receiving rank's proxy stores it into its buffers; the counts stay on the device and the
  *   proxy keeps no per-operation state, so what is capturable on one host is capturable across hosts too. Across
  *   hosts HT dispatch and combine push through the queues (HT combine sums in ascending rank order, as on one
- *   host: bit-identical to one host's result; with EPCOMM_GPU_HT_COMBINE_HIER=1 it sums per host first, in the order
- *   stated at epHtCombine, as the host engine does), and what needs the peers' memory mapped is refused with
+ *   host: bit-identical to one host's result; with EPCOMM_GPU_HT_COMBINE_HIER=1 and the hierarchical dispatch, which
+ *   needs hosts of at most 16 ranks, it sums per host first, in the order stated at epHtCombine, as the host engine
+ *   does), and what needs the peers' memory mapped is refused with
  *   epNotSupported: epLlCombineBuffer, epHtCombineBuffer and epCommRegister. Every operation runs on the GPU. Argument arrays in device memory (topk_idx, alltoallv device counts, the
  *   dispatch outputs passed back to LL combine) are checked by the kernels: a bad expert id is treated as -1
  *   and counted, a worst-token overflow is not written past the capacity; both are reported by
@@ -308,8 +309,8 @@ EPCOMM_API epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx
  * Across hosts (ranks on more than one host) HT dispatch runs hierarchically by default in both engines (the GPU
  * engine's for hosts of up to 16 ranks): it sends each token row once to every destination host (to one forwarding
  * rank there, which passes it on to the ranks of its host that need it); every dispatch output is bit-identical to
- * one host's. The host engine's combine (and the GPU engine's with EPCOMM_GPU_HT_COMBINE_HIER=1; by default it
- * stays flat, in the one-host order below) reduces inside each host first (one rank of each host sums its host's
+ * one host's. The host engine's combine (and the GPU engine's with EPCOMM_GPU_HT_COMBINE_HIER=1 where its dispatch
+ * is hierarchical; by default it stays flat, in the one-host order below) reduces inside each host first (one rank of each host sums its host's
  * rows for a token and sends one partial back), so its order is, exactly:
  *   hosts are numbered in the order of their lowest rank; for each host h that holds token t, in ascending h,
  *     P_h = fp32 sum, starting from +0.0f, of x_r[row(t, r)] over the ranks r of h that received t, ascending r;

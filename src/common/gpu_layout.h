@@ -160,8 +160,9 @@ struct alignas(128) GpuRegEntry {
 // of the host copies its rows for owner s's channel c into its comb_out region and publishes, in its own buffer,
 // kCombOutStart[s][c] (the first row there) and then kCombOutReady[s][c] = epoch; the combiner reads the rows from
 // there and, done, stores kCombOutAck[s][c] = epoch in d's buffer. d overwrites comb_out only once every ack has
-// caught up with its ready (htBeginKernel). The combiner streams one partial per token to s through the combine
-// queue (kComb* counters, two slots per partial).
+// caught up with its ready (htBeginKernel). The combiner streams one partial per token to s through s's combine
+// queues of every rank of its host on that channel in turn (two slots per partial; the counters are the kComb*
+// ones of its own queue to s).
 enum GpuQueueCounter { kDispTail = 0, kDispHead, kCombTail, kCombHead, kPullReady, kPullAck, kPullSent,
                        kPullDReady, kPullDAck, kPullDSent, kPullReady1, kPullAck1, kPullDReady1, kPullDAck1,
                        kDispSent, kDispHeadBack, kCombSent, kCombHeadBack, kDispFwdTail, kDispFwdHead,
@@ -469,9 +470,9 @@ struct GpuHandleDev {
   int32_t* fchan_base;      // [R, C] tokens this rank forwards to host h before channel c's first token
   int32_t* fwd_chan;        // [R, C] rows source s sends this rank on channel c to forward (s of another host,
                             // this rank its forwarder here; 0 otherwise)
-  int32_t* fwd_place;       // [R, max_tokens, fwd_idx] what the forwarder read in each slot it forwarded: for
-                            // source s's i-th forwarded row (channel by channel), the token's place among s's
-                            // channel rows at each rank of this host (-1: none); the combine reads it back
+  int32_t* fwd_place;       // [R, max_tokens, fwd_idx] (hierarchical combine only) what the forwarder read in each
+                            // slot it forwarded: for source s's i-th forwarded row (channel by channel), the token's
+                            // place among s's channel rows at each rank of this host (-1: none); the combine reads it
 };
 
 // The k-th rank (0-based, ascending) of the ranks in `mask`, or -1 when it holds k or fewer.
@@ -524,6 +525,8 @@ struct HtParams {
   // a rank's local index is its place among its host's ranks, ascending. In a combine, hier = 1 is the
   // hierarchical combine (EPCOMM_GPU_HT_COMBINE_HIER): that forwarder sums its host's rows for the owner.
   int hier;
+  int hier_combine;                  // dispatch: the combine is hierarchical, so forwardFrom keeps the places
+                                     // (GpuHandleDev::fwd_place, allocated only then)
   int fwd_spread;                    // the forwarder of (source, host) moves with the channel (kernels/ht.cu
                                      // forwarderOf): each source streams to every rank of the host, not one
   int nhosts, my_host;

@@ -143,8 +143,9 @@ inline int shortDeadlineMs(int ms) {
 
 // Virtual hosts: EPCOMM_GPU_TEST_HOSTS = H > 1 puts the ranks of the GPU communicators the tests create on H hosts
 // (rank r of R on host r * H / R, through EPCOMM_HOSTID while the communicator is created), so that the GPU engine
-// reaches the ranks of other hosts through its proxy. The HT tests' host-engine references run on the same hosts
-// (initOnHosts), since HT combine's order across hosts is the hierarchical one (epcomm.h); the LL ones on one host.
+// reaches the ranks of other hosts through its proxy. The host-engine references run on one host, except the HT
+// tests' with EPCOMM_GPU_HT_COMBINE_HIER=1 (test_gpu_ht.cu initPair): the same hosts, whose combine order then is the
+// hierarchical one (epcomm.h).
 inline int testHosts() {
   const char* s = getenv("EPCOMM_GPU_TEST_HOSTS");
   const int h = s ? atoi(s) : 1;

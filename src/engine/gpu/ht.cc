@@ -44,6 +44,7 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.recv_per_expert_out = a->recv_tokens_per_expert;
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
   p.hier = ht_hier_ ? 1 : 0;  // read by notify and the push dispatch across hosts
+  p.hier_combine = ht_hier_combine_ ? 1 : 0;
   p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   // Every dispatch, not only those after an epHtCombineBuffer call: the region may be asked for after the dispatch
   // that precedes its first combine (the handle it sizes comes from that dispatch).
@@ -57,9 +58,9 @@ epResult_t GpuEngine::handleInit(epHtHandle* h) {
   const int R = comm_->nranks, T = h->max_tokens, C = lay_.channels;
   auto g = std::make_unique<GpuHandle>();
   const size_t tr = static_cast<size_t>(T > 0 ? T : 1) * R;
-  // Hierarchical dispatch: the forwarder's places, for every row a source may send it (lay_.max_tokens each),
-  // written by every such dispatch and read by the hierarchical combine.
-  const size_t places = static_cast<size_t>(R) * lay_.max_tokens * lay_.fwd_idx;
+  // Hierarchical combine: the forwarder's places, for every row a source may send it (lay_.max_tokens each), written
+  // by the dispatch and read by the combine.
+  const size_t places = ht_hier_combine_ ? static_cast<size_t>(R) * lay_.max_tokens * lay_.fwd_idx : 0;
   const size_t ints = 2 * tr + (R + 1) + 4 * static_cast<size_t>(R) * C + kGpuMaxExperts + 1 + 2 * R + places;
   const size_t bytes = 4 * ints + tr + 64;
   cudaError_t e = cudaMalloc(&g->mem, bytes);
