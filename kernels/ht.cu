@@ -976,7 +976,8 @@ __device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint6
       done = max(done, static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(il))));
     }
     groupSync(tm.W, tm.lead);
-    if (tm.w == 0 && lane == 0) publishHead(p, head, r, c, kCombHeadBack, base + 2 * static_cast<uint64_t>(done), e, true);
+    if (tm.w == 0 && lane == 0)
+      publishHead(p, head, r, c, kCombHeadBack, base + 2 * static_cast<uint64_t>(done), e, true);
   }
   return alive;
 }

@@ -5,7 +5,8 @@
 # head:  what s41's last commits owe (test_gpu_ht at R = 4, 8, 6 over 2 virtual hosts), then HT at -n 4 across 2
 #        hosts, hierarchical against flat (EPCOMM_HT_HIERARCHICAL=0) (never ran: no machine came)
 # owed:  what s42's last commits owe, on the pack D (default .gpupack/m, build it from HEAD): test_gpu_ht at R = 4
-#        and 8 over 2 hosts, at R = 4 with EPCOMM_GPU_HT_COMBINE_HIER=1 for every test, test_gpu_ll at R = 4 over 2 hosts
+#        and 8 over 2 hosts, at R = 4 with EPCOMM_GPU_HT_COMBINE_HIER=1 for every test, test_gpu_ll at R = 4 over 2
+#        hosts
 # hcomb: the hierarchical combine (pack n) against s41's HEAD (pack m, flat combine): test_gpu_ht of n at R = 4 and 8
 #        over 2 virtual hosts, then HT at -n 4 and -n 8 across 2 hosts, m and n alternating
 # team:  the same with pack n2 (the combine's warps of one far host as one team; the forwarder's cached head)
@@ -28,21 +29,24 @@ case $part in
   hcomb)
     N=.gpupack/n
     ( mps_start; D=$N suite1 ht 4 2 90
-      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log || grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
+        grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
       [ $(left) -gt 250 ] && D=$N suite1 ht 8 2 130
       for i in 1 2; do for n in 4 8; do [ $(left) -gt 100 ] || continue
         OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; done; el ) ;;
   team)
     N=.gpupack/n2
     ( mps_start; D=$N suite1 ht 4 2 90
-      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log || grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
+        grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
       [ $(left) -gt 250 ] && D=$N suite1 ht 8 2 130
       for i in 1 2; do for n in 4 8; do [ $(left) -gt 100 ] || continue
         OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; done; el ) ;;
   deep)
     N=.gpupack/n3
     ( mps_start; D=$N suite1 ht 4 2 90
-      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log || grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
+        grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
       for n in 4 8; do OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; OPS=ht XT=45 xhost .gpupack/n $n; done; el
       [ $(left) -gt 150 ] && D=$N suite1 ht 8 2 130 ) ;;
 esac

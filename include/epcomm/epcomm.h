@@ -310,8 +310,8 @@ EPCOMM_API epResult_t epGetDispatchLayout(epComm_t comm, const int64_t* topk_idx
  * engine's for hosts of up to 16 ranks): it sends each token row once to every destination host (to one forwarding
  * rank there, which passes it on to the ranks of its host that need it); every dispatch output is bit-identical to
  * one host's. The host engine's combine (and the GPU engine's with EPCOMM_GPU_HT_COMBINE_HIER=1 where its dispatch
- * is hierarchical; by default it stays flat, in the one-host order below) reduces inside each host first (one rank of each host sums its host's
- * rows for a token and sends one partial back), so its order is, exactly:
+ * is hierarchical; by default it stays flat, in the one-host order) reduces inside each host first (one rank of each
+ * host sums its host's rows for a token and sends one partial back), so its order is, exactly:
  *   hosts are numbered in the order of their lowest rank; for each host h that holds token t, in ascending h,
  *     P_h = fp32 sum, starting from +0.0f, of x_r[row(t, r)] over the ranks r of h that received t, ascending r;
  *   acc = +0.0f; acc = acc + P_h for those hosts in ascending h (fp32); combined_x[t] = acc rounded once.
