@@ -776,6 +776,14 @@ __device__ __forceinline__ size_t partialSlot(const HtParams& p, uint64_t hm, in
 __device__ __forceinline__ uint64_t partialPairs(const HtParams& p, uint64_t hm) {
   return static_cast<uint64_t>(p.Q / 2) * __popcll(hm);
 }
+// How many ranks of a host (its ranks: mask hm) received this rank's token t (in_rank: active ranks only): 0, its
+// partial is one row (1), or an fp32 sum.
+__device__ __forceinline__ int hostHolders(const HtParams& p, int t, uint64_t hm) {
+  int n = 0;
+  for (uint64_t m = hm; m; m &= m - 1)
+    n += p.h.in_rank[static_cast<size_t>(t) * p.nranks + __ffsll(static_cast<long long>(m)) - 1];
+  return n;
+}
 
 // The warps that serve the peers of one other host h work as one team in the hierarchical combine: a rank combines
 // for only some of h's ranks and receives one partial stream from h per channel, so per-peer groups would leave most
@@ -950,10 +958,7 @@ __device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint6
   const int step = max(1, min(tm.W, static_cast<int>(pairs / 4)));
   for (int t0 = tb; t0 < te; t0 += step) {
     const int t = t0 + tm.w;
-    int holders = 0;
-    if (tm.w < step && t < te)
-      for (uint64_t m = hm; m; m &= m - 1)
-        holders += p.h.in_rank[static_cast<size_t>(t) * R + __ffsll(static_cast<long long>(m)) - 1];
+    const int holders = tm.w < step && t < te ? hostHolders(p, t, hm) : 0;
     const int i = holders > 0 ? p.h.fpos[static_cast<size_t>(t) * R + h] - fb : -1;
     if (alive && i >= 0) {
       bool ok = true;
@@ -968,10 +973,7 @@ __device__ bool drainPartials(const HtParams& p, int c, const FarTeam& tm, uint6
     }
     if (tm.w == 0) {  // the round's last partial: lane l looks at the round's l-th token (step <= W <= 32)
       const int tl = t0 + lane;
-      int hl = 0;
-      if (lane < step && tl < te)
-        for (uint64_t m = hm; m; m &= m - 1)
-          hl += p.h.in_rank[static_cast<size_t>(tl) * R + __ffsll(static_cast<long long>(m)) - 1];
+      const int hl = lane < step && tl < te ? hostHolders(p, tl, hm) : 0;
       const int il = hl > 0 ? p.h.fpos[static_cast<size_t>(tl) * R + h] - fb + 1 : 0;
       done = max(done, static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(il))));
     }
@@ -1118,8 +1120,7 @@ __global__ void __launch_bounds__(1024) htCombineKernel(HtParams p) {
               for (int i = 0; i < V::kN; ++i) acc[i] = __fadd_rn(acc[i], part[i]);
             continue;
           }
-          int holders = 0;
-          for (uint64_t m = hm; m; m &= m - 1) holders += p.h.in_rank[static_cast<size_t>(t) * R + __ffsll(m) - 1];
+          const int holders = hostHolders(p, t, hm);
           if (holders == 0) continue;
           const size_t row = static_cast<size_t>(p.h.fpos[static_cast<size_t>(t) * R + h]) * p.lay.x_stride;
           const uint8_t* a = stage + kthRank(hm, 0) * plane + row;

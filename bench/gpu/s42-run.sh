@@ -17,6 +17,11 @@ part=${1:-head}
 T0=$(date +%s); source bench/gpu/common.sh; gpu_log s42 $part
 unpack_packs
 D=${D:-.gpupack/m}
+# The failures of the last test_gpu_ht R = 4 run over 2 hosts, unless all 9 tests passed.
+r4_failures() {
+  grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
+    grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+}
 case $part in
   head)
     F="EPCOMM_HT_HIERARCHICAL=0"
@@ -26,27 +31,15 @@ case $part in
     ( mps_start; suite1 ht 4 2 90; suite1 ht 8 2 150
       EPCOMM_GPU_HT_COMBINE_HIER=1 suite1 ht 4 2 90
       [ $(left) -gt 140 ] && suite1 ll 4 2 $(( $(left) - 10 )) ) ;;
-  hcomb)
-    N=.gpupack/n
-    ( mps_start; D=$N suite1 ht 4 2 90
-      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
-        grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
-      [ $(left) -gt 250 ] && D=$N suite1 ht 8 2 130
-      for i in 1 2; do for n in 4 8; do [ $(left) -gt 100 ] || continue
-        OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; done; el ) ;;
-  team)
-    N=.gpupack/n2
-    ( mps_start; D=$N suite1 ht 4 2 90
-      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
-        grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+  hcomb|team)
+    N=.gpupack/n; [ $part = team ] && N=.gpupack/n2
+    ( mps_start; D=$N suite1 ht 4 2 90; r4_failures
       [ $(left) -gt 250 ] && D=$N suite1 ht 8 2 130
       for i in 1 2; do for n in 4 8; do [ $(left) -gt 100 ] || continue
         OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; done; done; el ) ;;
   deep)
     N=.gpupack/n3
-    ( mps_start; D=$N suite1 ht 4 2 90
-      grep -q "^\[  PASSED  \] 9 tests" $OUT/ht_r4_h2.log ||
-        grep -E "Failure|rror|FAILED|differ| = " $OUT/ht_r4_h2.log | head -30
+    ( mps_start; D=$N suite1 ht 4 2 90; r4_failures
       for n in 4 8; do OPS=ht XT=45 xhost $D $n; OPS=ht XT=45 xhost $N $n; OPS=ht XT=45 xhost .gpupack/n $n; done; el
       [ $(left) -gt 150 ] && D=$N suite1 ht 8 2 130 ) ;;
 esac

@@ -277,6 +277,7 @@ HtParams GpuEngine::baseParams(int op) const {
   p.gpu_scope = gpu_sharing_ == comm_->nranks && remote_mask_ == 0;
   p.far_in = proxy_ ? proxy_->farCopy(kRemoteHtBuffer) : nullptr;
   p.nhosts = nhosts_;
+  p.fwd_spread = ht_fwd_spread_ ? 1 : 0;  // which rank forwards (dispatch) and combines (combine): forwarderOf
   p.my_host = my_host_;
   for (int r = 0; r < comm_->nranks; ++r) {
     p.host_of[r] = host_of_[r];

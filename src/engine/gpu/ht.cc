@@ -45,7 +45,6 @@ HtParams GpuEngine::dispatchParams(int op, const epHtDispatchArgs_t* a, const Gp
   p.pull_dispatch = ht_pull_dispatch_ ? 1 : 0;
   p.hier = ht_hier_ ? 1 : 0;  // read by notify and the push dispatch across hosts
   p.hier_combine = ht_hier_combine_ ? 1 : 0;
-  p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   // Every dispatch, not only those after an epHtCombineBuffer call: the region may be asked for after the dispatch
   // that precedes its first combine (the handle it sizes comes from that dispatch).
   p.zc_guard = ht_pull_ ? 1 : 0;
@@ -210,7 +209,6 @@ epResult_t GpuEngine::htCombine(const epHtCombineArgs_t* a, epHtHandle* h, epRes
   p.h = g->dev;
   p.pull = ht_pull_ ? 1 : 0;
   p.hier = ht_hier_combine_ ? 1 : 0;  // across hosts: the forwarders of the dispatch combine their host's rows
-  p.fwd_spread = ht_fwd_spread_ ? 1 : 0;
   p.recv_rows = h->recv_rows;
   // x at the start of the zero-copy region: the owners read it there. Overlapping it otherwise: a mistake (row i of
   // x must be row i of the region, which the combine rewrites while it reads x). combined_x must stay out of it:
