@@ -527,17 +527,35 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
     const Deadline deadline = Deadline::afterMs(timeout_ms);
     std::vector<unsigned long long> reserved(nranks_, 0);
     dev_->download(reserved.data(), reserved_dev_, sizeof(unsigned long long) * nranks_);
+    // A peer that said goodbye destroyed its communicator: it reads nothing more, and it credits nothing more
+    // either (its proxy no longer stores), so records beyond its last credit would wait here until the deadline.
+    auto owed = [&](int r) {
+      if (!remote_[r] || (live && !live[r]) || bridge_->dead(r) || bridge_->saidGoodbye(r) || out_[r].broken)
+        return false;
+      const uint64_t tail = bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed);  // the credit's
+      return out_[r].pos < reserved[r] || tail < out_[r].pos;
+    };
     Backoff backoff;
     for (;;) {
       bool left = false, moved = false;
       for (int r = 0; r < nranks_; ++r) {
-        if (!remote_[r] || (live && !live[r]) || bridge_->dead(r)) continue;
+        if (!remote_[r] || (live && !live[r]) || bridge_->dead(r) || bridge_->saidGoodbye(r)) continue;
         moved |= pumpOut(r);
-        const uint64_t tail = bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed);  // the credit's
-        left |= !out_[r].broken && (out_[r].pos < reserved[r] || tail < out_[r].pos);
+        left |= owed(r);
       }
       if (drives_bridge_) moved |= bridge_->assist();  // sends, and the credits that let the tails on
-      if (!left || deadline.expired()) break;
+      if (!left) break;
+      if (deadline.expired()) {
+        for (int r = 0; r < nranks_; ++r)
+          if (owed(r))
+            EP_WARN("GPU proxy: rank %d destroys its communicator with records toward rank %d not sent after %d ms "
+                    "(taken %llu of %llu ring bytes, %llu within its credit): %s",
+                    rank_, r, timeout_ms, static_cast<unsigned long long>(out_[r].pos),
+                    static_cast<unsigned long long>(reserved[r]),
+                    static_cast<unsigned long long>(bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed)),
+                    bridge_->describe(r).c_str());
+        break;
+      }
       if (moved) backoff.reset();
       else backoff.pause();
     }

@@ -1118,7 +1118,15 @@ void NetBridge::progressLoop() {
       // Every engine thread is out of assist() by now (shutdown took every peer's lock after closed_), so this
       // thread (the progress thread, or shutdown's caller where the owner drives the bridge) alone touches the
       // peers.
-      if (!flush_.load(std::memory_order_relaxed) || nowNs() > flush_deadline_ns_) break;
+      if (!flush_.load(std::memory_order_relaxed)) break;
+      if (nowNs() > flush_deadline_ns_) {
+        for (auto& pp : peers_)
+          if (pp && !pp->send_failed && !pp->dead.load() && flush_live_[pp->rank] &&
+              !(pp->bye || pp->bye_acked || pp->recv_failed))
+            EP_WARN("net bridge: rank %d closes its connections with rank %d, which has not acknowledged its "
+                    "goodbye in time: %s", rank_, pp->rank, describeLocked(*pp).c_str());
+        break;
+      }
       // Flushing: once a live peer's outboxes are framed and its queue is empty, say goodbye; done when every
       // such peer has acknowledged it (or said goodbye itself). Closing earlier could cost the peer frames: a
       // backend may report the end of a connection instead of messages that arrived just before it.
