@@ -6,7 +6,8 @@
 //  - what a peer sends is checked (R5): a record past its buffer's end, for a buffer the rank lacks, or of an
 //    unknown type ends that peer's stream, logged, and nothing of it is stored;
 //  - a dead peer: the rings toward it keep draining (the writers never wait for it beyond their deadline);
-//  - stop with a flush right after writing delivers what the rings hold (the proxy drives the bridge itself);
+//  - stop with a flush right after writing delivers what the rings hold (the proxy drives the bridge itself), and
+//    two ranks stopping at once with records beyond each other's credit end promptly;
 //  - the proxy's thread never calls its device (on a GPU, a CUDA call there can block behind the application's);
 //  - the streaming-store copy it stores DATA with (common/stream_copy.h) equals memcpy at every size and alignment.
 #include <gtest/gtest.h>
@@ -375,6 +376,38 @@ TEST(GpuProxy, StopWithFlushDeliversWhatTheRingsHold) {
       CK(!me.proxy->failed(0, &why), "the stream from rank 0 failed: %s", why.c_str());
     }
     CK(me.bs->barrier(20000) == epSuccess, "final barrier");
+    return 0;
+  });
+  unsetenv("EPCOMM_GPU_PROXY_RING_BYTES");
+}
+
+// Both ranks write several rings' worth toward each other and, once both are done writing (as both ranks' kernels
+// have ended when they destroy), stop their proxies with a flush, their rings still ahead of what the bridge sent.
+// Neither stop may wait for its deadline: a peer that said goodbye is owed nothing, and a stop keeps storing what
+// still arrives, which credits it, so a peer flushing at the same time is never left without room. Before both
+// (97e7c58), 4 of 20 stops here took the whole 10 s: the likely cause of the GPU tests across hosts that took ~21
+// s (their 20 s deadline) in session s42.
+TEST(GpuProxy, StopsWithFlushOnBothSidesAtOnceEndPromptly) {
+  setenv("EPCOMM_GPU_PROXY_RING_BYTES", "1048576", 1);
+  onTwoRanks(10, [](int rank, int, Rank& me) -> int {
+    constexpr int kRecords = 400;
+    constexpr size_t kRow = 14000;  // 5.6 MB: more than 5 rings, sent while the peer's proxy stores
+    const int peer = 1 - rank;
+    std::vector<uint8_t> row(kRow);
+    for (int i = 0; i < kRecords; ++i) {
+      const size_t off = (i * kRow) % (kHtBytes - kRow);
+      for (size_t j = 0; j < kRow; ++j) row[j] = pattern(rank, peer, i, j);
+      CK(me.to[peer].data(epcomm::kRemoteHtBuffer, off, row.data(), kRow), "record %d", i);
+    }
+    CK(me.to[peer].flag(epcomm::kRemoteLlBuffer, 8 * rank, 1), "the flag");
+    // Both are done writing (as both ranks' kernels have ended when they destroy), their rings still ahead of what
+    // the bridge sent.
+    CK(me.bs->barrier(20000) == epSuccess, "barrier");
+    std::vector<uint8_t> live(2, 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    me.proxy->stop(true, live.data(), 10000);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CK(s < 5, "stop took %.1f s: the flush waited for the peer's credit or goodbye", s);
     return 0;
   });
   unsetenv("EPCOMM_GPU_PROXY_RING_BYTES");

@@ -528,7 +528,7 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
     std::vector<unsigned long long> reserved(nranks_, 0);
     dev_->download(reserved.data(), reserved_dev_, sizeof(unsigned long long) * nranks_);
     // A peer that said goodbye destroyed its communicator: it reads nothing more, and it credits nothing more
-    // either (its proxy no longer stores), so records beyond its last credit would wait here until the deadline.
+    // either (its bridge has closed), so records beyond its last credit would wait here until the deadline.
     auto owed = [&](int r) {
       if (!remote_[r] || (live && !live[r]) || bridge_->dead(r) || bridge_->saidGoodbye(r) || out_[r].broken)
         return false;
@@ -544,6 +544,11 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
         left |= owed(r);
       }
       if (drives_bridge_) moved |= bridge_->assist();  // sends, and the credits that let the tails on
+      // What peers still send is stored as before, which credits it: a peer flushing at the same time may have
+      // records beyond this rank's last credit, and would otherwise wait for it as this rank waits for its.
+      size_t budget = SIZE_MAX;
+      for (int q = 0; q < nranks_; ++q)
+        if (remote_[q]) moved |= storeIn(q, &budget);
       if (!left) break;
       if (deadline.expired()) {
         for (int r = 0; r < nranks_; ++r)

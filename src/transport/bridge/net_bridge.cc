@@ -149,8 +149,9 @@ struct NetBridge::Peer {
   uint32_t payload_len = 0;
   std::vector<iovec> payload_iov;  // DATA_PLACED: where its bytes land, in order (else all in the inbox)
   std::vector<uint64_t> rx_expect;  // [ch] stream offset the next DATA must start at (all before it announced)
-  bool bye_in = false;              // a BYE frame came in (applied or not): nothing follows it
+  bool bye_in = false;  // a BYE or BYE_ACK frame came in (applied or not): nothing follows it
   bool send_failed = false, recv_failed = false, bye = false, bye_queued = false, bye_acked = false;
+  bool ended = false;  // a BYE or BYE_ACK frame was applied: nothing more is read from this peer
   std::atomic<bool> dead{false};
   std::atomic<bool> said_bye{false};  // `bye`, for other threads (saidGoodbye)
   // stopSending(): asked by the caller; done once the send connection is closed (nothing reads the outbox then).
@@ -662,10 +663,10 @@ bool NetBridge::pumpRecvs(Peer& p) {
     return 1;
   };
   for (;;) {
-    if (p.recv_failed || p.bye) return moved;  // after a goodbye nothing more will come
+    if (p.recv_failed || p.ended) return moved;  // after a goodbye (or its acknowledgement) nothing more will come
     bool step = false;
     // The front, in order (and no further test once a goodbye is applied: receives posted after it may fail).
-    while (!p.rx.empty() && !p.bye) {
+    while (!p.rx.empty() && !p.ended) {
       Peer::Rx& e = p.rx.front();
       if (!e.done && test(e) <= 0) break;
       if (p.recv_failed) return moved;
@@ -738,7 +739,7 @@ void NetBridge::checkFrame(Peer& p, const uint8_t* buf, size_t n) {
   if (h.magic != kFrameMagic || h.src != p.rank || h.len != n - sizeof(h) ||
       (h.type != kData && h.type != kDataPlaced && h.len != 0) || h.ch >= nchan_)
     return markDead(p, "a malformed frame (stream out of sync)");
-  if (h.type == kBye) p.bye_in = true;
+  if (h.type == kBye || h.type == kByeAck) p.bye_in = true;
   if (h.type == kCredit) {
     // Applied as it comes in, not in stream order: it concerns only the stream toward the peer, and in order it
     // would wait for every payload from the peer posted before it (up to an inbox's credit of them) to land.
@@ -806,7 +807,7 @@ bool NetBridge::placeIov(Peer& p, int ch, uint64_t off, uint64_t len, const uint
 
 // A frame from peer p, in stream order (checkFrame passed it when it came in).
 void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
-  if (p.recv_failed || p.bye) return;
+  if (p.recv_failed || p.ended) return;
   FrameHdr h;
   memcpy(&h, buf, sizeof(h));
   (void)n;
@@ -843,14 +844,17 @@ void NetBridge::applyFrame(Peer& p, const uint8_t* buf, size_t n) {
       return;
     }
     case kBye:  // everything it sent is in; the acknowledgement tells it that it may close
-      p.bye = true;
+      p.bye = p.ended = true;
       // Nothing more is read from it; its end, once it closes, would be reported by every poll.
       if (poller_ != nullptr && p.recv != nullptr) backend_->unwatchRecv(poller_, p.recv);
       p.said_bye.store(true, std::memory_order_release);
       // (Not needed when this rank said goodbye too: that ends the peer's wait as well.)
       if (!p.send_failed && !p.bye_queued) queueFrame(p, kByeAck, 0, nullptr, 0);
       return;
-    case kByeAck: p.bye_acked = true; return;
+    case kByeAck:  // its last frame too (it frames nothing after another's goodbye), and it may close now
+      p.bye_acked = p.ended = true;
+      if (poller_ != nullptr && p.recv != nullptr) backend_->unwatchRecv(poller_, p.recv);
+      return;
     default: return markDead(p, "a frame of an unknown type");
   }
 }
@@ -1119,21 +1123,20 @@ void NetBridge::progressLoop() {
       // thread (the progress thread, or shutdown's caller where the owner drives the bridge) alone touches the
       // peers.
       if (!flush_.load(std::memory_order_relaxed)) break;
-      if (nowNs() > flush_deadline_ns_) {
-        for (auto& pp : peers_)
-          if (pp && !pp->send_failed && !pp->dead.load() && flush_live_[pp->rank] &&
-              !(pp->bye || pp->bye_acked || pp->recv_failed))
-            EP_WARN("net bridge: rank %d closes its connections with rank %d, which has not acknowledged its "
-                    "goodbye in time: %s", rank_, pp->rank, describeLocked(*pp).c_str());
-        break;
-      }
-      // Flushing: once a live peer's outboxes are framed and its queue is empty, say goodbye; done when every
-      // such peer has acknowledged it (or said goodbye itself). Closing earlier could cost the peer frames: a
-      // backend may report the end of a connection instead of messages that arrived just before it.
+      // Flushing: once a live peer's outboxes are framed and its queue is empty, say goodbye; done with it when it
+      // has acknowledged that (or its connection ended), or once it said goodbye itself and what this rank still
+      // had queued for it (the acknowledgement) is out: a peer that said goodbye is sent nothing more (progressPeer),
+      // so outboxes left unframed then would keep this rank's goodbye back for good. Closing earlier could cost the
+      // peer frames: a backend may report the end of a connection instead of messages that arrived just before it.
+      auto flushed = [](const Peer& p) {
+        if (!p.q.empty() || !p.inflight.empty()) return false;
+        return p.bye || (p.bye_queued && (p.bye_acked || p.recv_failed));
+      };
+      const bool late = nowNs() > flush_deadline_ns_;
       bool all = true;
       for (auto& pp : peers_) {
         if (!pp || pp->send_failed || pp->dead.load() || !flush_live_[pp->rank]) continue;
-        if (!pp->bye_queued && pp->q.empty()) {
+        if (!pp->bye_queued && !pp->bye && pp->q.empty()) {
           bool framed = true;
           for (int c = 0; c < nchan_; ++c) framed = framed && pp->sent[c] == pp->out_ctl[c].tail.load();
           if (framed) {
@@ -1142,11 +1145,14 @@ void NetBridge::progressLoop() {
             moved = true;
           }
         }
-        if (!pp->bye_queued || !pp->q.empty() || !pp->inflight.empty() ||
-            !(pp->bye || pp->bye_acked || pp->recv_failed))
-          all = false;
+        if (flushed(*pp)) continue;
+        all = false;
+        if (late)
+          EP_WARN("net bridge: rank %d closes its connections with rank %d before their goodbyes completed "
+                  "(%d ms): %s", rank_, pp->rank, static_cast<int>((flush_deadline_ns_ - flush_start_ns_) / 1000000),
+                  describeLocked(*pp).c_str());
       }
-      if (all) break;
+      if (all || late) break;
     }
     if (moved) backoff.reset();
     else backoff.pause();
@@ -1165,7 +1171,8 @@ void NetBridge::shutdown(bool flush, const uint8_t* live, int timeout_ms) {
       }
     flush_live_.assign(nranks_, 0);
     if (live) std::copy(live, live + nranks_, flush_live_.begin());
-    flush_deadline_ns_ = nowNs() + static_cast<int64_t>(timeout_ms) * 1000000LL;
+    flush_start_ns_ = nowNs();
+    flush_deadline_ns_ = flush_start_ns_ + static_cast<int64_t>(timeout_ms) * 1000000LL;
     flush_.store(flush && live != nullptr, std::memory_order_relaxed);
     stop_.store(true, std::memory_order_release);
     // Progress::kCaller: nobody else drives the peers any more, so this thread makes the last pass and the flush

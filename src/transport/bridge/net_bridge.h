@@ -283,7 +283,7 @@ class NetBridge {
   std::atomic<uint64_t> sent_msgs_[kSendKinds] = {}, sent_bytes_[kSendKinds] = {}, sent_small_[kSendKinds] = {},
                         sent_small_bytes_[kSendKinds] = {};
   std::vector<uint8_t> flush_live_;
-  int64_t flush_deadline_ns_ = 0;
+  int64_t flush_start_ns_ = 0, flush_deadline_ns_ = 0;
   int64_t stuck_ns_ = 15000000000LL;  // watch(): half of EPCOMM_TIMEOUT_MS
   uint64_t raw_gen_ = 0;  // rawStream calls (the greeting of its connections carries it)
 };
