@@ -6,6 +6,7 @@
 #        at R = 4 with EPCOMM_GPU_HT_COMBINE_HIER=1 for every test, test_gpu_ll at R = 4 over 2 hosts; then which
 #        tests took 10 s or more and what the destroy's flush said when it ran out of time (the ~21 s tests of s42),
 #        then test_gpu_ht at R = 6 over 3 hosts (never run) and HT across 2 hosts at -n 4 and -n 8, as time allows
+# min:   owed's test_gpu_ht runs only (R = 4 and 8 over 2 hosts, then R = 4 with the knob as time allows)
 # hosts: never run before: 3 hosts (R = 6, 2 ranks each) and hosts of unequal size (R = 5 on 2 hosts: 3 + 2), HT
 #        (default and EPCOMM_GPU_HT_COMBINE_HIER=1) and LL; then memcheck on the hierarchical combine's test (R = 4,
 #        2 hosts), after the proof that it sees every rank
@@ -25,6 +26,9 @@ case $part in
       suite1 ll 4 2 120; slow
       [ $(left) -gt 130 ] && { suite1 ht 6 3 $(( $(left) - 10 )); slow; }
       for n in 4 8; do [ $(left) -gt 60 ] && OPS=ht XT=45 xhost $D $n; done; el ) ;;
+  min)  # owed's first suites only, for a short call
+    ( mps_start; suite1 ht 4 2 90; mv $OUT/ht_r4_h2.log $OUT/ht_r4_flat_h2.log; suite1 ht 8 2 150
+      [ $(left) -gt 80 ] && EPCOMM_GPU_HT_COMBINE_HIER=1 suite1 ht 4 2 $(( $(left) - 5 )); slow; el ) ;;
   hosts)
     ( mps_start; suite1 ht 6 3 120; mv $OUT/ht_r6_h3.log $OUT/ht_r6_flat_h3.log; suite1 ht 5 2 120
       EPCOMM_GPU_HT_COMBINE_HIER=1 suite1 ht 6 3 120
