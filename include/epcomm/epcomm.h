@@ -261,7 +261,10 @@ EPCOMM_API epResult_t epUniqueIdFromString(const char* str, epUniqueId* id);
 EPCOMM_API epResult_t epCommInitFromEnv(epComm_t* comm, const epConfig_t* config);
 
 /* Releases this rank's member once its own work in flight has ended (GPU kernels end within their deadline).
- * Local: peers keep their mappings valid until they destroy theirs. */
+ * Local: peers keep their mappings valid until they destroy theirs. Across hosts, what this rank's last operations
+ * wrote for ranks of other hosts still goes out, and each live rank of another host is told goodbye, before the
+ * connections close: a few round trips when the peers destroy too or keep running, at most timeout_ms when one is
+ * stalled (a warning then names it and its connection's state). Ranks that destroy together end together. */
 EPCOMM_API epResult_t epCommDestroy(epComm_t comm);
 /* Local, prompt teardown even when peers are dead; in-flight waits on this communicator return epAborted. */
 EPCOMM_API epResult_t epCommAbort(epComm_t comm);
