@@ -162,12 +162,15 @@ inline void htPadToWorst(const HtRecv& in, int K, int W, std::vector<int64_t>* i
 // ascending, from 0. Across hosts, hierarchical: per host (hosts in the order of their lowest rank) an fp32
 // partial from 0 over that host's ranks ascending; then the partials of the hosts that hold the token, hosts
 // ascending, added to an fp32 accumulator from 0; rounded once. gRefRanksPerHost > 0 says the ranks sit on
-// hosts of that many consecutive ranks (as the tests' virtual hosts do).
+// hosts of that many consecutive ranks (as the tests' virtual hosts do), but the first host, which has
+// gRefFirstHostRanks where that is > 0 (hosts of unequal size).
 // ---------------------------------------------------------------------------------------------------------
 inline int gRefRanksPerHost = 0;
+inline int gRefFirstHostRanks = 0;
+inline int refFirstHostRanks() { return gRefFirstHostRanks > 0 ? gRefFirstHostRanks : gRefRanksPerHost; }
 inline bool refHierarchical(int nranks) {
   const char* e = getenv("EPCOMM_HT_HIERARCHICAL");
-  return gRefRanksPerHost > 0 && nranks > gRefRanksPerHost && !(e && strcmp(e, "0") == 0);
+  return gRefRanksPerHost > 0 && nranks > refFirstHostRanks() && !(e && strcmp(e, "0") == 0);
 }
 
 inline std::vector<uint8_t> htCombine(const std::vector<RankInput>& all, const Shape& s,
@@ -184,11 +187,13 @@ inline std::vector<uint8_t> htCombine(const std::vector<RankInput>& all, const S
   for (int t = 0; t < T; ++t)
     for (int h = 0; h < H; ++h) {
       float acc = 0.0f;
-      const int per_host = refHierarchical(s.nranks) ? gRefRanksPerHost : s.nranks;
-      for (int h0 = 0; h0 < s.nranks; h0 += per_host) {
+      const bool hier = refHierarchical(s.nranks);
+      // Host blocks of consecutive ranks: [h0, h1)
+      for (int h0 = 0, h1 = hier ? refFirstHostRanks() : s.nranks; h0 < s.nranks;
+           h0 = h1, h1 = std::min(s.nranks, h1 + gRefRanksPerHost)) {
         float part = 0.0f;
         bool any = false;
-        for (int r = h0; r < std::min(s.nranks, h0 + per_host); ++r) {
+        for (int r = h0; r < h1; ++r) {
           int row = row_of[r][t];
           if (row < 0) continue;
           float v = epcomm::loadAsFloat(ys[r].data(), static_cast<size_t>(row) * H + h, dtype);

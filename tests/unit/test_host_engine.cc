@@ -357,6 +357,7 @@ epConfig_t hostConfig(uint64_t seed) {
 // Virtual hosts of the cross-host tests: 0 = every rank on this host; H = ranks split into H contiguous groups,
 // each with its own EPCOMM_HOSTID (what epcomm-run --hosts H does), reached over EPCOMM_NET = gNet.
 int gHosts = 0;
+int gFirstHostRanks = 0;  // > 0: the first host's ranks, where hosts differ in size (the others have the rest evenly)
 const char* gNet = "socket";
 
 // Forks R ranks, each creating a host communicator and running body(comm, rank, ctx); asserts every exit 0.
@@ -371,9 +372,13 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
         ctx.seed = baseSeed();
         epConfig_t cfg = hostConfig(seed);
         if (gHosts > 0) {
-          setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(rank / (R / gHosts))).c_str(), 1);
+          const int first = gFirstHostRanks > 0 ? gFirstHostRanks : R / gHosts;
+          const int per_host = gHosts > 1 ? (R - first) / (gHosts - 1) : R;
+          const int host = rank < first ? 0 : 1 + (rank - first) / per_host;
+          setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(host)).c_str(), 1);
           setenv("EPCOMM_NET", gNet, 1);
-          epref::gRefRanksPerHost = R / gHosts;  // HT combine's order across hosts (reference.h)
+          epref::gRefRanksPerHost = per_host;  // HT combine's order across hosts (reference.h)
+          epref::gRefFirstHostRanks = first;
         }
         epComm_t comm = nullptr;
         epResult_t rc = epCommInitRank(&comm, R, &id, rank, &cfg);
@@ -1183,13 +1188,16 @@ INSTANTIATE_TEST_SUITE_P(Ranks, HostEngine, ::testing::Values(1, 2, 3, 4, 8),
                          [](const ::testing::TestParamInfo<int>& i) { return "R" + std::to_string(i.param); });
 
 // ---------------------------------------------------------------------------------------------------------
-// Across (virtual) hosts: every operation bit-exact against the same reference when the ranks sit on H hosts
-// and reach the ranks of other hosts over the net transport (socket, and ofi where libfabric is installed).
+// Across (virtual) hosts: every operation bit-exact against the same reference when the ranks sit on H hosts, of
+// equal size or not (a first host of 3 ranks then one of 2; a lone rank then two hosts of 2), and reach the ranks of
+// other hosts over the net transport (socket, and ofi where libfabric is installed).
 // The meson test "cross_host" runs only these (GTEST_FILTER=*CrossHost*); the others exclude them.
 // ---------------------------------------------------------------------------------------------------------
 struct CrossHostParam {
   int hosts, per_host;
   const char* net;
+  int first = 0;  // > 0: the first host has this many ranks instead of per_host (hosts of unequal size)
+  int ranks() const { return (first > 0 ? first : per_host) + (hosts - 1) * per_host; }
 };
 
 class CrossHost : public ::testing::TestWithParam<CrossHostParam> {
@@ -1202,17 +1210,20 @@ class CrossHost : public ::testing::TestWithParam<CrossHostParam> {
       unsetenv("EPCOMM_NET");
     }
     gHosts = GetParam().hosts;
+    gFirstHostRanks = GetParam().first;
     gNet = GetParam().net;
   }
-  void TearDown() override { gHosts = 0; }
+  void TearDown() override { gHosts = gFirstHostRanks = 0; }
 };
 
 TEST_P(CrossHost, EveryOperation) {
-  const int R = GetParam().hosts * GetParam().per_host;
+  const int R = GetParam().ranks();
   uint64_t seed = nameSeed(GetParam().net, R * 16 + GetParam().hosts);
-  runOnComm(R, seed, [&](epComm_t comm, int, Ctx& c) {
+  runOnComm(R, seed, [&](epComm_t comm, int rank, Ctx& c) {
     epHtHandle_t handle = nullptr;
     if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
+    const int first = GetParam().first > 0 ? GetParam().first : GetParam().per_host;
+    const int my_host_ranks = rank < first ? first : GetParam().per_host;
     const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
     for (int round = 0; round < 2 && c.failures == 0; ++round) {
       uint64_t s = mix(seed, round);
@@ -1252,7 +1263,7 @@ TEST_P(CrossHost, EveryOperation) {
       double secs = 0;
       if (!c.ok(epCommNetRawBandwidth(comm, per_peer, 256 << 10, 3 - rep, &sent, &secs), "net_raw_bandwidth", comm))
         break;
-      const uint64_t want = per_peer * static_cast<uint64_t>(R - GetParam().per_host);
+      const uint64_t want = per_peer * static_cast<uint64_t>(R - my_host_ranks);
       if (sent != want || !(secs > 0))
         c.fail("net_raw_bandwidth", "sent %llu bytes in %g s, want %llu bytes in a positive time",
                static_cast<unsigned long long>(sent), secs, static_cast<unsigned long long>(want));
@@ -1267,10 +1278,18 @@ TEST_P(CrossHost, EveryOperation) {
 INSTANTIATE_TEST_SUITE_P(Hosts, CrossHost,
                          ::testing::Values(CrossHostParam{2, 2, "socket"}, CrossHostParam{3, 2, "socket"},
                                            CrossHostParam{4, 1, "socket"}, CrossHostParam{2, 2, "ofi"},
-                                           CrossHostParam{3, 2, "ofi"}, CrossHostParam{4, 1, "ofi"}),
+                                           CrossHostParam{3, 2, "ofi"}, CrossHostParam{4, 1, "ofi"},
+                                           // hosts of unequal size: 3 + 2 ranks, 1 + 2 + 2
+                                           CrossHostParam{2, 2, "socket", 3}, CrossHostParam{3, 2, "socket", 1},
+                                           CrossHostParam{2, 2, "ofi", 3}),
                          [](const ::testing::TestParamInfo<CrossHostParam>& i) {
-                           return std::to_string(i.param.hosts) + "x" + std::to_string(i.param.per_host) + "_" +
-                                  i.param.net;
+                           const std::string sizes = i.param.first > 0
+                                                         ? std::to_string(i.param.first) + "then" +
+                                                               std::to_string(i.param.hosts - 1) + "x" +
+                                                               std::to_string(i.param.per_host)
+                                                         : std::to_string(i.param.hosts) + "x" +
+                                                               std::to_string(i.param.per_host);
+                           return sizes + "_" + i.param.net;
                          });
 
 // Worst-token mode with fewer rows than a rank receives: epCapacityExceeded there; the communicator stays
