@@ -450,6 +450,16 @@ void GpuProxy::trace() {
   fprintf(stderr, "epcomm proxy rank %d payloads in flight:%s\n", rank_, line.c_str());
 }
 
+bool GpuProxy::storeInboxes(size_t budget) {
+  bool moved = false;
+  for (int i = 0; i < nranks_ && budget > 0; ++i) {
+    const int q = (in_first_ + i) % nranks_;
+    if (remote_[q]) moved |= storeIn(q, &budget);
+  }
+  in_first_ = (in_first_ + 1) % nranks_;
+  return moved;
+}
+
 void GpuProxy::loop() {
   nameThisThread("epcomm-proxy");
   const bool tracing = epParamGpuProxyTrace() != 0;
@@ -474,12 +484,7 @@ void GpuProxy::loop() {
     const int64_t t1 = tracing ? nowNs() : 0;
     if (drives_bridge_) moved |= bridge_->assist();
     const int64_t t2 = tracing ? nowNs() : 0;
-    size_t budget = drives_bridge_ ? inbox_bytes_ / 8 : SIZE_MAX;
-    for (int i = 0; i < nranks_ && budget > 0; ++i) {
-      const int q = (in_first_ + i) % nranks_;
-      if (remote_[q]) moved |= storeIn(q, &budget);
-    }
-    in_first_ = (in_first_ + 1) % nranks_;
+    moved |= storeInboxes(drives_bridge_ ? inbox_bytes_ / 8 : SIZE_MAX);
     if (tracing) sampleOccupancy();
     if (tracing && moved) {  // where a busy turn's time goes (a turn that moved nothing is idle time)
       const int64_t t3 = nowNs();
@@ -529,9 +534,11 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
     dev_->download(reserved.data(), reserved_dev_, sizeof(unsigned long long) * nranks_);
     // A peer that said goodbye destroyed its communicator: it reads nothing more, and it credits nothing more
     // either (its bridge has closed), so records beyond its last credit would wait here until the deadline.
+    auto done = [&](int r) {
+      return !remote_[r] || (live && !live[r]) || bridge_->dead(r) || bridge_->saidGoodbye(r);
+    };
     auto owed = [&](int r) {
-      if (!remote_[r] || (live && !live[r]) || bridge_->dead(r) || bridge_->saidGoodbye(r) || out_[r].broken)
-        return false;
+      if (done(r) || out_[r].broken) return false;
       const uint64_t tail = bridge_->outCtl(0, r)->tail.load(std::memory_order_relaxed);  // the credit's
       return out_[r].pos < reserved[r] || tail < out_[r].pos;
     };
@@ -539,16 +546,14 @@ void GpuProxy::stop(bool flush, const uint8_t* live, int timeout_ms) {
     for (;;) {
       bool left = false, moved = false;
       for (int r = 0; r < nranks_; ++r) {
-        if (!remote_[r] || (live && !live[r]) || bridge_->dead(r) || bridge_->saidGoodbye(r)) continue;
+        if (done(r)) continue;
         moved |= pumpOut(r);
         left |= owed(r);
       }
       if (drives_bridge_) moved |= bridge_->assist();  // sends, and the credits that let the tails on
       // What peers still send is stored as before, which credits it: a peer flushing at the same time may have
       // records beyond this rank's last credit, and would otherwise wait for it as this rank waits for its.
-      size_t budget = SIZE_MAX;
-      for (int q = 0; q < nranks_; ++q)
-        if (remote_[q]) moved |= storeIn(q, &budget);
+      moved |= storeInboxes(SIZE_MAX);
       if (!left) break;
       if (deadline.expired()) {
         for (int r = 0; r < nranks_; ++r)

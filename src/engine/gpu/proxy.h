@@ -140,6 +140,8 @@ class GpuProxy final : private NetBridge::Placement {
   RingEnd inEnd(int q) const { return RingEnd(inbox_.ringCtl(q, 0), inbox_.ringData(q, 0), inbox_bytes_); }
   bool pumpOut(int r);
   bool storeIn(int q, size_t* budget);
+  // storeIn over the inboxes in turn (the first one rotates per call), until `budget` bytes of records are stored.
+  bool storeInboxes(size_t budget);
   void refuse(int q, const char* what);
   void noteFailure(int r, const char* what);  // the first reason the stream with r ended (failed() reports it)
 
