@@ -359,6 +359,11 @@ epConfig_t hostConfig(uint64_t seed) {
 int gHosts = 0;
 int gFirstHostRanks = 0;  // > 0: the first host's ranks, where hosts differ in size (the others have the rest evenly)
 const char* gNet = "socket";
+// The ranks of the first virtual host and of each other one, of R ranks.
+int firstHostRanks(int R) { return gFirstHostRanks > 0 ? gFirstHostRanks : R / gHosts; }
+int ranksPerHost(int R) { return gHosts > 1 ? (R - firstHostRanks(R)) / (gHosts - 1) : R; }
+// The ranks of `rank`'s virtual host.
+int hostRanks(int R, int rank) { return rank < firstHostRanks(R) ? firstHostRanks(R) : ranksPerHost(R); }
 
 // Forks R ranks, each creating a host communicator and running body(comm, rank, ctx); asserts every exit 0.
 void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx&)>& body) {
@@ -372,8 +377,7 @@ void runOnComm(int R, uint64_t seed, const std::function<void(epComm_t, int, Ctx
         ctx.seed = baseSeed();
         epConfig_t cfg = hostConfig(seed);
         if (gHosts > 0) {
-          const int first = gFirstHostRanks > 0 ? gFirstHostRanks : R / gHosts;
-          const int per_host = gHosts > 1 ? (R - first) / (gHosts - 1) : R;
+          const int first = firstHostRanks(R), per_host = ranksPerHost(R);
           const int host = rank < first ? 0 : 1 + (rank - first) / per_host;
           setenv("EPCOMM_HOSTID", ("vhost" + std::to_string(host)).c_str(), 1);
           setenv("EPCOMM_NET", gNet, 1);
@@ -1222,8 +1226,6 @@ TEST_P(CrossHost, EveryOperation) {
   runOnComm(R, seed, [&](epComm_t comm, int rank, Ctx& c) {
     epHtHandle_t handle = nullptr;
     if (!c.ok(epHtHandleCreate(comm, kHtMaxTokens, &handle), "ht_handle_create", comm)) return;
-    const int first = GetParam().first > 0 ? GetParam().first : GetParam().per_host;
-    const int my_host_ranks = rank < first ? first : GetParam().per_host;
     const int EM = EP_LL_EXPERT_MAJOR, RM = EP_LL_RANK_MAJOR;
     for (int round = 0; round < 2 && c.failures == 0; ++round) {
       uint64_t s = mix(seed, round);
@@ -1263,7 +1265,7 @@ TEST_P(CrossHost, EveryOperation) {
       double secs = 0;
       if (!c.ok(epCommNetRawBandwidth(comm, per_peer, 256 << 10, 3 - rep, &sent, &secs), "net_raw_bandwidth", comm))
         break;
-      const uint64_t want = per_peer * static_cast<uint64_t>(R - my_host_ranks);
+      const uint64_t want = per_peer * static_cast<uint64_t>(R - hostRanks(R, rank));
       if (sent != want || !(secs > 0))
         c.fail("net_raw_bandwidth", "sent %llu bytes in %g s, want %llu bytes in a positive time",
                static_cast<unsigned long long>(sent), secs, static_cast<unsigned long long>(want));
