@@ -4,9 +4,7 @@
 #   bash bench/gpu/s42-run.sh PART
 # head:  what s41's last commits owe (test_gpu_ht at R = 4, 8, 6 over 2 virtual hosts), then HT at -n 4 across 2
 #        hosts, hierarchical against flat (EPCOMM_HT_HIERARCHICAL=0) (never ran: no machine came)
-# owed:  what s42's last commits owe, on the pack D (default .gpupack/m, build it from HEAD): test_gpu_ht at R = 4
-#        and 8 over 2 hosts, at R = 4 with EPCOMM_GPU_HT_COMBINE_HIER=1 for every test, test_gpu_ll at R = 4 over 2
-#        hosts
+# (what s42's last commits owe on the GPU: bench/gpu/s43-run.sh owed)
 # hcomb: the hierarchical combine (pack n) against s41's HEAD (pack m, flat combine): test_gpu_ht of n at R = 4 and 8
 #        over 2 virtual hosts, then HT at -n 4 and -n 8 across 2 hosts, m and n alternating
 # team:  the same with pack n2 (the combine's warps of one far host as one team; the forwarder's cached head)
@@ -27,10 +25,6 @@ case $part in
     F="EPCOMM_HT_HIERARCHICAL=0"
     ( mps_start; suite1 ht 4 2 60; suite1 ht 8 2 100; [ $(left) -gt 150 ] && suite1 ht 6 2 70
       [ $(left) -gt 90 ] && { OPS=ht XT=40 xhost $D 4; OPS=ht XT=40 xhost $D 4 $F; }; el ) ;;
-  owed)
-    ( mps_start; suite1 ht 4 2 90; suite1 ht 8 2 150
-      EPCOMM_GPU_HT_COMBINE_HIER=1 suite1 ht 4 2 90
-      [ $(left) -gt 140 ] && suite1 ll 4 2 $(( $(left) - 10 )) ) ;;
   hcomb|team)
     N=.gpupack/n; [ $part = team ] && N=.gpupack/n2
     ( mps_start; D=$N suite1 ht 4 2 90; r4_failures

@@ -473,6 +473,7 @@ struct GpuHandleDev {
   int32_t* fwd_place;       // [R, max_tokens, fwd_idx] (hierarchical combine only) what the forwarder read in each
                             // slot it forwarded: for source s's i-th forwarded row (channel by channel), the token's
                             // place among s's channel rows at each rank of this host (-1: none); the combine reads it
+                            // back
 };
 
 // The k-th rank (0-based, ascending) of the ranks in `mask`, or -1 when it holds k or fewer.
