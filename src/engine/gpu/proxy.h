@@ -110,6 +110,8 @@ class GpuProxy final : private NetBridge::Placement {
   size_t ringBytes() const { return ring_bytes_; }
   // Payload bytes from ranks of other hosts that the net transport placed into the far copies (EPCOMM_GPU_PROXY_PLACE).
   uint64_t placedBytes() const { return placed_.load(std::memory_order_relaxed); }
+  // How this rank's records went out so far: frames, DATA_NEXT and DATA_PLACED payload messages (net_bridge.h).
+  NetBridge::SendStats sendStats() const { return bridge_->sendStats(); }
   // Bytes of records forwarded to the net transport so far (epCommGetNetBytes; header and padding included, SKIPs
   // not). Waits first, at most wait_ms, until the proxy has taken every record the kernels reserved: called after
   // the operations' streams completed, the count then includes them.

@@ -26,6 +26,9 @@ constexpr uint16_t kHello = 1, kData = 2, kCredit = 3, kReadDone = 4, kCtrl = 5,
                    kOut = 9, kDataPlaced = 10;
 constexpr int kSendSlots = 16;  // frames in flight per peer
 constexpr int kRecvSlots = 8;   // frames received and not yet applied, per peer
+// Message tags: frames, and DATA_NEXT payloads over a backend that matches by tag (NetBackend::matchesByTag; else
+// payloads are tag 0 too, and the receiver's posting order alone tells them apart).
+constexpr int kFrameTag = 0, kPayloadTag = 1;
 constexpr size_t kMaxSendsInFlight = 32;  // frames and payloads, per peer
 
 // A message on a connection is a frame (this header, then `len` payload bytes, DATA only) or the payload that a
@@ -129,17 +132,20 @@ struct NetBridge::Peer {
   std::vector<std::vector<uint8_t>> recv_buf;
   std::vector<void*> recv_mh;
   std::vector<int> free_recv;
-  // Receives in posting order: frames into recv_buf slots, payloads straight into the inbox (slot -1). What follows
-  // a frame (another frame, or the payload a DATA_NEXT announces) is known once the frame is in, so at most one
-  // frame receive is posted at a time: the last entry until it completes. Entries are applied front first.
+  // Receives in stream order: frames into recv_buf slots, payloads straight into the inbox (slot -1). Entries are
+  // applied front first. What follows a frame (another frame, or the payload a DATA_NEXT announces) is known once the
+  // frame is in: where the backend takes one posting order for every message, at most one frame receive is posted
+  // at a time then (the last entry until it completes); where it matches by tag, frame receives stay posted ahead
+  // and a payload's entry goes in right after its frame, posted in turn (pumpRecvs).
   struct Rx {
-    void* req;
+    void* req;  // null: a payload receive not posted yet (framesAhead)
     int slot;
     uint16_t ch;
     uint32_t len;  // payload: bytes announced
     bool done;
     size_t got;
     int64_t t_ns;  // when it was posted (watch)
+    uint64_t off = 0;  // payload: its stream offset (where it lands in the inbox)
   };
   std::deque<Rx> rx;
   int frames_posted = 0;  // frame receives not yet complete
@@ -575,7 +581,8 @@ bool NetBridge::pumpSends(Peer& p) {
   }
   auto post = [&](void* buf, size_t n, void* mh, int slot, int ch, uint64_t end) -> bool {
     void* req = nullptr;
-    const epResult_t r = timed(kCallIsend, [&] { return backend_->isend(p.send, buf, n, 0, mh, &req); });
+    const int tag = slot < 0 && backend_->matchesByTag() ? kPayloadTag : kFrameTag;
+    const epResult_t r = timed(kCallIsend, [&] { return backend_->isend(p.send, buf, n, tag, mh, &req); });
     if (r != epSuccess) {
       p.send_failed = true;
       if (r == epTimeout) markDead(p, net::netLastError());
@@ -622,23 +629,33 @@ bool NetBridge::pumpSends(Peer& p) {
   return moved;
 }
 
-// Whether a peer may send messages other than frames (DATA_NEXT or DATA_PLACED payloads), which the receiver then
-// posts one frame receive at a time for. A peer sends DATA_NEXT payloads of at least kMinPayloadMsg and at most an
-// eighth of the ring (both ends' rings are of one size), and DATA_PLACED only over a backend that scatters. Else the
-// frame receives stay posted kRecvSlots at a time, as toward a host engine: over ofi with rings under 2 MiB, one at a
-// time left the sender's 64 KiB frames (above rxm's eager size) waiting for the receiver's provider, the setting of an
-// intermittent stall in CI (s33, s35: every frame receive pending for 20 s, both processes alive).
+// Whether a peer may send messages other than frames (DATA_NEXT or DATA_PLACED payloads). A peer sends DATA_NEXT
+// payloads of at least kMinPayloadMsg and at most an eighth of the ring (both ends' rings are of one size), and
+// DATA_PLACED only over a backend that scatters.
 bool NetBridge::payloadsIn() const {
   return max_payload_ > 0 && (ring_bytes_ / 8 >= kMinPayloadMsg || (placement_ != nullptr && backend_->scatters()));
 }
 
-// Receives frames and payloads in posting order (see Peer::rx): the front completes and is applied first. Where the
-// peer may send DATA_NEXT, one frame receive is posted at a time, and it is completed early, at the back, so that
-// the payload it announces is posted while earlier ones still land; otherwise every message is a frame, and
-// kRecvSlots frame receives stay posted (a backend such as ofi then has a buffer for each as it comes).
+// Whether frame receives stay posted ahead of the payloads that come between them: over a backend that matches by
+// tag, payloads (kPayloadTag) do not take the frames' receives (kFrameTag). Else, with payloads coming, the receiver
+// posts one frame receive at a time, and over ofi (libfabric 1.17, tcp;ofi_rxm) nearly every message then arrives
+// before its receive is posted. That is the setting every stall of a stream over ofi in CI had in common (20 s
+// without progress, both processes alive; not reproduced locally, the cause inside the provider not found): rings
+// under 2 MiB in s33 and s35, when frames alone also went one at a time (none since they stay posted kRecvSlots deep,
+// 3be447d), and 4 MiB rings, with payloads, in s43's CI.
+bool NetBridge::framesAhead() const { return payloadsIn() && backend_->matchesByTag() && !backend_->scatters(); }
+
+// Receives frames and payloads in stream order (see Peer::rx): the front completes and is applied first. By what
+// may come: frames only, kRecvSlots frame receives stay posted (a backend such as ofi then has a buffer for each as
+// it comes); payloads over a backend that matches by tag (framesAhead), the same, and a DATA_NEXT's payload receive
+// goes in right after its frame as that is checked (frames are checked in order, so payload receives are posted in
+// the order their tag's sequence expects); payloads otherwise, one frame receive at a time, completed early, at the
+// back, so that the payload it announces is posted while earlier ones still land.
 bool NetBridge::pumpRecvs(Peer& p) {
   bool moved = false;
-  const bool one_frame = payloadsIn();
+  const bool ahead = framesAhead();
+  const bool one_frame = payloadsIn() && !ahead;
+  const int payload_tag = backend_->matchesByTag() ? kPayloadTag : kFrameTag;
   // -1: failed (recorded), 0: not yet, 1: complete.
   auto test = [&](Peer::Rx& e) -> int {
     int done = 0;
@@ -662,14 +679,24 @@ bool NetBridge::pumpRecvs(Peer& p) {
     }
     return 1;
   };
+  // framesAhead: the payload that the frame at i (checked just now) announced, right after it.
+  auto settle = [&](size_t i) {
+    if (!ahead || !p.payload_due) return;
+    p.rx.insert(p.rx.begin() + static_cast<std::ptrdiff_t>(i + 1),
+                Peer::Rx{nullptr, -1, p.payload_ch, p.payload_len, false, 0, nowNs(), p.payload_off});
+    p.payload_due = false;
+  };
   for (;;) {
     if (p.recv_failed || p.ended) return moved;  // after a goodbye (or its acknowledgement) nothing more will come
     bool step = false;
     // The front, in order (and no further test once a goodbye is applied: receives posted after it may fail).
     while (!p.rx.empty() && !p.ended) {
-      Peer::Rx& e = p.rx.front();
-      if (!e.done && test(e) <= 0) break;
+      if (!p.rx.front().done) {
+        if (p.rx.front().req == nullptr || test(p.rx.front()) <= 0) break;  // (null: its payload is not posted yet)
+        settle(0);
+      }
       if (p.recv_failed) return moved;
+      Peer::Rx& e = p.rx.front();
       if (e.slot >= 0) {
         applyFrame(p, p.recv_buf[e.slot].data(), e.got);
         p.free_recv.push_back(e.slot);
@@ -680,17 +707,45 @@ bool NetBridge::pumpRecvs(Peer& p) {
       p.rx.pop_front();
       step = true;
     }
-    // The frame receive at the back (unless it is the front, tested just now).
-    if (one_frame && p.frames_posted > 0 && p.rx.size() > 1 && !p.rx.back().done) {
+    if (ahead) {
+      // The frames past the front, in order (none past a goodbye), so that the payloads they announce are posted
+      // while earlier ones still land.
+      for (size_t i = 0; i < p.rx.size() && !p.bye_in; ++i) {
+        if (p.rx[i].done || p.rx[i].slot < 0) continue;
+        const int t = test(p.rx[i]);
+        if (t < 0 || p.recv_failed) return moved;
+        if (t == 0) break;
+        settle(i);
+        step = true;
+      }
+      // The payload receives they announced, in stream order.
+      for (Peer::Rx& e : p.rx) {
+        if (e.slot >= 0 || e.req != nullptr) continue;
+        void* data = own_->ringData(p.rank, e.ch) + e.off % ring_bytes_;
+        size_t size = e.len;
+        int tag = kPayloadTag;
+        void* req = nullptr;
+        if (timed(kCallIrecv, [&] { return backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[e.ch], &req); }) !=
+            epSuccess) {
+          markDead(p, net::netLastError());
+          return moved;
+        }
+        if (!req) break;
+        e.req = req;
+        e.t_ns = nowNs();
+        step = true;
+      }
+    } else if (one_frame && p.frames_posted > 0 && p.rx.size() > 1 && !p.rx.back().done) {
+      // The frame receive at the back (unless it is the front, tested just now).
       const int t = test(p.rx.back());
       if (t < 0 || p.recv_failed) return moved;
       if (t > 0) step = true;
     }
-    // Post what comes next: the announced payload, then a frame.
+    // Post what comes next: the announced payload (one posting order), then frames.
     if (p.payload_due) {
       void* data = own_->ringData(p.rank, p.payload_ch) + p.payload_off % ring_bytes_;
       size_t size = p.payload_len;
-      int tag = 0;
+      int tag = payload_tag;
       void* req = nullptr;
       const epResult_t res = timed(kCallIrecv, [&] {
         return p.payload_iov.empty()
@@ -711,7 +766,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
       const int slot = p.free_recv.back();
       void* data = p.recv_buf[slot].data();
       size_t size = kFrameBytes;
-      int tag = 0;
+      int tag = kFrameTag;
       void* req = nullptr;
       if (timed(kCallIrecv, [&] { return backend_->irecv(p.recv, 1, &data, &size, &tag, &p.recv_mh[slot], &req); }) !=
           epSuccess) {

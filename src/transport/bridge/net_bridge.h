@@ -25,7 +25,9 @@
 // 256 KiB or more goes as DATA_NEXT instead, in one message of up to max_payload that the socket backend spreads
 // over its data sockets and helper threads. Such a receiver posts one frame receive at a time (what follows a frame
 // is known once it is in) and, as a DATA_NEXT comes in, the payload receive into the inbox, then the next frame's:
-// payloads land while the frames after them are read. A payload never crosses the ring's end and lands at the
+// payloads land while the frames after them are read. Over a backend that matches by tag (ofi), payloads carry a tag
+// of their own, so frame receives stay posted ahead there, and each payload receive is posted as its frame is
+// checked. A payload never crosses the ring's end and lands at the
 // sender's ring offset, so both ends have rings of one size (checked at connection: the greeting carries it). The
 // host engine sends frames only, and keeps several frame receives posted.
 //
@@ -233,7 +235,8 @@ class NetBridge {
   bool progressPeer(Peer& p, uint64_t word, const uint64_t* words);
   bool pumpSends(Peer& p);
   bool pumpRecvs(Peer& p);
-  bool payloadsIn() const;  // a peer may send DATA_NEXT or DATA_PLACED payloads (one frame receive posted at a time)
+  bool payloadsIn() const;  // a peer may send DATA_NEXT or DATA_PLACED payloads
+  bool framesAhead() const;  // ... and frame receives stay posted ahead of them all the same (pumpRecvs)
   void checkFrame(Peer& p, const uint8_t* buf, size_t n);
   void applyFrame(Peer& p, const uint8_t* buf, size_t n);
   void queueFrame(Peer& p, uint16_t type, uint16_t ch, const uint64_t* v, uint32_t len,

@@ -96,6 +96,10 @@ class NetBackend {
   // outlive the call), for backends with scatters(); the same contracts as irecv. The net bridge receives a run of
   // GPU proxy records this way: headers into its inbox, payloads straight into their far copies.
   virtual bool scatters() const { return false; }
+  // Whether messages of different tags are matched apart, each tag in its own posting order (ofi: the tag is part
+  // of libfabric's match bits), so that receives of one tag may be posted ahead of those of another. False (the
+  // socket backend): every message takes the oldest receive posted, whatever its tag must be.
+  virtual bool matchesByTag() const { return false; }
   virtual epResult_t irecvScatter(void* recvComm, const iovec* iov, int niov, void** request) {
     (void)recvComm, (void)iov, (void)niov;
     *request = nullptr;

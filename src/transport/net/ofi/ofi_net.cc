@@ -303,6 +303,7 @@ class OfiBackend final : public NetBackend {
   }
 
   const char* name() const override { return "ofi"; }
+  bool matchesByTag() const override { return true; }  // (makeTag: the tag and its own sequence)
   int devices() const override { return static_cast<int>(devs_.size()); }
 
   epResult_t getProperties(int dev, NetProperties* p) override {
