@@ -275,6 +275,8 @@ ssize_t sendSome(int fd, const void* p, size_t n, std::string* err) {
   }
 }
 
+const char* const kClosedByPeer = "connection closed by peer";
+
 ssize_t recvSome(int fd, void* p, size_t n, std::string* err) {
   if (n == 0) return 0;
   iovec v{p, n};
@@ -289,7 +291,7 @@ ssize_t recvSomeV(int fd, iovec* iov, int niov, std::string* err) {
     ssize_t r = ::recvmsg(fd, &mh, MSG_DONTWAIT);
     if (r > 0) return r;
     if (r == 0) {
-      *err = "connection closed by peer";
+      *err = kClosedByPeer;
       return -1;
     }
     if (errno == EINTR) continue;

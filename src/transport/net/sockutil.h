@@ -89,9 +89,11 @@ struct TcpConnector {
 };
 
 // Moves bytes without blocking. Returns bytes moved (>=0; 0 = would block), or -1 with *err set (peer closed,
-// reset, ...). For recv, a peer that closed yields -1 with err = "closed".
+// reset, ...). For recv, a peer that closed yields -1 with *err = kClosedByPeer.
 ssize_t sendSome(int fd, const void* p, size_t n, std::string* err);
 ssize_t recvSome(int fd, void* p, size_t n, std::string* err);
+// What *err says when the peer closed the connection (an orderly end: recv() returned 0).
+extern const char* const kClosedByPeer;
 // recvSome into `niov` pieces in order (one recvmsg).
 ssize_t recvSomeV(int fd, iovec* iov, int niov, std::string* err);
 

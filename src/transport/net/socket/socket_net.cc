@@ -263,16 +263,31 @@ struct SockComm {
 
   // First error wins; it is logged once here and reported by every later call.
   void fail(epResult_t code, const char* fmt, ...) __attribute__((format(printf, 3, 4))) {
-    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
+    record(code, true, fmt, ap);
     va_end(ap);
+  }
+  // The peer closed the connection between messages, with none of the front receive's messages begun: how every
+  // orderly end looks (the net bridge's peer closes once its goodbye is through). The receives still posted fail
+  // as for any end; the log says it at INFO, not as a warning (a death there reaches the caller all the same).
+  void closedBetweenMessages() { record(epRemoteError, false, "NET/epcomm: recv connection with peer %s: closed by "
+                                        "the peer between messages", peer.c_str()); }
+  void record(epResult_t code, bool warn, const char* fmt, ...) __attribute__((format(printf, 4, 5))) {
+    va_list ap;
+    va_start(ap, fmt);
+    record(code, warn, fmt, ap);
+    va_end(ap);
+  }
+  void record(epResult_t code, bool warn, const char* fmt, va_list ap) {
+    char msg[512];
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     std::lock_guard<std::mutex> g(errMu);
     if (errCode.load() != 0) return;
     errMsg = msg;
     errCode.store(code);
-    NET_WARN("%s", msg);
+    if (warn) NET_WARN("%s", msg);
+    else NET_INFO("%s", msg);
   }
   epResult_t error() {
     int c = errCode.load(std::memory_order_acquire);
@@ -658,6 +673,10 @@ void recvCtrlProgress(SockComm* c) {
       c->inlineIdx = -1;
     } else {
       ssize_t k = ctrlRead(c, reinterpret_cast<char*>(&c->hdr) + c->hdrGot, sizeof(MsgHeader) - c->hdrGot, &err);
+      if (k < 0 && c->hdrGot == 0 && r->nMatched == 0 && err == kClosedByPeer) {
+        c->closedBetweenMessages();
+        return;
+      }
       if (k < 0) {
         c->fail(epRemoteError, "NET/epcomm: recv connection with peer %s: control socket: %s", c->peer.c_str(),
                 err.c_str());
@@ -1045,9 +1064,11 @@ class SocketBackend final : public NetBackend {
     auto* r = static_cast<SockRequest*>(request);
     if (r == nullptr || !r->inUse) NET_FAIL(epInvalidUsage, "NET/epcomm: test() of a request not in flight");
     SockComm* c = r->comm;
-    NETCHECK(c->error());
-    // A request that is already complete costs no syscall (NCCL tests every outstanding request each round).
+    // A request that is already complete costs no syscall (NCCL tests every outstanding request each round), and
+    // is delivered even where the connection ended after it: a peer's last messages before its close (reading on
+    // for a later receive may have met the end already).
     if (!(r->ctrlDone && r->pending.load(std::memory_order_acquire) == 0)) {
+      NETCHECK(c->error());
       if (c->isSend) sendCtrlProgress(c);
       else recvCtrlProgress(c);
       NETCHECK(c->error());
