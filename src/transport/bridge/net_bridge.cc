@@ -579,9 +579,8 @@ bool NetBridge::pumpSends(Peer& p) {
     p.inflight.pop_front();
     moved = true;
   }
-  auto post = [&](void* buf, size_t n, void* mh, int slot, int ch, uint64_t end) -> bool {
+  auto post = [&](void* buf, size_t n, void* mh, int slot, int ch, uint64_t end, int tag) -> bool {
     void* req = nullptr;
-    const int tag = slot < 0 && backend_->matchesByTag() ? kPayloadTag : kFrameTag;
     const epResult_t r = timed(kCallIsend, [&] { return backend_->isend(p.send, buf, n, tag, mh, &req); });
     if (r != epSuccess) {
       p.send_failed = true;
@@ -613,7 +612,9 @@ bool NetBridge::pumpSends(Peer& p) {
         memcpy(buf + sizeof(h), d.body.data(), d.len);
       }
       const bool data = d.type == kData;
-      if (!post(buf, sizeof(h) + d.len, p.send_mh[slot], slot, data ? d.ch : -1, data ? d.v[0] + d.len : 0)) break;
+      if (!post(buf, sizeof(h) + d.len, p.send_mh[slot], slot, data ? d.ch : -1, data ? d.v[0] + d.len : 0,
+                kFrameTag))
+        break;
       p.free_send.pop_back();
       if (d.type != kDataNext && d.type != kDataPlaced) {
         p.q.pop_front();
@@ -622,7 +623,9 @@ bool NetBridge::pumpSends(Peer& p) {
       d.hdr_posted = true;  // its payload must be the very next message
       if (p.inflight.size() >= kMaxSendsInFlight) break;
     }
-    if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1, d.ch, d.v[0] + d.v[1])) break;
+    // (A DATA_PLACED payload is received by irecvScatter, which takes no tag: tag 0.)
+    const int tag = d.type == kDataNext && backend_->matchesByTag() ? kPayloadTag : kFrameTag;
+    if (!post(p.out_data[d.ch] + d.v[0] % ring_bytes_, d.v[1], p.out_mh[d.ch], -1, d.ch, d.v[0] + d.v[1], tag)) break;
     p.q.pop_front();
   }
   if (cork) backend_->cork(p.send, false);
@@ -661,7 +664,9 @@ bool NetBridge::pumpRecvs(Peer& p) {
     int done = 0;
     size_t got = 0;
     if (timed(kCallTestRecv, [&] { return backend_->test(e.req, &done, &got); }) != epSuccess) {
-      if (p.bye_in) p.recv_failed = true;  // it said goodbye: everything it sent is in
+      // A frame receive after a goodbye: nothing was to come there (frames complete in order, so those before the
+      // goodbye are in). Anything else, a payload included, is lost: the peer is dead.
+      if (p.bye_in && e.slot >= 0) p.recv_failed = true;
       else markDead(p, net::netLastError());
       return -1;
     }
@@ -707,6 +712,7 @@ bool NetBridge::pumpRecvs(Peer& p) {
       p.rx.pop_front();
       step = true;
     }
+    if (p.recv_failed) return moved;
     if (ahead) {
       // The frames past the front, in order (none past a goodbye), so that the payloads they announce are posted
       // while earlier ones still land.

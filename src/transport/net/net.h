@@ -11,7 +11,8 @@
 //   be larger than the send;
 // - at least kNetMaxRequests requests in flight per comm (x kNetMaxRecvs on the send side);
 // - errors are results: a peer that dies or closes makes test() fail with a message that names the peer;
-//   a request that completed before that (a message that arrived whole before the peer closed) is still delivered;
+//   a request already complete when the end is noticed (a message that arrived whole before the peer closed) is
+//   still delivered;
 // - stall deadline: a request that waits on a peer that stopped (SIGSTOP, a frozen host, a cut link) fails within
 //   EPCOMM_TIMEOUT_MS; a live peer that is idle, late to post or slow never makes it fail (heartbeats);
 // - close* releases everything, even with transfers in flight: it cancels the comm's posted sends and receives

@@ -268,9 +268,10 @@ struct SockComm {
     record(code, true, fmt, ap);
     va_end(ap);
   }
-  // The peer closed the connection between messages, with none of the front receive's messages begun: how every
-  // orderly end looks (the net bridge's peer closes once its goodbye is through). The receives still posted fail
-  // as for any end; the log says it at INFO, not as a warning (a death there reaches the caller all the same).
+  // The peer closed the connection between messages, with none of the front receive's messages begun and no chunk
+  // of an earlier one still to move: how every orderly end looks (the net bridge's peer closes once its goodbye is
+  // through). The receives still posted fail as for any end; the log says it at INFO, not as a warning (a death
+  // there reaches the caller all the same).
   void closedBetweenMessages() { record(epRemoteError, false, "NET/epcomm: recv connection with peer %s: closed by "
                                         "the peer between messages", peer.c_str()); }
   void record(epResult_t code, bool warn, const char* fmt, ...) __attribute__((format(printf, 4, 5))) {
@@ -650,6 +651,13 @@ ssize_t ctrlRead(SockComm* c, char* dst, size_t n, std::string* err) {
   return static_cast<ssize_t>(m);
 }
 
+// Whether data-socket chunks of some message are still to move (a close then cuts a message short).
+bool chunksQueued(const SockComm* c) {
+  for (const auto& d : c->data)
+    if (d->queued.load(std::memory_order_relaxed) > 0) return true;
+  return false;
+}
+
 // Receiver: match headers to posted buffers in order; every length from the wire is checked first.
 void recvCtrlProgress(SockComm* c) {
   std::string err;
@@ -673,7 +681,7 @@ void recvCtrlProgress(SockComm* c) {
       c->inlineIdx = -1;
     } else {
       ssize_t k = ctrlRead(c, reinterpret_cast<char*>(&c->hdr) + c->hdrGot, sizeof(MsgHeader) - c->hdrGot, &err);
-      if (k < 0 && c->hdrGot == 0 && r->nMatched == 0 && err == kClosedByPeer) {
+      if (k < 0 && c->hdrGot == 0 && r->nMatched == 0 && err == kClosedByPeer && !chunksQueued(c)) {
         c->closedBetweenMessages();
         return;
       }
