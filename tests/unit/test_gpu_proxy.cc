@@ -17,8 +17,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -232,11 +232,11 @@ int exchangeRounds(int rank, int R, const epUniqueId& id, int rounds, int thread
   // Placement on (the socket backend scatters; ofi places nothing): some payloads did skip the inbox.
   const char* place = getenv("EPCOMM_GPU_PROXY_PLACE");
   const char* net = getenv("EPCOMM_NET");
-  if (place && atoi(place) > 0 && net && strcmp(net, "socket") == 0)
-    CK(me.proxy->placedBytes() > 0, "placement is on, yet nothing was placed");
+  const bool placing = place && atoi(place) > 0 && net && strcmp(net, "socket") == 0;
+  if (placing) CK(me.proxy->placedBytes() > 0, "placement is on, yet nothing was placed");
   // Rings of 2 MiB and more: runs of 256 KiB go as payload messages of their own (over ofi, under a tag of their own,
   // the frame receives posted ahead of them), unless placement took them all.
-  if (me.proxy->ringBytes() >= (2u << 20) && !(place && atoi(place) > 0 && net && strcmp(net, "socket") == 0))
+  if (me.proxy->ringBytes() >= (2u << 20) && !placing)
     CK(me.proxy->sendStats().msgs[epcomm::NetBridge::kSendNext] > 0, "no DATA_NEXT payload went out");
   std::string why;
   for (int q = 0; q < R; ++q)

@@ -658,7 +658,6 @@ bool NetBridge::pumpRecvs(Peer& p) {
   bool moved = false;
   const bool ahead = framesAhead();
   const bool one_frame = payloadsIn() && !ahead;
-  const int payload_tag = backend_->matchesByTag() ? kPayloadTag : kFrameTag;
   // -1: failed (recorded), 0: not yet, 1: complete.
   auto test = [&](Peer::Rx& e) -> int {
     int done = 0;
@@ -683,6 +682,20 @@ bool NetBridge::pumpRecvs(Peer& p) {
       flown(1, e.t_ns);
     }
     return 1;
+  };
+  // A payload's receive into the inbox (its pieces elsewhere too where iov is given: DATA_PLACED); false: the peer
+  // is dead (recorded); *req null: retry later.
+  auto postPayload = [&](uint16_t ch, uint64_t off, uint32_t len, const std::vector<iovec>& iov, void** req) {
+    void* data = own_->ringData(p.rank, ch) + off % ring_bytes_;
+    size_t size = len;
+    int tag = backend_->matchesByTag() ? kPayloadTag : kFrameTag;
+    *req = nullptr;
+    const epResult_t res = timed(kCallIrecv, [&] {
+      return iov.empty() ? backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[ch], req)
+                         : backend_->irecvScatter(p.recv, iov.data(), static_cast<int>(iov.size()), req);
+    });
+    if (res != epSuccess) markDead(p, net::netLastError());
+    return res == epSuccess;
   };
   // framesAhead: the payload that the frame at i (checked just now) announced, right after it.
   auto settle = [&](size_t i) {
@@ -727,15 +740,8 @@ bool NetBridge::pumpRecvs(Peer& p) {
       // The payload receives they announced, in stream order.
       for (Peer::Rx& e : p.rx) {
         if (e.slot >= 0 || e.req != nullptr) continue;
-        void* data = own_->ringData(p.rank, e.ch) + e.off % ring_bytes_;
-        size_t size = e.len;
-        int tag = kPayloadTag;
         void* req = nullptr;
-        if (timed(kCallIrecv, [&] { return backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[e.ch], &req); }) !=
-            epSuccess) {
-          markDead(p, net::netLastError());
-          return moved;
-        }
+        if (!postPayload(e.ch, e.off, e.len, {}, &req)) return moved;
         if (!req) break;
         e.req = req;
         e.t_ns = nowNs();
@@ -749,19 +755,8 @@ bool NetBridge::pumpRecvs(Peer& p) {
     }
     // Post what comes next: the announced payload (one posting order), then frames.
     if (p.payload_due) {
-      void* data = own_->ringData(p.rank, p.payload_ch) + p.payload_off % ring_bytes_;
-      size_t size = p.payload_len;
-      int tag = payload_tag;
       void* req = nullptr;
-      const epResult_t res = timed(kCallIrecv, [&] {
-        return p.payload_iov.empty()
-                   ? backend_->irecv(p.recv, 1, &data, &size, &tag, &p.in_mh[p.payload_ch], &req)
-                   : backend_->irecvScatter(p.recv, p.payload_iov.data(), static_cast<int>(p.payload_iov.size()), &req);
-      });
-      if (res != epSuccess) {
-        markDead(p, net::netLastError());
-        return moved;
-      }
+      if (!postPayload(p.payload_ch, p.payload_off, p.payload_len, p.payload_iov, &req)) return moved;
       if (req) {
         p.rx.push_back(Peer::Rx{req, -1, p.payload_ch, p.payload_len, false, 0, nowNs()});
         p.payload_due = false;

@@ -263,26 +263,22 @@ struct SockComm {
 
   // First error wins; it is logged once here and reported by every later call.
   void fail(epResult_t code, const char* fmt, ...) __attribute__((format(printf, 3, 4))) {
+    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    record(code, true, fmt, ap);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    record(code, true, msg);
   }
   // The peer closed the connection between messages, with none of the front receive's messages begun and no chunk
   // of an earlier one still to move: how every orderly end looks (the net bridge's peer closes once its goodbye is
   // through). The receives still posted fail as for any end; the log says it at INFO, not as a warning (a death
   // there reaches the caller all the same).
-  void closedBetweenMessages() { record(epRemoteError, false, "NET/epcomm: recv connection with peer %s: closed by "
-                                        "the peer between messages", peer.c_str()); }
-  void record(epResult_t code, bool warn, const char* fmt, ...) __attribute__((format(printf, 4, 5))) {
-    va_list ap;
-    va_start(ap, fmt);
-    record(code, warn, fmt, ap);
-    va_end(ap);
+  void closedBetweenMessages() {
+    record(epRemoteError, false,
+           ("NET/epcomm: recv connection with peer " + peer + ": closed by the peer between messages").c_str());
   }
-  void record(epResult_t code, bool warn, const char* fmt, va_list ap) {
-    char msg[512];
-    vsnprintf(msg, sizeof(msg), fmt, ap);
+  void record(epResult_t code, bool warn, const char* msg) {
     std::lock_guard<std::mutex> g(errMu);
     if (errCode.load() != 0) return;
     errMsg = msg;
